@@ -1,0 +1,101 @@
+"""Argument validation: every message names the argument, the value and the fix."""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+from typing import Any
+
+__all__ = [
+    "check_choice",
+    "check_flag",
+    "check_optional_positive_float",
+    "check_optional_positive_int",
+    "check_positive_int",
+    "check_norm_type",
+]
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def check_optional_positive_float(name: str, value: Any, example: str) -> float | None:
+    """None, or a finite float > 0."""
+    if value is None:
+        return None
+    if not _is_real(value):
+        raise TypeError(
+            f"{name} must be a float or None, got {value!r} ({type(value).__name__}); "
+            f"pass e.g. {name}={example}, or {name}=None to turn it off"
+        )
+    v = float(value)
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(
+            f"{name} must be a positive finite number or None, got {value!r}; "
+            f"pass e.g. {name}={example}, or {name}=None to turn it off"
+        )
+    return v
+
+
+def check_norm_type(value: Any) -> float:
+    """A float p > 0 or float('inf')."""
+    if not _is_real(value):
+        raise TypeError(
+            f"norm_type must be a float, got {value!r} ({type(value).__name__}); "
+            "pass e.g. norm_type=2.0 or norm_type=float('inf')"
+        )
+    p = float(value)
+    if not (p > 0) or math.isnan(p):
+        raise ValueError(
+            f"norm_type must be > 0 or float('inf'), got {value!r}; "
+            "pass e.g. norm_type=2.0 or norm_type=float('inf')"
+        )
+    return p
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """An int >= 1 (bool rejected)."""
+    if not isinstance(value, Integral) or isinstance(value, bool):
+        raise TypeError(
+            f"{name} must be an int >= 1, got {value!r} ({type(value).__name__}); "
+            f"pass e.g. {name}=4"
+        )
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}; pass e.g. {name}=4")
+    return int(value)
+
+
+def check_optional_positive_int(name: str, value: Any) -> int | None:
+    """None, or an int >= 1."""
+    if value is None:
+        return None
+    if not isinstance(value, Integral) or isinstance(value, bool):
+        raise TypeError(
+            f"{name} must be an int >= 1 or None, got {value!r} ({type(value).__name__}); "
+            f"pass e.g. {name}=8, or {name}=None to turn it off"
+        )
+    if value < 1:
+        raise ValueError(
+            f"{name} must be an int >= 1 or None, got {value!r}; "
+            f"pass e.g. {name}=8, or {name}=None to turn it off"
+        )
+    return int(value)
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """One of a few strings."""
+    if value not in choices:
+        options = " or ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} must be {options}, got {value!r}; pass e.g. {name}={choices[0]!r}")
+    return str(value)
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """A real bool."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{name} must be True or False, got {value!r} ({type(value).__name__}); "
+            f"pass {name}=True or {name}=False"
+        )
+    return value

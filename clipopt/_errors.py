@@ -1,0 +1,27 @@
+"""Exceptions raised by clipopt."""
+
+from __future__ import annotations
+
+__all__ = ["NonFiniteGradientError"]
+
+
+class NonFiniteGradientError(RuntimeError):
+    """Raised after ``max_consecutive_nonfinite`` skipped updates in a row.
+
+    Attributes:
+        count: the number of consecutive non-finite updates.
+        step: the window index of the latest one.
+        snapshot: path of the latest anomaly snapshot, or None when none was saved.
+    """
+
+    def __init__(self, count: int, step: int, snapshot: str | None = None) -> None:
+        self.count = count
+        self.step = step
+        self.snapshot = snapshot
+        msg = (
+            f"{count} consecutive updates had non-finite gradients (latest at step {step}); "
+            "training is diverging: lower the learning rate, check the data, or use a loss scaler"
+        )
+        if snapshot is not None:
+            msg += f"; latest anomaly snapshot: {snapshot}"
+        super().__init__(msg)

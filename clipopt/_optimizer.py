@@ -1,0 +1,517 @@
+"""``ClippedOptimizer``: clipping, accumulation and skipping around any ``torch.optim`` optimizer."""
+
+from __future__ import annotations
+
+import collections
+import copy
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from . import functional as F
+from ._checks import (
+    check_choice,
+    check_flag,
+    check_norm_type,
+    check_optional_positive_float,
+    check_optional_positive_int,
+    check_positive_int,
+)
+from ._errors import NonFiniteGradientError
+from ._state import WrapperState, read_wrapper_state, restore_on_failure, validate_inner_state
+from ._stats import StepStats
+
+__all__ = ["ClippedOptimizer"]
+
+_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+
+
+def _is_fused(inner: Optimizer) -> bool:
+    """True when ``inner.step()`` takes ``grad_scale``/``found_inf`` (fused Adam, AdamW, SGD, Adagrad)."""
+    if not getattr(inner, "_step_supports_amp_scaling", False):
+        return False
+    return all(bool(g.get("fused")) for g in inner.param_groups)
+
+
+class ClippedOptimizer(Optimizer):
+    r"""Wrap ``optimizer`` to clip, accumulate and skip non-finite updates.
+
+    Call :meth:`step` after every ``backward()``; every ``accumulation_steps``-th
+    call closes a *window* and, in this order:
+
+    1. combines the micro-batch gradients (``reduction="mean"`` divides their
+       sum by the number of micro-batches actually accumulated);
+    2. computes the total ``norm_type``-norm of the combined gradient in
+       float32 — the recorded ``total_norm``, which decides finiteness;
+    3. clamps every element into ``[-clip_value, clip_value]`` (if set);
+    4. multiplies by ``min(1, max_norm / (norm + 1e-6))`` (if ``max_norm`` is set),
+       with ``norm`` taken after step 3;
+    5. calls the inner ``step()`` — or skips: a skipped update is as if it never
+       happened (parameters and inner state untouched, gradients discarded).
+
+    ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's own
+    objects, so LR schedulers, ``add_param_group`` and checkpoints work as usual.
+    Reading :attr:`update_applied`, :attr:`step_was_skipped` or a field of
+    :attr:`last_stats` may wait for the device; recording them does not.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` (also third-party subclasses).
+        max_norm: global norm bound, or None to turn norm clipping off.
+        norm_type: ``p > 0`` or ``float("inf")``, as in ``clip_grad_norm_``.
+        clip_value: element-wise bound applied before the norm bound, or None.
+        accumulation_steps: micro-batches per optimizer update.
+        reduction: ``"mean"`` or ``"sum"`` of the micro-batch gradients.
+        skip_nonfinite: skip (and zero) an update whose gradients are not finite.
+        max_consecutive_nonfinite: raise :class:`NonFiniteGradientError` after
+            this many skipped updates in a row (None: never).  Checking it reads
+            one flag from the device per update.
+        scaler: a ``torch.amp.GradScaler`` whose ``scale(loss)`` you backward;
+            the wrapper unscales, steps and updates it at each window's end.
+        stats_history: how many :class:`StepStats` :attr:`stats` keeps.
+        foreach: passed to the foreach kernels (None: where supported).
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        max_norm: float | None = 1.0,
+        norm_type: float = 2.0,
+        clip_value: float | None = None,
+        accumulation_steps: int = 1,
+        reduction: str = "mean",
+        skip_nonfinite: bool = True,
+        max_consecutive_nonfinite: int | None = None,
+        *,
+        scaler: torch.amp.GradScaler | None = None,
+        stats_history: int = 1024,
+        foreach: bool | None = None,
+    ) -> None:
+        if isinstance(optimizer, ClippedOptimizer):
+            raise TypeError(
+                "optimizer is already a ClippedOptimizer; wrap its inner optimizer "
+                "(opt.optimizer) once, with all the options you need"
+            )
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+                "pass e.g. torch.optim.AdamW(model.parameters())"
+            )
+        self.max_norm = check_optional_positive_float("max_norm", max_norm, "1.0")
+        self.norm_type = check_norm_type(norm_type)
+        self.clip_value = check_optional_positive_float("clip_value", clip_value, "0.5")
+        self.accumulation_steps = check_positive_int("accumulation_steps", accumulation_steps)
+        self.reduction = check_choice("reduction", reduction, ("mean", "sum"))
+        self.skip_nonfinite = check_flag("skip_nonfinite", skip_nonfinite)
+        self.max_consecutive_nonfinite = check_optional_positive_int(
+            "max_consecutive_nonfinite", max_consecutive_nonfinite
+        )
+        if self.max_consecutive_nonfinite is not None and not skip_nonfinite:
+            raise ValueError(
+                f"max_consecutive_nonfinite={max_consecutive_nonfinite!r} counts skipped updates "
+                "but skip_nonfinite=False skips none; set skip_nonfinite=True or "
+                "max_consecutive_nonfinite=None"
+            )
+        if scaler is not None and not (hasattr(scaler, "unscale_") and hasattr(scaler, "update")):
+            raise TypeError(
+                f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}; "
+                "pass scaler=torch.amp.GradScaler()"
+            )
+        if foreach is not None:
+            check_flag("foreach", foreach)
+        self.stats_history = check_positive_int("stats_history", stats_history)
+
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.foreach = foreach
+        self._init_hooks()
+        self.stats: collections.deque[StepStats] = collections.deque(maxlen=self.stats_history)
+        self.last_stats: StepStats | None = None
+        self._counters = WrapperState()
+        self._update_applied: bool | Tensor = False
+        self._last_skipped: bool | Tensor = False
+
+    # ------------------------------------------------------------------ delegation
+
+    def _init_hooks(self) -> None:
+        for name in _HOOK_DICTS:
+            if name not in self.__dict__:
+                setattr(self, name, OrderedDict())
+        self._patch_step_function()
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> collections.defaultdict[Tensor, Any]:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: collections.defaultdict[Tensor, Any]) -> None:
+        self.optimizer.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group to the inner optimizer."""
+        self.optimizer.add_param_group(param_group)
+
+    def __getstate__(self) -> dict[str, Any]:  # type: ignore[override]
+        state = self.__dict__.copy()
+        for name in _HOOK_DICTS:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_hooks()
+
+    def __repr__(self) -> str:
+        opts = (
+            f"max_norm={self.max_norm}, norm_type={self.norm_type}, clip_value={self.clip_value}, "
+            f"accumulation_steps={self.accumulation_steps}, reduction={self.reduction!r}, "
+            f"skip_nonfinite={self.skip_nonfinite}"
+        )
+        inner = "\n".join("  " + line for line in repr(self.optimizer).splitlines())
+        return f"ClippedOptimizer({opts},\n{inner}\n)"
+
+    # ------------------------------------------------------------------ signals
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches gathered in the current, still open window."""
+        return self._counters.micro_batches
+
+    @property
+    def num_updates(self) -> int:
+        """Updates applied so far (may wait for the device)."""
+        return int(self._counters.applied)
+
+    @property
+    def num_skipped(self) -> int:
+        """Windows skipped so far (may wait for the device)."""
+        return int(self._counters.skipped)
+
+    @property
+    def num_windows(self) -> int:
+        """Windows closed so far, applied or skipped."""
+        return self._counters.windows
+
+    @property
+    def update_applied(self) -> bool:
+        """True when the latest :meth:`step` call changed the parameters (may wait for the device)."""
+        return bool(self._update_applied)
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """True when the latest closed window ended in a skip (may wait for the device)."""
+        return bool(self._last_skipped)
+
+    # ------------------------------------------------------------------ step
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Record one micro-batch; at the window's end combine, clip, and step or skip.
+
+        With a ``closure`` the wrapper evaluates it (forward + backward) once per
+        call; optimizers that re-evaluate it (LBFGS) get the re-evaluated
+        gradients clipped the same way.
+        """
+        if closure is not None and self.scaler is not None:
+            raise TypeError(
+                "step(closure) cannot be used with scaler=...: GradScaler does not support "
+                "closures; call loss.backward() yourself and then opt.step()"
+            )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._counters.micro_batches += 1
+        if self._counters.micro_batches < self.accumulation_steps:
+            self._update_applied = False
+            return loss
+        return self._close_window(loss, closure)
+
+    def flush(self) -> None:
+        """Apply the micro-batches gathered so far (a partial window), dividing by their count.
+
+        A no-op when no micro-batch is pending.
+        """
+        if self._counters.micro_batches > 0:
+            self._close_window(None, None)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients, but only when no window is open.
+
+        Calls made while micro-batches are being accumulated do nothing, so
+        ``zero_grad()`` may be called after every micro-batch.
+        """
+        if self._counters.micro_batches == 0:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @contextmanager
+    def _fused_args(self, grad_scale: Tensor, found_inf: Tensor | None) -> Iterator[None]:
+        inner = self.optimizer
+        inner.grad_scale = grad_scale  # type: ignore[attr-defined]
+        inner.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            del inner.grad_scale  # type: ignore[attr-defined]
+            del inner.found_inf  # type: ignore[attr-defined]
+
+    def _params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _close_window(self, loss: Any, closure: Callable[[], Any] | None) -> Any:
+        n = self._counters.micro_batches
+        params = self._params()
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        with torch.no_grad():
+            w = self._process_grads(grads, n)
+        self._counters.micro_batches = 0
+        self._counters.windows += 1
+        if _is_fused(self.optimizer) and self._inner_state_ready(params):
+            loss = self._step_fused(w, loss, closure)
+        else:
+            loss = self._step_host(w, loss, closure, params)
+        if self.scaler is not None:
+            self.scaler.update()
+        self._record(w, n)
+        return loss
+
+    def _process_grads(self, grads: list[Tensor], n: int) -> _Window:
+        """Steps 1-4 of the window: norm, value clip, norm clip; all on the device."""
+        divisor = float(n) if self.reduction == "mean" else 1.0
+        inv = 1.0 / divisor
+        raw_norm = F.get_total_norm(grads, self.norm_type, foreach=self.foreach)
+        total_norm = raw_norm * inv if divisor != 1.0 else raw_norm
+        flag = F.nonfinite_flag(total_norm)
+        norm = total_norm
+        clipped: bool | Tensor = False
+        if self.clip_value is not None:
+            # clamp(g / n, ±c) == clamp(g, ±c·n) / n: the division folds into the final scale.
+            F.clip_grads_value_(grads, self.clip_value * divisor, foreach=self.foreach)
+            norm = F.get_total_norm(grads, self.norm_type, foreach=self.foreach) * inv
+            clipped = norm < total_norm
+        coef: float | Tensor = 1.0
+        if self.max_norm is not None:
+            coef = F.clip_coef(norm, self.max_norm)
+            clipped = (coef < 1.0) | clipped
+        scale = coef * inv if divisor != 1.0 else coef
+        return _Window(grads, total_norm, flag, coef, scale, clipped)
+
+    def _skip_enabled(self) -> bool:
+        return self.skip_nonfinite or self.scaler is not None
+
+    def _inner_state_ready(self, params: list[Tensor]) -> bool:
+        """Whether every parameter with a gradient already has inner state.
+
+        Before the first update a fused kernel that is told to skip can leave
+        freshly allocated state uninitialised (fused SGD's momentum buffers), so
+        the first update takes the host path.
+        """
+        state = self.state
+        for p in params:
+            if p.grad is None:
+                continue
+            s = state.get(p)
+            if not s or any(v is None for v in s.values()):
+                return False
+        return True
+
+    def _step_fused(self, w: _Window, loss: Any, closure: Callable[[], Any] | None) -> Any:
+        """Fold the scale into the fused kernel as ``grad_scale``; skip through ``found_inf``."""
+        device = w.total_norm.device
+        scale = w.scale if isinstance(w.scale, Tensor) else torch.tensor(w.scale, device=device)
+        scale = scale.to(torch.float32)
+        found_inf = w.flag if self._skip_enabled() else None
+        # The kernel divides by grad_scale; a non-finite scale only happens on a skipped window.
+        grad_scale = torch.where(torch.isfinite(scale) & (scale > 0), scale.reciprocal(), 1.0)
+        with self._fused_args(grad_scale, found_inf):
+            out = self.optimizer.step(self._inner_closure(loss, closure))
+        skipped = w.flag.bool() if found_inf is not None else False
+        self._set_outcome(skipped)
+        return out if closure is not None else loss
+
+    def _step_host(
+        self, w: _Window, loss: Any, closure: Callable[[], Any] | None, params: list[Tensor]
+    ) -> Any:
+        """Scale the gradients, read the skip flag once, then step or discard."""
+        if isinstance(w.scale, Tensor) or w.scale != 1.0:
+            F.scale_grads_(w.grads, w.scale, foreach=self.foreach)
+        skipped = self._skip_enabled() and bool(w.flag.item())
+        if skipped:
+            for p in params:
+                p.grad = None
+            out = loss
+        else:
+            out = self.optimizer.step(self._inner_closure(loss, closure))
+            if closure is None:
+                out = loss
+        self._set_outcome(skipped)
+        return out
+
+    def _inner_closure(self, loss: Any, closure: Callable[[], Any] | None) -> Callable[[], Any] | None:
+        """First call returns the loss already computed; later calls re-evaluate and clip."""
+        if closure is None:
+            return None
+        calls = [0]
+
+        def reevaluate() -> Any:
+            calls[0] += 1
+            if calls[0] == 1:
+                return loss
+            with torch.enable_grad():
+                out = closure()
+            with torch.no_grad():
+                grads = [p.grad for p in self._params() if p.grad is not None]
+                w = self._process_grads(grads, 1)
+                if isinstance(w.scale, Tensor) or w.scale != 1.0:
+                    F.scale_grads_(grads, w.scale, foreach=self.foreach)
+            return out
+
+        return reevaluate
+
+    def _set_outcome(self, skipped: bool | Tensor) -> None:
+        c = self._counters
+        self._last_skipped = skipped
+        if isinstance(skipped, Tensor):
+            self._update_applied = ~skipped
+            flag = skipped.to(torch.int64)
+            c.skipped = c.skipped + flag
+            c.applied = c.applied + (1 - flag)
+            c.consecutive = (c.consecutive + flag) * flag
+        else:
+            self._update_applied = not skipped
+            c.skipped = c.skipped + int(skipped)
+            c.applied = c.applied + int(not skipped)
+            c.consecutive = c.consecutive + 1 if skipped else 0
+        limit = self.max_consecutive_nonfinite
+        if limit is not None:
+            count = int(c.consecutive)
+            if count >= limit:
+                raise NonFiniteGradientError(count, c.windows, None)
+
+    def _record(self, w: _Window, n: int) -> None:
+        stats = StepStats(
+            step=self._counters.windows,
+            micro_batches=n,
+            total_norm=w.total_norm,
+            clip_coef=w.coef,
+            clipped=w.clipped,
+            skipped=self._last_skipped,
+            reason_if_skipped="overflow" if self.scaler is not None else "nonfinite",
+            max_norm=self.max_norm,
+        )
+        self.last_stats = stats
+        self.stats.append(stats)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The inner optimizer's state dict plus a ``"clipopt"`` entry with the wrapper state.
+
+        The result has the usual ``"state"`` and ``"param_groups"`` keys (a plain
+        optimizer can load it) and only tensors, numbers, strings, lists and
+        dicts, so ``torch.load(..., weights_only=True)`` reads it.  Taken
+        mid-window it holds a copy of the gradients accumulated so far.
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        sd = dict(self.optimizer.state_dict())
+        pending = None
+        if self._counters.micro_batches > 0:
+            pending = [None if p.grad is None else p.grad.detach().clone() for p in self._params()]
+        sd["clipopt"] = self._counters.to_dict(
+            pending_grads=pending,
+            scaler=self.scaler.state_dict() if self.scaler is not None else None,
+        )
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a state dict from :meth:`state_dict` or from a plain optimizer.
+
+        Everything is validated before anything changes: a mismatched or corrupt
+        state dict raises ``ValueError`` and leaves this optimizer as it was.
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        params = self._params()
+        wrapper = read_wrapper_state(state_dict, params, self.accumulation_steps)
+        validate_inner_state(state_dict, self.optimizer)
+        inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
+        with restore_on_failure(self.optimizer):
+            self.optimizer.load_state_dict(inner_sd)
+        if wrapper is None:
+            self._counters = WrapperState()
+        else:
+            counters, pending, scaler_state = wrapper
+            self._counters = counters
+            if pending is not None:
+                for p, g in zip(params, pending, strict=True):
+                    p.grad = None if g is None else g.detach().to(p.device).clone()
+            if scaler_state is not None and self.scaler is not None:
+                self.scaler.load_state_dict(scaler_state)
+        self._update_applied = False
+        self._last_skipped = False
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ClippedOptimizer:
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return new
+
+
+class _Window:
+    """The device-side results of steps 1-4 for one window."""
+
+    __slots__ = ("clipped", "coef", "flag", "grads", "scale", "total_norm")
+
+    def __init__(
+        self,
+        grads: list[Tensor],
+        total_norm: Tensor,
+        flag: Tensor,
+        coef: float | Tensor,
+        scale: float | Tensor,
+        clipped: bool | Tensor,
+    ) -> None:
+        self.grads = grads  #: the gradients, clipped in place by now except for ``scale``
+        self.total_norm = total_norm  #: pre-clip norm of the combined gradient
+        self.flag = flag  #: 1.0 when total_norm is not finite, else 0.0
+        self.coef = coef  #: norm-clipping coefficient (1.0 when off)
+        self.scale = scale  #: coef / micro-batches (mean) — what still multiplies the gradients
+        self.clipped = clipped  #: whether clipping changed the gradient
+

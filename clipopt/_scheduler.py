@@ -1,0 +1,95 @@
+"""``per_update``: LR schedulers that advance only on applied updates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._optimizer import ClippedOptimizer
+
+__all__ = ["PerUpdateScheduler", "per_update"]
+
+
+class PerUpdateScheduler:
+    """A scheduler proxy whose :meth:`step` advances only after an applied update.
+
+    ``step()`` may be called after every micro-batch: it advances the wrapped
+    scheduler once if at least one update was applied since the previous call,
+    and does nothing otherwise (micro-batch calls, skipped updates).  Deciding
+    reads the applied-update counter, which may wait for the device.
+
+    Attributes:
+        scheduler: the wrapped scheduler.
+        optimizer: the :class:`ClippedOptimizer` it schedules.
+    """
+
+    def __init__(self, scheduler: Any) -> None:
+        optimizer = getattr(scheduler, "optimizer", None)
+        if not hasattr(scheduler, "step"):
+            raise TypeError(
+                f"scheduler must be an LR scheduler with a step() method, got "
+                f"{type(scheduler).__name__}; pass e.g. per_update(StepLR(opt, step_size=10))"
+            )
+        if not isinstance(optimizer, ClippedOptimizer):
+            raise TypeError(
+                f"per_update needs a scheduler built on a ClippedOptimizer, but "
+                f"{type(scheduler).__name__}.optimizer is {type(optimizer).__name__}; "
+                "build the scheduler on the wrapper: per_update(StepLR(clipped_opt, ...))"
+            )
+        self.scheduler = scheduler
+        self.optimizer = optimizer
+        self._seen = optimizer.num_updates
+
+    def step(self, *args: Any, **kwargs: Any) -> bool:
+        """Advance the scheduler if an update was applied since the last call.
+
+        Arguments (e.g. ``ReduceLROnPlateau``'s metric) are passed through.
+        Returns whether the scheduler advanced.
+        """
+        applied = self.optimizer.num_updates
+        if applied == self._seen:
+            return False
+        self._seen = applied
+        self.scheduler.step(*args, **kwargs)
+        return True
+
+    def get_last_lr(self) -> list[float]:
+        """The wrapped scheduler's ``get_last_lr()``."""
+        return list(self.scheduler.get_last_lr())
+
+    @property
+    def last_epoch(self) -> int:
+        """How many times the wrapped scheduler has advanced (its ``last_epoch``)."""
+        return int(self.scheduler.last_epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped scheduler's state dict plus the update count last seen."""
+        return {"scheduler": self.scheduler.state_dict(), "seen_updates": self._seen}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned."""
+        if not isinstance(state_dict, dict) or "scheduler" not in state_dict:
+            raise ValueError(
+                "invalid state_dict for per_update: expected keys 'scheduler' and "
+                "'seen_updates'; pass the dict returned by per_update(...).state_dict()"
+            )
+        self.scheduler.load_state_dict(state_dict["scheduler"])
+        self._seen = int(state_dict["seen_updates"])
+
+    def __repr__(self) -> str:
+        return f"per_update({self.scheduler!r})"
+
+
+def per_update(scheduler: Any) -> PerUpdateScheduler:
+    """Return a scheduler whose ``step()`` advances only after applied updates.
+
+    ``scheduler`` must be built on a :class:`ClippedOptimizer`::
+
+        opt = ClippedOptimizer(torch.optim.AdamW(model.parameters()), accumulation_steps=4)
+        sched = clipopt.per_update(torch.optim.lr_scheduler.StepLR(opt, step_size=100))
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            opt.step()
+            sched.step()      # advances once per applied update
+            opt.zero_grad()
+    """
+    return PerUpdateScheduler(scheduler)

@@ -1,0 +1,174 @@
+"""Wrapper state: the counters a checkpoint must hold, and state-dict validation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from numbers import Integral
+from typing import Any
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = [
+    "FORMAT_VERSION",
+    "WrapperState",
+    "read_wrapper_state",
+    "restore_on_failure",
+    "validate_inner_state",
+]
+
+#: Version of the ``"clipopt"`` entry of a state dict.
+FORMAT_VERSION = 1
+
+#: Inner-state entries that torch.optim keeps with the parameter's shape.
+_PARAM_SHAPED = frozenset(
+    {
+        "exp_avg",
+        "exp_avg_sq",
+        "max_exp_avg_sq",
+        "momentum_buffer",
+        "sum",
+        "square_avg",
+        "acc_delta",
+        "grad_avg",
+        "prev",
+        "step_size",
+        "ax",
+        "mu_product_buffer",
+    }
+)
+
+
+@dataclass
+class WrapperState:
+    """Counters of a :class:`~clipopt.ClippedOptimizer`, all part of its state dict.
+
+    ``applied``, ``skipped`` and ``consecutive`` may be 0-d device tensors
+    while training (a fused skip is decided on the device); they become ints
+    in :meth:`to_dict`.
+    """
+
+    micro_batches: int = 0
+    """Micro-batches accumulated in the open window (0 when none is open)."""
+    windows: int = 0
+    """Windows closed so far, applied or skipped: the ``step`` of the latest ``StepStats``."""
+    applied: int | Tensor = 0
+    """Updates that reached the inner optimizer."""
+    skipped: int | Tensor = 0
+    """Windows skipped because their gradients were not finite."""
+    consecutive: int | Tensor = 0
+    """Skipped windows in a row, ending at the latest one."""
+
+    def to_dict(self, *, pending_grads: list[Tensor | None] | None, scaler: Any) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "micro_batches": self.micro_batches,
+            "windows": self.windows,
+            "applied": int(self.applied),
+            "skipped": int(self.skipped),
+            "consecutive": int(self.consecutive),
+            "pending_grads": pending_grads,
+            "scaler": scaler,
+        }
+
+
+def _bad(msg: str) -> ValueError:
+    return ValueError(f"invalid state_dict: {msg}; pass the dict returned by opt.state_dict()")
+
+
+def _int_field(ext: dict[str, Any], key: str, low: int, high: int | None = None) -> int:
+    value = ext.get(key)
+    if not isinstance(value, Integral) or isinstance(value, bool) or value < low:
+        raise _bad(f"'clipopt.{key}' must be an int >= {low}, got {value!r}")
+    if high is not None and value > high:
+        raise _bad(f"'clipopt.{key}' must be <= {high}, got {value!r}")
+    return int(value)
+
+
+def read_wrapper_state(
+    state_dict: Any, params: list[Tensor], accumulation_steps: int
+) -> tuple[WrapperState, list[Tensor | None] | None, Any] | None:
+    """Validate ``state_dict["clipopt"]``; None for a plain optimizer's state dict."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(
+            f"state_dict must be a dict, got {type(state_dict).__name__}; "
+            "pass the dict returned by opt.state_dict() (or torch.load of it)"
+        )
+    for key, kind in (("state", dict), ("param_groups", list)):
+        if not isinstance(state_dict.get(key), kind):
+            raise _bad(f"'{key}' must be a {kind.__name__}, got {type(state_dict.get(key)).__name__}")
+    ext = state_dict.get("clipopt")
+    if ext is None:
+        return None
+    if not isinstance(ext, dict):
+        raise _bad(f"'clipopt' must be a dict, got {type(ext).__name__}")
+    if ext.get("format") != FORMAT_VERSION:
+        raise _bad(f"'clipopt.format' is {ext.get('format')!r}, this clipopt reads {FORMAT_VERSION}")
+    micro = _int_field(ext, "micro_batches", 0, accumulation_steps - 1)
+    counters = WrapperState(
+        micro_batches=micro,
+        windows=_int_field(ext, "windows", 0),
+        applied=_int_field(ext, "applied", 0),
+        skipped=_int_field(ext, "skipped", 0),
+        consecutive=_int_field(ext, "consecutive", 0),
+    )
+    pending = ext.get("pending_grads")
+    if pending is not None:
+        if not isinstance(pending, list) or len(pending) != len(params):
+            got = len(pending) if isinstance(pending, list) else type(pending).__name__
+            raise _bad(f"'clipopt.pending_grads' must list {len(params)} gradients, got {got}")
+        for i, (p, g) in enumerate(zip(params, pending, strict=True)):
+            if g is not None and (not isinstance(g, Tensor) or g.shape != p.shape):
+                shape = tuple(g.shape) if isinstance(g, Tensor) else type(g).__name__
+                raise _bad(f"pending gradient {i} has shape {shape}, parameter has {tuple(p.shape)}")
+    elif micro > 0:
+        raise _bad("'clipopt.micro_batches' > 0 but no 'pending_grads' were saved")
+    return counters, pending, ext.get("scaler")
+
+
+def validate_inner_state(state_dict: dict[str, Any], inner: Optimizer) -> None:
+    """Check group sizes and param-shaped state tensors before the inner optimizer loads them."""
+    saved_groups = state_dict["param_groups"]
+    groups = inner.param_groups
+    if len(saved_groups) != len(groups):
+        raise _bad(f"it has {len(saved_groups)} parameter groups, the optimizer has {len(groups)}")
+    id_to_param: dict[Any, Tensor] = {}
+    for i, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
+            raise _bad(f"parameter group {i} has no 'params' list")
+        if len(saved["params"]) != len(group["params"]):
+            raise _bad(
+                f"parameter group {i} has {len(saved['params'])} parameters, "
+                f"the optimizer's has {len(group['params'])}"
+            )
+        id_to_param.update(zip(saved["params"], group["params"], strict=True))
+    for key, entry in state_dict["state"].items():
+        if key not in id_to_param:
+            raise _bad(f"state for parameter id {key!r} that no parameter group lists")
+        if not isinstance(entry, dict):
+            raise _bad(f"state of parameter {key!r} must be a dict, got {type(entry).__name__}")
+        p = id_to_param[key]
+        for name, value in entry.items():
+            if name in _PARAM_SHAPED and isinstance(value, Tensor) and value.shape != p.shape:
+                raise _bad(
+                    f"state[{key!r}][{name!r}] has shape {tuple(value.shape)}, "
+                    f"parameter has {tuple(p.shape)}"
+                )
+
+
+@contextmanager
+def restore_on_failure(inner: Optimizer) -> Iterator[None]:
+    """Put the inner optimizer's state and groups back if loading fails half-way.
+
+    ``Optimizer.load_state_dict`` builds new ``state`` and ``param_groups``
+    objects and swaps them in at the end, so keeping the old objects suffices.
+    """
+    state, groups = inner.state, inner.param_groups
+    try:
+        yield
+    except Exception as exc:
+        inner.state, inner.param_groups = state, groups
+        raise _bad(f"the inner {type(inner).__name__} rejected it ({exc})") from exc
+

@@ -1,0 +1,117 @@
+"""Per-update statistics that stay on the device until they are read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["StepStats"]
+
+
+def _as_float(value: float | Tensor) -> float:
+    return float(value.item()) if isinstance(value, Tensor) else float(value)
+
+
+def _as_bool(value: bool | Tensor) -> bool:
+    return bool(value.item()) if isinstance(value, Tensor) else bool(value)
+
+
+class StepStats:
+    """What happened at the end of one accumulation window.
+
+    Recording a ``StepStats`` never synchronises with the device: the
+    tensor-valued fields are kept as 0-d tensors and become Python numbers the
+    first time they are read (that read may wait for the device).
+
+    Attributes:
+        step: 1-based index of the window (applied and skipped updates alike).
+        micro_batches: micro-batches combined in this window.
+        total_norm: norm of the combined gradient *before* any clipping, in
+            float32 (float64 for float64 gradients); ``nan``/``inf`` when the
+            gradients were not finite.
+        clip_coef: factor the norm bound applied, ``min(1, max_norm/(norm+1e-6))``;
+            ``1.0`` when norm clipping is off.
+        clipped: True when norm clipping scaled the gradient down or value
+            clipping changed at least one element.
+        skipped: True when the update was skipped.
+        reason: why it was skipped (``"nonfinite"``, ``"overflow"``), or None.
+        max_norm: the norm bound used for this window, or None when off.
+    """
+
+    __slots__ = (
+        "_clip_coef",
+        "_clipped",
+        "_reason_if_skipped",
+        "_skipped",
+        "_total_norm",
+        "max_norm",
+        "micro_batches",
+        "step",
+    )
+
+    def __init__(
+        self,
+        *,
+        step: int,
+        micro_batches: int,
+        total_norm: float | Tensor,
+        clip_coef: float | Tensor,
+        clipped: bool | Tensor,
+        skipped: bool | Tensor,
+        reason_if_skipped: str,
+        max_norm: float | None,
+    ) -> None:
+        self.step = step
+        self.micro_batches = micro_batches
+        self._total_norm = total_norm
+        self._clip_coef = clip_coef
+        self._clipped = clipped
+        self._skipped = skipped
+        self._reason_if_skipped = reason_if_skipped
+        self.max_norm = max_norm
+
+    @property
+    def total_norm(self) -> float:
+        if isinstance(self._total_norm, Tensor):
+            self._total_norm = _as_float(self._total_norm)
+        return self._total_norm
+
+    @property
+    def clip_coef(self) -> float:
+        if isinstance(self._clip_coef, Tensor):
+            self._clip_coef = _as_float(self._clip_coef)
+        return self._clip_coef
+
+    @property
+    def clipped(self) -> bool:
+        if isinstance(self._clipped, Tensor):
+            self._clipped = _as_bool(self._clipped)
+        return self._clipped
+
+    @property
+    def skipped(self) -> bool:
+        if isinstance(self._skipped, Tensor):
+            self._skipped = _as_bool(self._skipped)
+        return self._skipped
+
+    @property
+    def reason(self) -> str | None:
+        return self._reason_if_skipped if self.skipped else None
+
+    def as_dict(self) -> dict[str, Any]:
+        """All fields as Python values (reads the device once per field)."""
+        return {
+            "step": self.step,
+            "micro_batches": self.micro_batches,
+            "total_norm": self.total_norm,
+            "clip_coef": self.clip_coef,
+            "clipped": self.clipped,
+            "skipped": self.skipped,
+            "reason": self.reason,
+            "max_norm": self.max_norm,
+        }
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items())
+        return f"StepStats({fields})"

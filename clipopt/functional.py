@@ -1,0 +1,180 @@
+"""Pure tensor functions behind :class:`clipopt.ClippedOptimizer`.
+
+Every function here works on a list of *gradients* (not parameters), never
+reads a tensor back to the host, and returns norms and coefficients as 0-d
+tensors on the gradients' device.  They are the same operations as
+``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` split into their
+parts, so that the wrapper can combine, fold and skip them:
+
+* :func:`get_total_norm` — the p-norm of all gradients seen as one vector,
+  accumulated in (at least) float32.
+* :func:`clip_grads_value_` — clamp every element into ``[-clip_value, clip_value]``.
+* :func:`clip_coef` — ``min(1, max_norm / (total_norm + 1e-6))``.
+* :func:`scale_grads_` — multiply every gradient by a 0-d tensor.
+* :func:`nonfinite_flag` — ``1.0`` where the norm is ``nan``/``inf``, else ``0.0``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "EPS",
+    "clip_coef",
+    "clip_grads_value_",
+    "get_total_norm",
+    "nonfinite_flag",
+    "scale_grads_",
+]
+
+#: The constant torch adds to the norm before dividing (``clip_grad_norm_``).
+EPS = 1e-6
+
+
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, or float64 for float64 gradients: never less precise than float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _dense(grad: Tensor) -> Tensor:
+    """The values whose norm is the gradient's norm (sparse COO gradients coalesced)."""
+    if grad.is_sparse:
+        return grad.coalesce().values()
+    return grad
+
+
+def _group(grads: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    return groups
+
+
+@torch.no_grad()
+def get_total_norm(
+    grads: Sequence[Tensor],
+    norm_type: float = 2.0,
+    *,
+    foreach: bool | None = None,
+) -> Tensor:
+    r"""Return the ``norm_type``-norm of ``grads`` viewed as one concatenated vector.
+
+    .. math::
+        \|g\|_p = \Big(\sum_i \sum_j |g_{ij}|^p\Big)^{1/p}, \qquad
+        \|g\|_\infty = \max_{i,j} |g_{ij}|
+
+    Unlike ``torch.nn.utils.get_total_norm`` the norm is accumulated in float32
+    whatever the gradient dtype (float64 stays float64), so float16 gradients
+    whose norm exceeds 65504 give a finite norm.  Sparse COO gradients are
+    supported.  The result is a 0-d tensor on the device of the first gradient;
+    nothing is read back to the host.
+
+    Args:
+        grads: the gradients (``p.grad``), not the parameters.
+        norm_type: ``p > 0`` or ``float("inf")``.
+        foreach: use ``torch._foreach_norm`` (``None``: where supported).
+    """
+    p = float(norm_type)
+    if len(grads) == 0:
+        return torch.zeros((), dtype=torch.float32)
+    first_device = grads[0].device
+    out_dtype = torch.float32
+    norms: list[Tensor] = []
+    for (device, dtype), group in _group(grads).items():
+        acc = _norm_dtype(dtype)
+        if acc == torch.float64:
+            out_dtype = torch.float64
+        tensors = [_dense(g) for g in group]
+        use_foreach = (foreach is None or foreach) and device.type in ("cpu", "cuda", "xpu", "mps")
+        use_foreach = use_foreach and not any(g.is_sparse for g in group)
+        if foreach and not use_foreach:
+            raise RuntimeError(
+                f"foreach=True was passed, but the foreach API does not support {device.type} tensors"
+            )
+        if use_foreach:
+            norms.extend(torch._foreach_norm(tensors, p, dtype=acc))
+        else:
+            norms.extend(torch.linalg.vector_norm(t, p, dtype=acc) for t in tensors)
+    stacked = torch.stack([n.to(device=first_device, dtype=out_dtype) for n in norms])
+    return torch.linalg.vector_norm(stacked, p)
+
+
+@torch.no_grad()
+def clip_grads_value_(
+    grads: Sequence[Tensor], clip_value: float | Tensor, *, foreach: bool | None = None
+) -> None:
+    r"""Clamp every gradient element into ``[-clip_value, clip_value]`` in place.
+
+    .. math:: g \leftarrow \operatorname{clamp}(g, -c, c)
+
+    Same result as ``torch.nn.utils.clip_grad_value_``; an empty list is a no-op.
+    Sparse gradients are rejected with a ``TypeError``.
+    """
+    if not grads:
+        return
+    if any(g.is_sparse for g in grads):
+        raise TypeError(
+            "clip_value does not support sparse gradients; "
+            "pass clip_value=None for optimizers such as SparseAdam"
+        )
+    for (device, _), dense in _group(grads).items():
+        if (foreach is None or foreach) and device.type in ("cpu", "cuda", "xpu", "mps"):
+            torch._foreach_clamp_min_(dense, -clip_value)  # type: ignore[arg-type]
+            torch._foreach_clamp_max_(dense, clip_value)  # type: ignore[arg-type]
+        else:
+            for g in dense:
+                g.clamp_(-clip_value, clip_value)
+
+
+def clip_coef(total_norm: Tensor, max_norm: float | Tensor) -> Tensor:
+    r"""Return ``min(1, max_norm / (total_norm + 1e-6))`` as a 0-d tensor.
+
+    The same expression as ``torch.nn.utils.clip_grads_with_norm_``: the
+    coefficient is always applied (a Python ``if coef < 1`` would read the
+    tensor back to the host).  A non-finite ``total_norm`` gives ``0`` or
+    ``nan``: check :func:`nonfinite_flag` before trusting it.
+    """
+    return torch.clamp(max_norm / (total_norm + EPS), max=1.0)
+
+
+@torch.no_grad()
+def scale_grads_(grads: Sequence[Tensor], coef: Tensor | float, *, foreach: bool | None = None) -> None:
+    r"""Multiply every gradient by ``coef`` in place: :math:`g \leftarrow c\,g`.
+
+    ``coef`` may be a 0-d tensor on any device; it is moved (asynchronously)
+    to each gradient's device.
+    """
+    if not grads:
+        return
+    for (device, _), group in _group(grads).items():
+        c = coef.to(device, non_blocking=True) if isinstance(coef, Tensor) else coef
+        dense = [g for g in group if not g.is_sparse]
+        for g in group:
+            if g.is_sparse:
+                g.mul_(c)
+        if not dense:
+            continue
+        if (foreach is None or foreach) and device.type in ("cpu", "cuda", "xpu", "mps"):
+            torch._foreach_mul_(dense, c)
+        else:
+            for g in dense:
+                g.mul_(c)
+
+
+def nonfinite_flag(total_norm: Tensor) -> Tensor:
+    """``1.0`` (float32) where ``total_norm`` is ``nan`` or ``±inf``, else ``0.0``.
+
+    Exactly the values a fused optimizer's ``found_inf`` accepts.
+    """
+    return (~torch.isfinite(total_norm)).to(torch.float32)
+
+
+def _check_norm_type(norm_type: float) -> float:
+    p = float(norm_type)
+    if not (p > 0 or p == math.inf):
+        raise ValueError(f"norm_type must be > 0 or float('inf'), got {norm_type!r}")
+    return p
