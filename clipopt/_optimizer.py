@@ -150,7 +150,7 @@ class ClippedOptimizer(Optimizer):
                 setattr(self, name, OrderedDict())
         self._patch_step_function()
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
@@ -158,7 +158,7 @@ class ClippedOptimizer(Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = value
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> collections.defaultdict[Tensor, Any]:
         return self.optimizer.state
 
@@ -166,7 +166,7 @@ class ClippedOptimizer(Optimizer):
     def state(self, value: collections.defaultdict[Tensor, Any]) -> None:
         self.optimizer.state = value
 
-    @property  # type: ignore[override]
+    @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
@@ -178,7 +178,7 @@ class ClippedOptimizer(Optimizer):
         """Add a parameter group to the inner optimizer."""
         self.optimizer.add_param_group(param_group)
 
-    def __getstate__(self) -> dict[str, Any]:  # type: ignore[override]
+    def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         for name in _HOOK_DICTS:
             state.pop(name, None)
@@ -231,7 +231,7 @@ class ClippedOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ step
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Record one micro-batch; at the window's end combine, clip, and step or skip.
 
         With a ``closure`` the wrapper evaluates it (forward + backward) once per
@@ -432,7 +432,7 @@ class ClippedOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus a ``"clipopt"`` entry with the wrapper state.
 
         The result has the usual ``"state"`` and ``"param_groups"`` keys (a plain
@@ -456,7 +456,7 @@ class ClippedOptimizer(Optimizer):
                 sd = result
         return sd
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict` or from a plain optimizer.
 
         Everything is validated before anything changes: a mismatched or corrupt

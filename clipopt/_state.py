@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from numbers import Integral
 from typing import Any
 
 from torch import Tensor
@@ -80,7 +79,7 @@ def _bad(msg: str) -> ValueError:
 
 def _int_field(ext: dict[str, Any], key: str, low: int, high: int | None = None) -> int:
     value = ext.get(key)
-    if not isinstance(value, Integral) or isinstance(value, bool) or value < low:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise _bad(f"'clipopt.{key}' must be an int >= {low}, got {value!r}")
     if high is not None and value > high:
         raise _bad(f"'clipopt.{key}' must be <= {high}, got {value!r}")

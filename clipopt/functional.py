@@ -100,12 +100,13 @@ def get_total_norm(
         else:
             norms.extend(torch.linalg.vector_norm(t, p, dtype=acc) for t in tensors)
     stacked = torch.stack([n.to(device=first_device, dtype=out_dtype) for n in norms])
-    return torch.linalg.vector_norm(stacked, p)
+    total: Tensor = torch.linalg.vector_norm(stacked, p)
+    return total
 
 
 @torch.no_grad()
 def clip_grads_value_(
-    grads: Sequence[Tensor], clip_value: float | Tensor, *, foreach: bool | None = None
+    grads: Sequence[Tensor], clip_value: float, *, foreach: bool | None = None
 ) -> None:
     r"""Clamp every gradient element into ``[-clip_value, clip_value]`` in place.
 
@@ -123,8 +124,8 @@ def clip_grads_value_(
         )
     for (device, _), dense in _group(grads).items():
         if (foreach is None or foreach) and device.type in ("cpu", "cuda", "xpu", "mps"):
-            torch._foreach_clamp_min_(dense, -clip_value)  # type: ignore[arg-type]
-            torch._foreach_clamp_max_(dense, clip_value)  # type: ignore[arg-type]
+            torch._foreach_clamp_min_(dense, -clip_value)
+            torch._foreach_clamp_max_(dense, clip_value)
         else:
             for g in dense:
                 g.clamp_(-clip_value, clip_value)

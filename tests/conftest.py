@@ -1,13 +1,16 @@
-"""Shared test configuration: hypothesis profiles and the host-read guard."""
+"""Shared test configuration: hypothesis profiles and a printed seed."""
 
 from __future__ import annotations
 
 import os
+import random
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-# "ci": bounded and reproducible (the seed is printed on failure); "dev": more examples.
+# "ci" (default): bounded and reproducible, the seed is printed on failure.
+# HYPOTHESIS_PROFILE=dev runs more examples.
 settings.register_profile(
     "ci",
     max_examples=25,
@@ -16,10 +19,20 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("dev", max_examples=100, deadline=None, print_blob=True)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
-def pytest_report_header() -> str:
-    return f"torch {torch.__version__}; hypothesis profile {settings._current_profile}"
+def pytest_configure(config: pytest.Config) -> None:
+    """Pick (and later print) a hypothesis seed so every failure can be replayed."""
+    if getattr(config.option, "hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = int(os.environ.get("HYPOTHESIS_SEED", random.randrange(2**32)))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    seed = config.option.hypothesis_seed
+    return (
+        f"torch {torch.__version__}; hypothesis profile {settings._current_profile}; "
+        f"seed {seed} (replay: python -m pytest --hypothesis-seed={seed})"
+    )
