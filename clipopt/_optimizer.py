@@ -294,7 +294,7 @@ class ClippedOptimizer(Optimizer):
             w = self._process_grads(grads, n)
         self._counters.micro_batches = 0
         self._counters.windows += 1
-        if _is_fused(self.optimizer) and self._inner_state_ready(params):
+        if _is_fused(self.optimizer) and self._inner_state_ready():
             loss = self._step_fused(w, loss, closure)
         else:
             loss = self._step_host(w, loss, closure, params)
@@ -327,20 +327,25 @@ class ClippedOptimizer(Optimizer):
     def _skip_enabled(self) -> bool:
         return self.skip_nonfinite or self.scaler is not None
 
-    def _inner_state_ready(self, params: list[Tensor]) -> bool:
+    def _inner_state_ready(self) -> bool:
         """Whether every parameter with a gradient already has inner state.
 
         Before the first update a fused kernel that is told to skip can leave
-        freshly allocated state uninitialised (fused SGD's momentum buffers), so
-        the first update takes the host path.
+        freshly allocated state uninitialised (fused SGD's momentum buffers), and
+        a skipped first update must leave no state behind, so the first update
+        takes the host path.  SGD without momentum keeps no state at all.
         """
         state = self.state
-        for p in params:
-            if p.grad is None:
+        sgd = isinstance(self.optimizer, torch.optim.SGD)
+        for group in self.param_groups:
+            if sgd and group.get("momentum", 0) == 0:
                 continue
-            s = state.get(p)
-            if not s or any(v is None for v in s.values()):
-                return False
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                s = state.get(p)
+                if not s or any(v is None for v in s.values()):
+                    return False
         return True
 
     def _step_fused(self, w: _Window, loss: Any, closure: Callable[[], Any] | None) -> Any:

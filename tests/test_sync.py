@@ -1,0 +1,126 @@
+"""Host-read freedom: what clipopt reads back from the device, per call, across optimizers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from clipopt import ClippedOptimizer
+
+from .hostreads import count_host_reads
+
+Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+FUSED: dict[str, Factory] = {
+    "Adam-fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    "AdamW-fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+    "SGD-momentum-fused": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, fused=True),
+    "SGD-fused": lambda p: torch.optim.SGD(p, lr=1e-2, fused=True),
+    "Adagrad-fused": lambda p: torch.optim.Adagrad(p, lr=1e-2, fused=True),
+}
+
+OTHERS: dict[str, Factory] = {
+    "Adam-foreach": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
+    "AdamW-single": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False),
+    "SGD-momentum-foreach": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, foreach=True),
+    "RMSprop": lambda p: torch.optim.RMSprop(p, lr=1e-3),
+    "Adagrad-foreach": lambda p: torch.optim.Adagrad(p, lr=1e-2, foreach=True),
+    "NAdam": lambda p: torch.optim.NAdam(p, lr=1e-2),
+    "RAdam": lambda p: torch.optim.RAdam(p, lr=1e-2),
+    "Adamax": lambda p: torch.optim.Adamax(p, lr=1e-2),
+    "Adadelta": lambda p: torch.optim.Adadelta(p),
+    "ASGD": lambda p: torch.optim.ASGD(p, lr=1e-2),
+    "Rprop": lambda p: torch.optim.Rprop(p, lr=1e-2),
+    "Adafactor": lambda p: torch.optim.Adafactor(p, lr=1e-2),
+}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+
+
+def _backward(model: torch.nn.Module, bad: bool = False) -> None:
+    x = torch.randn(4, 6)
+    if bad:
+        x[0, 0] = float("nan")
+    model(x).pow(2).sum().mul(10).backward()
+
+
+def _run(factory: Factory, pattern: str, **kwargs: object) -> list[int]:
+    """Reads per step() call for a pattern of micro-batches ('g' good, 'b' bad)."""
+    model = _model()
+    opt = ClippedOptimizer(factory(list(model.parameters())), max_norm=0.1, **kwargs)  # type: ignore[arg-type]
+    counts = []
+    for c in pattern:
+        _backward(model, bad=c == "b")
+        with count_host_reads() as reads:
+            opt.step()
+            stats = opt.last_stats  # recording and holding statistics reads nothing
+        counts.append(len(reads))
+        del stats
+        opt.zero_grad()
+    return counts
+
+
+@pytest.mark.parametrize("name", list(FUSED) + list(OTHERS))
+def test_micro_batch_calls_read_nothing(name: str) -> None:
+    """A micro-batch call (inside a window) makes no host read, for every optimizer."""
+    factory = {**FUSED, **OTHERS}[name]
+    counts = _run(factory, "gggggggg", accumulation_steps=4)
+    assert [counts[i] for i in (0, 1, 2, 4, 5, 6)] == [0] * 6
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_fused_update_reads_nothing(name: str) -> None:
+    """With a fused inner optimizer a whole update, applied or skipped, reads nothing (after the first)."""
+    counts = _run(FUSED[name], "ggbgbbg", accumulation_steps=1)
+    assert counts[0] <= 1  # the first update, before the optimizer has state, may read once
+    assert counts[1:] == [0] * 6
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_fused_update_with_value_clipping_and_accumulation_reads_nothing(name: str) -> None:
+    """Value clipping, mean accumulation and a skipped window add no read on the fused path."""
+    counts = _run(FUSED[name], "gg" + "gggg" + "ggbg" + "gggg", accumulation_steps=2, clip_value=0.05)
+    assert counts[2:] == [0] * 12
+
+
+@pytest.mark.parametrize("name", list(OTHERS))
+def test_other_optimizers_read_at_most_once_per_update(name: str) -> None:
+    """Every other optimizer: clipopt reads at most one flag per update, none when skip_nonfinite=False."""
+    assert max(_run(OTHERS[name], "ggbgg", accumulation_steps=1)) <= 1
+    assert _run(OTHERS[name], "ggg", accumulation_steps=1, skip_nonfinite=False) == [0, 0, 0]
+
+
+def test_fused_with_grad_scaler_reads_nothing() -> None:
+    """Fused AdamW with a GradScaler: unscale, clip, step and scaler update without a host read."""
+    model = _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), fused=True), max_norm=0.1, scaler=scaler)
+    counts = []
+    for bad in (False, False, True, False):
+        x = torch.randn(4, 6)
+        if bad:
+            x[0, 0] = float("inf")
+        scaler.scale(model(x).pow(2).sum()).backward()
+        with count_host_reads() as reads:
+            opt.step()
+        counts.append(len(reads))
+        opt.zero_grad()
+    assert counts[1:] == [0, 0, 0]
+    assert opt.num_skipped == 1
+
+
+def test_counter_detects_reads() -> None:
+    """The interceptor itself sees .item(), float(), bool(), tolist() and boolean-mask indexing."""
+    t = torch.tensor([1.0, 2.0])
+    with count_host_reads() as reads:
+        t.sum().item()
+        float(t[0])
+        bool(t[1] > 0)
+        t.tolist()
+        t[t > 1]
+    assert len(reads) >= 5
