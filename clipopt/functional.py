@@ -89,19 +89,59 @@ def get_total_norm(
         if acc == torch.float64:
             out_dtype = torch.float64
         tensors = [_dense(g) for g in group]
-        use_foreach = (foreach is None or foreach) and device.type in ("cpu", "cuda", "xpu", "mps")
+        if foreach is None and device.type == "cpu":
+            tensors = _direct_cpu_norms(tensors, p, acc, norms)
+        use_foreach = (foreach is None or foreach) and device.type in _FOREACH_DEVICES
         use_foreach = use_foreach and not any(g.is_sparse for g in group)
         if foreach and not use_foreach:
             raise RuntimeError(
                 f"foreach=True was passed, but the foreach API does not support {device.type} tensors"
             )
+        if not tensors:
+            continue
         if use_foreach:
             norms.extend(torch._foreach_norm(tensors, p, dtype=acc))
         else:
             norms.extend(torch.linalg.vector_norm(t, p, dtype=acc) for t in tensors)
+    if not norms:
+        return torch.zeros((), dtype=out_dtype, device=first_device)
     stacked = torch.stack([n.to(device=first_device, dtype=out_dtype) for n in norms])
     total: Tensor = torch.linalg.vector_norm(stacked, p)
     return total
+
+
+#: Devices with ``torch._foreach_*`` kernels.
+_FOREACH_DEVICES = ("cpu", "cuda", "xpu", "mps")
+
+#: On CPU, tensors at least this large get their 2-norm from ``torch.dot(g, g)``
+#: (one pass, no buffer; faster and more accurate than ``_foreach_norm``, which
+#: wins on small tensors through lower per-tensor overhead).  See benchmarks/.
+DOT_MIN_NUMEL = 1 << 16
+
+#: On CPU, tensors at least this large get their inf-norm from ``torch.aminmax``
+#: (one pass, no buffer), several times faster than ``_foreach_norm(inf)``.
+AMINMAX_MIN_NUMEL = 1 << 10
+
+
+def _direct_cpu_norms(tensors: list[Tensor], p: float, acc: torch.dtype, norms: list[Tensor]) -> list[Tensor]:
+    """Append the norms of the large CPU tensors computed directly; return the rest.
+
+    ``p = 2`` (float32/float64 only: ``dot`` accumulates in the input dtype) and
+    ``p = inf`` (any dtype: a max is exact) have single-pass kernels that beat
+    ``_foreach_norm`` on large tensors; other cases are returned untouched.
+    """
+    if p == 2.0 and acc == tensors[0].dtype:
+        big = [t.reshape(-1) for t in tensors if t.numel() >= DOT_MIN_NUMEL]
+        if big:
+            norms.append(torch.stack([torch.dot(v, v) for v in big]).sum().sqrt())
+            return [t for t in tensors if t.numel() < DOT_MIN_NUMEL]
+    elif p == math.inf:
+        big = [t for t in tensors if t.numel() >= AMINMAX_MIN_NUMEL]
+        if big:
+            extremes = torch.stack([torch.stack(torch.aminmax(t)) for t in big])
+            norms.append(extremes.abs().max().to(acc))
+            return [t for t in tensors if t.numel() < AMINMAX_MIN_NUMEL]
+    return tensors
 
 
 @torch.no_grad()
@@ -123,7 +163,7 @@ def clip_grads_value_(
             "pass clip_value=None for optimizers such as SparseAdam"
         )
     for (device, _), dense in _group(grads).items():
-        if (foreach is None or foreach) and device.type in ("cpu", "cuda", "xpu", "mps"):
+        if (foreach is None or foreach) and device.type in _FOREACH_DEVICES:
             torch._foreach_clamp_min_(dense, -clip_value)
             torch._foreach_clamp_max_(dense, clip_value)
         else:
@@ -159,7 +199,7 @@ def scale_grads_(grads: Sequence[Tensor], coef: Tensor | float, *, foreach: bool
                 g.mul_(c)
         if not dense:
             continue
-        if (foreach is None or foreach) and device.type in ("cpu", "cuda", "xpu", "mps"):
+        if (foreach is None or foreach) and device.type in _FOREACH_DEVICES:
             torch._foreach_mul_(dense, c)
         else:
             for g in dense:

@@ -181,3 +181,37 @@ def test_foreach_true_on_unsupported_device_raises() -> None:
     g = torch.ones(3, device="meta")
     with pytest.raises(RuntimeError, match="foreach=True was passed"):
         F.get_total_norm([g], 2.0, foreach=True)
+
+
+@pytest.mark.parametrize("p", [2.0, math.inf])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_direct_cpu_norm_of_large_tensors(p: float, dtype: torch.dtype) -> None:
+    """The single-pass CPU kernels for large tensors (dot for p=2, aminmax for inf) match float64 truth.
+
+    They are at least as accurate as torch's own get_total_norm, mixed with small tensors too.
+    """
+    gen = torch.Generator().manual_seed(0)
+    big = F.DOT_MIN_NUMEL if p == 2.0 else F.AMINMAX_MIN_NUMEL
+    shapes = [(big,), (3, big), (5,), (7, 3)]
+    grads = [(torch.randn(s, generator=gen) * 3).to(dtype) for s in shapes]
+    truth = reference_norm([g.double().numpy() for g in grads], p)
+    got = F.get_total_norm(grads, p).item()
+    torch_err = abs(torch.nn.utils.get_total_norm([g.float() for g in grads], p).item() - truth)
+    assert abs(got - truth) <= max(torch_err * 1.01, truth * 1e-6)
+
+
+@pytest.mark.parametrize("p", [2.0, math.inf])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_direct_cpu_norm_propagates_nonfinite(p: float, value: float) -> None:
+    """A single non-finite element in a large tensor makes the norm non-finite on the fast paths."""
+    g = torch.ones(F.DOT_MIN_NUMEL)
+    g[12345] = value
+    assert F.nonfinite_flag(F.get_total_norm([g, torch.ones(3)], p)).item() == 1.0
+
+
+def test_direct_cpu_norm_handles_non_contiguous() -> None:
+    """A transposed (non-contiguous) large gradient has the same norm as its contiguous copy."""
+    g = torch.randn(512, 256).t()
+    assert not g.is_contiguous()
+    torch.testing.assert_close(F.get_total_norm([g], 2.0), F.get_total_norm([g.contiguous()], 2.0))
+    assert F.get_total_norm([g], math.inf).item() == g.abs().max().item()
