@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim import optimizer as _optim_module
 
 from . import functional as F
 from ._checks import (
@@ -236,8 +237,24 @@ class ClippedOptimizer(Optimizer):
 
         With a ``closure`` the wrapper evaluates it (forward + backward) once per
         call; optimizers that re-evaluate it (LBFGS) get the re-evaluated
-        gradients clipped the same way.
+        gradients clipped the same way.  Step hooks registered on the wrapper
+        (and global optimizer hooks) run around every call.
         """
+        if (
+            self._optimizer_step_pre_hooks
+            or self._optimizer_step_post_hooks
+            or _optim_module._global_optimizer_pre_hooks
+            or _optim_module._global_optimizer_post_hooks
+            or torch.autograd._profiler_enabled()  # type: ignore[attr-defined]
+        ):
+            return self._profiled_step(closure)
+        return self._step(closure)
+
+    # torch's profile_hook_step costs ~12 us per call (record_function) even with
+    # no hook and no profiler; take it only when a hook or the profiler is active.
+    step.hooked = True  # type: ignore[attr-defined]
+
+    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
         if closure is not None and self.scaler is not None:
             raise TypeError(
                 "step(closure) cannot be used with scaler=...: GradScaler does not support "
@@ -252,6 +269,8 @@ class ClippedOptimizer(Optimizer):
             self._update_applied = False
             return loss
         return self._close_window(loss, closure)
+
+    _profiled_step = Optimizer.profile_hook_step(_step)
 
     def flush(self) -> None:
         """Apply the micro-batches gathered so far (a partial window), dividing by their count.
