@@ -320,7 +320,16 @@ class ClippedOptimizer(Optimizer):
         if self.scaler is not None:
             self.scaler.update()
         self._record(w, n)
+        self._check_consecutive_nonfinite()
         return loss
+
+    def _check_consecutive_nonfinite(self) -> None:
+        """Raise once ``max_consecutive_nonfinite`` windows in a row were skipped (reads one counter)."""
+        limit = self.max_consecutive_nonfinite
+        if limit is not None:
+            count = int(self._counters.consecutive)
+            if count >= limit:
+                raise NonFiniteGradientError(count, self._counters.windows, None)
 
     def _process_grads(self, grads: list[Tensor], n: int) -> _Window:
         """Steps 1-4 of the window: norm, value clip, norm clip; all on the device."""
@@ -434,11 +443,6 @@ class ClippedOptimizer(Optimizer):
             c.skipped = c.skipped + int(skipped)
             c.applied = c.applied + int(not skipped)
             c.consecutive = c.consecutive + 1 if skipped else 0
-        limit = self.max_consecutive_nonfinite
-        if limit is not None:
-            count = int(c.consecutive)
-            if count >= limit:
-                raise NonFiniteGradientError(count, c.windows, None)
 
     def _record(self, w: _Window, n: int) -> None:
         stats = StepStats(
