@@ -1,0 +1,238 @@
+"""LR schedulers on a ClippedOptimizer, and clipopt.per_update."""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.optim import lr_scheduler as lrs
+from torch.optim.swa_utils import SWALR
+
+import clipopt
+from clipopt import ClippedOptimizer
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Linear(3, 2)
+
+
+def backward(model: nn.Module, seed: int, nonfinite: bool = False) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 3, generator=gen)
+    loss = model(x).pow(2).mean()
+    if nonfinite:
+        loss = loss * float("nan")
+    loss.backward()
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=0.1, betas=(0.9, 0.99))
+
+
+# Each factory builds the scheduler on the optimizer it is given; the reference uses
+# the same factory on a plain optimizer.
+SCHEDULERS = {
+    "StepLR": (sgd, lambda o: lrs.StepLR(o, step_size=2, gamma=0.5)),
+    "OneCycleLR-sgd": (sgd, lambda o: lrs.OneCycleLR(o, max_lr=1.0, total_steps=8)),
+    "OneCycleLR-adam": (adam, lambda o: lrs.OneCycleLR(o, max_lr=1.0, total_steps=8)),
+    "CosineAnnealingLR": (sgd, lambda o: lrs.CosineAnnealingLR(o, T_max=5)),
+    "LambdaLR": (sgd, lambda o: lrs.LambdaLR(o, lambda e: 1.0 / (1 + e))),
+    "SWALR": (sgd, lambda o: SWALR(o, swa_lr=0.01, anneal_epochs=3)),
+    "SequentialLR": (
+        sgd,
+        lambda o: lrs.SequentialLR(
+            o,
+            schedulers=[lrs.ConstantLR(o, factor=0.5, total_iters=2), lrs.ExponentialLR(o, gamma=0.8)],
+            milestones=[3],
+        ),
+    ),
+    "ChainedScheduler": (
+        sgd,
+        lambda o: lrs.ChainedScheduler(
+            [lrs.StepLR(o, step_size=2, gamma=0.5), lrs.ExponentialLR(o, gamma=0.9)]
+        ),
+    ),
+}
+
+
+def _run(optimizer, scheduler, model, steps, metric=None):
+    lrs_seen, moms = [], []
+    for i in range(steps):
+        backward(model, i)
+        optimizer.step()
+        optimizer.zero_grad()
+        if metric is None:
+            scheduler.step()
+        else:
+            scheduler.step(metric)
+        group = optimizer.param_groups[0]
+        lrs_seen.append(group["lr"])
+        moms.append(group.get("momentum", group.get("betas")))
+    return lrs_seen, moms
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_scheduler_accepts_wrapper_without_warnings(name):
+    """Each torch scheduler takes the wrapper silently and sets the lr/momentum a plain optimizer gets."""
+    make_opt, make_sched = SCHEDULERS[name]
+    model = make_model()
+    ref_model = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = ClippedOptimizer(make_opt(model.parameters()), max_norm=1.0)
+        sched = make_sched(opt)
+        got_lr, got_mom = _run(opt, sched, model, 7)
+    assert [str(w.message) for w in caught] == []
+    ref_opt = make_opt(ref_model.parameters())
+    ref_sched = make_sched(ref_opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref_lr, ref_mom = [], []
+        for i in range(7):
+            backward(ref_model, i)
+            torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_sched.step()
+            ref_lr.append(ref_opt.param_groups[0]["lr"])
+            g = ref_opt.param_groups[0]
+            ref_mom.append(g.get("momentum", g.get("betas")))
+    assert got_lr == pytest.approx(ref_lr, rel=1e-12)
+    assert len(set(got_lr)) > 1, "the scheduler did not change the lr"
+    assert got_mom == ref_mom
+    # the lr lives in the inner optimizer's own groups
+    assert opt.optimizer.param_groups[0]["lr"] == got_lr[-1]
+    assert sched.get_last_lr() == pytest.approx(ref_sched.get_last_lr(), rel=1e-12)
+    for p, r in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p, r)
+
+
+def test_reduce_lr_on_plateau_accepts_wrapper_without_warnings():
+    """ReduceLROnPlateau on the wrapper reduces the inner optimizer's lr, silently."""
+    model = make_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = ClippedOptimizer(sgd(model.parameters()), max_norm=1.0)
+        sched = lrs.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+        got, _ = _run(opt, sched, model, 4, metric=1.0)
+    assert [str(w.message) for w in caught] == []
+    assert got == pytest.approx([0.1, 0.05, 0.025, 0.0125])
+    assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(0.0125)
+
+
+# ---------------------------------------------------------------- per_update
+
+
+def _accumulating(k=4, **kw):
+    model = make_model(1)
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), accumulation_steps=k, **kw)
+    return model, opt
+
+
+def test_per_update_advances_once_per_applied_update():
+    """accumulation_steps=4, sched.step() on every micro-batch: the scheduler advances once per update."""
+    model, opt = _accumulating(4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sched = clipopt.per_update(lrs.StepLR(opt, step_size=1, gamma=0.5))
+        advanced = []
+        for i in range(12):
+            backward(model, i)
+            opt.step()
+            advanced.append(sched.step())
+            opt.zero_grad()
+    assert [str(w.message) for w in caught] == []
+    assert advanced == [False, False, False, True] * 3
+    assert sched.last_epoch == 3
+    assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(0.125)
+    assert sched.get_last_lr() == pytest.approx([0.125])
+
+
+def test_per_update_does_not_advance_on_skipped_window():
+    """A window skipped for a NaN gradient does not advance the scheduler."""
+    model, opt = _accumulating(4)
+    sched = clipopt.per_update(lrs.StepLR(opt, step_size=1, gamma=0.5))
+    for i in range(12):
+        backward(model, i, nonfinite=(i == 5))  # poisons the second window
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    assert opt.num_skipped == 1
+    assert opt.num_updates == 2
+    assert sched.last_epoch == 2
+    assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(0.25)
+    assert [s.skipped for s in opt.stats] == [False, True, False]
+
+
+def test_per_update_passes_metric_to_reduce_lr_on_plateau():
+    """per_update(ReduceLROnPlateau).step(metric) passes the metric through, once per update."""
+    model, opt = _accumulating(2)
+    sched = clipopt.per_update(lrs.ReduceLROnPlateau(opt, factor=0.5, patience=0))
+    for i in range(6):  # 3 updates, metric never improves: reduce at updates 2 and 3
+        backward(model, i)
+        opt.step()
+        sched.step(1.0)
+        opt.zero_grad()
+    assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(0.25)
+
+    model, opt = _accumulating(2)
+    sched = clipopt.per_update(lrs.ReduceLROnPlateau(opt, factor=0.5, patience=0))
+    for i in range(6):  # metric improves at every update: never reduces
+        backward(model, i)
+        opt.step()
+        sched.step(10.0 - i)
+        opt.zero_grad()
+    assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(1.0)
+
+
+def test_per_update_state_dict_round_trip():
+    """per_update's state_dict reloads into a fresh proxy that continues identically."""
+    model, opt = _accumulating(3)
+    sched = clipopt.per_update(lrs.StepLR(opt, step_size=1, gamma=0.5))
+    for i in range(7):  # 2 updates + 1 pending micro-batch
+        backward(model, i)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    buf = io.BytesIO()
+    torch.save({"opt": opt.state_dict(), "sched": sched.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+
+    model2 = copy.deepcopy(model)
+    opt2 = ClippedOptimizer(torch.optim.SGD(model2.parameters(), lr=1.0), accumulation_steps=3)
+    sched2 = clipopt.per_update(lrs.StepLR(opt2, step_size=1, gamma=0.5))
+    opt2.load_state_dict(ckpt["opt"])
+    sched2.load_state_dict(ckpt["sched"])
+    assert sched2.last_epoch == sched.last_epoch == 2
+    assert sched2.get_last_lr() == sched.get_last_lr()
+    for o, s, m in ((opt, sched, model), (opt2, sched2, model2)):
+        res = []
+        for i in range(7, 13):
+            backward(m, i)
+            o.step()
+            res.append(s.step())
+            o.zero_grad()
+        assert res == [False, True, False, False, True, False]
+    assert sched2.last_epoch == sched.last_epoch == 4
+    assert (
+        opt2.optimizer.param_groups[0]["lr"] == opt.optimizer.param_groups[0]["lr"] == pytest.approx(1 / 16)
+    )
+
+
+def test_per_update_rejects_scheduler_on_plain_optimizer():
+    """per_update on a scheduler built on a plain optimizer raises TypeError naming the fix."""
+    model = make_model()
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="ClippedOptimizer") as info:
+        clipopt.per_update(lrs.StepLR(plain, step_size=1))
+    assert "per_update(StepLR(clipped_opt" in str(info.value)
