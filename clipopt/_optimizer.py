@@ -24,7 +24,13 @@ from ._checks import (
     check_positive_int,
 )
 from ._errors import NonFiniteGradientError
-from ._state import WrapperState, read_wrapper_state, restore_on_failure, validate_inner_state
+from ._state import (
+    WrapperState,
+    check_groups_complete,
+    read_wrapper_state,
+    restore_on_failure,
+    validate_inner_state,
+)
 from ._stats import StepStats
 
 __all__ = ["ClippedOptimizer"]
@@ -39,9 +45,17 @@ _HOOK_DICTS = (
 )
 
 
+#: torch optimizers whose fused implementation takes ``grad_scale`` and ``found_inf``.
+_FUSED_CAPABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
 def _is_fused(inner: Optimizer) -> bool:
-    """True when ``inner.step()`` takes ``grad_scale``/``found_inf`` (fused Adam, AdamW, SGD, Adagrad)."""
-    if not getattr(inner, "_step_supports_amp_scaling", False):
+    """True when ``inner.step()`` takes ``grad_scale``/``found_inf`` (fused Adam, AdamW, SGD, Adagrad).
+
+    ``_step_supports_amp_scaling`` marks them (and third-party fused optimizers),
+    but pickling drops that instance attribute, so the type counts as well.
+    """
+    if not (getattr(inner, "_step_supports_amp_scaling", False) or isinstance(inner, _FUSED_CAPABLE)):
         return False
     return all(bool(g.get("fused")) for g in inner.param_groups)
 
@@ -142,6 +156,7 @@ class ClippedOptimizer(Optimizer):
         self._counters = WrapperState()
         self._update_applied: bool | Tensor = False
         self._last_skipped: bool | Tensor = False
+        self._ready_key: tuple[int, int] | None = None
 
     # ------------------------------------------------------------------ delegation
 
@@ -180,14 +195,25 @@ class ClippedOptimizer(Optimizer):
         self.optimizer.add_param_group(param_group)
 
     def __getstate__(self) -> dict[str, Any]:
+        """Everything but the hooks (as torch does); mid-window also the gradients.
+
+        Pickling a parameter does not carry its ``.grad``, so the gradients of a
+        half-accumulated window travel with the wrapper.
+        """
         state = self.__dict__.copy()
         for name in _HOOK_DICTS:
             state.pop(name, None)
+        if self._counters.micro_batches > 0:
+            state["_pending_grads"] = [p.grad for p in self._params()]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        pending = state.pop("_pending_grads", None)
         self.__dict__.update(state)
         self._init_hooks()
+        if pending is not None:
+            for p, g in zip(self._params(), pending, strict=True):
+                p.grad = g
 
     def __repr__(self) -> str:
         opts = (
@@ -290,7 +316,7 @@ class ClippedOptimizer(Optimizer):
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     @contextmanager
-    def _fused_args(self, grad_scale: Tensor, found_inf: Tensor | None) -> Iterator[None]:
+    def _fused_args(self, grad_scale: Tensor | None, found_inf: Tensor | None) -> Iterator[None]:
         inner = self.optimizer
         inner.grad_scale = grad_scale  # type: ignore[attr-defined]
         inner.found_inf = found_inf  # type: ignore[attr-defined]
@@ -348,7 +374,7 @@ class ClippedOptimizer(Optimizer):
         coef: float | Tensor = 1.0
         if self.max_norm is not None:
             coef = F.clip_coef(norm, self.max_norm)
-            clipped = (coef < 1.0) | clipped
+            clipped = (coef < 1.0) | clipped if isinstance(clipped, Tensor) else coef < 1.0
         scale = coef * inv if divisor != 1.0 else coef
         return _Window(grads, total_norm, flag, coef, scale, clipped)
 
@@ -364,6 +390,9 @@ class ClippedOptimizer(Optimizer):
         takes the host path.  SGD without momentum keeps no state at all.
         """
         state = self.state
+        key = (id(state), sum(p.grad is not None for p in self._params()))
+        if key == self._ready_key:
+            return True
         sgd = isinstance(self.optimizer, torch.optim.SGD)
         for group in self.param_groups:
             if sgd and group.get("momentum", 0) == 0:
@@ -374,16 +403,17 @@ class ClippedOptimizer(Optimizer):
                 s = state.get(p)
                 if not s or any(v is None for v in s.values()):
                     return False
+        self._ready_key = key  # stays valid until the state object or the set of gradients changes
         return True
 
     def _step_fused(self, w: _Window, loss: Any, closure: Callable[[], Any] | None) -> Any:
         """Fold the scale into the fused kernel as ``grad_scale``; skip through ``found_inf``."""
-        device = w.total_norm.device
-        scale = w.scale if isinstance(w.scale, Tensor) else torch.tensor(w.scale, device=device)
-        scale = scale.to(torch.float32)
+        grad_scale: Tensor | None = None  # the kernel divides the gradients by grad_scale
+        if isinstance(w.scale, Tensor):
+            grad_scale = w.scale.to(torch.float32).reciprocal()
+        elif w.scale != 1.0:
+            grad_scale = torch.tensor(1.0 / w.scale, dtype=torch.float32, device=w.total_norm.device)
         found_inf = w.flag if self._skip_enabled() else None
-        # The kernel divides by grad_scale; a non-finite scale only happens on a skipped window.
-        grad_scale = torch.where(torch.isfinite(scale) & (scale > 0), scale.reciprocal(), 1.0)
         with self._fused_args(grad_scale, found_inf):
             out = self.optimizer.step(self._inner_closure(loss, closure))
         skipped = w.flag.bool() if found_inf is not None else False
@@ -500,6 +530,7 @@ class ClippedOptimizer(Optimizer):
         inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
         with restore_on_failure(self.optimizer):
             self.optimizer.load_state_dict(inner_sd)
+            check_groups_complete(self.optimizer)
         if wrapper is None:
             self._counters = WrapperState()
         else:
@@ -507,7 +538,7 @@ class ClippedOptimizer(Optimizer):
             self._counters = counters
             if pending is not None:
                 for p, g in zip(params, pending, strict=True):
-                    p.grad = None if g is None else g.detach().to(p.device).clone()
+                    p.grad = None if g is None else g.detach().to(p.device, p.dtype, copy=True)
             if scaler_state is not None and self.scaler is not None:
                 self.scaler.load_state_dict(scaler_state)
         self._update_applied = False

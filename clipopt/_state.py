@@ -12,7 +12,9 @@ from torch.optim import Optimizer
 
 __all__ = [
     "FORMAT_VERSION",
+    "StateDictError",
     "WrapperState",
+    "check_groups_complete",
     "read_wrapper_state",
     "restore_on_failure",
     "validate_inner_state",
@@ -73,8 +75,33 @@ class WrapperState:
         }
 
 
-def _bad(msg: str) -> ValueError:
-    return ValueError(f"invalid state_dict: {msg}; pass the dict returned by opt.state_dict()")
+class StateDictError(ValueError):
+    """A state dict that clipopt refuses to load (a ``ValueError``)."""
+
+
+def _bad(msg: str) -> StateDictError:
+    return StateDictError(f"invalid state_dict: {msg}; pass the dict returned by opt.state_dict()")
+
+
+#: What ``GradScaler.state_dict()`` holds when the scaler is enabled.
+_SCALER_FIELDS: dict[str, tuple[type, ...]] = {
+    "scale": (float, int),
+    "growth_factor": (float, int),
+    "backoff_factor": (float, int),
+    "growth_interval": (int,),
+    "_growth_tracker": (int,),
+}
+
+
+def _check_scaler_state(value: Any) -> None:
+    if value is None or value == {}:
+        return
+    if not isinstance(value, dict):
+        raise _bad(f"'clipopt.scaler' must be a GradScaler state dict, got {type(value).__name__}")
+    for key, kinds in _SCALER_FIELDS.items():
+        field = value.get(key)
+        if not isinstance(field, kinds) or isinstance(field, bool):
+            raise _bad(f"'clipopt.scaler.{key}' must be a number, got {field!r}")
 
 
 def _int_field(ext: dict[str, Any], key: str, low: int, high: int | None = None) -> int:
@@ -122,8 +149,11 @@ def read_wrapper_state(
             if g is not None and (not isinstance(g, Tensor) or g.shape != p.shape):
                 shape = tuple(g.shape) if isinstance(g, Tensor) else type(g).__name__
                 raise _bad(f"pending gradient {i} has shape {shape}, parameter has {tuple(p.shape)}")
+            if g is not None and not (g.is_floating_point() or g.is_complex()):
+                raise _bad(f"pending gradient {i} has dtype {g.dtype}, gradients are floating point")
     elif micro > 0:
         raise _bad("'clipopt.micro_batches' > 0 but no 'pending_grads' were saved")
+    _check_scaler_state(ext.get("scaler"))
     return counters, pending, ext.get("scaler")
 
 
@@ -157,6 +187,18 @@ def validate_inner_state(state_dict: dict[str, Any], inner: Optimizer) -> None:
                 )
 
 
+def check_groups_complete(inner: Optimizer) -> None:
+    """Every loaded group must hold every hyper-parameter of ``inner.defaults``.
+
+    Checked after loading, because optimizers fill in options added in later
+    torch releases in their ``__setstate__``.
+    """
+    for i, group in enumerate(inner.param_groups):
+        missing = sorted(set(inner.defaults) - set(group))
+        if missing:
+            raise _bad(f"parameter group {i} lacks {', '.join(map(repr, missing))}")
+
+
 @contextmanager
 def restore_on_failure(inner: Optimizer) -> Iterator[None]:
     """Put the inner optimizer's state and groups back if loading fails half-way.
@@ -167,6 +209,9 @@ def restore_on_failure(inner: Optimizer) -> Iterator[None]:
     state, groups = inner.state, inner.param_groups
     try:
         yield
+    except StateDictError:
+        inner.state, inner.param_groups = state, groups
+        raise
     except Exception as exc:
         inner.state, inner.param_groups = state, groups
         raise _bad(f"the inner {type(inner).__name__} rejected it ({exc})") from exc

@@ -105,7 +105,9 @@ def get_total_norm(
             norms.extend(torch.linalg.vector_norm(t, p, dtype=acc) for t in tensors)
     if not norms:
         return torch.zeros((), dtype=out_dtype, device=first_device)
-    stacked = torch.stack([n.to(device=first_device, dtype=out_dtype) for n in norms])
+    if any(n.device != first_device or n.dtype != out_dtype for n in norms):
+        norms = [n.to(device=first_device, dtype=out_dtype) for n in norms]
+    stacked = torch.stack(norms)
     total: Tensor = torch.linalg.vector_norm(stacked, p)
     return total
 
