@@ -118,7 +118,7 @@ _FOREACH_DEVICES = ("cpu", "cuda", "xpu", "mps")
 #: On CPU, tensors at least this large get their 2-norm from ``torch.dot(g, g)``
 #: (one pass, no buffer; faster and more accurate than ``_foreach_norm``, which
 #: wins on small tensors through lower per-tensor overhead).  See benchmarks/.
-DOT_MIN_NUMEL = 1 << 16
+DOT_MIN_NUMEL = 1 << 17
 
 #: On CPU, tensors at least this large get their inf-norm from ``torch.aminmax``
 #: (one pass, no buffer), several times faster than ``_foreach_norm(inf)``.
