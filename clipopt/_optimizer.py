@@ -154,9 +154,11 @@ class ClippedOptimizer(Optimizer):
         self.stats: collections.deque[StepStats] = collections.deque(maxlen=self.stats_history)
         self.last_stats: StepStats | None = None
         self._counters = WrapperState()
-        self._update_applied: bool | Tensor = False
+        self._update_applied: bool | None = False  # None: read _last_skipped
         self._last_skipped: bool | Tensor = False
         self._ready_key: tuple[int, int] | None = None
+        self._params_key: tuple[int, ...] = ()
+        self._params_cache: list[Tensor] = []
 
     # ------------------------------------------------------------------ delegation
 
@@ -249,7 +251,9 @@ class ClippedOptimizer(Optimizer):
     @property
     def update_applied(self) -> bool:
         """True when the latest :meth:`step` call changed the parameters (may wait for the device)."""
-        return bool(self._update_applied)
+        if self._update_applied is None:  # a window decided on the device: applied unless skipped
+            return not bool(self._last_skipped)
+        return self._update_applied
 
     @property
     def step_was_skipped(self) -> bool:
@@ -327,7 +331,13 @@ class ClippedOptimizer(Optimizer):
             del inner.found_inf  # type: ignore[attr-defined]
 
     def _params(self) -> list[Tensor]:
-        return [p for group in self.param_groups for p in group["params"]]
+        """All parameters, in group order; cached until the groups change."""
+        groups = self.param_groups
+        key = (id(groups), *[id(g["params"]) for g in groups], *[len(g["params"]) for g in groups])
+        if key != self._params_key:
+            self._params_cache = [p for group in groups for p in group["params"]]
+            self._params_key = key
+        return self._params_cache
 
     def _close_window(self, loss: Any, closure: Callable[[], Any] | None) -> Any:
         n = self._counters.micro_batches
@@ -339,7 +349,7 @@ class ClippedOptimizer(Optimizer):
             w = self._process_grads(grads, n)
         self._counters.micro_batches = 0
         self._counters.windows += 1
-        if _is_fused(self.optimizer) and self._inner_state_ready():
+        if _is_fused(self.optimizer) and self._inner_state_ready(len(grads)):
             loss = self._step_fused(w, loss, closure)
         else:
             loss = self._step_host(w, loss, closure, params)
@@ -381,7 +391,7 @@ class ClippedOptimizer(Optimizer):
     def _skip_enabled(self) -> bool:
         return self.skip_nonfinite or self.scaler is not None
 
-    def _inner_state_ready(self) -> bool:
+    def _inner_state_ready(self, num_grads: int) -> bool:
         """Whether every parameter with a gradient already has inner state.
 
         Before the first update a fused kernel that is told to skip can leave
@@ -390,7 +400,7 @@ class ClippedOptimizer(Optimizer):
         takes the host path.  SGD without momentum keeps no state at all.
         """
         state = self.state
-        key = (id(state), sum(p.grad is not None for p in self._params()))
+        key = (id(state), num_grads)
         if key == self._ready_key:
             return True
         sgd = isinstance(self.optimizer, torch.optim.SGD)
@@ -416,8 +426,7 @@ class ClippedOptimizer(Optimizer):
         found_inf = w.flag if self._skip_enabled() else None
         with self._fused_args(grad_scale, found_inf):
             out = self.optimizer.step(self._inner_closure(loss, closure))
-        skipped = w.flag.bool() if found_inf is not None else False
-        self._set_outcome(skipped)
+        self._set_outcome(w.flag if found_inf is not None else False)
         return out if closure is not None else loss
 
     def _step_host(
@@ -460,19 +469,10 @@ class ClippedOptimizer(Optimizer):
         return reevaluate
 
     def _set_outcome(self, skipped: bool | Tensor) -> None:
-        c = self._counters
+        """Count the window; ``skipped`` is a bool, or a 0/1 float tensor decided on the device."""
         self._last_skipped = skipped
-        if isinstance(skipped, Tensor):
-            self._update_applied = ~skipped
-            flag = skipped.to(torch.int64)
-            c.skipped = c.skipped + flag
-            c.applied = c.applied + (1 - flag)
-            c.consecutive = (c.consecutive + flag) * flag
-        else:
-            self._update_applied = not skipped
-            c.skipped = c.skipped + int(skipped)
-            c.applied = c.applied + int(not skipped)
-            c.consecutive = c.consecutive + 1 if skipped else 0
+        self._update_applied = not skipped if isinstance(skipped, bool) else None
+        self._counters.record(skipped)
 
     def _record(self, w: _Window, n: int) -> None:
         stats = StepStats(

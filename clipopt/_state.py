@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -46,21 +47,38 @@ _PARAM_SHAPED = frozenset(
 class WrapperState:
     """Counters of a :class:`~clipopt.ClippedOptimizer`, all part of its state dict.
 
-    ``applied``, ``skipped`` and ``consecutive`` may be 0-d device tensors
-    while training (a fused skip is decided on the device); they become ints
-    in :meth:`to_dict`.
+    ``skipped`` and ``consecutive`` become 0-d float64 device tensors once a skip
+    is decided on the device (fused path); they are updated in place there and
+    become ints in :meth:`to_dict`.
     """
 
     micro_batches: int = 0
     """Micro-batches accumulated in the open window (0 when none is open)."""
     windows: int = 0
     """Windows closed so far, applied or skipped: the ``step`` of the latest ``StepStats``."""
-    applied: int | Tensor = 0
-    """Updates that reached the inner optimizer."""
     skipped: int | Tensor = 0
     """Windows skipped because their gradients were not finite."""
     consecutive: int | Tensor = 0
     """Skipped windows in a row, ending at the latest one."""
+
+    @property
+    def applied(self) -> int | Tensor:
+        """Updates that reached the inner optimizer: ``windows - skipped``."""
+        return self.windows - self.skipped
+
+    def record(self, flag: bool | Tensor) -> None:
+        """Count the outcome of the latest window (``windows`` already counts it).
+
+        ``flag`` is True/1.0 when it was skipped.
+        """
+        if isinstance(flag, Tensor):  # in place, on the device: no host read
+            self.skipped = _on_device(self.skipped, flag).add_(flag)
+            self.consecutive = _on_device(self.consecutive, flag).add_(flag).mul_(flag)
+        elif flag:
+            self.skipped = self.skipped + 1
+            self.consecutive = self.consecutive + 1
+        else:
+            self.consecutive = 0
 
     def to_dict(self, *, pending_grads: list[Tensor | None] | None, scaler: Any) -> dict[str, Any]:
         return {
@@ -73,6 +91,13 @@ class WrapperState:
             "pending_grads": pending_grads,
             "scaler": scaler,
         }
+
+
+def _on_device(count: int | Tensor, like: Tensor) -> Tensor:
+    """``count`` as a 0-d float64 tensor on ``like``'s device (exact up to 2**53)."""
+    if isinstance(count, Tensor):
+        return count
+    return torch.full((), float(count), dtype=torch.float64, device=like.device)
 
 
 class StateDictError(ValueError):
@@ -133,12 +158,16 @@ def read_wrapper_state(
     if ext.get("format") != FORMAT_VERSION:
         raise _bad(f"'clipopt.format' is {ext.get('format')!r}, this clipopt reads {FORMAT_VERSION}")
     micro = _int_field(ext, "micro_batches", 0, accumulation_steps - 1)
+    windows = _int_field(ext, "windows", 0)
+    skipped = _int_field(ext, "skipped", 0, windows)
+    applied = _int_field(ext, "applied", 0)
+    if applied + skipped != windows:
+        raise _bad(f"'clipopt.applied' ({applied}) + 'skipped' ({skipped}) != 'windows' ({windows})")
     counters = WrapperState(
         micro_batches=micro,
-        windows=_int_field(ext, "windows", 0),
-        applied=_int_field(ext, "applied", 0),
-        skipped=_int_field(ext, "skipped", 0),
-        consecutive=_int_field(ext, "consecutive", 0),
+        windows=windows,
+        skipped=skipped,
+        consecutive=_int_field(ext, "consecutive", 0, skipped),
     )
     pending = ext.get("pending_grads")
     if pending is not None:

@@ -17,7 +17,7 @@ parts, so that the wrapper can combine, fold and skip them:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -47,7 +47,11 @@ def _dense(grad: Tensor) -> Tensor:
     return grad
 
 
-def _group(grads: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+def _group(grads: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    """The gradients by (device, dtype), in order; one group in the common case, found fast."""
+    device, dtype = grads[0].device, grads[0].dtype
+    if all(g.dtype == dtype and g.device == device for g in grads):
+        return {(device, dtype): list(grads)}
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for g in grads:
         groups.setdefault((g.device, g.dtype), []).append(g)
@@ -88,11 +92,12 @@ def get_total_norm(
         acc = _norm_dtype(dtype)
         if acc == torch.float64:
             out_dtype = torch.float64
-        tensors = [_dense(g) for g in group]
+        sparse = any(g.is_sparse for g in group)
+        tensors = [_dense(g) for g in group] if sparse else group
         if foreach is None and device.type == "cpu":
             tensors = _direct_cpu_norms(tensors, p, acc, norms)
         use_foreach = (foreach is None or foreach) and device.type in _FOREACH_DEVICES
-        use_foreach = use_foreach and not any(g.is_sparse for g in group)
+        use_foreach = use_foreach and not sparse
         if foreach and not use_foreach:
             raise RuntimeError(
                 f"foreach=True was passed, but the foreach API does not support {device.type} tensors"

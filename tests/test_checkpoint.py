@@ -580,7 +580,8 @@ def test_corrupt_scaler_state_rejected_and_untouched() -> None:
     _, opt, sd = mid_window(scaler=scaler)
     scaler_before = scaler.state_dict()
     sd["clipopt"]["scaler"] = {"scale": 3.0}  # missing growth_factor, backoff_factor, ...
-    sd["clipopt"]["windows"] = 7
+    sd["clipopt"]["windows"] = 7  # consistent counters: only the scaler entry is wrong
+    sd["clipopt"]["applied"] = 7 - sd["clipopt"]["skipped"]
     snap = snapshot(opt)
     with pytest.raises(ValueError, match="scaler"):
         opt.load_state_dict(sd)
