@@ -26,7 +26,7 @@ from ._checks import (
 from ._errors import NonFiniteGradientError
 from ._state import (
     WrapperState,
-    check_groups_complete,
+    keep_group_keys,
     read_wrapper_state,
     restore_on_failure,
     validate_inner_state,
@@ -528,9 +528,8 @@ class ClippedOptimizer(Optimizer):
         wrapper = read_wrapper_state(state_dict, params, self.accumulation_steps)
         validate_inner_state(state_dict, self.optimizer)
         inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
-        with restore_on_failure(self.optimizer):
+        with restore_on_failure(self.optimizer), keep_group_keys(self.optimizer):
             self.optimizer.load_state_dict(inner_sd)
-            check_groups_complete(self.optimizer)
         if wrapper is None:
             self._counters = WrapperState()
         else:

@@ -15,7 +15,7 @@ __all__ = [
     "FORMAT_VERSION",
     "StateDictError",
     "WrapperState",
-    "check_groups_complete",
+    "keep_group_keys",
     "read_wrapper_state",
     "restore_on_failure",
     "validate_inner_state",
@@ -216,14 +216,18 @@ def validate_inner_state(state_dict: dict[str, Any], inner: Optimizer) -> None:
                 )
 
 
-def check_groups_complete(inner: Optimizer) -> None:
-    """Every loaded group must hold every hyper-parameter of ``inner.defaults``.
+@contextmanager
+def keep_group_keys(inner: Optimizer) -> Iterator[None]:
+    """After loading, every group must still hold every hyper-parameter it held before.
 
     Checked after loading, because optimizers fill in options added in later
-    torch releases in their ``__setstate__``.
+    torch releases in their ``__setstate__``; a key still missing then would
+    only fail at the next ``step()``.
     """
-    for i, group in enumerate(inner.param_groups):
-        missing = sorted(set(inner.defaults) - set(group))
+    before = [set(group) for group in inner.param_groups]
+    yield
+    for i, (keys, group) in enumerate(zip(before, inner.param_groups, strict=True)):
+        missing = sorted(keys - set(group))
         if missing:
             raise _bad(f"parameter group {i} lacks {', '.join(map(repr, missing))}")
 
