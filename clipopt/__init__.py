@@ -9,18 +9,27 @@ from __future__ import annotations
 
 from . import functional
 from ._errors import NonFiniteGradientError
+from ._layers import LAYER_FIELDS, LayerStats
+from ._logging import CSVLogger, Logger
 from ._optimizer import ClippedOptimizer
 from ._scheduler import PerUpdateScheduler, per_update
-from ._stats import StepStats
+from ._snapshot import load_snapshot
+from ._stats import StepStats, materialize
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "CSVLogger",
     "ClippedOptimizer",
+    "LAYER_FIELDS",
+    "LayerStats",
+    "Logger",
     "NonFiniteGradientError",
     "PerUpdateScheduler",
     "StepStats",
     "__version__",
     "functional",
+    "load_snapshot",
+    "materialize",
     "per_update",
 ]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import collections
 import copy
+import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -24,6 +25,9 @@ from ._checks import (
     check_positive_int,
 )
 from ._errors import NonFiniteGradientError
+from ._layers import LayerStats, compute_layer_stats, resolve_param_names
+from ._logging import Logger
+from ._snapshot import SnapshotWriter, check_saveable, now, to_saveable, versions
 from ._state import (
     WrapperState,
     keep_group_keys,
@@ -58,6 +62,34 @@ def _is_fused(inner: Optimizer) -> bool:
     if not (getattr(inner, "_step_supports_amp_scaling", False) or isinstance(inner, _FUSED_CAPABLE)):
         return False
     return all(bool(g.get("fused")) for g in inner.param_groups)
+
+
+def _check_layer_stats(value: Any) -> int:
+    """``layer_stats``: False -> 0 (off), True -> 1, k -> every k windows."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int) and value >= 1:
+        return value
+    raise (TypeError if not isinstance(value, int) else ValueError)(
+        f"layer_stats must be True, False or an int >= 1, got {value!r}; "
+        "pass e.g. layer_stats=10 for statistics every 10 updates"
+    )
+
+
+def _check_loggers(loggers: Any) -> list[Logger]:
+    if isinstance(loggers, (str, bytes)) or not hasattr(loggers, "__iter__"):
+        raise TypeError(
+            f"loggers must be a list of loggers, got {type(loggers).__name__}; "
+            "pass e.g. loggers=[CSVLogger('grads.csv')]"
+        )
+    out = list(loggers)
+    for logger in out:
+        if not isinstance(logger, Logger):
+            raise TypeError(
+                f"loggers must hold objects with log(stats, optimizer) and close() methods, "
+                f"got {type(logger).__name__}; pass e.g. loggers=[CSVLogger('grads.csv')]"
+            )
+    return out
 
 
 class ClippedOptimizer(Optimizer):
@@ -96,6 +128,19 @@ class ClippedOptimizer(Optimizer):
             the wrapper unscales, steps and updates it at each window's end.
         stats_history: how many :class:`StepStats` :attr:`stats` keeps.
         foreach: passed to the foreach kernels (None: where supported).
+        param_names: names for per-parameter output: ``model.named_parameters()``,
+            a ``{name: param}`` dict or names in parameter order (default: the
+            inner optimizer's ``param_names``, else ``group<g>.<i>``).
+        layer_stats: per-parameter statistics (:class:`LayerStats`) every
+            ``k`` windows (True: every window; False: never).  A window with
+            statistics reads one flag from the device.
+        loggers: objects with ``log(stats, optimizer)`` and ``close()`` called at
+            every window's end (:class:`CSVLogger`, :class:`TensorBoardLogger`).
+        snapshot_dir: folder for anomaly snapshots: on a non-finite window the
+            parameters, pre-clip gradients, optimizer state, statistics and
+            :meth:`attach`-ed tensors are saved (see :func:`load_snapshot`).
+            Deciding reads one flag from the device per update.
+        max_snapshots: at most this many snapshots are written per run.
     """
 
     def __init__(
@@ -112,6 +157,11 @@ class ClippedOptimizer(Optimizer):
         scaler: torch.amp.GradScaler | None = None,
         stats_history: int = 1024,
         foreach: bool | None = None,
+        param_names: Any = None,
+        layer_stats: bool | int = False,
+        loggers: Sequence[Logger] = (),
+        snapshot_dir: str | os.PathLike[str] | None = None,
+        max_snapshots: int = 10,
     ) -> None:
         if isinstance(optimizer, ClippedOptimizer):
             raise TypeError(
@@ -146,6 +196,15 @@ class ClippedOptimizer(Optimizer):
         if foreach is not None:
             check_flag("foreach", foreach)
         self.stats_history = check_positive_int("stats_history", stats_history)
+        self.layer_stats = _check_layer_stats(layer_stats)
+        self.loggers = _check_loggers(loggers)
+        if snapshot_dir is not None and not isinstance(snapshot_dir, (str, os.PathLike)):
+            raise TypeError(
+                f"snapshot_dir must be a path or None, got {type(snapshot_dir).__name__}; "
+                "pass e.g. snapshot_dir='anomalies/'"
+            )
+        self.max_snapshots = check_positive_int("max_snapshots", max_snapshots)
+        names = resolve_param_names(optimizer, param_names)
 
         self.optimizer = optimizer
         self.scaler = scaler
@@ -159,6 +218,11 @@ class ClippedOptimizer(Optimizer):
         self._ready_key: tuple[int, int] | None = None
         self._params_key: tuple[int, ...] = ()
         self._params_cache: list[Tensor] = []
+        self._names = names
+        self._snapshots = None if snapshot_dir is None else SnapshotWriter(snapshot_dir, self.max_snapshots)
+        self._attached: dict[str, list[Any]] = {}
+        #: Path of the latest anomaly snapshot written, or None.
+        self.last_snapshot: str | None = None
 
     # ------------------------------------------------------------------ delegation
 
@@ -346,7 +410,9 @@ class ClippedOptimizer(Optimizer):
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         with torch.no_grad():
-            w = self._process_grads(grads, n)
+            total_norm, flag = self._measure(grads, n)
+            layers = self._diagnose(params, total_norm, flag, n)
+            w = self._clip(grads, total_norm, flag, n)
         self._counters.micro_batches = 0
         self._counters.windows += 1
         if _is_fused(self.optimizer) and self._inner_state_ready(len(grads)):
@@ -355,7 +421,10 @@ class ClippedOptimizer(Optimizer):
             loss = self._step_host(w, loss, closure, params)
         if self.scaler is not None:
             self.scaler.update()
-        self._record(w, n)
+        stats = self._record(w, n, layers)
+        for logger in self.loggers:
+            logger.log(stats, self)
+        self._attached.clear()
         self._check_consecutive_nonfinite()
         return loss
 
@@ -365,15 +434,72 @@ class ClippedOptimizer(Optimizer):
         if limit is not None:
             count = int(self._counters.consecutive)
             if count >= limit:
-                raise NonFiniteGradientError(count, self._counters.windows, None)
+                raise NonFiniteGradientError(count, self._counters.windows, self.last_snapshot)
 
-    def _process_grads(self, grads: list[Tensor], n: int) -> _Window:
-        """Steps 1-4 of the window: norm, value clip, norm clip; all on the device."""
-        divisor = float(n) if self.reduction == "mean" else 1.0
-        inv = 1.0 / divisor
+    def _divisor(self, n: int) -> float:
+        return float(n) if self.reduction == "mean" else 1.0
+
+    def _measure(self, grads: list[Tensor], n: int) -> tuple[Tensor, Tensor]:
+        """Steps 1-2: the pre-clip norm of the combined gradient and its non-finite flag."""
+        divisor = self._divisor(n)
         raw_norm = F.get_total_norm(grads, self.norm_type, foreach=self.foreach)
-        total_norm = raw_norm * inv if divisor != 1.0 else raw_norm
-        flag = F.nonfinite_flag(total_norm)
+        total_norm = raw_norm / divisor if divisor != 1.0 else raw_norm
+        return total_norm, F.nonfinite_flag(total_norm)
+
+    def _diagnose(self, params: list[Tensor], total_norm: Tensor, flag: Tensor, n: int) -> LayerStats | None:
+        """Per-layer statistics when due, and an anomaly snapshot of a non-finite window.
+
+        Both see the pre-clip gradients.  Either one reads the flag from the device.
+        """
+        due = bool(self.layer_stats) and (self._counters.windows + 1) % self.layer_stats == 0
+        if not due and self._snapshots is None:
+            return None
+        bad = bool(flag.item())
+        inv = 1.0 / self._divisor(n)
+        layers = compute_layer_stats(params, self.layer_names(), inv, bad) if due else None
+        if bad and self._snapshots is not None and self.scaler is None:
+            if layers is None:
+                layers = compute_layer_stats(params, self.layer_names(), inv, True)
+            path = self._snapshots.save(self._snapshot_payload(params, total_norm, n, layers))
+            self.last_snapshot = path or self.last_snapshot
+            if not due:
+                layers = None
+        return layers
+
+    def _snapshot_payload(
+        self, params: list[Tensor], total_norm: Tensor, n: int, layers: LayerStats
+    ) -> dict[str, Any]:
+        inv = 1.0 / self._divisor(n)
+        names = self.layer_names()
+        return {
+            "format": 1,
+            "step": self._counters.windows + 1,
+            "reason": "nonfinite",
+            "micro_batches": n,
+            "total_norm": float(total_norm.item()),
+            "params": {name: p.detach().to("cpu", copy=True) for name, p in zip(names, params, strict=True)},
+            "grads": {
+                name: (p.grad.detach() * inv).to("cpu")
+                for name, p in zip(names, params, strict=True)
+                if p.grad is not None
+            },
+            "optimizer": {
+                **self.optimizer.state_dict(),
+                "clipopt": self._counters.to_dict(pending_grads=None, scaler=None),
+            },
+            "layer_stats": layers.as_dict(),
+            "attached": {
+                name: to_saveable(values[0] if len(values) == 1 else values, name)
+                for name, values in self._attached.items()
+            },
+            "versions": versions(),
+            "time": now(),
+        }
+
+    def _clip(self, grads: list[Tensor], total_norm: Tensor, flag: Tensor, n: int) -> _Window:
+        """Steps 3-4: value clipping, then the norm coefficient; all on the device."""
+        divisor = self._divisor(n)
+        inv = 1.0 / divisor
         norm = total_norm
         clipped: bool | Tensor = False
         if self.clip_value is not None:
@@ -461,7 +587,8 @@ class ClippedOptimizer(Optimizer):
                 out = closure()
             with torch.no_grad():
                 grads = [p.grad for p in self._params() if p.grad is not None]
-                w = self._process_grads(grads, 1)
+                total_norm, flag = self._measure(grads, 1)
+                w = self._clip(grads, total_norm, flag, 1)
                 if isinstance(w.scale, Tensor) or w.scale != 1.0:
                     F.scale_grads_(grads, w.scale, foreach=self.foreach)
             return out
@@ -474,7 +601,7 @@ class ClippedOptimizer(Optimizer):
         self._update_applied = not skipped if isinstance(skipped, bool) else None
         self._counters.record(skipped)
 
-    def _record(self, w: _Window, n: int) -> None:
+    def _record(self, w: _Window, n: int, layers: LayerStats | None) -> StepStats:
         stats = StepStats(
             step=self._counters.windows,
             micro_batches=n,
@@ -484,9 +611,40 @@ class ClippedOptimizer(Optimizer):
             skipped=self._last_skipped,
             reason_if_skipped="overflow" if self.scaler is not None else "nonfinite",
             max_norm=self.max_norm,
+            lr=[g["lr"] if isinstance(g["lr"], float) else float(g["lr"]) for g in self.param_groups],
+            layers=layers,
         )
         self.last_stats = stats
         self.stats.append(stats)
+        return stats
+
+    # ------------------------------------------------------------------ diagnostics
+
+    def layer_names(self) -> list[str]:
+        """The name of every parameter, in parameter-group order (see ``param_names``)."""
+        names = self._names
+        out = []
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                out.append(names.get(p) or f"group{gi}.{i}")
+        return out
+
+    def attach(self, **tensors: Any) -> None:
+        """Register tensors (the current batch) to save if this window goes bad.
+
+        ``opt.attach(inputs=x, targets=y)`` before ``opt.step()``; attachments are
+        dropped when the window closes.  Called several times in one window, a
+        name keeps a list of what it received, in order.  Only read when a
+        snapshot is written (``snapshot_dir``); copies are made then.
+        """
+        for name, value in tensors.items():
+            check_saveable(value, name)
+            self._attached.setdefault(name, []).append(value)
+
+    def close(self) -> None:
+        """Close every logger (flushes buffered rows)."""
+        for logger in self.loggers:
+            logger.close()
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 
-__all__ = ["StepStats"]
+if TYPE_CHECKING:
+    from ._layers import LayerStats
+
+__all__ = ["StepStats", "materialize"]
 
 
 def _as_float(value: float | Tensor) -> float:
@@ -37,6 +42,9 @@ class StepStats:
         skipped: True when the update was skipped.
         reason: why it was skipped (``"nonfinite"``, ``"overflow"``), or None.
         max_norm: the norm bound used for this window, or None when off.
+        lr: the learning rate of each parameter group when the window closed.
+        layers: per-parameter :class:`~clipopt.LayerStats` when they were due
+            (``layer_stats=k``), else None.
     """
 
     __slots__ = (
@@ -45,6 +53,8 @@ class StepStats:
         "_reason_if_skipped",
         "_skipped",
         "_total_norm",
+        "layers",
+        "lr",
         "max_norm",
         "micro_batches",
         "step",
@@ -61,6 +71,8 @@ class StepStats:
         skipped: bool | Tensor,
         reason_if_skipped: str,
         max_norm: float | None,
+        lr: Sequence[float] = (),
+        layers: LayerStats | None = None,
     ) -> None:
         self.step = step
         self.micro_batches = micro_batches
@@ -70,6 +82,8 @@ class StepStats:
         self._skipped = skipped
         self._reason_if_skipped = reason_if_skipped
         self.max_norm = max_norm
+        self.lr = tuple(lr)
+        self.layers = layers
 
     @property
     def total_norm(self) -> float:
@@ -110,8 +124,23 @@ class StepStats:
             "skipped": self.skipped,
             "reason": self.reason,
             "max_norm": self.max_norm,
+            "lr": list(self.lr),
         }
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items())
         return f"StepStats({fields})"
+
+
+_LAZY = ("_total_norm", "_clip_coef", "_clipped", "_skipped")
+
+
+def materialize(stats: Sequence[StepStats]) -> None:
+    """Turn the device values of many :class:`StepStats` into Python values with one host read."""
+    pending = [(s, name) for s in stats for name in _LAZY if isinstance(getattr(s, name), Tensor)]
+    if not pending:
+        return
+    device = getattr(pending[0][0], pending[0][1]).device
+    tensors = [getattr(s, name).to(device, torch.float64, non_blocking=True) for s, name in pending]
+    for (s, name), v in zip(pending, torch.stack(tensors).tolist(), strict=True):
+        setattr(s, name, bool(v) if name in ("_clipped", "_skipped") else v)

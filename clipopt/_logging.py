@@ -1,0 +1,193 @@
+"""Loggers: where each window's statistics go (``loggers=[...]``)."""
+
+from __future__ import annotations
+
+import atexit
+import csv
+import math
+import os
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from ._layers import LAYER_FIELDS
+from ._stats import StepStats, materialize
+
+if TYPE_CHECKING:
+    from ._optimizer import ClippedOptimizer
+
+__all__ = ["BASE_COLUMNS", "CSVLogger", "Logger", "format_value"]
+
+
+@runtime_checkable
+class Logger(Protocol):
+    """What ``ClippedOptimizer(loggers=[...])`` accepts: two methods.
+
+    ``log(stats, optimizer)`` is called at the end of every window, on the
+    training thread, with that window's :class:`~clipopt.StepStats` (device
+    values not read yet) and the :class:`~clipopt.ClippedOptimizer`
+    (``p.grad`` still holds the window's gradients; ``stats.layers`` holds the
+    per-parameter statistics when they were due).  Reading a device value is a
+    host-device sync: buffer the stats and convert many at once with
+    :func:`clipopt.materialize`, as :class:`CSVLogger` does.
+
+    ``close()`` flushes and releases; it may be called more than once.
+
+    A W&B logger, for instance::
+
+        class WandbLogger:
+            def __init__(self, every=100):
+                self.buffer, self.every = [], every
+            def log(self, stats, optimizer):
+                self.buffer.append(stats)
+                if len(self.buffer) >= self.every:
+                    self.close()
+            def close(self):
+                clipopt.materialize(self.buffer)
+                for s in self.buffer:
+                    wandb.log({"grad/total_norm": s.total_norm, "grad/skipped": s.skipped}, step=s.step)
+                self.buffer.clear()
+    """
+
+    def log(self, stats: StepStats, optimizer: ClippedOptimizer) -> None: ...
+
+    def close(self) -> None: ...
+
+
+#: The columns every :class:`CSVLogger` row has, in order.
+BASE_COLUMNS = (
+    "step",
+    "micro_batches",
+    "total_norm",
+    "clip_coef",
+    "clipped",
+    "skipped",
+    "reason",
+    "max_norm",
+    "lr",
+)
+
+
+def format_value(value: Any) -> str:
+    """A CSV cell: '' for None, 0/1 for bools, repr precision for floats ('nan', 'inf')."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    return str(value)
+
+
+class CSVLogger:
+    """One CSV row per window: the record from which explosion and vanishing are counted.
+
+    Columns, stable across versions: :data:`BASE_COLUMNS` — ``step``,
+    ``micro_batches``, ``total_norm`` (pre-clip), ``clip_coef``, ``clipped``
+    (0/1), ``skipped`` (0/1), ``reason`` (empty, ``nonfinite`` or ``overflow``),
+    ``max_norm`` (empty when off), ``lr`` (group 0) — then ``lr.<g>`` for further
+    parameter groups, then, when the optimizer has ``layer_stats`` on, for every
+    parameter ``<name>.grad_norm``, ``.grad_max``, ``.grad_min``, ``.nonfinite``,
+    ``.param_norm`` (empty in rows where they were not due).
+
+    Rows are buffered and written every ``flush_every`` windows, on
+    :meth:`close` and at interpreter exit; converting a buffer is one host read.
+    An existing file with the same columns is appended to (a resumed run adds
+    no second header); one with different columns is an error.
+
+    Args:
+        path: the CSV file; its folder is created.
+        flush_every: windows per write.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], flush_every: int = 100) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(
+                f"path must be a str or os.PathLike, got {type(path).__name__}; pass e.g. 'grads.csv'"
+            )
+        if not isinstance(flush_every, int) or isinstance(flush_every, bool) or flush_every < 1:
+            raise ValueError(
+                f"flush_every must be an int >= 1, got {flush_every!r}; pass e.g. flush_every=100"
+            )
+        self.path = Path(path)
+        self.flush_every = flush_every
+        self.columns: list[str] | None = None
+        self._names: list[str] = []
+        self._buffer: list[StepStats] = []
+        self._closed = False
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    def log(self, stats: StepStats, optimizer: ClippedOptimizer) -> None:
+        """Buffer one window; write the buffer every ``flush_every`` windows."""
+        if self.columns is None:
+            self._set_columns(optimizer, len(stats.lr))
+        self._buffer.append(stats)
+        self._closed = False
+        if len(self._buffer) >= self.flush_every:
+            self.flush()
+
+    def _set_columns(self, optimizer: ClippedOptimizer, groups: int) -> None:
+        columns = list(BASE_COLUMNS) + [f"lr.{g}" for g in range(1, groups)]
+        if optimizer.layer_stats:
+            self._names = optimizer.layer_names()
+            columns += [f"{name}.{field}" for name in self._names for field in LAYER_FIELDS]
+        existing = self._existing_header()
+        if existing is not None and existing != columns:
+            raise ValueError(
+                f"{self.path} already holds a CSV log with other columns "
+                f"({len(existing)} vs {len(columns)}: a different model or layer_stats setting); "
+                "pass a new path to CSVLogger"
+            )
+        self.columns = columns
+
+    def _existing_header(self) -> list[str] | None:
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return None
+        with self.path.open(newline="") as f:
+            return next(csv.reader(f), None)
+
+    def _row(self, s: StepStats) -> list[str]:
+        lr: list[float | None] = [float(x) for x in s.lr] or [None]
+        row = [s.step, s.micro_batches, s.total_norm, s.clip_coef, s.clipped, s.skipped, s.reason, s.max_norm]
+        cells = [format_value(v) for v in (*row, *lr)]
+        if self._names:
+            if s.layers is None:
+                cells += [""] * (len(self._names) * len(LAYER_FIELDS))
+            else:
+                values = s.layers.as_dict()
+                for name in self._names:
+                    stats = values.get(name)
+                    cells += [format_value(stats[f]) if stats else "" for f in LAYER_FIELDS]
+        return cells
+
+    def flush(self) -> None:
+        """Write the buffered rows now (one host read for all of them)."""
+        if not self._buffer or self.columns is None:
+            return
+        materialize(self._buffer)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        new = self._existing_header() is None
+        with self.path.open("a", newline="") as f:
+            writer = csv.writer(f)
+            if new:
+                writer.writerow(self.columns)
+            writer.writerows(self._row(s) for s in self._buffer)
+        self._buffer.clear()
+
+    def close(self) -> None:
+        """Write what is buffered; the logger may still be used afterwards."""
+        self.flush()
+        self._closed = True
+
+    def __repr__(self) -> str:
+        return f"CSVLogger({str(self.path)!r}, flush_every={self.flush_every})"
+
+
+def _close_at_exit(ref: weakref.ref[CSVLogger]) -> None:
+    logger = ref()
+    if logger is not None:
+        logger.close()

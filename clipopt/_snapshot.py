@@ -1,0 +1,155 @@
+"""Anomaly snapshots: what is needed to reproduce an update that went bad."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["SNAPSHOT_FORMAT", "SnapshotWriter", "check_saveable", "load_snapshot", "to_saveable", "versions"]
+
+#: Version of the snapshot layout.
+SNAPSHOT_FORMAT = 1
+
+#: Keys every snapshot has.
+SNAPSHOT_KEYS = (
+    "format",
+    "step",
+    "reason",
+    "micro_batches",
+    "total_norm",
+    "params",
+    "grads",
+    "optimizer",
+    "layer_stats",
+    "attached",
+    "versions",
+    "time",
+)
+
+
+def versions() -> dict[str, str]:
+    """Versions of what produced a snapshot."""
+    from . import __version__
+
+    return {
+        "clipopt": __version__,
+        "torch": str(torch.__version__),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def check_saveable(value: Any, name: str) -> None:
+    """Raise the ``TypeError`` of :func:`to_saveable` without copying anything."""
+    if isinstance(value, Tensor) or value is None or isinstance(value, (bool, int, float, str)):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_saveable(v, f"{name}[{i}]")
+        return
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        for k, v in value.items():
+            check_saveable(v, f"{name}[{k!r}]")
+        return
+    raise TypeError(
+        f"attach() got {name}={type(value).__name__}, which a snapshot cannot hold; "
+        "pass tensors, numbers, strings, or lists/dicts of them"
+    )
+
+
+def to_saveable(value: Any, name: str) -> Any:
+    """A CPU copy of ``value`` that ``torch.load(weights_only=True)`` can read.
+
+    Tensors (detached CPU copies), numbers, strings, None, and lists, tuples and
+    string-keyed dicts of those; anything else is a ``TypeError`` naming ``name``.
+    """
+    if isinstance(value, Tensor):
+        return value.detach().to("cpu", copy=True)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_saveable(v, f"{name}[{i}]") for i, v in enumerate(value))
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: to_saveable(v, f"{name}[{k!r}]") for k, v in value.items()}
+    check_saveable(value, name)  # raises
+    return value
+
+
+class SnapshotWriter:
+    """Writes snapshots atomically into ``directory``, at most ``max_snapshots`` of them.
+
+    The first ``max_snapshots`` anomalies of a run are kept (the first one is
+    usually the informative one); later ones are counted, not written.  A write
+    that fails (disk full, no permission) warns and returns None: training goes on.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], max_snapshots: int) -> None:
+        self.directory = Path(directory)
+        self.max_snapshots = max_snapshots
+        self.saved: list[str] = []
+        self.not_saved = 0
+
+    def save(self, payload: dict[str, Any]) -> str | None:
+        """Write ``payload`` as ``anomaly-step<step>-<reason>.pt``; return its path, or None."""
+        if len(self.saved) >= self.max_snapshots:
+            if self.not_saved == 0:
+                warnings.warn(
+                    f"clipopt: {self.max_snapshots} anomaly snapshots are in {self.directory}; "
+                    "further anomalies are not saved (raise max_snapshots to keep more)",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            self.not_saved += 1
+            return None
+        path = self.directory / f"anomaly-step{payload['step']:08d}-{payload['reason']}.pt"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                torch.save(payload, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except (OSError, RuntimeError) as exc:
+            tmp.unlink(missing_ok=True)
+            warnings.warn(
+                f"clipopt could not write the anomaly snapshot {path} ({exc}); training continues",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return None
+        self.saved.append(str(path))
+        return str(path)
+
+
+def load_snapshot(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a snapshot written by clipopt (``torch.load(path, weights_only=True)`` plus checks).
+
+    Returns a dict with at least ``step``, ``reason``, ``micro_batches``,
+    ``total_norm``, ``params`` and ``grads`` (parameter name -> tensor, so
+    ``model.load_state_dict(snap["params"], strict=False)`` restores the
+    weights), ``optimizer`` (state dict), ``layer_stats`` (name -> statistics),
+    ``attached`` (name -> what ``attach`` received), ``versions`` and ``time``.
+    """
+    snap = torch.load(path, weights_only=True, map_location="cpu")
+    if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT:
+        raise ValueError(
+            f"{path} is not a clipopt snapshot (format {SNAPSHOT_FORMAT}); "
+            "pass a file that ClippedOptimizer(snapshot_dir=...) wrote"
+        )
+    missing = [k for k in SNAPSHOT_KEYS if k not in snap]
+    if missing:
+        raise ValueError(f"{path} is a damaged clipopt snapshot: it lacks {', '.join(missing)}")
+    return snap
+
+
+def now() -> str:
+    """The current UTC time, ISO 8601."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
