@@ -1,0 +1,371 @@
+"""Per-layer statistics, parameter names and the CSV logger."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import clipopt
+from clipopt import LAYER_FIELDS, ClippedOptimizer, CSVLogger, StepStats
+
+from .hostreads import count_host_reads
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+
+
+def _batches(n: int, bad: set[int] = frozenset()) -> list[torch.Tensor]:  # type: ignore[assignment]
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        x = torch.randn(5, 4, generator=gen) * 3
+        if i in bad:
+            x[0, 0] = float("nan")
+        out.append(x)
+    return out
+
+
+def _train(model: torch.nn.Module, opt: ClippedOptimizer, batches: list[torch.Tensor]) -> None:
+    for x in batches:
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+# ------------------------------------------------------------------------------ names
+
+
+def test_names_from_named_parameters() -> None:
+    """param_names=model.named_parameters() names every parameter in group order."""
+    model = _model()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), param_names=model.named_parameters())
+    assert opt.layer_names() == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def test_names_from_inner_optimizer_built_with_named_parameters() -> None:
+    """Without param_names, the inner optimizer's own param_names (from named_parameters()) are used."""
+    model = _model()
+    opt = ClippedOptimizer(torch.optim.AdamW(model.named_parameters(), lr=0.1))
+    assert opt.layer_names() == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def test_names_fallback_and_list_and_dict() -> None:
+    """Unnamed parameters get group<g>.<i>; a list of names or a dict also works."""
+    model = _model()
+    params = list(model.parameters())
+    groups = [{"params": params[:2]}, {"params": params[2:], "lr": 0.01}]
+    opt = ClippedOptimizer(torch.optim.SGD(groups, lr=0.1))
+    assert opt.layer_names() == ["group0.0", "group0.1", "group1.0", "group1.1"]
+    opt = ClippedOptimizer(torch.optim.SGD(groups, lr=0.1), param_names=["a", "b", "c", "d"])
+    assert opt.layer_names() == ["a", "b", "c", "d"]
+    opt = ClippedOptimizer(torch.optim.SGD(groups, lr=0.1), param_names={"last": params[3]})
+    assert opt.layer_names() == ["group0.0", "group0.1", "group1.0", "last"]
+
+
+@pytest.mark.parametrize(
+    ("param_names", "error", "message"),
+    [
+        ("weights", TypeError, "param_names must be model.named_parameters()"),
+        ([1, 2], TypeError, "param_names must be model.named_parameters()"),
+        (["a"], ValueError, "param_names lists 1 names but the optimizer has 4 parameters"),
+    ],
+)
+def test_bad_param_names(param_names: Any, error: type[Exception], message: str) -> None:
+    """Bad param_names raise an error naming the argument and the fix."""
+    model = _model()
+    with pytest.raises(error, match=re.escape(message)):
+        ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), param_names=param_names)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"layer_stats": 0}, ValueError, "layer_stats must be True, False or an int >= 1, got 0"),
+        ({"layer_stats": "10"}, TypeError, "layer_stats must be True, False or an int >= 1, got '10'"),
+        ({"loggers": CSVLogger("x.csv")}, TypeError, "loggers must be a list of loggers, got CSVLogger"),
+        ({"loggers": [print]}, TypeError, "loggers must hold objects with log(stats, optimizer) and close()"),
+        ({"snapshot_dir": 3}, TypeError, "snapshot_dir must be a path or None, got int"),
+        ({"max_snapshots": 0}, ValueError, "max_snapshots must be an int >= 1, got 0"),
+    ],
+)
+def test_bad_diagnostics_arguments(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
+    """Each bad diagnostics argument raises the documented error."""
+    model = _model()
+    with pytest.raises(error, match=re.escape(message)):
+        ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+# ------------------------------------------------------------------------------ layer statistics
+
+
+def _reference_layer_stats(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[list[float]]:
+    rows = []
+    for g, p in zip(grads, params, strict=True):
+        a = np.abs(g.double().numpy()).ravel()
+        finite = np.isfinite(a)
+        rows.append(
+            [
+                float(np.sqrt(np.sum(a**2))),
+                float(a.max()),
+                float(a.min()),
+                float((~finite).sum()),
+                float(np.sqrt(np.sum(p.detach().double().numpy() ** 2))),
+            ]
+        )
+    return rows
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_layer_stats_match_numpy(accumulation: int) -> None:
+    """Per-layer statistics equal NumPy's on the combined (mean), pre-clip gradient and the parameters."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        max_norm=1e-3,
+        accumulation_steps=accumulation,
+        layer_stats=True,
+        param_names=model.named_parameters(),
+    )
+    batches = _batches(accumulation)
+    for x in batches:
+        ref(x).pow(2).mean().backward()
+    grads = [p.grad / accumulation for p in ref.parameters() if p.grad is not None]
+    expected = _reference_layer_stats(grads, list(ref.parameters()))
+    _train(model, opt, batches)
+    assert opt.last_stats is not None and opt.last_stats.layers is not None
+    got = opt.last_stats.layers
+    assert got.names == ("0.weight", "0.bias", "2.weight", "2.bias")
+    np.testing.assert_allclose(np.array(got.rows()), np.array(expected), rtol=1e-5, atol=1e-7)
+    assert got["2.bias"]["grad_norm"] == pytest.approx(expected[3][0], rel=1e-5)
+    assert set(got.as_dict()["0.weight"]) == set(LAYER_FIELDS)
+
+
+def test_layer_stats_every_k_windows() -> None:
+    """layer_stats=3 computes statistics on windows 3, 6, ... only; False never."""
+    model = _model()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), layer_stats=3)
+    _train(model, opt, _batches(7))
+    assert [s.step for s in opt.stats if s.layers is not None] == [3, 6]
+    opt2 = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    _train(model, opt2, _batches(3))
+    assert all(s.layers is None for s in opt2.stats)
+
+
+def test_layer_stats_count_nonfinite_elements() -> None:
+    """A NaN window's statistics count the non-finite elements per parameter exactly."""
+    model = _model()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), layer_stats=True)
+    x = torch.randn(5, 4)
+    x[1, 2] = float("nan")
+    model(x).pow(2).mean().backward()
+    expected = [int((~torch.isfinite(p.grad)).sum()) for p in model.parameters() if p.grad is not None]
+    opt.step()
+    assert opt.last_stats is not None and opt.last_stats.layers is not None
+    counts = [row[LAYER_FIELDS.index("nonfinite")] for row in opt.last_stats.layers.rows()]
+    assert counts == expected
+    assert counts[0] > 0
+
+
+def test_layer_stats_without_gradient_are_nan() -> None:
+    """A parameter without a gradient has nan gradient statistics, 0 non-finite, and its parameter norm."""
+    model = _model()
+    frozen = list(model.parameters())[1]
+    frozen.requires_grad_(False)
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), layer_stats=True)
+    _train(model, opt, _batches(1))
+    assert opt.last_stats is not None and opt.last_stats.layers is not None
+    row = opt.last_stats.layers.rows()[1]
+    assert all(math.isnan(v) for v in row[:3])
+    assert row[3] == 0.0
+    assert row[4] == pytest.approx(frozen.norm().item())
+
+
+def test_layer_stats_windows_read_one_flag_others_none() -> None:
+    """With fused AdamW, windows without statistics read nothing; windows with statistics read one flag."""
+    model = _model()
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), fused=True), max_norm=0.1, layer_stats=2)
+    reads = []
+    for x in _batches(6):
+        model(x).pow(2).mean().backward()
+        with count_host_reads() as r:
+            opt.step()
+        reads.append(len(r))
+        opt.zero_grad()
+    assert reads[2] == 0 and reads[4] == 0  # windows 3 and 5
+    assert reads[3] == 1 and reads[5] == 1  # windows 4 and 6
+
+
+# ------------------------------------------------------------------------------ CSV logger
+
+
+def _read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_csv_rows_match_stats(tmp_path: Path) -> None:
+    """One CSV row per window with the documented columns, equal to opt.stats (round trip)."""
+    path = tmp_path / "logs" / "grads.csv"
+    model = _model()
+    logger = CSVLogger(path, flush_every=4)
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.named_parameters(), lr=0.05),
+        max_norm=0.5,
+        layer_stats=2,
+        loggers=[logger],
+    )
+    _train(model, opt, _batches(7, bad={4}))
+    opt.close()
+    rows = _read_csv(path)
+    assert list(rows[0])[:9] == list(clipopt._logging.BASE_COLUMNS)
+    assert list(rows[0])[9:14] == [f"0.weight.{f}" for f in LAYER_FIELDS]
+    assert len(rows) == 7
+    for row, s in zip(rows, opt.stats, strict=True):
+        assert int(row["step"]) == s.step
+        assert int(row["micro_batches"]) == 1
+        if s.skipped:
+            assert row["total_norm"] == "nan" and row["reason"] == "nonfinite" and row["skipped"] == "1"
+        else:
+            assert float(row["total_norm"]) == s.total_norm
+            assert float(row["clip_coef"]) == s.clip_coef
+            assert row["reason"] == "" and row["skipped"] == "0"
+        assert row["clipped"] == ("1" if s.clipped else "0")
+        assert float(row["max_norm"]) == 0.5
+        assert float(row["lr"]) == 0.05
+        if s.layers is None:
+            assert row["0.weight.grad_norm"] == ""
+        else:
+            assert float(row["2.bias.grad_norm"]) == s.layers["2.bias"]["grad_norm"]
+    assert [r["step"] for r in rows if r["0.weight.grad_norm"]] == ["2", "4", "6"]
+
+
+def test_csv_is_buffered(tmp_path: Path) -> None:
+    """Nothing is written before flush_every windows; close() writes the rest."""
+    path = tmp_path / "grads.csv"
+    model = _model()
+    logger = CSVLogger(path, flush_every=3)
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), loggers=[logger])
+    _train(model, opt, _batches(2))
+    assert not path.exists()
+    _train(model, opt, _batches(1))
+    assert len(_read_csv(path)) == 3
+    _train(model, opt, _batches(2))
+    assert len(_read_csv(path)) == 3
+    logger.close()
+    assert [int(r["step"]) for r in _read_csv(path)] == [1, 2, 3, 4, 5]
+
+
+def test_csv_adds_no_host_read_until_flush(tmp_path: Path) -> None:
+    """With fused AdamW, logging reads nothing on windows that are not flushed, and once per flush."""
+    model = _model()
+    logger = CSVLogger(tmp_path / "g.csv", flush_every=4)
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), fused=True), loggers=[logger])
+    reads = []
+    for x in _batches(8):
+        model(x).pow(2).mean().backward()
+        with count_host_reads() as r:
+            opt.step()
+        reads.append(len(r))
+        opt.zero_grad()
+    assert reads[1:] == [0, 0, 1, 0, 0, 0, 1]
+
+
+def test_csv_resume_appends_without_second_header(tmp_path: Path) -> None:
+    """A resumed run with a new CSVLogger on the same file appends rows and writes no second header."""
+    path = tmp_path / "grads.csv"
+    model = _model()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), loggers=[CSVLogger(path)])
+    _train(model, opt, _batches(3))
+    opt.close()
+    sd = copy.deepcopy(opt.state_dict())
+    model2 = copy.deepcopy(model)
+    opt2 = ClippedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.05), loggers=[CSVLogger(path)])
+    opt2.load_state_dict(sd)
+    _train(model2, opt2, _batches(2))
+    opt2.close()
+    text = path.read_text()
+    assert text.count("step,micro_batches") == 1
+    assert [int(r["step"]) for r in _read_csv(path)] == [1, 2, 3, 4, 5]
+
+
+def test_csv_refuses_other_columns(tmp_path: Path) -> None:
+    """Appending to a CSV with other columns (layer_stats toggled) is a ValueError naming the path."""
+    path = tmp_path / "grads.csv"
+    model = _model()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), loggers=[CSVLogger(path)])
+    _train(model, opt, _batches(1))
+    opt.close()
+    opt2 = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), layer_stats=True, loggers=[CSVLogger(path)]
+    )
+    with pytest.raises(ValueError, match=re.escape(f"{path} already holds a CSV log with other columns")):
+        _train(model, opt2, _batches(1))
+
+
+def test_csv_writes_at_exit(tmp_path: Path) -> None:
+    """Buffered rows are written when the interpreter exits (atexit), without close()."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "exit.csv"
+    code = (
+        "import torch, clipopt\n"
+        "m = torch.nn.Linear(2, 1)\n"
+        f"opt = clipopt.ClippedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), "
+        f"loggers=[clipopt.CSVLogger({str(path)!r})])\n"
+        "for _ in range(3):\n"
+        "    m(torch.ones(1, 2)).sum().backward(); opt.step(); opt.zero_grad()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert len(_read_csv(path)) == 3
+
+
+def test_custom_logger_protocol() -> None:
+    """Any object with log(stats, optimizer) and close() is a logger; it sees every window in order."""
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+            self.closed = 0
+
+        def log(self, stats: StepStats, optimizer: ClippedOptimizer) -> None:
+            assert optimizer.last_stats is stats
+            self.steps.append(stats.step)
+
+        def close(self) -> None:
+            self.closed += 1
+
+    rec = Recorder()
+    assert isinstance(rec, clipopt.Logger)
+    model = _model()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2, loggers=[rec])
+    _train(model, opt, _batches(6))
+    opt.close()
+    assert rec.steps == [1, 2, 3]
+    assert rec.closed == 1
+
+
+def test_materialize_reads_once() -> None:
+    """clipopt.materialize converts the device values of many StepStats with a single host read."""
+    model = _model()
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), fused=True), max_norm=0.1)
+    _train(model, opt, _batches(5))
+    stats = list(opt.stats)[1:]
+    with count_host_reads() as reads:
+        clipopt.materialize(stats)
+    assert len(reads) == 1
+    with count_host_reads() as reads:
+        values = [(s.total_norm, s.clip_coef, s.clipped, s.skipped) for s in stats]
+    assert len(reads) == 0
+    assert all(isinstance(v[0], float) and isinstance(v[2], bool) for v in values)
