@@ -15,6 +15,7 @@ from ._optimizer import ClippedOptimizer
 from ._scheduler import PerUpdateScheduler, per_update
 from ._snapshot import load_snapshot
 from ._stats import StepStats, materialize
+from ._tensorboard import TensorBoardLogger
 
 __version__ = "0.1.0.dev0"
 
@@ -27,6 +28,7 @@ __all__ = [
     "NonFiniteGradientError",
     "PerUpdateScheduler",
     "StepStats",
+    "TensorBoardLogger",
     "__version__",
     "functional",
     "load_snapshot",

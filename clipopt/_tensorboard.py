@@ -1,0 +1,175 @@
+"""TensorBoard logger (optional extra: ``pip install 'clipopt[tensorboard]'``)."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ._layers import LAYER_FIELDS
+from ._stats import StepStats, materialize
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from ._optimizer import ClippedOptimizer
+
+__all__ = ["TensorBoardLogger"]
+
+_INSTALL_HINT = (
+    "TensorBoardLogger needs the tensorboard package; install it with pip install 'clipopt[tensorboard]'"
+)
+
+
+class TensorBoardLogger:
+    """Each window's statistics as TensorBoard scalars, plus gradient histograms.
+
+    Scalars, at ``global_step = stats.step`` (the window index), the same as
+    the :class:`~clipopt.CSVLogger` columns: ``clipopt/total_norm`` (pre-clip),
+    ``clipopt/clip_coef``, ``clipopt/clipped`` (0/1), ``clipopt/skipped``
+    (0/1), ``clipopt/micro_batches``, ``clipopt/max_norm`` (only when norm
+    clipping is on) and ``clipopt/lr`` (group 0), ``clipopt/lr.1``, ... for
+    further parameter groups.  On windows with per-layer statistics
+    (``layer_stats=k``): ``clipopt/layers/<name>/<field>`` for each field of
+    :data:`~clipopt.LAYER_FIELDS` (statistics of the pre-clip gradient).
+
+    Scalars are buffered and written every ``flush_every`` windows, on
+    :meth:`close` and at interpreter exit, each with the wall time of its
+    window; converting a buffer of scalars is one host read (plus one per
+    window with per-layer statistics in it).  A window that is neither
+    written nor has per-layer statistics reads nothing from the device.
+
+    With ``histograms=True``, on windows with per-layer statistics whose update
+    was applied, ``clipopt/grad/<name>`` is a histogram of each parameter's
+    ``p.grad`` as the logger sees it, after the inner step: the gradient the
+    inner optimizer applied — combined over the window (divided by the number
+    of micro-batches with ``reduction="mean"``), value-clipped and multiplied by
+    ``clip_coef`` — not the pre-clip gradient the per-layer scalars describe.
+    Non-finite elements are left out (the ``nonfinite`` scalar counts them);
+    skipped windows get no histograms (their gradients were never applied).
+    These windows copy every gradient to the host, and histograms go to the
+    event file when taken (TensorBoard's writer queue decides when they reach
+    the disk), not with the buffered scalars.
+
+    Args:
+        log_dir: the run's folder (e.g. ``"runs/exp1"``); created if missing.
+            Another event file is added next to existing ones.
+        flush_every: windows per write of the buffered scalars.
+        histograms: write gradient histograms on windows with per-layer statistics.
+
+    Raises:
+        ImportError: tensorboard is not installed.
+    """
+
+    def __init__(
+        self, log_dir: str | os.PathLike[str], flush_every: int = 100, histograms: bool = True
+    ) -> None:
+        if not isinstance(log_dir, (str, os.PathLike)):
+            raise TypeError(
+                f"log_dir must be a str or os.PathLike, got {type(log_dir).__name__}; pass e.g. 'runs/exp1'"
+            )
+        if not isinstance(flush_every, int) or isinstance(flush_every, bool) or flush_every < 1:
+            raise ValueError(
+                f"flush_every must be an int >= 1, got {flush_every!r}; pass e.g. flush_every=100"
+            )
+        if not isinstance(histograms, bool):
+            raise TypeError(
+                f"histograms must be True or False, got {histograms!r}; pass e.g. histograms=False"
+            )
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ImportError(f"{_INSTALL_HINT} ({e})") from e
+        self.log_dir = Path(log_dir)
+        self.flush_every = flush_every
+        self.histograms = histograms
+        self._writer: SummaryWriter = SummaryWriter(log_dir=str(self.log_dir))
+        self._buffer: list[tuple[StepStats, float]] = []
+        self._closed = False
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    def log(self, stats: StepStats, optimizer: ClippedOptimizer) -> None:
+        """Buffer one window's scalars (write them every ``flush_every`` windows); histograms if due."""
+        walltime = time.time()
+        if self.histograms and stats.layers is not None:
+            self._write_histograms(stats, optimizer, walltime)
+        self._buffer.append((stats, walltime))
+        self._closed = False
+        if len(self._buffer) >= self.flush_every:
+            self.flush()
+
+    @torch.no_grad()
+    def _write_histograms(self, stats: StepStats, optimizer: ClippedOptimizer, walltime: float) -> None:
+        materialize([stats])  # one host read for this window's scalars (the flush then reads nothing more)
+        if stats.skipped:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for name, p in zip(optimizer.layer_names(), params, strict=True):
+            values = _host_values(p.grad)
+            if values is not None:
+                self._writer.add_histogram(f"clipopt/grad/{name}", values, stats.step, walltime=walltime)
+
+    def _write_scalars(self, s: StepStats, walltime: float) -> None:
+        def add(tag: str, value: float) -> None:
+            self._writer.add_scalar(f"clipopt/{tag}", value, s.step, walltime=walltime)
+
+        add("total_norm", s.total_norm)
+        add("clip_coef", s.clip_coef)
+        add("clipped", float(s.clipped))
+        add("skipped", float(s.skipped))
+        add("micro_batches", float(s.micro_batches))
+        if s.max_norm is not None:
+            add("max_norm", float(s.max_norm))
+        for g, lr in enumerate(s.lr):
+            add("lr" if g == 0 else f"lr.{g}", float(lr))
+        if s.layers is not None:
+            for name, row in zip(s.layers.names, s.layers.rows(), strict=True):
+                for field, value in zip(LAYER_FIELDS, row, strict=True):
+                    add(f"layers/{name}/{field}", value)
+
+    def flush(self) -> None:
+        """Write the buffered scalars now (one host read for all of them) and flush the event file."""
+        if not self._buffer:
+            return
+        materialize([s for s, _ in self._buffer])
+        for s, walltime in self._buffer:
+            self._write_scalars(s, walltime)
+        self._buffer.clear()
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Write what is buffered and close the event file; may be called more than once.
+
+        Logging after ``close()`` still works: it goes to a new event file in ``log_dir``.
+        """
+        self.flush()
+        self._writer.close()
+        self._closed = True
+
+    def __repr__(self) -> str:
+        return (
+            f"TensorBoardLogger({str(self.log_dir)!r}, flush_every={self.flush_every}, "
+            f"histograms={self.histograms})"
+        )
+
+
+def _host_values(grad: Tensor | None) -> Tensor | None:
+    """The finite elements of ``grad`` as a flat float32 CPU tensor, or None when there are none."""
+    if grad is None:
+        return None
+    values = (grad.coalesce().values() if grad.is_sparse else grad).detach().reshape(-1)
+    values = values.to("cpu").float()
+    values = values[torch.isfinite(values)]
+    return values if values.numel() else None
+
+
+def _close_at_exit(ref: weakref.ref[TensorBoardLogger]) -> None:
+    logger = ref()
+    if logger is not None:
+        logger.close()
