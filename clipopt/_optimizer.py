@@ -637,8 +637,9 @@ class ClippedOptimizer(Optimizer):
         name keeps a list of what it received, in order.  Only read when a
         snapshot is written (``snapshot_dir``); copies are made then.
         """
-        for name, value in tensors.items():
+        for name, value in tensors.items():  # check every value before keeping any
             check_saveable(value, name)
+        for name, value in tensors.items():
             self._attached.setdefault(name, []).append(value)
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -104,7 +105,7 @@ class SnapshotWriter:
                     f"clipopt: {self.max_snapshots} anomaly snapshots are in {self.directory}; "
                     "further anomalies are not saved (raise max_snapshots to keep more)",
                     RuntimeWarning,
-                    stacklevel=4,
+                    stacklevel=6,  # the user's opt.step() line
                 )
             self.not_saved += 1
             return None
@@ -118,11 +119,12 @@ class SnapshotWriter:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except (OSError, RuntimeError) as exc:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # e.g. NotADirectoryError when mkdir failed
+                tmp.unlink(missing_ok=True)
             warnings.warn(
                 f"clipopt could not write the anomaly snapshot {path} ({exc}); training continues",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=6,  # the user's opt.step() line
             )
             return None
         self.saved.append(str(path))

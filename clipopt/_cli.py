@@ -1,0 +1,108 @@
+"""The ``clipopt`` command line (also ``python -m clipopt``).
+
+Every subcommand is a pair of functions: ``_add_<name>(subparsers)`` declares
+its arguments and sets ``func`` to ``_run_<name>(args) -> int``; register the
+adder in :data:`_COMMANDS`.  The work itself lives in its own module
+(``clipopt._inspect`` for ``inspect``), imported when the command runs.
+
+Exit codes: 0 success, 2 a usage error or a file that cannot be used (one line
+on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["CommandError", "main"]
+
+#: What argparse's ``add_subparsers()`` returns (its class is private).
+_Subparsers = Any
+
+
+class CommandError(Exception):
+    """A failure to report as ``clipopt <command>: error: <message>`` with exit code 2."""
+
+
+# ---------------------------------------------------------------------------- inspect
+
+
+def _add_inspect(subparsers: _Subparsers) -> None:
+    p = subparsers.add_parser(
+        "inspect",
+        help="show which parameters went bad in an anomaly snapshot",
+        description=(
+            "Show an anomaly snapshot written by ClippedOptimizer(snapshot_dir=...): the step, reason "
+            "and pre-clip norm of the window, its parameters ranked with the non-finite ones first "
+            "(most non-finite elements first, then by gradient norm), their statistics, and what was "
+            "attached with opt.attach()."
+        ),
+    )
+    p.add_argument("file", help="a snapshot file, e.g. anomalies/anomaly-step00000042-nonfinite.pt")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print the same as JSON (non-finite numbers as the strings "nan", "inf", "-inf")',
+    )
+    p.set_defaults(func=_run_inspect)
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from ._inspect import InspectError, format_json, format_text, inspect_file
+
+    try:
+        summary = inspect_file(args.file)
+    except InspectError as exc:
+        raise CommandError(str(exc)) from None
+    print(format_json(summary) if args.json else format_text(summary))
+    return 0
+
+
+# ---------------------------------------------------------------------------- the entry point
+
+#: Subcommands, in the order ``--help`` lists them.
+_COMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_inspect,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``clipopt`` argument parser with every subcommand of :data:`_COMMANDS`."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="clipopt",
+        description="clipopt: safe gradient clipping for PyTorch -- command-line tools.",
+    )
+    parser.add_argument("--version", action="version", version=f"clipopt {__version__}")
+    subparsers = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
+    for add in _COMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``clipopt`` with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error (argparse printed it)
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        code: int = args.func(args)
+        sys.stdout.flush()
+    except CommandError as exc:
+        print(f"clipopt {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `clipopt inspect f | head`: stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        print(f"clipopt {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return code
