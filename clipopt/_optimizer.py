@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import copy
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -205,6 +206,16 @@ class ClippedOptimizer(Optimizer):
             )
         self.max_snapshots = check_positive_int("max_snapshots", max_snapshots)
         names = resolve_param_names(optimizer, param_names)
+        if snapshot_dir is not None and param_names is None and not any(
+            g.get("param_names") for g in optimizer.param_groups
+        ):
+            warnings.warn(
+                "snapshot_dir is set but the parameters have no names, so snapshots name them "
+                "group0.0, group0.1, ... and model.load_state_dict(snap['params'], strict=False) "
+                "matches nothing; pass param_names=model.named_parameters()",
+                UserWarning,
+                stacklevel=2,
+            )
 
         self.optimizer = optimizer
         self.scaler = scaler

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from ._layers import LAYER_FIELDS
+
 if TYPE_CHECKING:
     from ._layers import LayerStats
 
@@ -136,11 +138,23 @@ _LAZY = ("_total_norm", "_clip_coef", "_clipped", "_skipped")
 
 
 def materialize(stats: Sequence[StepStats]) -> None:
-    """Turn the device values of many :class:`StepStats` into Python values with one host read."""
+    """Turn the device values of many :class:`StepStats` (and their layer statistics) into
+    Python values with one host read."""
     pending = [(s, name) for s in stats for name in _LAZY if isinstance(getattr(s, name), Tensor)]
-    if not pending:
+    layers = [s.layers for s in stats if s.layers is not None and s.layers._values is not None]
+    if not pending and not layers:
         return
-    device = getattr(pending[0][0], pending[0][1]).device
-    tensors = [getattr(s, name).to(device, torch.float64, non_blocking=True) for s, name in pending]
-    for (s, name), v in zip(pending, torch.stack(tensors).tolist(), strict=True):
-        setattr(s, name, bool(v) if name in ("_clipped", "_skipped") else v)
+    parts = [getattr(s, name).reshape(1) for s, name in pending]
+    parts += [lay._values.reshape(-1) for lay in layers if lay._values is not None]
+    device = parts[0].device
+    flat = torch.cat([t.to(device, torch.float64, non_blocking=True) for t in parts]).tolist()
+    for i, (s, name) in enumerate(pending):
+        setattr(s, name, bool(flat[i]) if name in ("_clipped", "_skipped") else flat[i])
+    offset = len(pending)
+    for lay in layers:
+        k = len(LAYER_FIELDS)
+        width = len(lay.names) * k
+        chunk = flat[offset : offset + width]
+        lay._rows = [chunk[r * k : r * k + k] for r in range(len(lay.names))]
+        lay._values = None
+        offset += width

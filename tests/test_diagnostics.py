@@ -357,15 +357,35 @@ def test_custom_logger_protocol() -> None:
 
 
 def test_materialize_reads_once() -> None:
-    """clipopt.materialize converts the device values of many StepStats with a single host read."""
+    """clipopt.materialize converts many StepStats, layer statistics included, with a single host read."""
     model = _model()
-    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), fused=True), max_norm=0.1)
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), fused=True), max_norm=0.1, layer_stats=2)
     _train(model, opt, _batches(5))
     stats = list(opt.stats)[1:]
+    with_layers = [s.layers for s in stats if s.layers is not None]
+    expected = [lay._values.tolist() for lay in with_layers if lay._values is not None]
     with count_host_reads() as reads:
         clipopt.materialize(stats)
     assert len(reads) == 1
     with count_host_reads() as reads:
         values = [(s.total_norm, s.clip_coef, s.clipped, s.skipped) for s in stats]
+        rows = [s.layers.rows() for s in stats if s.layers is not None]
     assert len(reads) == 0
+    assert rows == expected and len(rows) == 2
     assert all(isinstance(v[0], float) and isinstance(v[2], bool) for v in values)
+
+
+def test_snapshot_dir_without_names_warns(tmp_path: Path) -> None:
+    """snapshot_dir with unnamed parameters warns that snapshots will use positional names."""
+    model = _model()
+    with pytest.warns(UserWarning, match=re.escape("pass param_names=model.named_parameters()")):
+        ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), snapshot_dir=tmp_path)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ClippedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            snapshot_dir=tmp_path,
+            param_names=model.named_parameters(),
+        )
