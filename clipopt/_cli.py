@@ -61,10 +61,99 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- report
+
+
+def _add_report(subparsers: _Subparsers) -> None:
+    p = subparsers.add_parser(
+        "report",
+        help="verdict and suggested max_norm values from a CSVLogger file",
+        description=(
+            "Read a CSV written by clipopt.CSVLogger and give a verdict -- exploding (non-finite or "
+            "fast-growing norms), spikes, vanishing (per-layer) or healthy -- with the step and layer as "
+            "evidence, max_norm values suggested from the recorded norms (AutoClip 10th percentile, "
+            "Pascanu et al. 0.5-10x the mean, mean + 2.5 std) and a summary; --plot draws the norms "
+            "(needs matplotlib: pip install 'clipopt[plot]'). The rules and their thresholds are "
+            "documented in the module clipopt._report."
+        ),
+    )
+    p.add_argument("csv", help="a CSV file written by clipopt.CSVLogger, e.g. grads.csv")
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="also draw the total norm over updates (and a per-layer heatmap) into this image file",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print the report as JSON (non-finite numbers as the strings "nan", "inf", "-inf")',
+    )
+    p.set_defaults(func=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from ._report import analyze, format_json, format_report, plot_log, read_log
+
+    try:
+        log = read_log(args.csv)
+    except FileNotFoundError:
+        raise CommandError(f"{args.csv}: no such file") from None
+    except (OSError, ValueError) as exc:
+        raise CommandError(_one_line(exc)) from None
+    report = analyze(log)
+    print(format_json(report) if args.json else format_report(report))
+    if args.plot is not None:
+        sys.stdout.flush()
+        try:
+            plot_log(log, report, args.plot)
+        except ImportError as exc:
+            raise CommandError(_one_line(exc)) from None
+        except (OSError, ValueError) as exc:  # an unwritable path, or an extension matplotlib cannot write
+            raise CommandError(f"cannot write the plot {args.plot}: {_one_line(exc)}") from None
+        if not args.json:
+            print(f"\nPlot written to {args.plot}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- demo
+
+
+def _add_demo(subparsers: _Subparsers) -> None:
+    from ._demo import add_arguments
+
+    p = subparsers.add_parser(
+        "demo",
+        help="train a small model twice, without and with clipopt, and compare",
+        description=(
+            "Train a character-level RNN language model on text that ships with Python twice, from the "
+            "same initialisation: with plain SGD at a high learning rate, which blows up, and wrapped in "
+            "ClippedOptimizer(max_norm=1.0), which stays finite and learns. Writes both CSV logs, the "
+            "reports and the plots into --out and prints a side-by-side summary. Exit code 0 when the "
+            "run showed both halves."
+        ),
+    )
+    add_arguments(p)
+    p.set_defaults(func=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from ._demo import main
+
+    try:
+        return main(args)
+    except OSError as exc:
+        raise CommandError(_one_line(exc)) from None
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
 # ---------------------------------------------------------------------------- the entry point
 
 #: Subcommands, in the order ``--help`` lists them.
-_COMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_inspect,)
+_COMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_demo, _add_report, _add_inspect)
 
 
 def build_parser() -> argparse.ArgumentParser:

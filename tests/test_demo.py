@@ -1,0 +1,90 @@
+"""clipopt demo end to end, with few updates: both halves shown, files written."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from clipopt import _cli
+from clipopt._demo import DemoConfig, format_summary, run_demo
+
+STEPS = 150
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    out = tmp_path_factory.mktemp("demo")
+    return out, run_demo(out, DemoConfig(steps=STEPS, seed=1), progress=False)
+
+
+def test_plain_run_blows_up(demo: tuple[Path, object]) -> None:
+    """Plain SGD's loss goes non-finite or above 10x its start; held-out it is worse than the baseline."""
+    _, result = demo
+    plain = result.plain  # type: ignore[attr-defined]
+    assert plain.blew_up_at is not None
+    loss = plain.losses[plain.blew_up_at - 1]
+    assert not math.isfinite(loss) or loss > 10 * plain.losses[0]
+    assert not plain.heldout_loss < result.baseline  # type: ignore[attr-defined]
+
+
+def test_clipped_run_stays_finite_and_learns(demo: tuple[Path, object]) -> None:
+    """The same run under ClippedOptimizer never blows up and ends clearly below the frequency baseline."""
+    _, result = demo
+    clipped = result.clipped  # type: ignore[attr-defined]
+    assert clipped.blew_up_at is None
+    assert all(math.isfinite(v) for v in clipped.losses)
+    assert clipped.heldout_loss < 0.8 * result.baseline  # type: ignore[attr-defined]
+    assert clipped.clipped > 0
+    assert result.shows_both_halves  # type: ignore[attr-defined]
+
+
+def test_baseline_is_the_frequency_cross_entropy(demo: tuple[Path, object]) -> None:
+    """The stated baseline lies between 0 and log(vocabulary), as a unigram cross-entropy must."""
+    _, result = demo
+    assert 0 < result.baseline < math.log(result.vocabulary)  # type: ignore[attr-defined]
+
+
+def test_files_written(demo: tuple[Path, object]) -> None:
+    """Both CSV logs (one row per update), the reports and the plots are in --out."""
+    out, _ = demo
+    for name in ("plain.csv", "clipopt.csv"):
+        with (out / name).open(newline="") as f:
+            rows = list(csv.DictReader(f))
+        assert len(rows) == STEPS
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["reports"]) == {"plain", "clipopt"}
+    assert report["summary"]["shows_both_halves"] is True
+    assert "verdict" in (out / "report.txt").read_text()
+    pytest.importorskip("matplotlib", reason="plots need the plot extra")
+    for name in ("demo.png", "plain-report.png", "clipopt-report.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_summary_states_baseline_and_outcome(demo: tuple[Path, object]) -> None:
+    """The printed summary names both runs, the baseline and the outcome."""
+    _, result = demo
+    text = format_summary(result)  # type: ignore[arg-type]
+    assert "plain torch.optim.SGD" in text and "ClippedOptimizer(max_norm=1)" in text
+    assert "Trivial baseline (predict character frequencies)" in text
+    assert "with clipopt it stayed finite and learned" in text
+
+
+def test_cli_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`clipopt demo --steps N --seed S --out DIR --json` exits 0 and prints the summary as JSON."""
+    argv = ["demo", "--steps", "120", "--seed", "2", "--out", str(tmp_path), "--no-progress", "--json"]
+    code = _cli.main(argv)
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert summary["shows_both_halves"] is True
+    assert (tmp_path / "clipopt.csv").exists()
+
+
+def test_cli_demo_rejects_bad_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    """--steps below 2 is a usage error (exit 2) naming the option."""
+    assert _cli.main(["demo", "--steps", "1"]) == 2
+    assert "--steps must be >= 2" in capsys.readouterr().err
