@@ -26,6 +26,9 @@ from clipopt._inspect import rank_parameters
 
 from .test_snapshots import BAD_UNITS, BATCH, IN, OUT, make_snapshot
 
+# Most tests here use unnamed parameters on purpose; the warning about it is tested elsewhere.
+pytestmark = pytest.mark.filterwarnings("ignore:snapshot_dir is set but the parameters have no names")
+
 REPO = Path(__file__).resolve().parents[1]
 
 

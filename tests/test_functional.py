@@ -75,7 +75,7 @@ def test_total_norm_keeps_float64() -> None:
 
 def test_total_norm_of_sparse_gradient_counts_duplicates_once_summed() -> None:
     """A sparse COO gradient with duplicate indices has the norm of its dense form."""
-    sparse = torch.sparse_coo_tensor([[0, 0, 2]], [1.0, 2.0, 4.0], (4,))
+    sparse = torch.sparse_coo_tensor([[0, 0, 2]], [1.0, 2.0, 4.0], (4,), check_invariants=True)
     dense = sparse.to_dense()
     assert F.get_total_norm([sparse], 2.0).item() == pytest.approx(dense.norm().item())
 
@@ -163,7 +163,7 @@ def test_value_clipping_bounds_and_matches_torch(arrays: list[np.ndarray], clip_
 
 def test_value_clipping_rejects_sparse() -> None:
     """Value clipping of a sparse gradient raises a TypeError that says how to turn it off."""
-    sparse = torch.sparse_coo_tensor([[0]], [5.0], (3,))
+    sparse = torch.sparse_coo_tensor([[0]], [5.0], (3,), check_invariants=True)
     msg = "clip_value does not support sparse gradients; pass clip_value=None"
     with pytest.raises(TypeError, match=msg):
         F.clip_grads_value_([sparse], 1.0)
@@ -171,7 +171,7 @@ def test_value_clipping_rejects_sparse() -> None:
 
 def test_scale_grads_handles_sparse() -> None:
     """scale_grads_ multiplies sparse gradients too."""
-    sparse = torch.sparse_coo_tensor([[1]], [4.0], (3,))
+    sparse = torch.sparse_coo_tensor([[1]], [4.0], (3,), check_invariants=True)
     F.scale_grads_([sparse], torch.tensor(0.5))
     assert torch.equal(sparse.to_dense(), torch.tensor([0.0, 2.0, 0.0]))
 

@@ -32,6 +32,9 @@ from torch import Tensor, nn
 import clipopt
 from clipopt import LAYER_FIELDS, ClippedOptimizer, NonFiniteGradientError
 
+# Most tests here use unnamed parameters on purpose; the warning about it is tested elsewhere.
+pytestmark = pytest.mark.filterwarnings("ignore:snapshot_dir is set but the parameters have no names")
+
 # ----------------------------------------------------------------------------- the model and the data
 
 
