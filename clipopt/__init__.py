@@ -12,6 +12,7 @@ from ._errors import NonFiniteGradientError
 from ._layers import LAYER_FIELDS, LayerStats
 from ._logging import CSVLogger, Logger
 from ._optimizer import ClippedOptimizer
+from ._policies import AGC, AutoClip, ClipPolicy, ZClip
 from ._scheduler import PerUpdateScheduler, per_update
 from ._snapshot import load_snapshot
 from ._stats import StepStats, materialize
@@ -20,7 +21,10 @@ from ._tensorboard import TensorBoardLogger
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AGC",
+    "AutoClip",
     "CSVLogger",
+    "ClipPolicy",
     "ClippedOptimizer",
     "LAYER_FIELDS",
     "LayerStats",
@@ -29,6 +33,7 @@ __all__ = [
     "PerUpdateScheduler",
     "StepStats",
     "TensorBoardLogger",
+    "ZClip",
     "__version__",
     "functional",
     "load_snapshot",

@@ -28,6 +28,7 @@ from ._checks import (
 from ._errors import NonFiniteGradientError
 from ._layers import LayerStats, compute_layer_stats, resolve_param_names
 from ._logging import Logger
+from ._policies import ClipPolicy
 from ._snapshot import SnapshotWriter, check_saveable, now, to_saveable, versions
 from ._state import (
     WrapperState,
@@ -116,7 +117,9 @@ class ClippedOptimizer(Optimizer):
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` (also third-party subclasses).
-        max_norm: global norm bound, or None to turn norm clipping off.
+        max_norm: global norm bound, a :class:`ClipPolicy` (:class:`AutoClip`,
+            :class:`ZClip`, :class:`AGC`) that sets it per window on the device, or
+            None to turn norm clipping off.
         norm_type: ``p > 0`` or ``float("inf")``, as in ``clip_grad_norm_``.
         clip_value: element-wise bound applied before the norm bound, or None.
         accumulation_steps: micro-batches per optimizer update.
@@ -144,10 +147,13 @@ class ClippedOptimizer(Optimizer):
         max_snapshots: at most this many snapshots are written per run.
     """
 
+    _policy: ClipPolicy | None
+    _bound: float | None
+
     def __init__(
         self,
         optimizer: Optimizer,
-        max_norm: float | None = 1.0,
+        max_norm: float | ClipPolicy | None = 1.0,
         norm_type: float = 2.0,
         clip_value: float | None = None,
         accumulation_steps: int = 1,
@@ -174,7 +180,7 @@ class ClippedOptimizer(Optimizer):
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
                 "pass e.g. torch.optim.AdamW(model.parameters())"
             )
-        self.max_norm = check_optional_positive_float("max_norm", max_norm, "1.0")
+        self.max_norm = max_norm
         self.norm_type = check_norm_type(norm_type)
         self.clip_value = check_optional_positive_float("clip_value", clip_value, "0.5")
         self.accumulation_steps = check_positive_int("accumulation_steps", accumulation_steps)
@@ -301,6 +307,19 @@ class ClippedOptimizer(Optimizer):
         inner = "\n".join("  " + line for line in repr(self.optimizer).splitlines())
         return f"ClippedOptimizer({opts},\n{inner}\n)"
 
+    @property
+    def max_norm(self) -> float | ClipPolicy | None:
+        """The norm bound: a float, a :class:`ClipPolicy`, or None (off); may be changed between windows."""
+        return self._policy if self._policy is not None else self._bound
+
+    @max_norm.setter
+    def max_norm(self, value: float | ClipPolicy | None) -> None:
+        if isinstance(value, ClipPolicy):
+            self._policy, self._bound = value, None
+        else:
+            self._bound = check_optional_positive_float("max_norm", value, "1.0")
+            self._policy = None
+
     # ------------------------------------------------------------------ signals
 
     @property
@@ -423,7 +442,7 @@ class ClippedOptimizer(Optimizer):
         with torch.no_grad():
             total_norm, flag = self._measure(grads, n)
             layers = self._diagnose(params, total_norm, flag, n)
-            w = self._clip(grads, total_norm, flag, n)
+            w = self._clip(params, grads, total_norm, flag, n)
         self._counters.micro_batches = 0
         self._counters.windows += 1
         if _is_fused(self.optimizer) and self._inner_state_ready(len(grads)):
@@ -507,8 +526,10 @@ class ClippedOptimizer(Optimizer):
             "time": now(),
         }
 
-    def _clip(self, grads: list[Tensor], total_norm: Tensor, flag: Tensor, n: int) -> _Window:
-        """Steps 3-4: value clipping, then the norm coefficient; all on the device."""
+    def _clip(
+        self, params: list[Tensor], grads: list[Tensor], total_norm: Tensor, flag: Tensor, n: int
+    ) -> _Window:
+        """Steps 3-4: value clipping, then the norm bound (or a policy's); all on the device."""
         divisor = self._divisor(n)
         inv = 1.0 / divisor
         norm = total_norm
@@ -518,12 +539,24 @@ class ClippedOptimizer(Optimizer):
             F.clip_grads_value_(grads, self.clip_value * divisor, foreach=self.foreach)
             norm = F.get_total_norm(grads, self.norm_type, foreach=self.foreach) * inv
             clipped = norm < total_norm
+        policy = self._policy
+        skip = flag if self._skip_enabled() else None
         coef: float | Tensor = 1.0
-        if self.max_norm is not None:
-            coef = F.clip_coef(norm, self.max_norm)
+        limit: float | Tensor | None = self._bound
+        if policy is not None and policy.unitwise:
+            unit_clipped = policy.clip_(params, inv)  # applies the 1/n as well
+            clipped = unit_clipped | clipped if isinstance(clipped, Tensor) else unit_clipped
+            return _Window(grads, total_norm, flag, skip, 1.0, 1.0, clipped, None)
+        if policy is not None:
+            limit = policy.threshold(total_norm)
+            spike = policy.spike()
+            if spike is not None:
+                skip = spike if skip is None else torch.maximum(skip, spike)
+        if limit is not None:
+            coef = F.clip_coef(norm, limit)
             clipped = (coef < 1.0) | clipped if isinstance(clipped, Tensor) else coef < 1.0
         scale = coef * inv if divisor != 1.0 else coef
-        return _Window(grads, total_norm, flag, coef, scale, clipped)
+        return _Window(grads, total_norm, flag, skip, coef, scale, clipped, limit)
 
     def _skip_enabled(self) -> bool:
         return self.skip_nonfinite or self.scaler is not None
@@ -560,10 +593,10 @@ class ClippedOptimizer(Optimizer):
             grad_scale = w.scale.to(torch.float32).reciprocal()
         elif w.scale != 1.0:
             grad_scale = torch.tensor(1.0 / w.scale, dtype=torch.float32, device=w.total_norm.device)
-        found_inf = w.flag if self._skip_enabled() else None
+        found_inf = w.skip
         with self._fused_args(grad_scale, found_inf):
             out = self.optimizer.step(self._inner_closure(loss, closure))
-        self._set_outcome(w.flag if found_inf is not None else False)
+        self._set_outcome(found_inf if found_inf is not None else False)
         return out if closure is not None else loss
 
     def _step_host(
@@ -572,7 +605,7 @@ class ClippedOptimizer(Optimizer):
         """Scale the gradients, read the skip flag once, then step or discard."""
         if isinstance(w.scale, Tensor) or w.scale != 1.0:
             F.scale_grads_(w.grads, w.scale, foreach=self.foreach)
-        skipped = self._skip_enabled() and bool(w.flag.item())
+        skipped = w.skip is not None and bool(w.skip.item())
         if skipped:
             for p in params:
                 p.grad = None
@@ -599,7 +632,7 @@ class ClippedOptimizer(Optimizer):
             with torch.no_grad():
                 grads = [p.grad for p in self._params() if p.grad is not None]
                 total_norm, flag = self._measure(grads, 1)
-                w = self._clip(grads, total_norm, flag, 1)
+                w = self._clip(self._params(), grads, total_norm, flag, 1)
                 if isinstance(w.scale, Tensor) or w.scale != 1.0:
                     F.scale_grads_(grads, w.scale, foreach=self.foreach)
             return out
@@ -621,7 +654,8 @@ class ClippedOptimizer(Optimizer):
             clipped=w.clipped,
             skipped=self._last_skipped,
             reason_if_skipped="overflow" if self.scaler is not None else "nonfinite",
-            max_norm=self.max_norm,
+            max_norm=w.limit,
+            nonfinite=w.flag if self._policy is not None and self._policy.spike() is not None else None,
             lr=[g["lr"] if isinstance(g["lr"], float) else float(g["lr"]) for g in self.param_groups],
             layers=layers,
         )
@@ -678,6 +712,7 @@ class ClippedOptimizer(Optimizer):
             pending_grads=pending,
             scaler=self.scaler.state_dict() if self.scaler is not None else None,
         )
+        sd["clipopt"]["policy"] = self._policy.state_dict() if self._policy is not None else None
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, sd)
             if result is not None:
@@ -697,6 +732,7 @@ class ClippedOptimizer(Optimizer):
         params = self._params()
         wrapper = read_wrapper_state(state_dict, params, self.accumulation_steps)
         validate_inner_state(state_dict, self.optimizer)
+        policy_state = self._check_policy_state(state_dict)
         inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
         with restore_on_failure(self.optimizer), keep_group_keys(self.optimizer):
             self.optimizer.load_state_dict(inner_sd)
@@ -710,10 +746,26 @@ class ClippedOptimizer(Optimizer):
                     p.grad = None if g is None else g.detach().to(p.device, p.dtype, copy=True)
             if scaler_state is not None and self.scaler is not None:
                 self.scaler.load_state_dict(scaler_state)
+            if policy_state is not None and self._policy is not None:
+                self._policy.load_state_dict(policy_state)
         self._update_applied = False
         self._last_skipped = False
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _check_policy_state(self, state_dict: dict[str, Any]) -> dict[str, Any] | None:
+        """The policy's saved state, checked by loading it into a copy of the policy first."""
+        ext = state_dict.get("clipopt")
+        state = ext.get("policy") if isinstance(ext, dict) else None
+        if state is None or self._policy is None:
+            return None
+        if not isinstance(state, dict):
+            raise ValueError(
+                f"invalid state_dict: 'clipopt.policy' must be a dict, got {type(state).__name__}; "
+                "pass the dict returned by opt.state_dict()"
+            )
+        copy.deepcopy(self._policy).load_state_dict(state)  # raises ValueError, touching nothing
+        return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ClippedOptimizer:
         new = type(self).__new__(type(self))
@@ -725,21 +777,24 @@ class ClippedOptimizer(Optimizer):
 class _Window:
     """The device-side results of steps 1-4 for one window."""
 
-    __slots__ = ("clipped", "coef", "flag", "grads", "scale", "total_norm")
+    __slots__ = ("clipped", "coef", "flag", "grads", "limit", "scale", "skip", "total_norm")
 
     def __init__(
         self,
         grads: list[Tensor],
         total_norm: Tensor,
         flag: Tensor,
+        skip: Tensor | None,
         coef: float | Tensor,
         scale: float | Tensor,
         clipped: bool | Tensor,
+        limit: float | Tensor | None,
     ) -> None:
         self.grads = grads  #: the gradients, clipped in place by now except for ``scale``
         self.total_norm = total_norm  #: pre-clip norm of the combined gradient
         self.flag = flag  #: 1.0 when total_norm is not finite, else 0.0
+        self.skip = skip  #: 1.0 when the window is skipped (non-finite or spike); None: never skip
         self.coef = coef  #: norm-clipping coefficient (1.0 when off)
         self.scale = scale  #: coef / micro-batches (mean) — what still multiplies the gradients
         self.clipped = clipped  #: whether clipping changed the gradient
-
+        self.limit = limit  #: the norm bound of this window (a policy's threshold), or None

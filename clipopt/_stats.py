@@ -42,8 +42,8 @@ class StepStats:
         clipped: True when norm clipping scaled the gradient down or value
             clipping changed at least one element.
         skipped: True when the update was skipped.
-        reason: why it was skipped (``"nonfinite"``, ``"overflow"``), or None.
-        max_norm: the norm bound used for this window, or None when off.
+        reason: why it was skipped (``"nonfinite"``, ``"overflow"``, ``"spike"``), or None.
+        max_norm: the norm bound used for this window (a policy's threshold), or None when off.
         lr: the learning rate of each parameter group when the window closed.
         layers: per-parameter :class:`~clipopt.LayerStats` when they were due
             (``layer_stats=k``), else None.
@@ -52,12 +52,13 @@ class StepStats:
     __slots__ = (
         "_clip_coef",
         "_clipped",
+        "_max_norm",
+        "_nonfinite",
         "_reason_if_skipped",
         "_skipped",
         "_total_norm",
         "layers",
         "lr",
-        "max_norm",
         "micro_batches",
         "step",
     )
@@ -72,9 +73,10 @@ class StepStats:
         clipped: bool | Tensor,
         skipped: bool | Tensor,
         reason_if_skipped: str,
-        max_norm: float | None,
+        max_norm: float | Tensor | None,
         lr: Sequence[float] = (),
         layers: LayerStats | None = None,
+        nonfinite: Tensor | None = None,
     ) -> None:
         self.step = step
         self.micro_batches = micro_batches
@@ -83,7 +85,8 @@ class StepStats:
         self._clipped = clipped
         self._skipped = skipped
         self._reason_if_skipped = reason_if_skipped
-        self.max_norm = max_norm
+        self._max_norm = max_norm
+        self._nonfinite: bool | Tensor | None = nonfinite  # set when a skip may also be a spike
         self.lr = tuple(lr)
         self.layers = layers
 
@@ -112,8 +115,21 @@ class StepStats:
         return self._skipped
 
     @property
+    def max_norm(self) -> float | None:
+        if isinstance(self._max_norm, Tensor):
+            self._max_norm = _as_float(self._max_norm)
+        return self._max_norm
+
+    @property
     def reason(self) -> str | None:
-        return self._reason_if_skipped if self.skipped else None
+        if not self.skipped:
+            return None
+        if self._nonfinite is not None:
+            if isinstance(self._nonfinite, Tensor):
+                self._nonfinite = _as_bool(self._nonfinite)
+            if not self._nonfinite:
+                return "spike"
+        return self._reason_if_skipped
 
     def as_dict(self) -> dict[str, Any]:
         """All fields as Python values (reads the device once per field)."""
@@ -134,7 +150,7 @@ class StepStats:
         return f"StepStats({fields})"
 
 
-_LAZY = ("_total_norm", "_clip_coef", "_clipped", "_skipped")
+_LAZY = ("_total_norm", "_clip_coef", "_clipped", "_skipped", "_max_norm", "_nonfinite")
 
 
 def materialize(stats: Sequence[StepStats]) -> None:
@@ -149,7 +165,7 @@ def materialize(stats: Sequence[StepStats]) -> None:
     device = parts[0].device
     flat = torch.cat([t.to(device, torch.float64, non_blocking=True) for t in parts]).tolist()
     for i, (s, name) in enumerate(pending):
-        setattr(s, name, bool(flat[i]) if name in ("_clipped", "_skipped") else flat[i])
+        setattr(s, name, bool(flat[i]) if name in ("_clipped", "_skipped", "_nonfinite") else flat[i])
     offset = len(pending)
     for lay in layers:
         k = len(LAYER_FIELDS)
