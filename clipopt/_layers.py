@@ -69,7 +69,7 @@ def compute_layer_stats(
     if not params:
         return LayerStats([], [])
     device = params[0].device
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in params if p.grad is not None]
     grad_norms = iter(torch._foreach_norm(grads, 2.0, dtype=torch.float32) if grads else [])
     param_norms = torch._foreach_norm(list(params), 2.0, dtype=torch.float32)
     nan = torch.full((), math.nan, device=device)

@@ -117,6 +117,7 @@ class CSVLogger:
         self.flush_every = flush_every
         self.columns: list[str] | None = None
         self._names: list[str] = []
+        self._groups = 1
         self._buffer: list[StepStats] = []
         self._closed = False
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -131,6 +132,7 @@ class CSVLogger:
             self.flush()
 
     def _set_columns(self, optimizer: ClippedOptimizer, groups: int) -> None:
+        self._groups = groups
         columns = list(BASE_COLUMNS) + [f"lr.{g}" for g in range(1, groups)]
         if optimizer.layer_stats:
             self._names = optimizer.layer_names()
@@ -151,7 +153,8 @@ class CSVLogger:
             return next(csv.reader(f), None)
 
     def _row(self, s: StepStats) -> list[str]:
-        lr: list[float | None] = [float(x) for x in s.lr] or [None]
+        lr: list[float | None] = list(s.lr[: self._groups])  # groups added later are not logged
+        lr += [None] * (self._groups - len(lr))
         row = [s.step, s.micro_batches, s.total_norm, s.clip_coef, s.clipped, s.skipped, s.reason, s.max_norm]
         cells = [format_value(v) for v in (*row, *lr)]
         if self._names:

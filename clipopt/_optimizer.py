@@ -66,6 +66,11 @@ def _is_fused(inner: Optimizer) -> bool:
     return all(bool(g.get("fused")) for g in inner.param_groups)
 
 
+def _lr_value(lr: Any) -> float | Tensor:
+    """A group's lr for the record: tensor learning rates are copied, not read (no host sync)."""
+    return lr.detach().clone() if isinstance(lr, Tensor) else float(lr)
+
+
 def _check_layer_stats(value: Any) -> int:
     """``layer_stats``: False -> 0 (off), True -> 1, k -> every k windows."""
     if isinstance(value, bool):
@@ -232,7 +237,8 @@ class ClippedOptimizer(Optimizer):
         self._counters = WrapperState()
         self._update_applied: bool | None = False  # None: read _last_skipped
         self._last_skipped: bool | Tensor = False
-        self._ready_key: tuple[int, int] | None = None
+        self._ready_state: Any = None  # the state object known to hold state for every parameter
+        self._ready_size: tuple[int, int] = (0, 0)
         self._params_key: tuple[int, ...] = ()
         self._params_cache: list[Tensor] = []
         self._names = names
@@ -445,7 +451,7 @@ class ClippedOptimizer(Optimizer):
             w = self._clip(params, grads, total_norm, flag, n)
         self._counters.micro_batches = 0
         self._counters.windows += 1
-        if _is_fused(self.optimizer) and self._inner_state_ready(len(grads)):
+        if _is_fused(self.optimizer) and self._inner_state_ready():
             loss = self._step_fused(w, loss, closure)
         else:
             loss = self._step_host(w, loss, closure, params)
@@ -527,9 +533,18 @@ class ClippedOptimizer(Optimizer):
         }
 
     def _clip(
-        self, params: list[Tensor], grads: list[Tensor], total_norm: Tensor, flag: Tensor, n: int
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        total_norm: Tensor,
+        flag: Tensor,
+        n: int,
+        fixed: tuple[float | Tensor | None] | None = None,
     ) -> _Window:
-        """Steps 3-4: value clipping, then the norm bound (or a policy's); all on the device."""
+        """Steps 3-4: value clipping, then the norm bound (or a policy's); all on the device.
+
+        ``fixed=(bound,)`` uses that bound instead of ``max_norm`` (closure re-evaluations).
+        """
         divisor = self._divisor(n)
         inv = 1.0 / divisor
         norm = total_norm
@@ -539,51 +554,56 @@ class ClippedOptimizer(Optimizer):
             F.clip_grads_value_(grads, self.clip_value * divisor, foreach=self.foreach)
             norm = F.get_total_norm(grads, self.norm_type, foreach=self.foreach) * inv
             clipped = norm < total_norm
-        policy = self._policy
+        # a unit-wise policy is stateless: re-evaluations get it again
+        unitwise = self._policy is not None and self._policy.unitwise
+        policy = self._policy if fixed is None or unitwise else None
         skip = flag if self._skip_enabled() else None
         coef: float | Tensor = 1.0
-        limit: float | Tensor | None = self._bound
+        bound = self._bound if fixed is None else fixed[0]
         if policy is not None and policy.unitwise:
             unit_clipped = policy.clip_(params, inv)  # applies the 1/n as well
             clipped = unit_clipped | clipped if isinstance(clipped, Tensor) else unit_clipped
             return _Window(grads, total_norm, flag, skip, 1.0, 1.0, clipped, None)
         if policy is not None:
-            limit = policy.threshold(total_norm)
+            bound = policy.threshold(total_norm)
             spike = policy.spike()
             if spike is not None:
                 skip = spike if skip is None else torch.maximum(skip, spike)
-        if limit is not None:
-            coef = F.clip_coef(norm, limit)
+        if bound is not None:
+            coef = F.clip_coef(norm, bound)
             clipped = (coef < 1.0) | clipped if isinstance(clipped, Tensor) else coef < 1.0
         scale = coef * inv if divisor != 1.0 else coef
-        return _Window(grads, total_norm, flag, skip, coef, scale, clipped, limit)
+        return _Window(grads, total_norm, flag, skip, coef, scale, clipped, bound)
 
     def _skip_enabled(self) -> bool:
         return self.skip_nonfinite or self.scaler is not None
 
-    def _inner_state_ready(self, num_grads: int) -> bool:
+    def _inner_state_ready(self) -> bool:
         """Whether every parameter with a gradient already has inner state.
 
-        Before the first update a fused kernel that is told to skip can leave
-        freshly allocated state uninitialised (fused SGD's momentum buffers), and
-        a skipped first update must leave no state behind, so the first update
-        takes the host path.  SGD without momentum keeps no state at all.
+        Before a parameter's first update a fused kernel that is told to skip can
+        leave freshly allocated state uninitialised (fused SGD's momentum buffers),
+        and a skipped first update must leave no state behind, so such windows
+        take the host path.  SGD without momentum keeps no state at all.  Once
+        every parameter has state, that is remembered for this state object.
         """
         state = self.state
-        key = (id(state), num_grads)
-        if key == self._ready_key:
+        params = self._params()
+        if self._ready_state is state and self._ready_size == (len(state), len(params)):
             return True
         sgd = isinstance(self.optimizer, torch.optim.SGD)
+        all_ready = True
         for group in self.param_groups:
             if sgd and group.get("momentum", 0) == 0:
                 continue
             for p in group["params"]:
-                if p.grad is None:
-                    continue
                 s = state.get(p)
                 if not s or any(v is None for v in s.values()):
-                    return False
-        self._ready_key = key  # stays valid until the state object or the set of gradients changes
+                    if p.grad is not None:
+                        return False
+                    all_ready = False
+        if all_ready:
+            self._ready_state, self._ready_size = state, (len(state), len(params))
         return True
 
     def _step_fused(self, w: _Window, loss: Any, closure: Callable[[], Any] | None) -> Any:
@@ -595,7 +615,7 @@ class ClippedOptimizer(Optimizer):
             grad_scale = torch.tensor(1.0 / w.scale, dtype=torch.float32, device=w.total_norm.device)
         found_inf = w.skip
         with self._fused_args(grad_scale, found_inf):
-            out = self.optimizer.step(self._inner_closure(loss, closure))
+            out = self.optimizer.step(self._inner_closure(loss, closure, w.limit))
         self._set_outcome(found_inf if found_inf is not None else False)
         return out if closure is not None else loss
 
@@ -611,14 +631,20 @@ class ClippedOptimizer(Optimizer):
                 p.grad = None
             out = loss
         else:
-            out = self.optimizer.step(self._inner_closure(loss, closure))
+            out = self.optimizer.step(self._inner_closure(loss, closure, w.limit))
             if closure is None:
                 out = loss
         self._set_outcome(skipped)
         return out
 
-    def _inner_closure(self, loss: Any, closure: Callable[[], Any] | None) -> Callable[[], Any] | None:
-        """First call returns the loss already computed; later calls re-evaluate and clip."""
+    def _inner_closure(
+        self, loss: Any, closure: Callable[[], Any] | None, limit: float | Tensor | None
+    ) -> Callable[[], Any] | None:
+        """First call returns the loss already computed; later calls re-evaluate and clip.
+
+        Re-evaluated gradients are clipped with the window's own bound ``limit``
+        (a policy sees each window once, not each evaluation).
+        """
         if closure is None:
             return None
         calls = [0]
@@ -630,9 +656,10 @@ class ClippedOptimizer(Optimizer):
             with torch.enable_grad():
                 out = closure()
             with torch.no_grad():
-                grads = [p.grad for p in self._params() if p.grad is not None]
+                params = self._params()
+                grads = [p.grad for p in params if p.grad is not None]
                 total_norm, flag = self._measure(grads, 1)
-                w = self._clip(self._params(), grads, total_norm, flag, 1)
+                w = self._clip(params, grads, total_norm, flag, 1, fixed=(limit,))
                 if isinstance(w.scale, Tensor) or w.scale != 1.0:
                     F.scale_grads_(grads, w.scale, foreach=self.foreach)
             return out
@@ -656,7 +683,7 @@ class ClippedOptimizer(Optimizer):
             reason_if_skipped="overflow" if self.scaler is not None else "nonfinite",
             max_norm=w.limit,
             nonfinite=w.flag if self._policy is not None and self._policy.spike() is not None else None,
-            lr=[g["lr"] if isinstance(g["lr"], float) else float(g["lr"]) for g in self.param_groups],
+            lr=[_lr_value(g["lr"]) for g in self.param_groups],
             layers=layers,
         )
         self.last_stats = stats
@@ -670,8 +697,10 @@ class ClippedOptimizer(Optimizer):
         names = self._names
         out = []
         for gi, group in enumerate(self.param_groups):
+            own = group.get("param_names")
             for i, p in enumerate(group["params"]):
-                out.append(names.get(p) or f"group{gi}.{i}")
+                name = names.get(p) or (own[i] if own is not None and i < len(own) else None)
+                out.append(name or f"group{gi}.{i}")
         return out
 
     def attach(self, **tensors: Any) -> None:
@@ -733,9 +762,11 @@ class ClippedOptimizer(Optimizer):
         wrapper = read_wrapper_state(state_dict, params, self.accumulation_steps)
         validate_inner_state(state_dict, self.optimizer)
         policy_state = self._check_policy_state(state_dict)
+        self._check_scaler_state(wrapper)
         inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
         with restore_on_failure(self.optimizer), keep_group_keys(self.optimizer):
             self.optimizer.load_state_dict(inner_sd)
+        self._ready_state = None
         if wrapper is None:
             self._counters = WrapperState()
         else:
@@ -752,6 +783,18 @@ class ClippedOptimizer(Optimizer):
         self._last_skipped = False
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _check_scaler_state(self, wrapper: Any) -> None:
+        """Load the saved scaler state into a copy of the scaler first: it may refuse it."""
+        if wrapper is None or wrapper[2] is None or self.scaler is None:
+            return
+        try:
+            copy.deepcopy(self.scaler).load_state_dict(wrapper[2])
+        except (RuntimeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"invalid state_dict: the GradScaler rejected 'clipopt.scaler' ({exc}); "
+                "pass a state dict saved with a scaler configured like this one"
+            ) from exc
 
     def _check_policy_state(self, state_dict: dict[str, Any]) -> dict[str, Any] | None:
         """The policy's saved state, checked by loading it into a copy of the policy first."""
@@ -770,6 +813,8 @@ class ClippedOptimizer(Optimizer):
     def __deepcopy__(self, memo: dict[int, Any]) -> ClippedOptimizer:
         new = type(self).__new__(type(self))
         memo[id(self)] = new
+        for logger in self.loggers:  # a copy logs to the same files: share the loggers, do not copy rows
+            memo[id(logger)] = logger
         new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return new
 

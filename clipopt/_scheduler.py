@@ -38,13 +38,20 @@ class PerUpdateScheduler:
         self.scheduler = scheduler
         self.optimizer = optimizer
         self._seen = optimizer.num_updates
+        self._seen_windows = optimizer.num_windows
 
     def step(self, *args: Any, **kwargs: Any) -> bool:
         """Advance the scheduler if an update was applied since the last call.
 
         Arguments (e.g. ``ReduceLROnPlateau``'s metric) are passed through.
-        Returns whether the scheduler advanced.
+        Returns whether the scheduler advanced.  Calls inside an open window
+        read nothing from the device; after a window closed, reading the
+        update count may wait for it (fused skips are decided there).
         """
+        windows = self.optimizer.num_windows  # a host int: micro-batch calls read nothing
+        if windows == self._seen_windows:
+            return False
+        self._seen_windows = windows
         applied = self.optimizer.num_updates
         if applied == self._seen:
             return False
@@ -74,6 +81,7 @@ class PerUpdateScheduler:
             )
         self.scheduler.load_state_dict(state_dict["scheduler"])
         self._seen = int(state_dict["seen_updates"])
+        self._seen_windows = -1  # re-check the update count at the next step()
 
     def __repr__(self) -> str:
         return f"per_update({self.scheduler!r})"

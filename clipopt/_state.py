@@ -47,7 +47,7 @@ _PARAM_SHAPED = frozenset(
 class WrapperState:
     """Counters of a :class:`~clipopt.ClippedOptimizer`, all part of its state dict.
 
-    ``skipped`` and ``consecutive`` become 0-d float64 device tensors once a skip
+    ``skipped`` and ``consecutive`` become 0-d int64 device tensors once a skip
     is decided on the device (fused path); they are updated in place there and
     become ints in :meth:`to_dict`.
     """
@@ -72,8 +72,9 @@ class WrapperState:
         ``flag`` is True/1.0 when it was skipped.
         """
         if isinstance(flag, Tensor):  # in place, on the device: no host read
-            self.skipped = _on_device(self.skipped, flag).add_(flag)
-            self.consecutive = _on_device(self.consecutive, flag).add_(flag).mul_(flag)
+            one = flag.to(torch.int64)
+            self.skipped = _on_device(self.skipped, flag).add_(one)
+            self.consecutive = _on_device(self.consecutive, flag).add_(one).mul_(one)
         elif flag:
             self.skipped = self.skipped + 1
             self.consecutive = self.consecutive + 1
@@ -94,10 +95,10 @@ class WrapperState:
 
 
 def _on_device(count: int | Tensor, like: Tensor) -> Tensor:
-    """``count`` as a 0-d float64 tensor on ``like``'s device (exact up to 2**53)."""
+    """``count`` as a 0-d int64 tensor on ``like``'s device."""
     if isinstance(count, Tensor):
         return count
-    return torch.full((), float(count), dtype=torch.float64, device=like.device)
+    return torch.full((), count, dtype=torch.int64, device=like.device)
 
 
 class StateDictError(ValueError):

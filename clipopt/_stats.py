@@ -52,13 +52,13 @@ class StepStats:
     __slots__ = (
         "_clip_coef",
         "_clipped",
+        "_lr",
         "_max_norm",
         "_nonfinite",
         "_reason_if_skipped",
         "_skipped",
         "_total_norm",
         "layers",
-        "lr",
         "micro_batches",
         "step",
     )
@@ -74,7 +74,7 @@ class StepStats:
         skipped: bool | Tensor,
         reason_if_skipped: str,
         max_norm: float | Tensor | None,
-        lr: Sequence[float] = (),
+        lr: Sequence[float | Tensor] = (),
         layers: LayerStats | None = None,
         nonfinite: Tensor | None = None,
     ) -> None:
@@ -87,7 +87,7 @@ class StepStats:
         self._reason_if_skipped = reason_if_skipped
         self._max_norm = max_norm
         self._nonfinite: bool | Tensor | None = nonfinite  # set when a skip may also be a spike
-        self.lr = tuple(lr)
+        self._lr: tuple[float | Tensor, ...] = tuple(lr)
         self.layers = layers
 
     @property
@@ -113,6 +113,12 @@ class StepStats:
         if isinstance(self._skipped, Tensor):
             self._skipped = _as_bool(self._skipped)
         return self._skipped
+
+    @property
+    def lr(self) -> tuple[float, ...]:
+        if any(isinstance(x, Tensor) for x in self._lr):
+            self._lr = tuple(_as_float(x) for x in self._lr)
+        return self._lr  # type: ignore[return-value]
 
     @property
     def max_norm(self) -> float | None:

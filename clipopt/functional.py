@@ -93,6 +93,10 @@ def get_total_norm(
         if acc == torch.float64:
             out_dtype = torch.float64
         sparse = any(g.is_sparse for g in group)
+        if sparse and foreach:
+            raise ValueError(
+                "foreach=True does not support sparse gradients; pass foreach=None (the default)"
+            )
         tensors = [_dense(g) for g in group] if sparse else group
         if foreach is None and device.type == "cpu":
             tensors = _direct_cpu_norms(tensors, p, acc, norms)
