@@ -26,8 +26,9 @@ class Logger(Protocol):
     ``log(stats, optimizer)`` is called at the end of every window, on the
     training thread, with that window's :class:`~clipopt.StepStats` (device
     values not read yet) and the :class:`~clipopt.ClippedOptimizer`
-    (``p.grad`` still holds the window's gradients; ``stats.layers`` holds the
-    per-parameter statistics when they were due).  Reading a device value is a
+    (``p.grad`` still holds the window's processed gradients — ``None`` after a
+    skip decided on the host; ``stats.layers`` holds the per-parameter
+    statistics when they were due).  Reading a device value is a
     host-device sync: buffer the stats and convert many at once with
     :func:`clipopt.materialize`, as :class:`CSVLogger` does.
 
