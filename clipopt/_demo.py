@@ -32,6 +32,7 @@ import torch
 
 from ._logging import CSVLogger
 from ._optimizer import ClippedOptimizer
+from ._text import json_safe
 
 __all__ = ["DemoConfig", "DemoResult", "RunResult", "run_demo"]
 
@@ -270,8 +271,8 @@ def _write_reports(demo: DemoResult, out: Path) -> None:
         reports[stem] = report
         texts.append(f"== {run.name} ({stem}.csv) ==\n{format_report(report)}")
     (out / "report.txt").write_text("\n\n".join(texts) + "\n")
-    summary = {"demo": _jsonable(asdict(demo.config)), "reports": reports, "summary": summary_dict(demo)}
-    (out / "report.json").write_text(json.dumps(_jsonable(summary), indent=1, allow_nan=False) + "\n")
+    summary = {"demo": json_safe(asdict(demo.config)), "reports": reports, "summary": summary_dict(demo)}
+    (out / "report.json").write_text(json.dumps(json_safe(summary), indent=1, allow_nan=False) + "\n")
     demo.files += [str(out / "report.txt"), str(out / "report.json")]
     try:
         for stem, (log, report) in logs.items():
@@ -281,16 +282,6 @@ def _write_reports(demo: DemoResult, out: Path) -> None:
         demo.files.append(str(out / "demo.png"))
     except ImportError as exc:
         print(f"clipopt demo: no plots: {exc}", file=sys.stderr)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
 
 
 def summary_dict(demo: DemoResult) -> dict[str, Any]:
@@ -435,7 +426,7 @@ def main(args: _argparse_module.Namespace, echo: Callable[[str], None] = print) 
     cfg = DemoConfig(steps=args.steps, seed=args.seed)
     demo = run_demo(args.out, cfg, progress=not args.no_progress)
     if args.json:
-        echo(json.dumps(_jsonable(summary_dict(demo)), indent=1, allow_nan=False))
+        echo(json.dumps(json_safe(summary_dict(demo)), indent=1, allow_nan=False))
     else:
         echo(format_summary(demo))
     return 0 if demo.shows_both_halves else 1

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from ._layers import LAYER_FIELDS
 from ._snapshot import load_snapshot
+from ._text import fmt_num, json_safe
 
 __all__ = ["InspectError", "format_json", "format_text", "inspect_file", "rank_parameters", "summarize"]
 
@@ -161,7 +162,7 @@ def describe(value: Any) -> dict[str, Any]:
 
 def format_json(summary: Mapping[str, Any]) -> str:
     """The summary as JSON; non-finite floats become ``"nan"``, ``"inf"`` or ``"-inf"``."""
-    return json.dumps(_json_safe(summary), indent=2, allow_nan=False)
+    return json.dumps(json_safe(summary), indent=2, allow_nan=False)
 
 
 def format_text(summary: Mapping[str, Any]) -> str:
@@ -171,13 +172,13 @@ def format_text(summary: Mapping[str, Any]) -> str:
     header = [
         ("step", str(summary["step"])),
         ("reason", str(summary["reason"])),
-        ("total_norm", _num(summary["total_norm"]) + "  (pre-clip norm of the combined gradient)"),
+        ("total_norm", fmt_num(summary["total_norm"]) + "  (pre-clip norm of the combined gradient)"),
         ("micro_batches", str(summary["micro_batches"])),
         ("time", str(summary["time"])),
         ("versions", ", ".join(f"{k} {v}" for k, v in versions.items())),
     ]
     opt = summary["optimizer"]
-    lrs = ", ".join(_num(lr) if isinstance(lr, float) else str(lr) for lr in opt["lr"])
+    lrs = ", ".join(fmt_num(lr) if isinstance(lr, float) else str(lr) for lr in opt["lr"])
     header.append(
         (
             "optimizer",
@@ -202,10 +203,10 @@ def format_text(summary: Mapping[str, Any]) -> str:
     table = [list(PARAM_COLUMNS)]
     for row in params:
         shape = "-" if row["shape"] is None else str(tuple(row["shape"]))
-        grad_cols = [_num(row[f]) for f in ("grad_norm", "grad_max", "grad_min")]
+        grad_cols = [fmt_num(row[f]) for f in ("grad_norm", "grad_max", "grad_min")]
         if not row["has_grad"]:
             grad_cols = ["no grad", "-", "-"]
-        table.append([row["name"], shape, str(row["nonfinite"]), *grad_cols, _num(row["param_norm"])])
+        table.append([row["name"], shape, str(row["nonfinite"]), *grad_cols, fmt_num(row["param_norm"])])
     lines += _table(table, right=range(2, len(PARAM_COLUMNS)))
 
     lines.append("")
@@ -251,7 +252,7 @@ def _describe_lines(name: str, desc: Mapping[str, Any], indent: str) -> list[str
             out += _describe_lines(repr(key), item, indent + "  ")
         return out
     value = desc["value"]
-    shown = _num(value) if isinstance(value, float) else repr(value)
+    shown = fmt_num(value) if isinstance(value, float) else repr(value)
     return [f"{indent}{name}: {kind} {shown}"]
 
 
@@ -269,22 +270,8 @@ def _table(rows: list[list[str]], right: range) -> list[str]:
 # ---------------------------------------------------------------------------- helpers
 
 
-def _num(value: float) -> str:
-    if math.isnan(value):
-        return "nan"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return f"{value:.4g}"
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else _num(value)
-    if isinstance(value, Mapping):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def _plain(value: Any) -> Any:

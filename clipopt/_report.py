@@ -89,6 +89,8 @@ from typing import Any, TypeGuard
 
 from ._layers import LAYER_FIELDS
 from ._logging import BASE_COLUMNS
+from ._text import fmt_num as _num
+from ._text import json_safe
 
 __all__ = [
     "AUTOCLIP_PERCENTILE",
@@ -691,7 +693,7 @@ def _summary(log: GradLog, norms: list[float], layer_rows: list[int], overflow: 
 
 def format_json(report: Mapping[str, Any]) -> str:
     """The report as JSON; non-finite floats become ``"nan"``, ``"inf"`` or ``"-inf"``."""
-    return json.dumps(_json_safe(report), indent=2, allow_nan=False)
+    return json.dumps(json_safe(report), indent=2, allow_nan=False)
 
 
 def format_report(report: Mapping[str, Any]) -> str:
@@ -775,24 +777,8 @@ def _table(rows: list[list[str]]) -> list[str]:
     return ["  " + "  ".join([*(c.ljust(w) for c, w in zip(r, widths, strict=False)), r[-1]]) for r in rows]
 
 
-def _num(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if math.isnan(value):
-        return "nan"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return f"{value:.4g}"
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else _num(value)
-    if isinstance(value, Mapping):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 # ---------------------------------------------------------------------------- plotting
