@@ -245,6 +245,7 @@ def run_demo(out: str | Path, config: DemoConfig | None = None, progress: bool =
             param_names=net.named_parameters(),
             layer_stats=cfg.layer_stats,
             loggers=[CSVLogger(csv_path)],
+            stats_history=cfg.steps,
         )
         result = _train(label, net, opt, _batches(train, cfg, cfg.seed + 1), cfg, vocab, progress)
         opt.close()

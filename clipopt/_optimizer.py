@@ -616,7 +616,7 @@ class ClippedOptimizer(Optimizer):
         found_inf = w.skip
         with self._fused_args(grad_scale, found_inf):
             out = self.optimizer.step(self._inner_closure(loss, closure, w.limit))
-        self._set_outcome(found_inf if found_inf is not None else False)
+        self._set_outcome(found_inf if found_inf is not None else False, w)
         return out if closure is not None else loss
 
     def _step_host(
@@ -634,7 +634,7 @@ class ClippedOptimizer(Optimizer):
             out = self.optimizer.step(self._inner_closure(loss, closure, w.limit))
             if closure is None:
                 out = loss
-        self._set_outcome(skipped)
+        self._set_outcome(skipped, w)
         return out
 
     def _inner_closure(
@@ -666,11 +666,18 @@ class ClippedOptimizer(Optimizer):
 
         return reevaluate
 
-    def _set_outcome(self, skipped: bool | Tensor) -> None:
+    def _set_outcome(self, skipped: bool | Tensor, w: _Window) -> None:
         """Count the window; ``skipped`` is a bool, or a 0/1 float tensor decided on the device."""
         self._last_skipped = skipped
         self._update_applied = not skipped if isinstance(skipped, bool) else None
-        self._counters.record(skipped)
+        nonfinite: bool | Tensor = skipped
+        if self._policy is not None and self._policy.spike() is not None:  # a skip may be a spike
+            enabled = self._skip_enabled()
+            if isinstance(skipped, bool):
+                nonfinite = skipped and enabled and bool(w.flag.item())  # only read after a skip
+            else:
+                nonfinite = w.flag if enabled else torch.zeros_like(w.flag)
+        self._counters.record(skipped, nonfinite)
 
     def _record(self, w: _Window, n: int, layers: LayerStats | None) -> StepStats:
         stats = StepStats(

@@ -76,31 +76,41 @@ class AutoClip(ClipPolicy):
         self.percentile = p
         self.history = check_positive_int("history", history)
         self._buffer = torch.full((self.history,), math.nan)
-        self._index = 0
+        self._index = torch.zeros((), dtype=torch.int64)  # finite norms written so far (on the device)
 
     def _to(self, device: torch.device) -> None:
         if self._buffer.device != device:
             self._buffer = self._buffer.to(device)
+            self._index = self._index.to(device)
 
     def threshold(self, total_norm: Tensor) -> Tensor:
         self._to(total_norm.device)
-        value = torch.where(torch.isfinite(total_norm), total_norm, math.nan).to(self._buffer.dtype)
-        self._buffer[self._index % self.history] = value
-        self._index += 1
+        finite = torch.isfinite(total_norm)
+        slot = (self._index % self.history).reshape(1)
+        value = torch.where(finite, total_norm.to(self._buffer.dtype), self._buffer[slot][0])
+        self._buffer.index_put_((slot,), value.reshape(1))  # a non-finite norm writes nothing back
+        self._index += finite.to(torch.int64)
         return torch.nanquantile(self._buffer, self.percentile / 100.0)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"buffer": self._buffer, "index": self._index}
+        return {"buffer": self._buffer.clone(), "index": self._index.clone()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         buffer, index = state.get("buffer"), state.get("index")
-        if not isinstance(buffer, Tensor) or buffer.shape != (self.history,) or not isinstance(index, int):
+        if isinstance(index, int):
+            index = torch.tensor(index)
+        if (
+            not isinstance(buffer, Tensor)
+            or buffer.shape != (self.history,)
+            or not isinstance(index, Tensor)
+            or index.numel() != 1
+        ):
             raise ValueError(
-                f"invalid AutoClip state: expected a buffer of {self.history} norms and an int index; "
+                f"invalid AutoClip state: expected a buffer of {self.history} norms and an index; "
                 "pass the state saved by an AutoClip with the same history"
             )
         self._buffer = buffer.detach().to(self._buffer.device, torch.float32, copy=True)
-        self._index = index
+        self._index = index.detach().reshape(()).to(self._buffer.device, torch.int64, copy=True)
 
     def __repr__(self) -> str:
         return f"AutoClip(percentile={self.percentile:g}, history={self.history})"
@@ -169,9 +179,9 @@ class ZClip(ClipPolicy):
         else:
             bound = mean
         limit = torch.where(spike, bound, math.inf)
+        clipped = torch.minimum(g0, limit)  # the EMAs see ZClip's own bound, not max_grad_norm (as zclip)
         if self.max_grad_norm is not None:
             limit = limit.clamp(max=self.max_grad_norm)
-        clipped = torch.minimum(g0, limit)
         # warm-up sums; the EMAs start from their mean and variance when the count reaches warmup_steps
         add = (finite & warm).to(torch.float64)
         count2 = count + add
@@ -228,16 +238,15 @@ class AGC(ClipPolicy):
         self.eps = _required_positive("eps", eps, "1e-3")
 
     def clip_(self, params: Sequence[Tensor], scale: float) -> Tensor:
+        grads = [(p, p.grad) for p in params if p.grad is not None]
+        if any(g.is_sparse for _, g in grads):  # checked before any gradient changes
+            raise TypeError("AGC does not support sparse gradients; use a float max_norm or None")
         clipped: list[Tensor] = []
-        for p in params:
-            g = p.grad
-            if g is None:
-                continue
-            if g.is_sparse:
-                raise TypeError("AGC does not support sparse gradients; use a float max_norm or None")
+        for p, g in grads:
             dims = tuple(range(1, g.ndim)) if g.ndim > 1 else None
-            w_norm = torch.linalg.vector_norm(p.detach(), dim=dims, keepdim=True, dtype=torch.float32)
-            g_norm = torch.linalg.vector_norm(g, dim=dims, keepdim=True, dtype=torch.float32) * scale
+            acc = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None  # at least float32
+            w_norm = torch.linalg.vector_norm(p.detach(), dim=dims, keepdim=True, dtype=acc)
+            g_norm = torch.linalg.vector_norm(g, dim=dims, keepdim=True, dtype=acc) * scale
             limit = self.clip_factor * w_norm.clamp_min(self.eps)
             coef = (limit / g_norm.clamp_min(1e-6)).clamp(max=1.0)
             clipped.append((coef < 1.0).any())

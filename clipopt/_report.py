@@ -669,6 +669,7 @@ def _summary(log: GradLog, norms: list[float], layer_rows: list[int], overflow: 
     clipped = sum(log.clipped)
     bounds = [x for x in log.max_norm if _finite(x)]
     max_norm = None if not bounds else {"min": min(bounds), "max": max(bounds), "last": bounds[-1]}
+    unbounded = any(x is not None and math.isinf(x) for x in log.max_norm)
     return {
         "updates": n,
         "first_step": log.steps[0],
@@ -683,6 +684,7 @@ def _summary(log: GradLog, norms: list[float], layer_rows: list[int], overflow: 
         "norm_median": _median(norms) if norms else None,
         "norm_max": max(norms) if norms else None,
         "max_norm": max_norm,
+        "max_norm_unbounded": unbounded,
         "layers": len(log.layers),
         "layer_rows": len(layer_rows),
     }
@@ -732,7 +734,11 @@ def format_report(report: Mapping[str, Any]) -> str:
         lines.append("  none (no finite norm recorded)")
 
     lines += ["", "Summary:"]
-    if s["max_norm"] is None:
+    if s["max_norm"] is None and s.get("max_norm_unbounded"):
+        used = "adaptive, no bound reached (e.g. ZClip between spikes)"
+    elif s["max_norm"] is None and s["clipped"]:
+        used = "none recorded: unit-wise clipping (AGC) or value clipping"
+    elif s["max_norm"] is None:
         used = "none (norm clipping off)"
     elif s["max_norm"]["min"] == s["max_norm"]["max"]:
         used = _num(s["max_norm"]["last"])
