@@ -445,18 +445,20 @@ class ClippedOptimizer(Optimizer):
         grads = [p.grad for p in params if p.grad is not None]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        with torch.no_grad():
-            total_norm, flag = self._measure(grads, n)
-            layers = self._diagnose(params, total_norm, flag, n)
-            w = self._clip(params, grads, total_norm, flag, n)
-        self._counters.micro_batches = 0
-        self._counters.windows += 1
-        if _is_fused(self.optimizer) and self._inner_state_ready():
-            loss = self._step_fused(w, loss, closure)
-        else:
-            loss = self._step_host(w, loss, closure, params)
-        if self.scaler is not None:
-            self.scaler.update()
+        try:
+            with torch.no_grad():
+                total_norm, flag = self._measure(grads, n)
+                layers = self._diagnose(params, total_norm, flag, n)
+                w = self._clip(params, grads, total_norm, flag, n)
+            self._counters.micro_batches = 0
+            self._counters.windows += 1
+            if _is_fused(self.optimizer) and self._inner_state_ready():
+                loss = self._step_fused(w, loss, closure)
+            else:
+                loss = self._step_host(w, loss, closure, params)
+        finally:  # also after an error: an unscaled scaler without update() would refuse every later window
+            if self.scaler is not None:
+                self.scaler.update()
         stats = self._record(w, n, layers)
         for logger in self.loggers:
             logger.log(stats, self)

@@ -279,3 +279,27 @@ def test_autoclip_nonfinite_windows_keep_the_history() -> None:
     saved = policy.state_dict()
     policy.threshold(torch.tensor(10.0))
     assert sorted(saved["buffer"].tolist()) == [1.0, 2.0, 3.0]  # a copy, not the live buffer
+
+
+def test_scaler_recovers_after_an_error_inside_a_window() -> None:
+    """An exception between unscale_ and the step still updates the scaler, so the next window works."""
+    model = TwoHeads()
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+
+    class Failing(torch.optim.SGD):
+        fail = True
+
+        def step(self, closure: object = None) -> object:
+            if Failing.fail:
+                Failing.fail = False
+                raise RuntimeError("boom")
+            return super().step(closure)  # type: ignore[arg-type]
+
+    opt = ClippedOptimizer(Failing(model.parameters(), lr=0.1), scaler=scaler)
+    scaler.scale(model.loss("a", torch.ones(2, 3))).backward()
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step()
+    opt.zero_grad()
+    scaler.scale(model.loss("a", torch.ones(2, 3))).backward()
+    opt.step()
+    assert opt.update_applied
