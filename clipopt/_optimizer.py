@@ -9,6 +9,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from numbers import Real
 from typing import Any
 
 import torch
@@ -322,9 +323,14 @@ class ClippedOptimizer(Optimizer):
     def max_norm(self, value: float | ClipPolicy | None) -> None:
         if isinstance(value, ClipPolicy):
             self._policy, self._bound = value, None
-        else:
-            self._bound = check_optional_positive_float("max_norm", value, "1.0")
-            self._policy = None
+            return
+        if value is not None and (isinstance(value, bool) or not isinstance(value, Real)):
+            raise TypeError(
+                f"max_norm must be a float, a ClipPolicy (AutoClip, ZClip, AGC) or None, got {value!r} "
+                f"({type(value).__name__}); pass e.g. max_norm=1.0 or max_norm=AutoClip()"
+            )
+        self._bound = check_optional_positive_float("max_norm", value, "1.0")
+        self._policy = None
 
     # ------------------------------------------------------------------ signals
 

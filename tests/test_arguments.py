@@ -37,14 +37,14 @@ BAD_ARGUMENTS: list[tuple[dict[str, Any], type[Exception], str]] = [
     (
         {"max_norm": "1.0"},
         TypeError,
-        "max_norm must be a float or None, got '1.0' (str); "
-        "pass e.g. max_norm=1.0, or max_norm=None to turn it off",
+        "max_norm must be a float, a ClipPolicy (AutoClip, ZClip, AGC) or None, got '1.0' (str); "
+        "pass e.g. max_norm=1.0 or max_norm=AutoClip()",
     ),
     (
         {"max_norm": True},
         TypeError,
-        "max_norm must be a float or None, got True (bool); "
-        "pass e.g. max_norm=1.0, or max_norm=None to turn it off",
+        "max_norm must be a float, a ClipPolicy (AutoClip, ZClip, AGC) or None, got True (bool); "
+        "pass e.g. max_norm=1.0 or max_norm=AutoClip()",
     ),
     (
         {"norm_type": 0},
