@@ -9,10 +9,10 @@ from typing import Any
 __all__ = [
     "check_choice",
     "check_flag",
+    "check_norm_type",
     "check_optional_positive_float",
     "check_optional_positive_int",
     "check_positive_int",
-    "check_norm_type",
 ]
 
 
