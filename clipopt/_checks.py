@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from numbers import Integral, Real
 from typing import Any
 
@@ -12,6 +13,7 @@ __all__ = [
     "check_norm_type",
     "check_optional_positive_float",
     "check_optional_positive_int",
+    "check_path",
     "check_positive_int",
 ]
 
@@ -54,16 +56,25 @@ def check_norm_type(value: Any) -> float:
     return p
 
 
-def check_positive_int(name: str, value: Any) -> int:
+def check_positive_int(name: str, value: Any, example: int = 4) -> int:
     """An int >= 1 (bool rejected)."""
     if not isinstance(value, Integral) or isinstance(value, bool):
         raise TypeError(
             f"{name} must be an int >= 1, got {value!r} ({type(value).__name__}); "
-            f"pass e.g. {name}=4"
+            f"pass e.g. {name}={example}"
         )
     if value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}; pass e.g. {name}=4")
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}; pass e.g. {name}={example}")
     return int(value)
+
+
+def check_path(name: str, value: Any, example: str) -> str | os.PathLike[str]:
+    """A str or os.PathLike."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(
+            f"{name} must be a str or os.PathLike, got {type(value).__name__}; pass e.g. {example!r}"
+        )
+    return value
 
 
 def check_optional_positive_int(name: str, value: Any) -> int | None:

@@ -10,6 +10,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from ._checks import check_path, check_positive_int
 from ._layers import LAYER_FIELDS
 from ._stats import StepStats, materialize
 
@@ -106,16 +107,8 @@ class CSVLogger:
     """
 
     def __init__(self, path: str | os.PathLike[str], flush_every: int = 100) -> None:
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(
-                f"path must be a str or os.PathLike, got {type(path).__name__}; pass e.g. 'grads.csv'"
-            )
-        if not isinstance(flush_every, int) or isinstance(flush_every, bool) or flush_every < 1:
-            raise ValueError(
-                f"flush_every must be an int >= 1, got {flush_every!r}; pass e.g. flush_every=100"
-            )
-        self.path = Path(path)
-        self.flush_every = flush_every
+        self.path = Path(check_path("path", path, "grads.csv"))
+        self.flush_every = check_positive_int("flush_every", flush_every, 100)
         self.columns: list[str] | None = None
         self._names: list[str] = []
         self._groups = 1

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from ._checks import check_path, check_positive_int
 from ._layers import LAYER_FIELDS
 from ._stats import StepStats, materialize
 
@@ -70,14 +71,8 @@ class TensorBoardLogger:
     def __init__(
         self, log_dir: str | os.PathLike[str], flush_every: int = 100, histograms: bool = True
     ) -> None:
-        if not isinstance(log_dir, (str, os.PathLike)):
-            raise TypeError(
-                f"log_dir must be a str or os.PathLike, got {type(log_dir).__name__}; pass e.g. 'runs/exp1'"
-            )
-        if not isinstance(flush_every, int) or isinstance(flush_every, bool) or flush_every < 1:
-            raise ValueError(
-                f"flush_every must be an int >= 1, got {flush_every!r}; pass e.g. flush_every=100"
-            )
+        check_path("log_dir", log_dir, "runs/exp1")
+        check_positive_int("flush_every", flush_every, 100)
         if not isinstance(histograms, bool):
             raise TypeError(
                 f"histograms must be True or False, got {histograms!r}; pass e.g. histograms=False"

@@ -389,3 +389,17 @@ def test_snapshot_dir_without_names_warns(tmp_path: Path) -> None:
             snapshot_dir=tmp_path,
             param_names=model.named_parameters(),
         )
+
+
+@pytest.mark.parametrize(
+    ("factory", "error", "message"),
+    [
+        (lambda: CSVLogger(3), TypeError, "path must be a str or os.PathLike, got int; pass e.g. 'grads.csv"),
+        (lambda: CSVLogger("g.csv", flush_every=0), ValueError, "flush_every must be an int >= 1, got 0"),
+        (lambda: CSVLogger("g.csv", flush_every=2.5), TypeError, "flush_every must be an int >= 1, got 2.5"),
+    ],
+)
+def test_bad_csv_logger_arguments(factory: Any, error: type[Exception], message: str) -> None:
+    """CSVLogger's bad arguments raise errors naming the argument, the value and the fix."""
+    with pytest.raises(error, match=re.escape(message)):
+        factory()
