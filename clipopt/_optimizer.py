@@ -26,6 +26,7 @@ from ._checks import (
     check_optional_positive_int,
     check_positive_int,
 )
+from ._distributed import ShardedGrads, allreduce_mean_, has_dtensor, suppress_sync
 from ._errors import NonFiniteGradientError
 from ._layers import LayerStats, compute_layer_stats, resolve_param_names
 from ._logging import Logger
@@ -218,6 +219,12 @@ class ClippedOptimizer(Optimizer):
             )
         self.max_snapshots = check_positive_int("max_snapshots", max_snapshots)
         names = resolve_param_names(optimizer, param_names)
+        if (self.layer_stats or snapshot_dir is not None) and has_dtensor(list(names)):
+            raise ValueError(
+                "layer_stats and snapshot_dir do not support DTensor (FSDP2) parameters yet: each rank "
+                "holds only shards; pass layer_stats=False and snapshot_dir=None (total norms, "
+                "clipping, skipping and loggers work)"
+            )
         if snapshot_dir is not None and param_names is None and not any(
             g.get("param_names") for g in optimizer.param_groups
         ):
@@ -242,6 +249,9 @@ class ClippedOptimizer(Optimizer):
         self._ready_size: tuple[int, int] = (0, 0)
         self._params_key: tuple[int, ...] = ()
         self._params_cache: list[Tensor] = []
+        self._has_dtensor = False  # some parameter is a DTensor (FSDP2): norms are reduced across ranks
+        self._shards: ShardedGrads | None = None  # the open window's sharded gradients
+        self._unsynced: tuple[torch.nn.Module, str | None, int] | None = None  # see no_sync()
         self._names = names
         self._snapshots = None if snapshot_dir is None else SnapshotWriter(snapshot_dir, self.max_snapshots)
         self._attached: dict[str, list[Any]] = {}
@@ -293,6 +303,8 @@ class ClippedOptimizer(Optimizer):
         state = self.__dict__.copy()
         for name in _HOOK_DICTS:
             state.pop(name, None)
+        state["_unsynced"] = None  # a reference to the model, not state; a copy starts synchronised
+        state["_shards"] = None
         if self._counters.micro_batches > 0:
             state["_pending_grads"] = [p.grad for p in self._params()]
         return state
@@ -426,6 +438,66 @@ class ClippedOptimizer(Optimizer):
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     @contextmanager
+    def no_sync(self, model: torch.nn.Module, *, sync: bool | None = None) -> Iterator[None]:
+        """Skip ``model``'s gradient synchronisation unless this micro-batch closes the window.
+
+        ::
+
+            with opt.no_sync(model):
+                loss.backward()
+            opt.step()
+
+        For every micro-batch of a window but the last, the backward inside runs
+        without DDP's all-reduce (``model.no_sync()``) or FSDP2's reduce-scatter
+        (``set_requires_gradient_sync(False)``); gradients accumulate locally and
+        the last micro-batch's backward synchronises their sum.  A plain module
+        (no data parallelism) is left alone, so the same loop runs in one process.
+
+        Args:
+            model: the DDP- or FSDP2-wrapped model (or a plain module).
+            sync: None decides by the window; True synchronises this backward
+                (the last micro-batch of the data, before :meth:`flush`); False
+                never does.
+
+        :meth:`flush` after an unsynchronised micro-batch all-reduces the DDP
+        gradients itself; FSDP2 cannot reduce them afterwards, so there it
+        raises: pass ``sync=True`` for the last micro-batch instead.
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"model must be a torch.nn.Module (a DDP- or FSDP2-wrapped model), got "
+                f"{type(model).__name__}; pass e.g. opt.no_sync(ddp_model)"
+            )
+        if sync is not None:
+            check_flag("sync", sync)
+        index = self._counters.micro_batches + 1  # this micro-batch's place in the window
+        if sync is None:
+            sync = index >= self.accumulation_steps
+        if sync:
+            yield
+            return
+        context, kind = suppress_sync(model)
+        with context:
+            yield
+        if kind is not None:
+            self._unsynced = (model, kind, index)
+
+    def _sync_unsynced(self, n: int) -> None:
+        """Before closing a window whose latest micro-batch skipped its sync: do that sync now."""
+        unsynced, self._unsynced = self._unsynced, None
+        if unsynced is None or unsynced[2] != n:  # a later micro-batch synchronised the window
+            return
+        model, kind, _ = unsynced
+        if kind != "ddp":
+            self._unsynced = unsynced  # nothing changed: the window stays open and pending
+            raise RuntimeError(
+                f"the latest micro-batch ran inside opt.no_sync(model) without gradient sync, and "
+                f"{type(model).__name__} cannot reduce accumulated gradients afterwards; pass "
+                "opt.no_sync(model, sync=True) for the last micro-batch before flush()"
+            )
+        allreduce_mean_(model)
+
+    @contextmanager
     def _fused_args(self, grad_scale: Tensor | None, found_inf: Tensor | None) -> Iterator[None]:
         inner = self.optimizer
         inner.grad_scale = grad_scale  # type: ignore[attr-defined]
@@ -443,14 +515,16 @@ class ClippedOptimizer(Optimizer):
         if key != self._params_key:
             self._params_cache = [p for group in groups for p in group["params"]]
             self._params_key = key
+            self._has_dtensor = has_dtensor(self._params_cache)
         return self._params_cache
 
     def _close_window(self, loss: Any, closure: Callable[[], Any] | None) -> Any:
         n = self._counters.micro_batches
+        self._sync_unsynced(n)
         params = self._params()
-        grads = [p.grad for p in params if p.grad is not None]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
+        grads = self._window_grads(params)
         try:
             with torch.no_grad():
                 total_norm, flag = self._measure(grads, n)
@@ -472,6 +546,18 @@ class ClippedOptimizer(Optimizer):
         self._check_consecutive_nonfinite()
         return loss
 
+    def _window_grads(self, params: list[Tensor]) -> list[Tensor]:
+        """The gradients to measure and clip: ``p.grad``, or their local shards for DTensors."""
+        grads = [p.grad for p in params if p.grad is not None]
+        self._shards = ShardedGrads(grads) if self._has_dtensor else None
+        return grads if self._shards is None else self._shards.locals
+
+    def _total_norm(self, grads: list[Tensor]) -> Tensor:
+        """The norm of ``grads`` over all ranks holding shards of them (collective for DTensors)."""
+        if self._shards is not None:
+            return self._shards.total_norm(grads, self.norm_type, self.foreach)
+        return F.get_total_norm(grads, self.norm_type, foreach=self.foreach)
+
     def _check_consecutive_nonfinite(self) -> None:
         """Raise once ``max_consecutive_nonfinite`` windows in a row were skipped (reads one counter)."""
         limit = self.max_consecutive_nonfinite
@@ -486,7 +572,7 @@ class ClippedOptimizer(Optimizer):
     def _measure(self, grads: list[Tensor], n: int) -> tuple[Tensor, Tensor]:
         """Steps 1-2: the pre-clip norm of the combined gradient and its non-finite flag."""
         divisor = self._divisor(n)
-        raw_norm = F.get_total_norm(grads, self.norm_type, foreach=self.foreach)
+        raw_norm = self._total_norm(grads)
         total_norm = raw_norm / divisor if divisor != 1.0 else raw_norm
         return total_norm, F.nonfinite_flag(total_norm)
 
@@ -560,7 +646,7 @@ class ClippedOptimizer(Optimizer):
         if self.clip_value is not None:
             # clamp(g / n, ±c) == clamp(g, ±c·n) / n: the division folds into the final scale.
             F.clip_grads_value_(grads, self.clip_value * divisor, foreach=self.foreach)
-            norm = F.get_total_norm(grads, self.norm_type, foreach=self.foreach) * inv
+            norm = self._total_norm(grads) * inv
             clipped = norm < total_norm
         # a unit-wise policy is stateless: re-evaluations get it again
         unitwise = self._policy is not None and self._policy.unitwise
@@ -665,7 +751,7 @@ class ClippedOptimizer(Optimizer):
                 out = closure()
             with torch.no_grad():
                 params = self._params()
-                grads = [p.grad for p in params if p.grad is not None]
+                grads = self._window_grads(params)
                 total_norm, flag = self._measure(grads, 1)
                 w = self._clip(params, grads, total_norm, flag, 1, fixed=(limit,))
                 if isinstance(w.scale, Tensor) or w.scale != 1.0:

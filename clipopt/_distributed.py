@@ -1,0 +1,177 @@
+"""Data-parallel training: gradient-sync suppression and global norms of sharded gradients.
+
+* :func:`suppress_sync` — the context that skips a model's gradient
+  synchronisation for one backward: DDP's ``no_sync()``, FSDP2's
+  ``set_requires_gradient_sync(False)``, nothing for a plain module.
+* :func:`allreduce_mean_` — what DDP would have done to gradients that were
+  accumulated without sync (used by ``flush()`` after an unsynced micro-batch).
+* :class:`ShardedGrads` — the local shards of DTensor gradients (FSDP2) and the
+  process groups over which their norm has to be reduced, so that every rank
+  computes the same global norm, and so takes the same skip decision.
+
+Reductions are done on the device (``all_reduce`` of a few scalars); nothing is
+read back to the host.  Non-finite values survive them: p-norms are reduced
+with SUM (a ``nan``/``inf`` term stays ``nan``/``inf``), and the inf-norm
+carries an explicit non-finite indicator because gloo's MAX drops ``nan``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import functional as F
+
+__all__ = ["ShardedGrads", "allreduce_mean_", "has_dtensor", "suppress_sync"]
+
+
+def _dtensor_type() -> Any:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def has_dtensor(tensors: Sequence[Tensor]) -> bool:
+    """Whether any of ``tensors`` is a DTensor (FSDP2 / tensor-parallel parameters)."""
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
+
+
+def _is_ddp(model: torch.nn.Module) -> bool:
+    return torch.distributed.is_available() and isinstance(
+        model, torch.nn.parallel.DistributedDataParallel
+    )
+
+
+def _is_fsdp2(model: torch.nn.Module) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def _fsdp2_no_sync(model: Any) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def suppress_sync(model: torch.nn.Module) -> tuple[contextlib.AbstractContextManager[Any], str | None]:
+    """The context that skips ``model``'s gradient sync, and the kind of model.
+
+    Kind: ``"ddp"``, ``"fsdp2"``, ``"other"`` (a module with its own
+    ``no_sync()``, such as FSDP1), or None (a plain module: nothing to skip).
+    """
+    if _is_fsdp2(model):
+        return _fsdp2_no_sync(model), "fsdp2"
+    if _is_ddp(model):
+        ddp: Any = model
+        return ddp.no_sync(), "ddp"
+    no_sync = getattr(model, "no_sync", None)
+    if callable(no_sync):
+        return no_sync(), "other"
+    return contextlib.nullcontext(), None
+
+
+@torch.no_grad()
+def allreduce_mean_(model: torch.nn.Module) -> None:
+    """Average the gradients of ``model``'s parameters over its process group, as DDP does.
+
+    A parameter without a gradient on this rank contributes zeros when another
+    rank has one; parameters without a gradient anywhere stay without.  Every
+    rank must call this (it is collective).  Reads one small mask to the host.
+    """
+    dist = torch.distributed
+    group = getattr(model, "process_group", None)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return
+    present = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+    dist.all_reduce(present, op=dist.ReduceOp.SUM, group=group)
+    world = dist.get_world_size(group)
+    for p, count in zip(params, present.tolist(), strict=True):
+        if count == 0:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+        p.grad.div_(world)
+
+
+class ShardedGrads:
+    """Local shards of (some DTensor) gradients, grouped by the process groups their norm spans.
+
+    A gradient sharded (``Shard``) over some mesh dimensions contributes a
+    partial norm that must be reduced over those dimensions' process groups;
+    a replicated one, or a plain tensor, is complete on every rank already.
+
+    Attributes:
+        locals: the gradients as plain tensors, in order (a DTensor's local
+            shard shares its storage, so in-place clipping and scaling of
+            ``locals`` change the gradients themselves).
+    """
+
+    __slots__ = ("_groups", "locals")
+
+    def __init__(self, grads: Sequence[Tensor]) -> None:
+        dtensor = _dtensor_type()
+        self.locals: list[Tensor] = []
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, g in enumerate(grads):
+            key: tuple[Any, ...] = ()
+            if dtensor is not None and isinstance(g, dtensor):
+                for dim, placement in enumerate(g.placements):
+                    if placement.is_partial():
+                        raise ValueError(
+                            f"a gradient has a Partial placement ({g.placements}), i.e. it is still to "
+                            "be reduced; clip after the gradients are reduced (FSDP2 and DDP do this "
+                            "in backward) or redistribute them to Shard/Replicate first"
+                        )
+                    if placement.is_shard():
+                        key += (g.device_mesh.get_group(dim),)
+                self.locals.append(g.to_local())
+            else:
+                self.locals.append(g)
+            groups.setdefault(key, []).append(i)
+        self._groups = list(groups.items())
+
+    def total_norm(self, grads: Sequence[Tensor], norm_type: float, foreach: bool | None) -> Tensor:
+        """The global ``norm_type``-norm of ``grads`` (this object's :attr:`locals`, possibly clipped since).
+
+        Collective: every rank holding shards must call it, in the same order.
+        """
+        parts = []
+        for pgs, indices in self._groups:
+            local = F.get_total_norm([grads[i] for i in indices], norm_type, foreach=foreach)
+            parts.append(_reduce_norm(local, norm_type, pgs) if pgs else local)
+        if len(parts) == 1:
+            return parts[0]
+        return F.get_total_norm(parts, norm_type)
+
+
+def _reduce_norm(local: Tensor, p: float, groups: Sequence[Any]) -> Tensor:
+    """Combine a rank-local p-norm into the norm over ``groups`` (each reduced in turn)."""
+    dist = torch.distributed
+    if math.isinf(p):
+        # gloo's MAX drops nan: carry "some rank is nan" as a second, finite value
+        packed = torch.stack([local, torch.isnan(local).to(local.dtype)])
+        for pg in groups:
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=pg)
+        return torch.where(packed[1] > 0, torch.full_like(local, math.nan), packed[0])
+    # float64: a float32 partial norm's p-th power is below 3.4e38 (torch computed it as a
+    # float32 sum), so summing WORLD of them cannot overflow where one process would not
+    acc = local.double().pow(p)
+    for pg in groups:
+        dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=pg)
+    return acc.pow(1.0 / p).to(local.dtype)

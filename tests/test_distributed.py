@@ -1,0 +1,207 @@
+"""SPEC §4: ``no_sync`` with DDP and FSDP2, global norms of sharded gradients, one skip decision.
+
+Two processes on the gloo backend (CPU) run the jobs in ``tests/distributed_jobs.py``
+once per module; the tests compare what each rank recorded with the single-process
+reference computed there (``clip_grad_norm_`` and AdamW on a plain model).
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from clipopt import ClippedOptimizer
+
+from . import distributed_jobs as jobs
+
+pytestmark = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="this torch build has no torch.distributed with the gloo backend",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(job: Any, name: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp(name)
+    mp.spawn(job, args=(_free_port(), str(out)), nprocs=jobs.WORLD, join=True)
+    return [torch.load(out / f"{name}{rank}.pt", weights_only=True) for rank in range(jobs.WORLD)]
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _run(jobs.ddp_job, "ddp", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _run(jobs.fsdp_job, "fsdp", tmp_path_factory)
+
+
+def _assert_params_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- DDP
+
+
+def test_ddp_no_sync_all_reduces_only_on_the_last_micro_batch(ddp: list[dict[str, Any]]) -> None:
+    """With accumulation_steps=3, DDP's comm hook runs only for micro-batches 3 and 6."""
+    for rank in ddp:
+        assert rank["accum"]["calls"] == [3, 6]
+
+
+def test_ddp_accumulation_equals_one_process(ddp: list[dict[str, Any]]) -> None:
+    """2 ranks x 3 micro-batches per window give the norms and parameters of one process that
+    averages all 6 micro-batch gradients, clips with clip_grad_norm_ and steps AdamW."""
+    for rank in ddp:
+        res = rank["accum"]
+        assert res["clipped"] == [True, True]
+        assert res["norms"] == pytest.approx(res["ref_norms"], rel=1e-5)
+        _assert_params_close(res["params"], res["ref_params"])
+
+
+def test_ddp_flush_after_unsynced_micro_batches_all_reduces(ddp: list[dict[str, Any]]) -> None:
+    """A partial window of 2 unsynchronised micro-batches: no all-reduce ran during backward,
+    flush() averages the gradients over the ranks itself, and the update equals the reference."""
+    for rank in ddp:
+        res = rank["flush"]
+        assert res["calls_before_flush"] == []
+        assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5)
+        _assert_params_close(res["params"], res["ref_params"])
+
+
+def test_ddp_sync_true_and_plain_backward(ddp: list[dict[str, Any]]) -> None:
+    """sync=True synchronises micro-batch 1; a backward outside no_sync synchronises micro-batch 3;
+    flush() then does not all-reduce a second time (the update equals the reference)."""
+    for rank in ddp:
+        res = rank["forced"]
+        assert res["calls"] == [1, 3]
+        assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5)
+        _assert_params_close(res["params"], res["ref_params"])
+
+
+def test_ddp_nan_on_one_rank_skips_on_every_rank(ddp: list[dict[str, Any]]) -> None:
+    """A nan in one rank's input: both ranks skip, parameters stay bit-identical, no state is made."""
+    for rank in ddp:
+        res = rank["nan"]
+        assert res["skipped"] == [True, True]
+        assert res["unchanged"]
+        assert res["state_empty"]
+
+
+# ---------------------------------------------------------------------------- FSDP2
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, math.inf, 12.0])
+def test_fsdp2_global_norm_for_every_p(fsdp: list[dict[str, Any]], p: float) -> None:
+    """Every rank records the norm of the full (unsharded) gradient, computed in float64 by one process."""
+    for rank in fsdp:
+        got, want = rank["norms"][p]
+        assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("case", ["2.0", "inf", "2.0-fused"])
+def test_fsdp2_nan_in_one_shard_skips_on_every_rank(fsdp: list[dict[str, Any]], case: str) -> None:
+    """A nan in rank 1's shard only: both ranks see a non-finite norm (also for the inf-norm, where
+    gloo's MAX would drop the nan) and skip; full parameters and optimizer state are bit-identical
+    (fused AdamW: the skip reaches the kernel as found_inf, moments and step counters included)."""
+    for rank in fsdp:
+        res = rank["nan"][case]
+        assert res["skipped"] == [True, True]
+        assert res["norm_finite"] == [False, False]
+        assert res["unchanged"]
+        assert res["state_unchanged"]
+        assert res["state_tensors"] == (12 if case.endswith("fused") else 0)
+
+
+@pytest.mark.parametrize("variant", ["accum", "fused"])
+def test_fsdp2_accumulation_with_no_sync_equals_one_process(fsdp: list[dict[str, Any]], variant: str) -> None:
+    """k=2 with no_sync: the unsynchronised micro-batch leaves p.grad None (FSDP2 keeps it), and the
+    norms and full parameters equal the single-process reference (foreach and fused AdamW)."""
+    for rank in fsdp:
+        res = rank[variant]
+        assert res["unsynced_grad_none"] == [True, True]
+        assert res["norms"] == pytest.approx(res["ref_norms"], rel=1e-5)
+        _assert_params_close(res["params"], res["ref_params"])
+
+
+def test_fsdp2_flush_after_unsynced_micro_batch_raises(fsdp: list[dict[str, Any]]) -> None:
+    """FSDP2 cannot reduce accumulated gradients after the fact: flush() says so and keeps the window."""
+    for rank in fsdp:
+        assert rank["flush_error"] == (
+            "the latest micro-batch ran inside opt.no_sync(model) without gradient sync, and "
+            "FSDPSequential cannot reduce accumulated gradients afterwards; pass "
+            "opt.no_sync(model, sync=True) for the last micro-batch before flush()"
+        )
+        assert rank["flush_micro_batches"] == 1
+
+
+def test_fsdp2_layer_stats_are_refused(fsdp: list[dict[str, Any]]) -> None:
+    """layer_stats with DTensor parameters raises a ValueError that names the way out."""
+    for rank in fsdp:
+        assert rank["stats_error"] == (
+            "layer_stats and snapshot_dir do not support DTensor (FSDP2) parameters yet: each rank "
+            "holds only shards; pass layer_stats=False and snapshot_dir=None (total norms, "
+            "clipping, skipping and loggers work)"
+        )
+
+
+# ---------------------------------------------------------------------------- one process
+
+
+def test_no_sync_on_a_plain_module_changes_nothing() -> None:
+    """Without data parallelism no_sync is a no-op: the same loop runs in one process."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), None, accumulation_steps=2)
+    ref = torch.nn.Linear(3, 2)
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4, 3)
+    for _ in range(2):
+        with opt.no_sync(model):
+            model(x).sum().backward()
+        opt.step()
+    ref(x).sum().backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    opt.flush()  # nothing pending, nothing unsynchronised
+
+
+def test_no_sync_rejects_bad_arguments() -> None:
+    """A model that is not a Module, and a non-bool sync, get TypeErrors naming the fix."""
+    model = torch.nn.Linear(2, 2)
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    expected = (
+        r"^model must be a torch.nn.Module \(a DDP- or FSDP2-wrapped model\), "
+        r"got list; pass e.g. opt.no_sync\(ddp_model\)$"
+    )
+    with pytest.raises(TypeError, match=expected), opt.no_sync([model]):  # type: ignore[arg-type]
+        pass
+    expected = r"^sync must be True or False, got 'yes' \(str\); pass sync=True or sync=False$"
+    with pytest.raises(TypeError, match=expected), opt.no_sync(model, sync="yes"):  # type: ignore[arg-type]
+        pass
+
+
+def test_pickled_optimizer_drops_the_unsynced_model_reference() -> None:
+    """The unsynced marker references the model; a deepcopy of the optimizer does not copy the model."""
+    model = torch.nn.Linear(2, 2)
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
+    opt._unsynced = (model, "ddp", 1)
+    clone = __import__("copy").deepcopy(opt)
+    assert clone._unsynced is None
+    assert opt._unsynced is not None
