@@ -577,34 +577,40 @@ class ClippedOptimizer(Optimizer):
         return total_norm, F.nonfinite_flag(total_norm)
 
     def _diagnose(self, params: list[Tensor], total_norm: Tensor, flag: Tensor, n: int) -> LayerStats | None:
-        """Per-layer statistics when due, and an anomaly snapshot of a non-finite window.
+        """Per-layer statistics when due, and an anomaly snapshot of a non-finite or spiking window.
 
-        Both see the pre-clip gradients.  Either one reads the flag from the device.
+        Both see the pre-clip gradients.  Either one reads the flag (and the
+        policy's spike rule, see :meth:`ClipPolicy.is_spike`) from the device, once.
         """
         due = bool(self.layer_stats) and (self._counters.windows + 1) % self.layer_stats == 0
         if not due and self._snapshots is None:
             return None
-        bad = bool(flag.item())
+        spike = None
+        if self._snapshots is not None and self._policy is not None:
+            spike = self._policy.is_spike(total_norm)
+        if spike is None:
+            bad, spiking = bool(flag.item()), False
+        else:
+            bad, spiking = (v > 0 for v in torch.stack([flag, spike.to(flag.dtype)]).tolist())
         inv = 1.0 / self._divisor(n)
         layers = compute_layer_stats(params, self.layer_names(), inv, bad) if due else None
-        if bad and self._snapshots is not None and self.scaler is None:
-            if layers is None:
-                layers = compute_layer_stats(params, self.layer_names(), inv, True)
-            path = self._snapshots.save(self._snapshot_payload(params, total_norm, n, layers))
+        # with a scaler, a non-finite window is an overflow: GradScaler's normal operation
+        reason = "nonfinite" if bad and self.scaler is None else "spike" if spiking and not bad else None
+        if reason is not None and self._snapshots is not None:
+            snap_layers = layers or compute_layer_stats(params, self.layer_names(), inv, bad)
+            path = self._snapshots.save(self._snapshot_payload(params, total_norm, n, snap_layers, reason))
             self.last_snapshot = path or self.last_snapshot
-            if not due:
-                layers = None
         return layers
 
     def _snapshot_payload(
-        self, params: list[Tensor], total_norm: Tensor, n: int, layers: LayerStats
+        self, params: list[Tensor], total_norm: Tensor, n: int, layers: LayerStats, reason: str
     ) -> dict[str, Any]:
         inv = 1.0 / self._divisor(n)
         names = self.layer_names()
         return {
             "format": 1,
             "step": self._counters.windows + 1,
-            "reason": "nonfinite",
+            "reason": reason,
             "micro_batches": n,
             "total_norm": float(total_norm.item()),
             "params": {name: p.detach().to("cpu", copy=True) for name, p in zip(names, params, strict=True)},

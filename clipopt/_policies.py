@@ -43,6 +43,14 @@ class ClipPolicy:
         """1.0 when the latest window should be skipped as a spike (reason ``"spike"``), else None."""
         return None
 
+    def is_spike(self, total_norm: Tensor) -> Tensor | None:
+        """1.0 when a window with this norm is a spike by the current statistics, else 0.0.
+
+        Pure (the statistics are not updated); None for policies without a spike
+        rule.  Decides whether an anomaly snapshot with reason ``"spike"`` is saved.
+        """
+        return None
+
     def clip_(self, params: Sequence[Tensor], scale: float) -> Tensor:
         """Unit-wise policies: clip ``scale * p.grad`` in place, return whether anything was clipped."""
         raise NotImplementedError
@@ -164,16 +172,24 @@ class ZClip(ClipPolicy):
         if self._stats.device != device:
             self._stats = self._stats.to(device)
 
-    def threshold(self, total_norm: Tensor) -> Tensor:
+    def _score(self, total_norm: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """(finite, g0, warm, std, z, spike) of a window's norm against the current statistics."""
         self._to(total_norm.device)
-        count, total, squares, mean, var = self._stats.unbind()
+        count, _, _, mean, var = self._stats.unbind()
         g = total_norm.to(torch.float64)
         finite = torch.isfinite(g)
         g0 = torch.where(finite, g, 0.0)
         warm = count < self.warmup_steps  # still collecting
         std = var.clamp_min(0).sqrt()
         z = (g0 - mean) / (std + self.eps)
-        spike = finite & ~warm & (z > self.z_thresh)
+        return finite, g0, warm, std, z, finite & ~warm & (z > self.z_thresh)
+
+    def is_spike(self, total_norm: Tensor) -> Tensor:
+        return self._score(total_norm)[5].to(torch.float32)
+
+    def threshold(self, total_norm: Tensor) -> Tensor:
+        finite, g0, warm, std, z, spike = self._score(total_norm)
+        count, total, squares, mean, var = self._stats.unbind()
         if self.clip_option == "adaptive_scaling":
             bound = (mean + self.z_thresh * std / (z / self.z_thresh)) * self.clip_factor
         else:

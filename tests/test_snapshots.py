@@ -499,3 +499,48 @@ def test_attached_tensors_are_detached_cpu_copies(tmp_path: Path) -> None:
     assert not snap["attached"]["inputs"].requires_grad
     assert_same(snap["attached"]["inputs"], x)
     assert isinstance(snap["attached"]["pair"], tuple) and snap["attached"]["pair"][1] == 3
+
+
+# ----------------------------------------------------------------------------- spikes
+
+
+def _zclip_run(tmp_path: Path, skip_spikes: bool) -> tuple[ClippedOptimizer, list[float]]:
+    """Ten steady windows (gradient norms alternating 1.0 and 1.1), then one at 50: ZClip's
+    z-score (warm-up 5) flags only that one."""
+    model = nn.Linear(3, 2)
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        max_norm=clipopt.ZClip(warmup_steps=5, skip_spikes=skip_spikes),
+        snapshot_dir=tmp_path,
+        param_names=model.named_parameters(),
+    )
+    scales = [1.0 + 0.1 * (i % 2) for i in range(10)] + [50.0]
+    for i, scale in enumerate(scales):
+        for p in model.parameters():
+            g = torch.ones_like(p)
+            p.grad = g * (scale / math.sqrt(8.0))  # 8 elements: the total norm is `scale`
+        opt.attach(batch=torch.tensor([float(i)]))
+        opt.step()
+        opt.zero_grad()
+    return opt, scales
+
+
+@pytest.mark.parametrize("skip_spikes", [False, True])
+def test_spiking_window_is_snapshotted_with_reason_spike(tmp_path: Path, skip_spikes: bool) -> None:
+    """SPEC §3: a spiking update (ZClip's z-score rule) is saved like a non-finite one, with reason
+    "spike" and the pre-clip gradients and norm; steady windows and warm-up write nothing; the
+    same happens whether the spike is clipped or skipped."""
+    opt, scales = _zclip_run(tmp_path, skip_spikes)
+    path = tmp_path / "anomaly-step00000011-spike.pt"
+    assert snapshot_files(tmp_path) == [path.name]
+    assert opt.last_snapshot == str(path)
+    snap = clipopt.load_snapshot(path)
+    assert snap["reason"] == "spike" and snap["step"] == 11
+    assert snap["total_norm"] == pytest.approx(scales[-1], rel=1e-6)
+    grad_norm = math.sqrt(sum(float(g.double().square().sum()) for g in snap["grads"].values()))
+    assert grad_norm == pytest.approx(scales[-1], rel=1e-6)  # pre-clip
+    assert torch.equal(snap["attached"]["batch"], torch.tensor([10.0]))
+    assert set(snap["layer_stats"]) == {"weight", "bias"}
+    assert opt.last_stats is not None
+    assert opt.last_stats.reason == ("spike" if skip_spikes else None)
+    assert bool(opt.last_stats.skipped) is skip_spikes
