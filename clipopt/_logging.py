@@ -90,11 +90,13 @@ class CSVLogger:
 
     Columns, stable across versions: :data:`BASE_COLUMNS` — ``step``,
     ``micro_batches``, ``total_norm`` (pre-clip), ``clip_coef``, ``clipped``
-    (0/1), ``skipped`` (0/1), ``reason`` (empty, ``nonfinite`` or ``overflow``),
+    (0/1), ``skipped`` (0/1), ``reason`` (empty, ``nonfinite``, ``overflow`` or ``spike``),
     ``max_norm`` (empty when off), ``lr`` (group 0) — then ``lr.<g>`` for further
     parameter groups, then, when the optimizer has ``layer_stats`` on, for every
     parameter ``<name>.grad_norm``, ``.grad_max``, ``.grad_min``, ``.nonfinite``,
-    ``.param_norm`` (empty in rows where they were not due).
+    ``.param_norm`` (empty in rows where they were not due).  When a parameter
+    group is added during the run the file is rewritten once with the new
+    columns, earlier rows left empty there.
 
     Rows are buffered and written every ``flush_every`` windows, on
     :meth:`close` and at interpreter exit; converting a buffer is one host read.
@@ -120,17 +122,37 @@ class CSVLogger:
         """Buffer one window; write the buffer every ``flush_every`` windows."""
         if self.columns is None:
             self._set_columns(optimizer, len(stats.lr))
+        elif len(stats.lr) != self._groups:  # add_param_group(): more lr and per-layer columns
+            self._widen(optimizer, len(stats.lr))
         self._buffer.append(stats)
         self._closed = False
         if len(self._buffer) >= self.flush_every:
             self.flush()
 
-    def _set_columns(self, optimizer: ClippedOptimizer, groups: int) -> None:
+    def _columns_for(self, optimizer: ClippedOptimizer, groups: int) -> list[str]:
+        """The columns for ``optimizer`` with ``groups`` parameter groups (sets the layer names)."""
         self._groups = groups
         columns = list(BASE_COLUMNS) + [f"lr.{g}" for g in range(1, groups)]
-        if optimizer.layer_stats:
-            self._names = optimizer.layer_names()
-            columns += [f"{name}.{field}" for name in self._names for field in LAYER_FIELDS]
+        self._names = optimizer.layer_names() if optimizer.layer_stats else []
+        columns += [f"{name}.{field}" for name in self._names for field in LAYER_FIELDS]
+        return columns
+
+    def _widen(self, optimizer: ClippedOptimizer, groups: int) -> None:
+        """Parameter groups were added: write what is buffered, then rewrite the file with the new
+        columns (in the order a new logger would use, so a resumed run appends), old rows padded."""
+        self.flush()
+        columns = self._columns_for(optimizer, groups)
+        if self._existing_header() is not None:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            with self.path.open(newline="") as src, tmp.open("w", newline="") as dst:
+                writer = csv.DictWriter(dst, columns, restval="", extrasaction="ignore")
+                writer.writeheader()
+                writer.writerows(csv.DictReader(src))
+            os.replace(tmp, self.path)
+        self.columns = columns
+
+    def _set_columns(self, optimizer: ClippedOptimizer, groups: int) -> None:
+        columns = self._columns_for(optimizer, groups)
         existing = self._existing_header()
         if existing is not None and existing != columns:
             raise ValueError(
@@ -147,7 +169,7 @@ class CSVLogger:
             return next(csv.reader(f), None)
 
     def _row(self, s: StepStats) -> list[str]:
-        lr: list[float | None] = list(s.lr[: self._groups])  # groups added later are not logged
+        lr: list[float | None] = list(s.lr[: self._groups])
         lr += [None] * (self._groups - len(lr))
         row = [s.step, s.micro_batches, s.total_norm, s.clip_coef, s.clipped, s.skipped, s.reason, s.max_norm]
         cells = [format_value(v) for v in (*row, *lr)]

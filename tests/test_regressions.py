@@ -303,3 +303,62 @@ def test_scaler_recovers_after_an_error_inside_a_window() -> None:
     scaler.scale(model.loss("a", torch.ones(2, 3))).backward()
     opt.step()
     assert opt.update_applied
+
+
+def test_csv_logger_widens_when_a_parameter_group_is_added(tmp_path: Path) -> None:
+    """Before: CSVLogger fixed its columns at the first row, so a group added later (unfreezing a
+    layer) had no lr and no per-layer columns.  Now the file is rewritten once with the columns a new
+    logger would use: earlier rows empty there, later rows filled, and a resumed run appends."""
+    torch.manual_seed(0)
+    trunk, head = torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)
+    path = tmp_path / "grads.csv"
+    opt = ClippedOptimizer(
+        torch.optim.SGD(head.parameters(), lr=0.1),
+        param_names=[("head.weight", head.weight), ("head.bias", head.bias)],
+        layer_stats=True,
+        loggers=[CSVLogger(path, flush_every=1)],
+    )
+    x = torch.randn(6, 3)
+
+    def window() -> None:
+        head(torch.tanh(trunk(x))).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        trunk.zero_grad()
+
+    window()
+    window()
+    opt.add_param_group({"params": list(trunk.parameters()), "lr": 0.01})
+    trunk_ref, head_ref = copy.deepcopy(trunk), copy.deepcopy(head)
+    head_ref(torch.tanh(trunk_ref(x))).pow(2).sum().backward()
+    assert trunk_ref.weight.grad is not None
+    want = float(trunk_ref.weight.grad.double().norm())
+    window()
+    opt.close()
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        header, rows = reader.fieldnames, list(reader)
+    assert header is not None
+    assert [r["step"] for r in rows] == ["1", "2", "3"]
+    assert "lr.1" in header and header.index("lr.1") < header.index("head.weight.grad_norm")
+    assert [r["lr.1"] for r in rows] == ["", "", "0.01"]
+    new_column = "group1.0.grad_norm"  # the trunk's weight (unnamed: it was added later)
+    assert [r[new_column] == "" for r in rows] == [True, True, False]
+    assert float(rows[2][new_column]) == pytest.approx(want, rel=1e-6)
+    assert all(r["head.weight.grad_norm"] != "" for r in rows)
+
+    # a resumed run (a new logger, the same groups) appends without a second header
+    opt2 = ClippedOptimizer(
+        torch.optim.SGD(head.parameters(), lr=0.1),
+        param_names=[("head.weight", head.weight), ("head.bias", head.bias)],
+        layer_stats=True,
+        loggers=[CSVLogger(path, flush_every=1)],
+    )
+    opt2.add_param_group({"params": list(trunk.parameters()), "lr": 0.01})
+    opt2.load_state_dict(opt.state_dict())
+    head(torch.tanh(trunk(x))).pow(2).sum().backward()
+    opt2.step()
+    opt2.close()
+    text = path.read_text()
+    assert text.count("step,micro_batches") == 1
+    assert text.strip().splitlines()[-1].startswith("4,")
