@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from clipopt import ClippedOptimizer
+from clipopt import AGC, ClippedOptimizer
 
 WORLD = 2
 MAX_NORM = 0.05  # well below the gradient norms here, so clipping is active
@@ -317,5 +317,37 @@ def fsdp_job(rank: int, port: int, out_dir: str) -> None:
         res["stats_error"] = None
     except ValueError as exc:
         res["stats_error"] = str(exc)
+    # 6. value clipping then the norm bound, and AGC (unit-wise), on shards = one process
+    for case in ("value", "agc"):
+        model = _fsdp(base)
+        if case == "value":
+            opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), MAX_NORM, clip_value=0.02)
+        else:
+            opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), AGC(clip_factor=0.01))
+        _loss(model, rank, 1).backward()
+        opt.step()
+        plain = copy.deepcopy(base)
+        grads = _full_grads(plain, [1])
+        with torch.no_grad():
+            for p, g in zip(plain.parameters(), grads, strict=True):
+                p.grad = g.float()
+            if case == "value":
+                torch.nn.utils.clip_grad_value_(plain.parameters(), 0.02)
+                torch.nn.utils.clip_grad_norm_(plain.parameters(), MAX_NORM)
+            else:  # AGC written out: each row (a bias as a whole) to 0.01 * max(||w_row||, 1e-3)
+                for p in plain.parameters():
+                    dims = tuple(range(1, p.ndim)) or None
+                    w = p.double().norm(dim=dims, keepdim=True) if dims else p.double().norm()
+                    g = p.grad.double()
+                    gn = g.norm(dim=dims, keepdim=True) if dims else g.norm()
+                    limit = 0.01 * w.clamp_min(1e-3)
+                    p.grad = (g * (limit / gn.clamp_min(1e-6)).clamp(max=1.0)).float()
+            for p in plain.parameters():
+                p -= 0.1 * p.grad
+        res[case] = {
+            "clipped": _gather(bool(opt.last_stats.clipped)),
+            "params": _full(model),
+            "ref_params": [p.detach().clone() for p in plain.parameters()],
+        }
     torch.save(res, os.path.join(out_dir, f"fsdp{rank}.pt"))
     dist.destroy_process_group()

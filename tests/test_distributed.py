@@ -148,6 +148,16 @@ def test_fsdp2_flush_after_unsynced_micro_batch_raises(fsdp: list[dict[str, Any]
         assert rank["flush_micro_batches"] == 1
 
 
+@pytest.mark.parametrize("case", ["value", "agc"])
+def test_fsdp2_value_clipping_and_agc_equal_one_process(fsdp: list[dict[str, Any]], case: str) -> None:
+    """clip_value before the norm bound (against clip_grad_value_ + clip_grad_norm_), and AGC's
+    unit-wise bound (against the formula written out), applied to shards give the full-model update."""
+    for rank in fsdp:
+        res = rank[case]
+        assert res["clipped"] == [True, True]
+        _assert_params_close(res["params"], res["ref_params"])
+
+
 def test_fsdp2_layer_stats_are_refused(fsdp: list[dict[str, Any]]) -> None:
     """layer_stats with DTensor parameters raises a ValueError that names the way out."""
     for rank in fsdp:
