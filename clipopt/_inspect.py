@@ -107,6 +107,7 @@ def summarize(snap: Mapping[str, Any], path: str | None = None) -> dict[str, Any
         "reason": snap["reason"],
         "total_norm": float(snap["total_norm"]),
         "micro_batches": int(snap["micro_batches"]),
+        "rank": snap.get("rank"),
         "time": snap["time"],
         "versions": dict(snap["versions"]),
         "parameters": ranked,
@@ -174,6 +175,7 @@ def format_text(summary: Mapping[str, Any]) -> str:
         ("reason", str(summary["reason"])),
         ("total_norm", fmt_num(summary["total_norm"]) + "  (pre-clip norm of the combined gradient)"),
         ("micro_batches", str(summary["micro_batches"])),
+        *([("rank", str(summary["rank"]))] if summary.get("rank") is not None else []),
         ("time", str(summary["time"])),
         ("versions", ", ".join(f"{k} {v}" for k, v in versions.items())),
     ]

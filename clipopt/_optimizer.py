@@ -31,7 +31,7 @@ from ._errors import NonFiniteGradientError
 from ._layers import LayerStats, compute_layer_stats, resolve_param_names
 from ._logging import Logger
 from ._policies import ClipPolicy
-from ._snapshot import SnapshotWriter, check_saveable, now, to_saveable, versions
+from ._snapshot import SnapshotWriter, check_saveable, now, process_rank, to_saveable, versions
 from ._state import (
     WrapperState,
     keep_group_keys,
@@ -630,6 +630,7 @@ class ClippedOptimizer(Optimizer):
             },
             "versions": versions(),
             "time": now(),
+            "rank": process_rank(),
         }
 
     def _clip(

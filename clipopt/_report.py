@@ -538,8 +538,8 @@ def _spike_finding(
     listed = ", ".join(str(s) for s in steps[:10]) + (", ..." if len(steps) > 10 else "")
     at_layer = f"; at that step {layer} had the largest gradient norm against its median" if layer else ""
     evidence = (
-        f"{len(spikes)} spike(s) (log-norm z > {SPIKE_Z:g} over the previous up to {SPIKE_WINDOW} updates and "
-        f">= {SPIKE_MIN_RATIO:g}x their mean) at step(s) {listed}; largest at step {big['step']}: "
+        f"{len(spikes)} spike(s) (log-norm z > {SPIKE_Z:g} over the previous up to {SPIKE_WINDOW} "
+        f"updates and >= {SPIKE_MIN_RATIO:g}x their mean) at step(s) {listed}; largest at step {big['step']}: "
         f"norm {_num(big['norm'])}, {_num(big['norm'] / big['mean'])}x the rolling mean "
         f"{_num(big['mean'])}, z = {_num(big['z'])}{at_layer}"
     )

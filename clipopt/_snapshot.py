@@ -13,7 +13,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["SNAPSHOT_FORMAT", "SnapshotWriter", "check_saveable", "load_snapshot", "to_saveable", "versions"]
+__all__ = [
+    "SNAPSHOT_FORMAT",
+    "SnapshotWriter",
+    "check_saveable",
+    "load_snapshot",
+    "process_rank",
+    "to_saveable",
+    "versions",
+]
 
 #: Version of the snapshot layout.
 SNAPSHOT_FORMAT = 1
@@ -83,6 +91,14 @@ def to_saveable(value: Any, name: str) -> Any:
     return value
 
 
+def process_rank() -> int | None:
+    """This process's rank when torch.distributed runs more than one process, else None."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return int(dist.get_rank())
+    return None
+
+
 class SnapshotWriter:
     """Writes snapshots atomically into ``directory``, at most ``max_snapshots`` of them.
 
@@ -98,7 +114,11 @@ class SnapshotWriter:
         self.not_saved = 0
 
     def save(self, payload: dict[str, Any]) -> str | None:
-        """Write ``payload`` as ``anomaly-step<step>-<reason>.pt``; return its path, or None."""
+        """Write ``payload`` as ``anomaly-step<step>-<reason>.pt``; return its path, or None.
+
+        With several processes (torch.distributed) the name ends in ``-rank<r>``:
+        each rank saves its own attached batch.
+        """
         if len(self.saved) >= self.max_snapshots:
             if self.not_saved == 0:
                 warnings.warn(
@@ -109,7 +129,9 @@ class SnapshotWriter:
                 )
             self.not_saved += 1
             return None
-        path = self.directory / f"anomaly-step{payload['step']:08d}-{payload['reason']}.pt"
+        rank = process_rank()
+        suffix = "" if rank is None else f"-rank{rank}"  # data parallel: every rank saves its own batch
+        path = self.directory / f"anomaly-step{payload['step']:08d}-{payload['reason']}{suffix}.pt"
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)

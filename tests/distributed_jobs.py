@@ -163,10 +163,12 @@ def ddp_job(rank: int, port: int, out_dir: str) -> None:
         "ref_params": [p.detach().clone() for p in plain.parameters()],
     }
 
-    # 4. a nan in one rank's micro-batch: every rank skips, parameters bit-identical
+    # 4. a nan in one rank's micro-batch: every rank skips, parameters bit-identical;
+    #    each rank writes its own snapshot with its own batch
     ddp, calls, current = _ddp(base)
     opt = ClippedOptimizer(torch.optim.AdamW(ddp.parameters(), lr=LR, foreach=True), MAX_NORM,
-                           accumulation_steps=2)
+                           accumulation_steps=2, snapshot_dir=os.path.join(out_dir, "snaps"),
+                           param_names=ddp.module.named_parameters())
     before = [p.detach().clone() for p in ddp.module.parameters()]
     for i in (1, 2):
         x, y = _batch(rank, i)
@@ -175,8 +177,10 @@ def ddp_job(rank: int, port: int, out_dir: str) -> None:
             x[0, 0] = math.nan
         with opt.no_sync(ddp):
             nn.functional.mse_loss(ddp(x), y).backward()
+        opt.attach(inputs=x)
         opt.step()
     res["nan"] = {
+        "snapshot": opt.last_snapshot,
         "skipped": _gather(opt.step_was_skipped),
         "unchanged": all(torch.equal(a, b) for a, b in zip(before, ddp.module.parameters(), strict=True)),
         "state_empty": len(opt.state) == 0,

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+import clipopt
 from clipopt import ClippedOptimizer
 
 from . import distributed_jobs as jobs
@@ -99,6 +101,17 @@ def test_ddp_nan_on_one_rank_skips_on_every_rank(ddp: list[dict[str, Any]]) -> N
         assert res["skipped"] == [True, True]
         assert res["unchanged"]
         assert res["state_empty"]
+
+
+def test_ddp_every_rank_snapshots_its_own_batch(ddp: list[dict[str, Any]]) -> None:
+    """With several processes a snapshot's name ends in -rank<r>: both ranks keep their own file,
+    and only rank 1's attached batch holds the nan that caused the window to go bad."""
+    for r, rank in enumerate(ddp):
+        path = rank["nan"]["snapshot"]
+        assert Path(path).name == f"anomaly-step00000001-nonfinite-rank{r}.pt"
+        snap = clipopt.load_snapshot(path)
+        assert snap["rank"] == r
+        assert [bool(torch.isnan(x).any()) for x in snap["attached"]["inputs"]] == [False, r == 1]
 
 
 # ---------------------------------------------------------------------------- FSDP2
