@@ -539,8 +539,9 @@ def _spike_finding(
     at_layer = f"; at that step {layer} had the largest gradient norm against its median" if layer else ""
     evidence = (
         f"{len(spikes)} spike(s) (log-norm z > {SPIKE_Z:g} over the previous up to {SPIKE_WINDOW} "
-        f"updates and >= {SPIKE_MIN_RATIO:g}x their mean) at step(s) {listed}; largest at step {big['step']}: "
-        f"norm {_num(big['norm'])}, {_num(big['norm'] / big['mean'])}x the rolling mean "
+        f"updates and >= {SPIKE_MIN_RATIO:g}x their mean) at step(s) {listed}; "
+        f"largest at step {big['step']}: norm {_num(big['norm'])}, "
+        f"{_num(big['norm'] / big['mean'])}x the rolling mean "
         f"{_num(big['mean'])}, z = {_num(big['z'])}{at_layer}"
     )
     return {
