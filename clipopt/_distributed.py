@@ -9,8 +9,8 @@
   process groups over which their norm has to be reduced, so that every rank
   computes the same global norm, and so takes the same skip decision.
 
-Reductions are done on the device (``all_reduce`` of a few scalars); nothing is
-read back to the host.  Non-finite values survive them: p-norms are reduced
+Norm reductions are done on the device (``all_reduce`` of a few scalars);
+nothing is read back to the host.  Non-finite values survive them: p-norms are reduced
 with SUM (a ``nan``/``inf`` term stays ``nan``/``inf``), and the inf-norm
 carries an explicit non-finite indicator because gloo's MAX drops ``nan``.
 """
@@ -27,7 +27,7 @@ from torch import Tensor
 
 from . import functional as F
 
-__all__ = ["ShardedGrads", "allreduce_mean_", "has_dtensor", "suppress_sync"]
+__all__ = ["ShardedGrads", "Unsynced", "allreduce_mean_", "has_dtensor", "suppress_sync"]
 
 
 def _dtensor_type() -> Any:
@@ -84,17 +84,63 @@ def suppress_sync(model: torch.nn.Module) -> tuple[contextlib.AbstractContextMan
     return contextlib.nullcontext(), None
 
 
+class Unsynced:
+    """A micro-batch whose backward ran inside ``no_sync`` (its gradients are rank-local).
+
+    Attributes:
+        kind: ``"ddp"``, ``"fsdp2"`` or ``"other"`` (see :func:`suppress_sync`).
+        micro_batch: its place in the window (1-based); the window still needs
+            a sync when it is the window's latest micro-batch.
+        model_type: the model's class name, for messages.
+        group: DDP's process group (None: the default group); not saved.
+    """
+
+    __slots__ = ("group", "kind", "micro_batch", "model_type")
+
+    def __init__(self, kind: str, micro_batch: int, model_type: str, group: Any = None) -> None:
+        self.kind = kind
+        self.micro_batch = micro_batch
+        self.model_type = model_type
+        self.group = group
+
+    def detached(self) -> Unsynced:
+        """A copy without the process group (for pickling: groups do not travel)."""
+        return Unsynced(self.kind, self.micro_batch, self.model_type)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "micro_batch": self.micro_batch, "model_type": self.model_type}
+
+    @classmethod
+    def from_dict(cls, value: Any, micro_batches: int) -> Unsynced | None:
+        """Read :meth:`to_dict`'s output back; ValueError when it cannot be from a state dict."""
+        if value is None:
+            return None
+        ok = (
+            isinstance(value, dict)
+            and value.get("kind") == "ddp"
+            and isinstance(value.get("micro_batch"), int)
+            and value["micro_batch"] == micro_batches
+            and isinstance(value.get("model_type"), str)
+        )
+        if not ok:
+            raise ValueError(
+                f"invalid state_dict: 'clipopt.unsynced' must be None or a DDP marker of the open "
+                f"window's latest micro-batch ({micro_batches}), got {value!r:.120}; "
+                "pass the dict returned by opt.state_dict()"
+            )
+        return cls("ddp", value["micro_batch"], value["model_type"])
+
+
 @torch.no_grad()
-def allreduce_mean_(model: torch.nn.Module) -> None:
-    """Average the gradients of ``model``'s parameters over its process group, as DDP does.
+def allreduce_mean_(params: Sequence[Tensor], group: Any = None) -> None:
+    """Average the gradients of ``params`` over ``group`` (None: the default group), as DDP does.
 
     A parameter without a gradient on this rank contributes zeros when another
     rank has one; parameters without a gradient anywhere stay without.  Every
-    rank must call this (it is collective).  Reads one small mask to the host.
+    rank must call this with the same parameters (it is collective).  Reads
+    one small mask to the host.  DDP's communication hooks are not applied.
     """
     dist = torch.distributed
-    group = getattr(model, "process_group", None)
-    params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         return
     present = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)

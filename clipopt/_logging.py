@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import csv
 import math
 import os
+import warnings
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -96,7 +98,8 @@ class CSVLogger:
     parameter ``<name>.grad_norm``, ``.grad_max``, ``.grad_min``, ``.nonfinite``,
     ``.param_norm`` (empty in rows where they were not due).  When a parameter
     group is added during the run the file is rewritten once with the new
-    columns, earlier rows left empty there.
+    columns, earlier rows left empty there; a file with more columns than this
+    run needs (one that saw a later group) is appended to in its own order.
 
     Rows are buffered and written every ``flush_every`` windows, on
     :meth:`close` and at interpreter exit; converting a buffer is one host read.
@@ -129,38 +132,57 @@ class CSVLogger:
         if len(self._buffer) >= self.flush_every:
             self.flush()
 
-    def _columns_for(self, optimizer: ClippedOptimizer, groups: int) -> list[str]:
-        """The columns for ``optimizer`` with ``groups`` parameter groups (sets the layer names)."""
-        self._groups = groups
+    @staticmethod
+    def _columns_for(optimizer: ClippedOptimizer, groups: int) -> tuple[list[str], list[str]]:
+        """The columns a new logger uses for ``optimizer`` with ``groups`` groups, and the layer names."""
         columns = list(BASE_COLUMNS) + [f"lr.{g}" for g in range(1, groups)]
-        self._names = optimizer.layer_names() if optimizer.layer_stats else []
-        columns += [f"{name}.{field}" for name in self._names for field in LAYER_FIELDS]
-        return columns
-
-    def _widen(self, optimizer: ClippedOptimizer, groups: int) -> None:
-        """Parameter groups were added: write what is buffered, then rewrite the file with the new
-        columns (in the order a new logger would use, so a resumed run appends), old rows padded."""
-        self.flush()
-        columns = self._columns_for(optimizer, groups)
-        if self._existing_header() is not None:
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            with self.path.open(newline="") as src, tmp.open("w", newline="") as dst:
-                writer = csv.DictWriter(dst, columns, restval="", extrasaction="ignore")
-                writer.writeheader()
-                writer.writerows(csv.DictReader(src))
-            os.replace(tmp, self.path)
-        self.columns = columns
+        names = optimizer.layer_names() if optimizer.layer_stats else []
+        columns += [f"{name}.{field}" for name in names for field in LAYER_FIELDS]
+        return columns, names
 
     def _set_columns(self, optimizer: ClippedOptimizer, groups: int) -> None:
-        columns = self._columns_for(optimizer, groups)
+        columns, names = self._columns_for(optimizer, groups)
         existing = self._existing_header()
-        if existing is not None and existing != columns:
+        if existing is not None and not set(columns) <= set(existing):
             raise ValueError(
                 f"{self.path} already holds a CSV log with other columns "
                 f"({len(existing)} vs {len(columns)}: a different model or layer_stats setting); "
                 "pass a new path to CSVLogger"
             )
-        self.columns = columns
+        # a file with more columns (written after a later add_param_group) is appended to in its order
+        self.columns, self._names, self._groups = existing or columns, names, groups
+
+    def _widen(self, optimizer: ClippedOptimizer, groups: int) -> None:
+        """Parameter groups were added: write what is buffered, then rewrite the file once with the new
+        columns (in the order a new logger would use, so a resumed run appends), old rows padded.
+
+        A failed rewrite warns and keeps the old columns (the new groups are not logged)."""
+        self.flush()
+        columns, names = self._columns_for(optimizer, groups)
+        existing = self._existing_header()
+        if existing is not None and not set(columns) <= set(existing):
+            columns += [c for c in existing if c not in set(columns)]
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            try:
+                with self.path.open(newline="") as src, tmp.open("w", newline="") as dst:
+                    writer = csv.DictWriter(dst, columns, restval="")
+                    writer.writeheader()
+                    writer.writerows(csv.DictReader(src))
+                os.replace(tmp, self.path)
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
+                warnings.warn(
+                    f"clipopt could not rewrite {self.path} with the columns of the new parameter "
+                    f"group ({exc}); it keeps its columns and the new group is not logged",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self._groups = groups  # do not retry every window
+                return
+        elif existing is not None:
+            columns = existing
+        self.columns, self._names, self._groups = columns, names, groups
 
     def _existing_header(self) -> list[str] | None:
         if not self.path.exists() or self.path.stat().st_size == 0:
@@ -168,19 +190,18 @@ class CSVLogger:
         with self.path.open(newline="") as f:
             return next(csv.reader(f), None)
 
-    def _row(self, s: StepStats) -> list[str]:
+    def _row(self, s: StepStats) -> dict[str, str]:
         lr: list[float | None] = list(s.lr[: self._groups])
         lr += [None] * (self._groups - len(lr))
         row = [s.step, s.micro_batches, s.total_norm, s.clip_coef, s.clipped, s.skipped, s.reason, s.max_norm]
-        cells = [format_value(v) for v in (*row, *lr)]
-        if self._names:
-            if s.layers is None:
-                cells += [""] * (len(self._names) * len(LAYER_FIELDS))
-            else:
-                values = s.layers.as_dict()
-                for name in self._names:
-                    stats = values.get(name)
-                    cells += [format_value(stats[f]) if stats else "" for f in LAYER_FIELDS]
+        names = [*BASE_COLUMNS, *(f"lr.{g}" for g in range(1, self._groups))]
+        cells = dict(zip(names, (format_value(v) for v in (*row, *lr)), strict=True))
+        if self._names and s.layers is not None:
+            values = s.layers.as_dict()
+            for name in self._names:
+                stats = values.get(name)
+                if stats:
+                    cells.update({f"{name}.{f}": format_value(stats[f]) for f in LAYER_FIELDS})
         return cells
 
     def flush(self) -> None:
@@ -191,9 +212,9 @@ class CSVLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         new = self._existing_header() is None
         with self.path.open("a", newline="") as f:
-            writer = csv.writer(f)
+            writer = csv.DictWriter(f, self.columns, restval="", extrasaction="ignore")
             if new:
-                writer.writerow(self.columns)
+                writer.writeheader()
             writer.writerows(self._row(s) for s in self._buffer)
         self._buffer.clear()
 

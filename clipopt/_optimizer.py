@@ -26,7 +26,7 @@ from ._checks import (
     check_optional_positive_int,
     check_positive_int,
 )
-from ._distributed import ShardedGrads, allreduce_mean_, has_dtensor, suppress_sync
+from ._distributed import ShardedGrads, Unsynced, allreduce_mean_, has_dtensor, suppress_sync
 from ._errors import NonFiniteGradientError
 from ._layers import LayerStats, compute_layer_stats, resolve_param_names
 from ._logging import Logger
@@ -151,7 +151,8 @@ class ClippedOptimizer(Optimizer):
             parameters, pre-clip gradients, optimizer state, statistics and
             :meth:`attach`-ed tensors are saved (see :func:`load_snapshot`).
             Deciding reads one flag from the device per update.
-        max_snapshots: at most this many snapshots are written per run.
+        max_snapshots: at most this many snapshots are written per run and reason
+            (non-finite, spike), so spikes never crowd out a later non-finite one.
     """
 
     _policy: ClipPolicy | None
@@ -220,11 +221,7 @@ class ClippedOptimizer(Optimizer):
         self.max_snapshots = check_positive_int("max_snapshots", max_snapshots)
         names = resolve_param_names(optimizer, param_names)
         if (self.layer_stats or snapshot_dir is not None) and has_dtensor(list(names)):
-            raise ValueError(
-                "layer_stats and snapshot_dir do not support DTensor (FSDP2) parameters yet: each rank "
-                "holds only shards; pass layer_stats=False and snapshot_dir=None (total norms, "
-                "clipping, skipping and loggers work)"
-            )
+            raise ValueError(_DTENSOR_DIAGNOSTICS)
         if snapshot_dir is not None and param_names is None and not any(
             g.get("param_names") for g in optimizer.param_groups
         ):
@@ -251,12 +248,13 @@ class ClippedOptimizer(Optimizer):
         self._params_cache: list[Tensor] = []
         self._has_dtensor = False  # some parameter is a DTensor (FSDP2): norms are reduced across ranks
         self._shards: ShardedGrads | None = None  # the open window's sharded gradients
-        self._unsynced: tuple[torch.nn.Module, str | None, int] | None = None  # see no_sync()
+        self._unsynced: Unsynced | None = None  # the latest micro-batch that skipped its sync, see no_sync()
         self._names = names
         self._snapshots = None if snapshot_dir is None else SnapshotWriter(snapshot_dir, self.max_snapshots)
         self._attached: dict[str, list[Any]] = {}
         #: Path of the latest anomaly snapshot written, or None.
         self.last_snapshot: str | None = None
+        self._last_nonfinite_snapshot: str | None = None  # what NonFiniteGradientError names
 
     # ------------------------------------------------------------------ delegation
 
@@ -303,7 +301,9 @@ class ClippedOptimizer(Optimizer):
         state = self.__dict__.copy()
         for name in _HOOK_DICTS:
             state.pop(name, None)
-        state["_unsynced"] = None  # a reference to the model, not state; a copy starts synchronised
+        self._check_checkpointable()
+        if self._unsynced is not None:  # the model and its process group do not travel; the fact does
+            state["_unsynced"] = self._unsynced.detached()
         state["_shards"] = None
         if self._counters.micro_batches > 0:
             state["_pending_grads"] = [p.grad for p in self._params()]
@@ -444,6 +444,7 @@ class ClippedOptimizer(Optimizer):
         ::
 
             with opt.no_sync(model):
+                loss = loss_fn(model(x), y)  # DDP decides in the forward pass: run it inside
                 loss.backward()
             opt.step()
 
@@ -460,8 +461,11 @@ class ClippedOptimizer(Optimizer):
                 never does.
 
         :meth:`flush` after an unsynchronised micro-batch all-reduces the DDP
-        gradients itself; FSDP2 cannot reduce them afterwards, so there it
-        raises: pass ``sync=True`` for the last micro-batch instead.
+        gradients itself (a plain average over the process group, without
+        DDP's communication hooks); FSDP2 cannot reduce them afterwards, so there
+        it raises: pass ``sync=True`` for the last micro-batch instead.  A
+        checkpoint taken mid-window holds the rank's own unsynchronised gradients
+        (save one per rank); under FSDP2 it is refused while they are pending.
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
@@ -477,25 +481,52 @@ class ClippedOptimizer(Optimizer):
             yield
             return
         context, kind = suppress_sync(model)
-        with context:
-            yield
-        if kind is not None:
-            self._unsynced = (model, kind, index)
-
-    def _sync_unsynced(self, n: int) -> None:
-        """Before closing a window whose latest micro-batch skipped its sync: do that sync now."""
-        unsynced, self._unsynced = self._unsynced, None
-        if unsynced is None or unsynced[2] != n:  # a later micro-batch synchronised the window
+        if kind is None:
+            with context:
+                yield
             return
-        model, kind, _ = unsynced
-        if kind != "ddp":
-            self._unsynced = unsynced  # nothing changed: the window stays open and pending
+        before = self._unsynced
+        # set before the body runs: an opt.step() inside the block may close the window
+        self._unsynced = Unsynced(kind, index, type(model).__name__, getattr(model, "process_group", None))
+        try:
+            with context:
+                yield
+        except BaseException:
+            self._unsynced = before
+            raise
+
+    def _pending_unsynced(self) -> Unsynced | None:
+        """The marker when the open window's latest micro-batch skipped its sync, else None."""
+        marker = self._unsynced
+        n = self._counters.micro_batches
+        if marker is None or n == 0 or marker.micro_batch != n:  # a later micro-batch synchronised
+            return None
+        return marker
+
+    def _sync_unsynced(self) -> None:
+        """Before closing a window whose latest micro-batch skipped its sync: do that sync now."""
+        marker = self._pending_unsynced()
+        if marker is None:
+            self._unsynced = None
+            return
+        if marker.kind != "ddp":  # nothing changed: the window stays open and pending
             raise RuntimeError(
                 f"the latest micro-batch ran inside opt.no_sync(model) without gradient sync, and "
-                f"{type(model).__name__} cannot reduce accumulated gradients afterwards; pass "
+                f"{marker.model_type} cannot reduce accumulated gradients afterwards; pass "
                 "opt.no_sync(model, sync=True) for the last micro-batch before flush()"
             )
-        allreduce_mean_(model)
+        allreduce_mean_([p for p in self._params() if p.requires_grad], marker.group)
+        self._unsynced = None
+
+    def _check_checkpointable(self) -> None:
+        """Refuse to save a window whose gradients are held inside FSDP2 (``p.grad`` is None there)."""
+        marker = self._pending_unsynced()
+        if marker is not None and marker.kind != "ddp":
+            raise RuntimeError(
+                f"the open window's latest micro-batch ran inside opt.no_sync(model) and "
+                f"{marker.model_type} keeps its unsynchronised gradients internally, so they cannot "
+                "be saved; checkpoint at a window boundary (opt.micro_batches == 0)"
+            )
 
     @contextmanager
     def _fused_args(self, grad_scale: Tensor | None, found_inf: Tensor | None) -> Iterator[None]:
@@ -520,11 +551,13 @@ class ClippedOptimizer(Optimizer):
 
     def _close_window(self, loss: Any, closure: Callable[[], Any] | None) -> Any:
         n = self._counters.micro_batches
-        self._sync_unsynced(n)
         params = self._params()
+        if self._has_dtensor and (self.layer_stats or self._snapshots is not None):
+            raise ValueError(_DTENSOR_DIAGNOSTICS)
+        self._sync_unsynced()
+        grads = self._window_grads(params)  # may raise: before the scaler is unscaled
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        grads = self._window_grads(params)
         try:
             with torch.no_grad():
                 total_norm, flag = self._measure(grads, n)
@@ -537,6 +570,7 @@ class ClippedOptimizer(Optimizer):
             else:
                 loss = self._step_host(w, loss, closure, params)
         finally:  # also after an error: an unscaled scaler without update() would refuse every later window
+            self._shards = None  # views of the gradients: do not keep them past the window
             if self.scaler is not None:
                 self.scaler.update()
         stats = self._record(w, n, layers)
@@ -564,7 +598,7 @@ class ClippedOptimizer(Optimizer):
         if limit is not None:
             count = int(self._counters.consecutive)
             if count >= limit:
-                raise NonFiniteGradientError(count, self._counters.windows, self.last_snapshot)
+                raise NonFiniteGradientError(count, self._counters.windows, self._last_nonfinite_snapshot)
 
     def _divisor(self, n: int) -> float:
         return float(n) if self.reduction == "mean" else 1.0
@@ -600,6 +634,8 @@ class ClippedOptimizer(Optimizer):
             snap_layers = layers or compute_layer_stats(params, self.layer_names(), inv, bad)
             path = self._snapshots.save(self._snapshot_payload(params, total_norm, n, snap_layers, reason))
             self.last_snapshot = path or self.last_snapshot
+            if path is not None and reason == "nonfinite":
+                self._last_nonfinite_snapshot = path
         return layers
 
     def _snapshot_payload(
@@ -763,6 +799,7 @@ class ClippedOptimizer(Optimizer):
                 w = self._clip(params, grads, total_norm, flag, 1, fixed=(limit,))
                 if isinstance(w.scale, Tensor) or w.scale != 1.0:
                     F.scale_grads_(grads, w.scale, foreach=self.foreach)
+                self._shards = None
             return out
 
         return reevaluate
@@ -841,6 +878,7 @@ class ClippedOptimizer(Optimizer):
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        self._check_checkpointable()
         sd = dict(self.optimizer.state_dict())
         pending = None
         if self._counters.micro_batches > 0:
@@ -850,6 +888,8 @@ class ClippedOptimizer(Optimizer):
             scaler=self.scaler.state_dict() if self.scaler is not None else None,
         )
         sd["clipopt"]["policy"] = self._policy.state_dict() if self._policy is not None else None
+        marker = self._pending_unsynced()  # DDP: the saved gradients are this rank's, not yet averaged
+        sd["clipopt"]["unsynced"] = None if marker is None else marker.to_dict()
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, sd)
             if result is not None:
@@ -871,6 +911,10 @@ class ClippedOptimizer(Optimizer):
         validate_inner_state(state_dict, self.optimizer)
         policy_state = self._check_policy_state(state_dict)
         self._check_scaler_state(wrapper)
+        ext = state_dict.get("clipopt")
+        unsynced = Unsynced.from_dict(
+            ext.get("unsynced") if isinstance(ext, dict) else None, wrapper[0].micro_batches if wrapper else 0
+        )
         inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
         with restore_on_failure(self.optimizer), keep_group_keys(self.optimizer):
             self.optimizer.load_state_dict(inner_sd)
@@ -889,6 +933,7 @@ class ClippedOptimizer(Optimizer):
                 self._policy.load_state_dict(policy_state)
         self._update_applied = False
         self._last_skipped = False
+        self._unsynced = unsynced
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -925,6 +970,13 @@ class ClippedOptimizer(Optimizer):
             memo[id(logger)] = logger
         new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return new
+
+
+_DTENSOR_DIAGNOSTICS = (
+    "layer_stats and snapshot_dir do not support DTensor (FSDP2) parameters yet: each rank "
+    "holds only shards; pass layer_stats=False and snapshot_dir=None (total norms, "
+    "clipping, skipping and loggers work)"
+)
 
 
 class _Window:

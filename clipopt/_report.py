@@ -43,10 +43,11 @@ per-layer rows, the first > 0); ``None`` without per-layer rows.
 *spikes*: the finite norm ``x`` is compared with the previous up to
 ``SPIKE_WINDOW`` finite norms (at least ``SPIKE_MIN_HISTORY`` of them), of
 mean ``mu``; the z-score is taken on natural logarithms, with ``m`` and ``s``
-the mean and standard deviation of the window's log-norms (norms > 0): a spike
-has ``z = (ln x - m) / s > SPIKE_Z`` and ``x >= SPIKE_MIN_RATIO * mu`` (the
-ratio keeps a z-score of a very quiet window from calling a small step a spike;
-``s == 0`` gives ``z = inf``).  Gradient norms are closer to log-normal than to
+the mean and standard deviation of the window's log-norms (norms > 0, at least
+``SPIKE_MIN_HISTORY`` of them): a spike has ``z = (ln x - m) / s > SPIKE_Z``
+and ``x >= SPIKE_MIN_RATIO * mu`` (the ratio keeps a z-score of a very quiet
+window from calling a small step a spike; ``s == 0`` gives ``z = inf`` when
+``ln x > m``).  Gradient norms are closer to log-normal than to
 normal: on raw norms, healthy runs with a heavy tail (log-norm standard deviation
 0.5, no spike) had 8-17 false spikes per 12,000 updates; on log-norms none.  Spikes stay in the window of
 later updates.  When the norms grow fast (above), spikes at or after the onset
@@ -519,11 +520,14 @@ def _spike_finding(
         window = norms[max(0, j - SPIKE_WINDOW) : j]
         x = norms[j]
         mean = math.fsum(window) / len(window)
-        if x < SPIKE_MIN_RATIO * mean or x <= mean:
+        if x <= 0 or x < SPIKE_MIN_RATIO * mean or x <= mean:  # x <= 0: only in hand-made files
             continue
         logs = [math.log(v) for v in window if v > 0]
-        log_mean, log_std = _mean_std(logs) if logs else (0.0, 0.0)
-        z = (math.log(x) - log_mean) / log_std if log_std > 0 else math.inf
+        if len(logs) < SPIKE_MIN_HISTORY:  # mostly zero norms: no scale to judge by
+            continue
+        log_mean, log_std = _mean_std(logs)
+        excess = math.log(x) - log_mean
+        z = excess / log_std if log_std > 0 else (math.inf if excess > 0 else 0.0)
         if z > SPIKE_Z:
             spikes.append({"step": log.steps[idx[j]], "norm": x, "mean": mean, "log_std": log_std, "z": z})
     if not spikes:

@@ -100,18 +100,20 @@ def process_rank() -> int | None:
 
 
 class SnapshotWriter:
-    """Writes snapshots atomically into ``directory``, at most ``max_snapshots`` of them.
+    """Writes snapshots atomically into ``directory``, at most ``max_snapshots`` per reason.
 
-    The first ``max_snapshots`` anomalies of a run are kept (the first one is
-    usually the informative one); later ones are counted, not written.  A write
-    that fails (disk full, no permission) warns and returns None: training goes on.
+    The first ``max_snapshots`` anomalies of each reason (``nonfinite``,
+    ``spike``) of a run are kept (the first one is usually the informative one),
+    so frequent spikes never use up the room of a later non-finite window; later
+    ones are counted, not written.  A write that fails (disk full, no permission)
+    warns and returns None: training goes on.
     """
 
     def __init__(self, directory: str | os.PathLike[str], max_snapshots: int) -> None:
         self.directory = Path(directory)
         self.max_snapshots = max_snapshots
-        self.saved: list[str] = []
-        self.not_saved = 0
+        self.saved: dict[str, list[str]] = {}  # reason -> paths written
+        self.not_saved: dict[str, int] = {}  # reason -> anomalies over the limit
 
     def save(self, payload: dict[str, Any]) -> str | None:
         """Write ``payload`` as ``anomaly-step<step>-<reason>.pt``; return its path, or None.
@@ -119,15 +121,17 @@ class SnapshotWriter:
         With several processes (torch.distributed) the name ends in ``-rank<r>``:
         each rank saves its own attached batch.
         """
-        if len(self.saved) >= self.max_snapshots:
-            if self.not_saved == 0:
+        reason = payload["reason"]
+        saved = self.saved.setdefault(reason, [])
+        if len(saved) >= self.max_snapshots:
+            if not self.not_saved.get(reason):
                 warnings.warn(
-                    f"clipopt: {self.max_snapshots} anomaly snapshots are in {self.directory}; "
-                    "further anomalies are not saved (raise max_snapshots to keep more)",
+                    f"clipopt: {self.max_snapshots} {reason} snapshots are in {self.directory}; "
+                    f"further {reason} anomalies are not saved (raise max_snapshots to keep more)",
                     RuntimeWarning,
                     stacklevel=6,  # the user's opt.step() line
                 )
-            self.not_saved += 1
+            self.not_saved[reason] = self.not_saved.get(reason, 0) + 1
             return None
         rank = process_rank()
         suffix = "" if rank is None else f"-rank{rank}"  # data parallel: every rank saves its own batch
@@ -149,7 +153,7 @@ class SnapshotWriter:
                 stacklevel=6,  # the user's opt.step() line
             )
             return None
-        self.saved.append(str(path))
+        saved.append(str(path))
         return str(path)
 
 

@@ -88,9 +88,25 @@ def _ddp(plain: nn.Module) -> tuple[nn.parallel.DistributedDataParallel, list[in
     return ddp, calls, current
 
 
+def _count_flush_all_reduces() -> list[int]:
+    """Count the all-reduces clipopt does itself (flush() after an unsynchronised micro-batch)."""
+    import clipopt._optimizer as impl
+
+    count = [0]
+    original = impl.allreduce_mean_
+
+    def counting(*args: Any, **kwargs: Any) -> None:
+        count[0] += 1
+        original(*args, **kwargs)
+
+    impl.allreduce_mean_ = counting  # type: ignore[assignment]
+    return count
+
+
 def ddp_job(rank: int, port: int, out_dir: str) -> None:
     _init(rank, port)
     res: dict[str, Any] = {}
+    own = _count_flush_all_reduces()
 
     # 1. accumulation with no_sync: all-reduce only on each window's last micro-batch;
     #    training equals one process over all ranks' micro-batches
@@ -127,9 +143,11 @@ def ddp_job(rank: int, port: int, out_dir: str) -> None:
             _loss(ddp, rank, i).backward()
         opt.step()
     calls_before_flush = list(calls)
+    own[0] = 0
     opt.flush()
     plain = copy.deepcopy(base)
     res["flush"] = {
+        "own_all_reduces": own[0],
         "calls_before_flush": calls_before_flush,
         "norm": float(opt.last_stats.total_norm),
         "ref_norm": _reference(plain, [[1, 2]])[0],
@@ -153,11 +171,59 @@ def ddp_job(rank: int, port: int, out_dir: str) -> None:
     current[0] = 3
     _loss(ddp, rank, 3).backward()  # outside no_sync: DDP synchronises the accumulated sum
     opt.step()
+    own[0] = 0
     opt.flush()
     plain = copy.deepcopy(base)
     res["forced"] = {
+        "own_all_reduces": own[0],
         "calls": sorted(set(calls)),
         "ref_norm": _reference(plain, [[1, 2, 3]])[0],
+        "norm": float(opt.last_stats.total_norm),
+        "params": [p.detach().clone() for p in ddp.module.parameters()],
+        "ref_params": [p.detach().clone() for p in plain.parameters()],
+    }
+
+    # 3b. a checkpoint after an unsynchronised micro-batch, resumed (each rank its own file):
+    #     the resumed flush() still all-reduces; and sync=False on the closing micro-batch with
+    #     opt.step() inside the block all-reduces before the update
+    ddp, calls, current = _ddp(base)
+    opt = ClippedOptimizer(torch.optim.AdamW(ddp.parameters(), lr=LR, foreach=True), MAX_NORM,
+                           accumulation_steps=3)
+    for i in (1, 2):
+        with opt.no_sync(ddp):
+            _loss(ddp, rank, i).backward()
+        opt.step()
+    path = os.path.join(out_dir, f"ckpt{rank}.pt")
+    torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict()}, path)
+    ckpt = torch.load(path, weights_only=True)
+    ddp2, _, _ = _ddp(base)
+    ddp2.module.load_state_dict(ckpt["model"])
+    opt2 = ClippedOptimizer(torch.optim.AdamW(ddp2.parameters(), lr=LR, foreach=True), MAX_NORM,
+                            accumulation_steps=3)
+    opt2.load_state_dict(ckpt["opt"])
+    own[0] = 0
+    opt2.flush()
+    plain = copy.deepcopy(base)
+    res["resumed"] = {
+        "own_all_reduces": own[0],
+        "ref_norm": _reference(plain, [[1, 2]])[0],  # trains plain: before ref_params
+        "norm": float(opt2.last_stats.total_norm),
+        "params": [p.detach().clone() for p in ddp2.module.parameters()],
+        "ref_params": [p.detach().clone() for p in plain.parameters()],
+    }
+    ddp, calls, current = _ddp(base)
+    opt = ClippedOptimizer(torch.optim.AdamW(ddp.parameters(), lr=LR, foreach=True), MAX_NORM,
+                           accumulation_steps=2)
+    own[0] = 0
+    for i in (1, 2):
+        with opt.no_sync(ddp, sync=False):
+            _loss(ddp, rank, i).backward()
+            opt.step()  # closes the window on i == 2, inside the block
+    plain = copy.deepcopy(base)
+    res["inside"] = {
+        "own_all_reduces": own[0],
+        "calls": calls,
+        "ref_norm": _reference(plain, [[1, 2]])[0],  # trains plain: before ref_params
         "norm": float(opt.last_stats.total_norm),
         "params": [p.detach().clone() for p in ddp.module.parameters()],
         "ref_params": [p.detach().clone() for p in plain.parameters()],
@@ -314,6 +380,11 @@ def fsdp_job(rank: int, port: int, out_dir: str) -> None:
     except RuntimeError as exc:
         res["flush_error"] = str(exc)
     res["flush_micro_batches"] = opt.micro_batches
+    try:
+        opt.state_dict()
+        res["checkpoint_error"] = None
+    except RuntimeError as exc:
+        res["checkpoint_error"] = str(exc)
 
     # 5. per-layer statistics of shards are refused, not silently rank-local
     try:

@@ -7,6 +7,7 @@ reference computed there (``clip_grad_norm_`` and AdamW on a plain model).
 
 from __future__ import annotations
 
+import copy
 import math
 import socket
 from pathlib import Path
@@ -80,6 +81,7 @@ def test_ddp_flush_after_unsynced_micro_batches_all_reduces(ddp: list[dict[str, 
     for rank in ddp:
         res = rank["flush"]
         assert res["calls_before_flush"] == []
+        assert res["own_all_reduces"] == 1
         assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5)
         _assert_params_close(res["params"], res["ref_params"])
 
@@ -90,6 +92,27 @@ def test_ddp_sync_true_and_plain_backward(ddp: list[dict[str, Any]]) -> None:
     for rank in ddp:
         res = rank["forced"]
         assert res["calls"] == [1, 3]
+        assert res["own_all_reduces"] == 0
+        assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5)
+        _assert_params_close(res["params"], res["ref_params"])
+
+
+def test_ddp_checkpoint_after_unsynced_micro_batches_resumes_exactly(ddp: list[dict[str, Any]]) -> None:
+    """state_dict() after 2 unsynchronised micro-batches (one file per rank) carries the fact that
+    they are rank-local: the resumed optimizer's flush() all-reduces them, as the original would."""
+    for rank in ddp:
+        res = rank["resumed"]
+        assert res["own_all_reduces"] == 1
+        assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5)
+        _assert_params_close(res["params"], res["ref_params"])
+
+
+def test_ddp_window_closed_inside_an_unsynced_block_is_all_reduced(ddp: list[dict[str, Any]]) -> None:
+    """sync=False on every micro-batch and opt.step() inside the block: DDP never synchronises, so the
+    window's close all-reduces once itself, and the update equals the reference."""
+    for rank in ddp:
+        res = rank["inside"]
+        assert res["calls"] == [] and res["own_all_reduces"] == 1
         assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5)
         _assert_params_close(res["params"], res["ref_params"])
 
@@ -159,6 +182,11 @@ def test_fsdp2_flush_after_unsynced_micro_batch_raises(fsdp: list[dict[str, Any]
             "opt.no_sync(model, sync=True) for the last micro-batch before flush()"
         )
         assert rank["flush_micro_batches"] == 1
+        assert rank["checkpoint_error"] == (
+            "the open window's latest micro-batch ran inside opt.no_sync(model) and FSDPSequential "
+            "keeps its unsynchronised gradients internally, so they cannot be saved; checkpoint at "
+            "a window boundary (opt.micro_batches == 0)"
+        )
 
 
 @pytest.mark.parametrize("case", ["value", "agc"])
@@ -220,11 +248,46 @@ def test_no_sync_rejects_bad_arguments() -> None:
         pass
 
 
-def test_pickled_optimizer_drops_the_unsynced_model_reference() -> None:
-    """The unsynced marker references the model; a deepcopy of the optimizer does not copy the model."""
+def test_copies_keep_the_unsynced_marker_without_the_model() -> None:
+    """A deepcopy of the optimizer after an unsynchronised DDP micro-batch still knows that its
+    gradients are rank-local (so its flush() all-reduces) but holds no process group or model."""
+    from clipopt._distributed import Unsynced
+
     model = torch.nn.Linear(2, 2)
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
-    opt._unsynced = (model, "ddp", 1)
-    clone = __import__("copy").deepcopy(opt)
-    assert clone._unsynced is None
-    assert opt._unsynced is not None
+    opt._counters.micro_batches = 1
+    opt._unsynced = Unsynced("ddp", 1, "DistributedDataParallel", group=object())
+    clone = copy.deepcopy(opt)
+    assert clone._unsynced is not None and clone._unsynced.group is None
+    assert (clone._unsynced.kind, clone._unsynced.micro_batch) == ("ddp", 1)
+    sd = opt.state_dict()
+    want = {"kind": "ddp", "micro_batch": 1, "model_type": "DistributedDataParallel"}
+    assert sd["clipopt"]["unsynced"] == want
+
+
+def test_partial_gradient_is_refused_before_the_scaler_is_touched() -> None:
+    """A DTensor gradient with a Partial placement raises a ValueError naming the fix, and the
+    GradScaler is not left half-used: with proper gradients the open window then closes."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, init_device_mesh
+
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        w = torch.nn.Parameter(DTensor.from_local(torch.ones(4), mesh, [Replicate()]))
+        opt = ClippedOptimizer(torch.optim.SGD([w], lr=0.1), 1.0, scaler=torch.amp.GradScaler("cpu"))
+        assert opt.scaler is not None
+        opt.scaler.scale(torch.tensor(1.0))
+        w.grad = DTensor.from_local(torch.ones(4), mesh, [Partial()])
+        with pytest.raises(ValueError, match=r"^a gradient has a Partial placement"):
+            opt.step()
+        assert opt.micro_batches == 1  # the window stays open, its micro-batch counted
+        w.grad = DTensor.from_local(torch.ones(4), mesh, [Replicate()])
+        opt.scaler.scale(torch.tensor(1.0))
+        scale = opt.scaler.get_scale()
+        opt.flush()
+        assert opt.update_applied
+        # the gradient was not scaled by the scaler here, so unscaling divides the norm by the scale
+        assert float(opt.last_stats.total_norm) == pytest.approx(2.0 / scale)
+    finally:
+        dist.destroy_process_group()

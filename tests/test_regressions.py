@@ -362,3 +362,61 @@ def test_csv_logger_widens_when_a_parameter_group_is_added(tmp_path: Path) -> No
     text = path.read_text()
     assert text.count("step,micro_batches") == 1
     assert text.strip().splitlines()[-1].startswith("4,")
+
+
+def _unfreeze_run(path: Path, logger: CSVLogger) -> tuple[ClippedOptimizer, torch.nn.Linear, torch.nn.Linear]:
+    """Two windows on the head, then the trunk is added as a second group and one more window runs."""
+    torch.manual_seed(0)
+    trunk, head = torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)
+    opt = ClippedOptimizer(torch.optim.SGD(head.parameters(), lr=0.1), loggers=[logger])
+    x = torch.randn(6, 3)
+    for i in range(3):
+        if i == 2:
+            opt.add_param_group({"params": list(trunk.parameters()), "lr": 0.01})
+        head(torch.tanh(trunk(x))).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        trunk.zero_grad()
+    opt.close()
+    return opt, trunk, head
+
+
+def test_csv_widening_that_fails_warns_and_keeps_a_consistent_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: a failed rewrite (disk full) escaped opt.step(), lost the row, left a .tmp file and
+    later rows longer than the header.  Now it warns, keeps the old columns, and every row fits."""
+    path = tmp_path / "grads.csv"
+
+    def no_space(src: object, dst: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("clipopt._logging.os.replace", no_space)
+    with pytest.warns(RuntimeWarning, match="could not rewrite .* No space left on device"):
+        _unfreeze_run(path, CSVLogger(path, flush_every=1))
+    monkeypatch.undo()
+    with path.open(newline="") as f:
+        lines = list(csv.reader(f))
+    assert lines[0][-1] == "lr" and len({len(line) for line in lines}) == 1
+    assert [line[0] for line in lines[1:]] == ["1", "2", "3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grads.csv"]
+
+
+def test_csv_resume_from_before_a_group_was_added_appends(tmp_path: Path) -> None:
+    """Before: a file widened by add_param_group refused a run resumed from an earlier checkpoint
+    (one group: fewer columns).  Now it is appended to in the file's column order, lr.1 empty."""
+    path = tmp_path / "grads.csv"
+    _unfreeze_run(path, CSVLogger(path, flush_every=1))
+    torch.manual_seed(0)
+    head = torch.nn.Linear(4, 1)
+    opt = ClippedOptimizer(torch.optim.SGD(head.parameters(), lr=0.1), loggers=[CSVLogger(path)])
+    head(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.close()
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames is not None and reader.fieldnames[-1] == "lr.1"
+    assert [(r["step"], r["lr"], r["lr.1"]) for r in rows] == [
+        ("1", "0.1", ""), ("2", "0.1", ""), ("3", "0.1", "0.01"), ("1", "0.1", "")
+    ]

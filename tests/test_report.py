@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from clipopt import LAYER_FIELDS, ClippedOptimizer, CSVLogger
 from clipopt._cli import main
 from clipopt._logging import BASE_COLUMNS, format_value
-from clipopt._report import analyze, format_report, percentile, plot_log, read_log
+from clipopt._report import VERDICTS, analyze, format_report, percentile, plot_log, read_log
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -540,3 +540,14 @@ def test_end_to_end_training_with_a_nan_window(tmp_path: Path, capsys: pytest.Ca
     assert (f["kind"], f["step"], f["layer"]) == ("nonfinite", 25, "2.weight")
     assert f["values"]["nonfinite_layers"] == {"2.weight": 1}
     assert report["summary"]["skipped"] == 1 and report["summary"]["layer_rows"] == 12
+
+
+def test_spikes_with_zero_and_negative_norms(tmp_path: Path) -> None:
+    """Zero norms (vanished gradients) do not make equal non-zero norms "spikes" (their log-std is 0
+    but ln x is not above the log-mean), and a negative norm in a foreign CSV does not crash."""
+    norms = [1.0, 0.0, 0.0, 0.0] * 100
+    assert "spikes" not in kinds(analyze(read_log(write_log(tmp_path / "z.csv", norms))))
+    norms = [1.0, 2.0] * 20 + [-1.0] + [1.0, 2.0] * 20
+    assert analyze(read_log(write_log(tmp_path / "n.csv", norms)))["verdict"] in VERDICTS
+    norms = [-3.0] * 20 + [-0.5, 0.0]
+    assert analyze(read_log(write_log(tmp_path / "m.csv", norms)))["verdict"] in VERDICTS

@@ -396,7 +396,7 @@ def test_max_snapshots_keeps_the_first_ones(tmp_path: Path) -> None:
     ]
     assert opt.last_snapshot == str(tmp_path / "anomaly-step00000002-nonfinite.pt")
     runtime = [str(w.message) for w in record if issubclass(w.category, RuntimeWarning)]
-    assert len(runtime) == 1 and "further anomalies are not saved" in runtime[0]
+    assert len(runtime) == 1 and "further nonfinite anomalies are not saved" in runtime[0]
     assert opt.num_skipped == 5
 
 
@@ -544,3 +544,34 @@ def test_spiking_window_is_snapshotted_with_reason_spike(tmp_path: Path, skip_sp
     assert opt.last_stats is not None
     assert opt.last_stats.reason == ("spike" if skip_spikes else None)
     assert bool(opt.last_stats.skipped) is skip_spikes
+
+
+def test_spike_snapshots_do_not_use_up_the_room_of_a_nonfinite_one(tmp_path: Path) -> None:
+    """max_snapshots counts per reason: after more spikes than max_snapshots (their own limit warns),
+    a non-finite window is still saved, and NonFiniteGradientError names that snapshot."""
+    model = nn.Linear(3, 2)
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        max_norm=clipopt.ZClip(warmup_steps=5, alpha=0.5),
+        snapshot_dir=tmp_path,
+        max_snapshots=2,
+        max_consecutive_nonfinite=1,
+        param_names=model.named_parameters(),
+    )
+    scales = [1.0, 1.1] * 3 + [50.0, 1.0, 1.1, 1.0, 500.0, 1.0, 1.1, 1.0, 5000.0, 1.0, math.nan]
+
+    def window(scale: float) -> None:
+        for p in model.parameters():
+            p.grad = torch.full_like(p, scale / math.sqrt(8.0))
+        opt.step()
+        opt.zero_grad()
+
+    with pytest.warns(RuntimeWarning, match="2 spike snapshots are in"):
+        for scale in scales[:-1]:
+            window(scale)
+    spikes = snapshot_files(tmp_path)
+    assert len(spikes) == 2 and all(name.endswith("-spike.pt") for name in spikes)
+    with pytest.raises(NonFiniteGradientError) as info:
+        window(scales[-1])
+    expected = str(tmp_path / f"anomaly-step{len(scales):08d}-nonfinite.pt")
+    assert info.value.snapshot == expected == opt.last_snapshot
