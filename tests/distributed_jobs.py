@@ -392,6 +392,17 @@ def fsdp_job(rank: int, port: int, out_dir: str) -> None:
         res["stats_error"] = None
     except ValueError as exc:
         res["stats_error"] = str(exc)
+    model = _fsdp(base)
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters()))
+    opt.layer_stats = 1  # switched on later: refused at the window's close, before anything changes
+    before = _full(model)
+    _loss(model, rank, 1).backward()
+    try:
+        opt.step()
+        res["late_stats_error"] = None
+    except ValueError as exc:
+        res["late_stats_error"] = str(exc)
+    res["late_stats_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, _full(model), strict=True))
     # 6. value clipping then the norm bound, and AGC (unit-wise), on shards = one process
     for case in ("value", "agc"):
         model = _fsdp(base)

@@ -200,8 +200,11 @@ def test_fsdp2_value_clipping_and_agc_equal_one_process(fsdp: list[dict[str, Any
 
 
 def test_fsdp2_layer_stats_are_refused(fsdp: list[dict[str, Any]]) -> None:
-    """layer_stats with DTensor parameters raises a ValueError that names the way out."""
+    """layer_stats with DTensor parameters raises a ValueError that names the way out: at
+    construction, and when switched on later, at the window's close before the update."""
     for rank in fsdp:
+        assert rank["late_stats_error"] == rank["stats_error"]
+        assert rank["late_stats_unchanged"]
         assert rank["stats_error"] == (
             "layer_stats and snapshot_dir do not support DTensor (FSDP2) parameters yet: each rank "
             "holds only shards; pass layer_stats=False and snapshot_dir=None (total norms, "
