@@ -6,6 +6,7 @@ import copy
 import csv
 import math
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import clipopt
+import clipopt._layers as clipopt_layers
 from clipopt import LAYER_FIELDS, ClippedOptimizer, CSVLogger, StepStats
 
 from .hostreads import count_host_reads
@@ -204,6 +206,207 @@ def test_layer_stats_windows_read_one_flag_others_none() -> None:
         opt.zero_grad()
     assert reads[2] == 0 and reads[4] == 0  # windows 3 and 5
     assert reads[3] == 1 and reads[5] == 1  # windows 4 and 6
+
+
+# ------------------------------------------------------------------------------ compute_layer_stats kernels
+
+
+def _float64_reference(params: list[torch.Tensor], scale: float, count_nonfinite: bool) -> np.ndarray:
+    """Independent [P, 5] reference: NumPy float64 on every element, no chunking."""
+    rows = []
+    for p in params:
+        param_norm = float(np.linalg.norm(p.detach().double().numpy().ravel()))
+        g = p.grad
+        if g is None:
+            rows.append([math.nan, math.nan, math.nan, 0.0, param_norm])
+            continue
+        v = (g.coalesce().values() if g.is_sparse else g).double().numpy().ravel()
+        if v.size == 0:
+            rows.append([0.0, 0.0, 0.0, 0.0, param_norm])
+            continue
+        a = np.abs(v)
+        bad = float((~np.isfinite(v)).sum()) if count_nonfinite else 0.0
+        norm = float(np.sqrt(np.sum(a * a)))
+        rows.append([scale * norm, scale * a.max(), scale * a.min(), bad, param_norm])
+    return np.array(rows, dtype=np.float64)
+
+
+def _stats(params: list[torch.Tensor], scale: float, count_nonfinite: bool, cpu_kernels: bool) -> np.ndarray:
+    names = [f"p{i}" for i in range(len(params))]
+    if cpu_kernels:
+        stats = clipopt_layers.compute_layer_stats(params, names, scale, count_nonfinite)
+        return np.array(stats.rows(), dtype=np.float64)
+    values = clipopt_layers._layer_stats(params, scale, count_nonfinite, cpu_kernels=False)
+    return values.double().numpy()
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Parameter:
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.3).to(dtype))
+    p.grad = (torch.randn(shape, generator=gen) * 0.05).to(dtype)
+    return p
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Shrink the CPU kernels' sizes so chunk boundaries are reached with small tensors."""
+    monkeypatch.setattr(clipopt_layers, "CHUNK_NUMEL", 64)
+    monkeypatch.setattr(clipopt_layers, "DOT_NUMEL", 24)  # not a divisor: uneven last piece per chunk
+    monkeypatch.setattr(clipopt_layers, "BATCH_MAX_NUMEL", 16)
+    monkeypatch.setattr(clipopt_layers, "PARAM_DOT_MIN_NUMEL", 16)
+    return 64
+
+
+def _boundary_sizes(chunk: int, batch_max: int) -> list[tuple[int, ...]]:
+    return [
+        (1,),
+        (batch_max - 1,),
+        (batch_max,),
+        (chunk - 1,),
+        (chunk,),
+        (chunk + 1,),
+        (3, chunk),  # exactly three chunks
+        (3 * chunk + 7,),
+        (2, 2 * chunk + 3),
+        (),  # a 0-dim parameter
+    ]
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_kernels_match_float64_around_chunk_boundaries(small_chunks: int, cpu_kernels: bool) -> None:
+    """Sizes c-1, c, c+1 and several chunks (c shrunk to 64) match a float64 NumPy reference, in order."""
+    shapes = _boundary_sizes(small_chunks, clipopt_layers.BATCH_MAX_NUMEL)
+    params = [_param(s, seed=i) for i, s in enumerate(shapes)]
+    got = _stats(params, 1.0, True, cpu_kernels)
+    np.testing.assert_allclose(got, _float64_reference(params, 1.0, True), rtol=1e-5, atol=0)
+    # max |g| and min |g| are exact: float32 values compared with float32 values
+    assert np.array_equal(got[:, 1:3], _float64_reference(params, 1.0, True)[:, 1:3])
+
+
+def test_kernels_match_float64_at_real_chunk_size() -> None:
+    """Shipped sizes: gradients and parameters around CHUNK_NUMEL and BATCH_MAX_NUMEL match float64."""
+    c, b = clipopt_layers.CHUNK_NUMEL, clipopt_layers.BATCH_MAX_NUMEL
+    sizes = [c - 1, c, c + 1, b - 1, b, 768]
+    params = [_param((n,), seed=i) for i, n in enumerate(sizes)]
+    for count_nonfinite in (False, True):
+        got = _stats(params, 1.0, count_nonfinite, True)
+        np.testing.assert_allclose(got, _float64_reference(params, 1.0, count_nonfinite), rtol=1e-5, atol=0)
+
+
+def test_kernels_are_accurate_on_long_tensors() -> None:
+    """A 16M-element float32 gradient and parameter stay within 1e-5 of float64 (one long dot: ~2e-4)."""
+    p = _param((1 << 24,), seed=3)
+    got = _stats([p], 1.0, False, True)
+    np.testing.assert_allclose(got, _float64_reference([p], 1.0, False), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_kernels_half_precision_accumulate_in_float32(
+    small_chunks: int, dtype: torch.dtype, cpu_kernels: bool
+) -> None:
+    """bfloat16/float16 gradients and parameters: float32 accumulation, extremes exact, vs float64."""
+    shapes = _boundary_sizes(small_chunks, clipopt_layers.BATCH_MAX_NUMEL)
+    params = [_param(s, dtype, seed=i) for i, s in enumerate(shapes)]
+    got = _stats(params, 1.0, True, cpu_kernels)
+    expected = _float64_reference(params, 1.0, True)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=0)
+    assert np.array_equal(got[:, 1:3], expected[:, 1:3])
+
+
+def test_kernels_half_precision_long_tensor() -> None:
+    """A bfloat16 gradient and parameter of several real chunks are summed in float32 (1e-5 of float64)."""
+    p = _param((3 * clipopt_layers.CHUNK_NUMEL + 11,), torch.bfloat16)
+    np.testing.assert_allclose(_stats([p], 1.0, False, True), _float64_reference([p], 1.0, False), rtol=1e-5)
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_kernels_missing_empty_sparse_and_float64(small_chunks: int, cpu_kernels: bool) -> None:
+    """No gradient (nan fields), zero-element tensors (zeros), sparse and float64 gradients, in one call."""
+    params = [_param((200,), seed=1), _param((5,), seed=2), _param((0,)), _param((0, 3))]
+    params.append(_param((130,), seed=4))
+    params[1].grad = None
+    emb = torch.nn.Embedding(300, 4, sparse=True)
+    emb(torch.tensor([3, 7, 3, 299, 150, 7])).pow(2).sum().backward()  # repeated rows: coalesce sums them
+    params.insert(2, emb.weight)
+    params.append(_param((70,), torch.float64, seed=5))
+    params.append(_param((3, 3), torch.float64, seed=6))
+    params[-1].grad = None
+    for scale in (1.0, 0.25):
+        got = _stats(params, scale, True, cpu_kernels)
+        np.testing.assert_allclose(got, _float64_reference(params, scale, True), rtol=1e-5, atol=0)
+    assert np.isnan(got[1, :3]).all() and got[1, 3] == 0.0
+    assert (got[3, :4] == 0).all() and (got[4, :4] == 0).all()
+
+
+@pytest.mark.parametrize("count_nonfinite", [True, False])
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_kernels_nonfinite_elements(small_chunks: int, count_nonfinite: bool, cpu_kernels: bool) -> None:
+    """nan/inf in first, middle, last partial chunks and small tensors: counted exactly, or 0 if not asked."""
+    c = small_chunks
+    params = [_param((n,), seed=i) for i, n in enumerate([3 * c + 5, 2 * c, c + 1, 10, 40, c - 1])]
+    assert params[0].grad is not None
+    params[0].grad[0] = math.inf
+    params[0].grad[-1] = -math.inf  # in the last, partial chunk
+    params[0].grad[c + 3] = math.nan
+    params[1].grad[c] = -math.inf  # only infs: max |g| is inf, min |g| finite
+    params[1].grad[1] = math.inf
+    params[3].grad[4] = math.nan  # batched (small) path
+    params[4].grad[:] = math.inf
+    got = _stats(params, 0.5, count_nonfinite, cpu_kernels)
+    expected = _float64_reference(params, 0.5, count_nonfinite)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=0)
+    assert list(got[:, 3]) == ([3, 2, 0, 1, 40, 0] if count_nonfinite else [0] * 6)
+    assert np.isinf(got[1, 1]) and np.isfinite(got[1, 2])
+
+
+def test_kernels_scale_multiplies_gradient_fields_only(small_chunks: int) -> None:
+    """scale multiplies grad_norm, grad_max and grad_min; nonfinite and param_norm are unscaled."""
+    params = [_param((n,), seed=n) for n in (5, 100, 200)]
+    one = _stats(params, 1.0, True, True)
+    third = _stats(params, 1 / 3, True, True)
+    np.testing.assert_allclose(third[:, :3], one[:, :3] / 3, rtol=1e-6)
+    assert np.array_equal(third[:, 3:], one[:, 3:])
+
+
+def test_kernels_make_no_host_reads(small_chunks: int) -> None:
+    """compute_layer_stats on every path (chunked, batched, per-tensor, sparse, none, empty) reads nothing."""
+    params = [_param((n,), seed=n) for n in (3, 30, 200, 0)]
+    params.append(_param((50,), torch.float64))
+    params.append(_param((70,), torch.bfloat16))
+    params.append(_param((4,)))
+    params[-1].grad = None
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    emb(torch.tensor([1, 2, 1])).sum().backward()
+    params.append(emb.weight)
+    names = [str(i) for i in range(len(params))]
+    for count_nonfinite in (False, True):
+        with count_host_reads() as r:
+            stats = clipopt_layers.compute_layer_stats(params, names, 0.5, count_nonfinite)
+            generic = clipopt_layers._layer_stats(params, 0.5, count_nonfinite, cpu_kernels=False)
+        assert len(r) == 0, r.ours
+        assert stats._values is not None and stats._values.shape == (len(params), 5)
+        assert generic.shape == (len(params), 5)
+
+
+def test_kernels_threads_do_not_share_scratch(small_chunks: int) -> None:
+    """Statistics computed concurrently in several threads equal the single-threaded result."""
+    params = [_param((n,), seed=n) for n in (300, 1000, 77)]
+    expected = _stats(params, 1.0, False, True)
+    results: list[np.ndarray] = []
+
+    def work() -> None:
+        for _ in range(20):
+            results.append(_stats(params, 1.0, False, True))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 80
+    for got in results:
+        assert np.array_equal(got, expected)
 
 
 # ------------------------------------------------------------------------------ CSV logger
