@@ -129,6 +129,11 @@ _FOREACH_DEVICES = ("cpu", "cuda", "xpu", "mps")
 #: wins on small tensors through lower per-tensor overhead).  See benchmarks/.
 DOT_MIN_NUMEL = 1 << 17
 
+#: ``torch.dot`` accumulates in order, so its relative error grows with the length
+#: (N(0,1) float32: 2e-4 at 30M elements; ``_foreach_norm`` 1.7e-3); summing it over
+#: pieces of this many elements keeps about 1e-6 at any length, for ~1 % more time.
+DOT_PIECE_NUMEL = 1 << 20
+
 #: On CPU, tensors at least this large get their inf-norm from ``torch.aminmax``
 #: (one pass, no buffer), several times faster than ``_foreach_norm(inf)``.
 AMINMAX_MIN_NUMEL = 1 << 10
@@ -144,7 +149,8 @@ def _direct_cpu_norms(tensors: list[Tensor], p: float, acc: torch.dtype, norms: 
     if p == 2.0 and acc == tensors[0].dtype:
         big = [t.reshape(-1) for t in tensors if t.numel() >= DOT_MIN_NUMEL]
         if big:
-            norms.append(torch.stack([torch.dot(v, v) for v in big]).sum().sqrt())
+            squares = [torch.dot(x, x) for v in big for x in torch.split(v, DOT_PIECE_NUMEL)]
+            norms.append(torch.stack(squares).sum().sqrt())
             return [t for t in tensors if t.numel() < DOT_MIN_NUMEL]
     elif p == math.inf:
         big = [t for t in tensors if t.numel() >= AMINMAX_MIN_NUMEL]
