@@ -26,8 +26,16 @@ import torch
 from torch import Tensor
 
 from . import functional as F
+from ._layers import LayerStats, compute_layer_stats
 
-__all__ = ["ShardedGrads", "Unsynced", "allreduce_mean_", "has_dtensor", "suppress_sync"]
+__all__ = [
+    "ShardedGrads",
+    "Unsynced",
+    "allreduce_mean_",
+    "has_dtensor",
+    "sharded_layer_stats",
+    "suppress_sync",
+]
 
 
 def _dtensor_type() -> Any:
@@ -221,3 +229,64 @@ def _reduce_norm(local: Tensor, p: float, groups: Sequence[Any]) -> Tensor:
     for pg in groups:
         dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=pg)
     return acc.pow(1.0 / p).to(local.dtype)
+
+
+def _shard_groups(t: Any, dtensor: Any) -> tuple[Any, ...]:
+    """The process groups of the mesh dimensions over which ``t`` is sharded (none: complete here)."""
+    if dtensor is None or not isinstance(t, dtensor):
+        return ()
+    return tuple(t.device_mesh.get_group(d) for d, pl in enumerate(t.placements) if pl.is_shard())
+
+
+@torch.no_grad()
+def sharded_layer_stats(
+    params: Sequence[Tensor], names: Sequence[str], scale: float, count_nonfinite: bool
+) -> LayerStats:
+    """:func:`compute_layer_stats` of DTensor parameters: of the full tensors, on every rank.
+
+    Each rank computes the statistics of its shards, then they are combined over
+    the shard groups: squared norms and non-finite counts summed, max |g| and
+    min |g| by MAX (of ``|g|`` and ``-|g|``).  Collective: every rank calls it.
+    """
+    dist = torch.distributed
+    dtensor = _dtensor_type()
+    local_params: list[Tensor] = []
+    local_grads: list[Tensor | None] = []
+    rows: dict[tuple[Any, ...], list[int]] = {}
+    for i, p in enumerate(params):
+        key = _shard_groups(p, dtensor)
+        sharded: Any = p
+        grad: Any = p.grad
+        local_params.append(sharded.to_local() if key else p)
+        local_grads.append(grad.to_local() if key and grad is not None else grad)
+        if key:
+            rows.setdefault(key, []).append(i)
+    values = compute_layer_stats(local_params, names, scale, count_nonfinite, grads=local_grads)._values
+    if values is None or not rows:
+        return LayerStats(names, [] if values is None else values)
+    for key, indices in rows.items():
+        index = torch.tensor(indices, device=values.device)
+        sub = values.index_select(0, index).double()
+        numel = torch.tensor(
+            [float(g.numel()) if (g := local_grads[i]) is not None else 0.0 for i in indices],
+            dtype=torch.float64,
+            device=values.device,
+        )
+        has_grad = torch.tensor([local_grads[i] is not None for i in indices], device=values.device)
+        # an empty local shard must not win the minimum: |g| >= 0, so -inf is neutral for MAX(-min)
+        low = torch.where(numel > 0, -sub[:, 2], torch.full_like(numel, -math.inf))
+        nan_seen = (sub[:, 1].isnan() | sub[:, 2].isnan()).double()  # gloo's MAX drops nan: carry it
+        summed = torch.stack([sub[:, 0].square(), sub[:, 3], sub[:, 4].square(), numel], dim=1)
+        extremes = torch.stack([sub[:, 1].nan_to_num(0.0), low.nan_to_num(-math.inf), nan_seen], dim=1)
+        for pg in key:
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=pg)
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=pg)
+        nan = torch.full_like(numel, math.nan)
+        high = torch.where(extremes[:, 2] > 0, nan, extremes[:, 0])
+        low = torch.where(summed[:, 3] > 0, -extremes[:, 1], torch.zeros_like(numel))
+        low = torch.where(extremes[:, 2] > 0, nan, low)
+        grad_cols = torch.stack([summed[:, 0].sqrt(), high, low], dim=1)
+        grad_cols = torch.where(has_grad[:, None], grad_cols, nan[:, None])  # no gradient: nan, as elsewhere
+        full = torch.cat([grad_cols, summed[:, 1:2], summed[:, 2:3].sqrt()], dim=1)
+        values.index_copy_(0, index, full.to(values.dtype))
+    return LayerStats(names, values)

@@ -86,22 +86,31 @@ _FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @torch.no_grad()
 def compute_layer_stats(
-    params: Sequence[Tensor], names: Sequence[str], scale: float, count_nonfinite: bool
+    params: Sequence[Tensor],
+    names: Sequence[str],
+    scale: float,
+    count_nonfinite: bool,
+    grads: Sequence[Tensor | None] | None = None,
 ) -> LayerStats:
     """Statistics of ``scale * p.grad`` (the combined gradient) and of ``p`` for every parameter.
 
     ``count_nonfinite=False`` records 0 non-finite elements without counting
     them: callers pass True only when the window's norm was not finite (a finite
-    norm means every element is finite).  Nothing is read on the host; the
-    result is one ``[P, 5]`` float32 tensor on the first parameter's device.
+    norm means every element is finite).  ``grads`` replaces ``p.grad`` (local
+    shards of DTensors).  Nothing is read on the host; the result is one
+    ``[P, 5]`` float32 tensor on the first parameter's device.
     """
     if not params:
         return LayerStats([], [])
-    return LayerStats(names, _layer_stats(params, scale, count_nonfinite))
+    return LayerStats(names, _layer_stats(params, scale, count_nonfinite, grads=grads))
 
 
 def _layer_stats(
-    params: Sequence[Tensor], scale: float, count_nonfinite: bool, cpu_kernels: bool = True
+    params: Sequence[Tensor],
+    scale: float,
+    count_nonfinite: bool,
+    cpu_kernels: bool = True,
+    grads: Sequence[Tensor | None] | None = None,
 ) -> Tensor:
     """The ``[P, 5]`` statistics.
 
@@ -117,7 +126,7 @@ def _layer_stats(
     empty: list[int] = []
     missing: list[int] = []
     for i, p in enumerate(params):
-        g = p.grad
+        g = p.grad if grads is None else grads[i]
         if g is None:
             missing.append(i)
             continue

@@ -26,7 +26,14 @@ from ._checks import (
     check_optional_positive_int,
     check_positive_int,
 )
-from ._distributed import ShardedGrads, Unsynced, allreduce_mean_, has_dtensor, suppress_sync
+from ._distributed import (
+    ShardedGrads,
+    Unsynced,
+    allreduce_mean_,
+    has_dtensor,
+    sharded_layer_stats,
+    suppress_sync,
+)
 from ._errors import NonFiniteGradientError
 from ._layers import LayerStats, compute_layer_stats, resolve_param_names
 from ._logging import Logger
@@ -220,7 +227,7 @@ class ClippedOptimizer(Optimizer):
             )
         self.max_snapshots = check_positive_int("max_snapshots", max_snapshots)
         names = resolve_param_names(optimizer, param_names)
-        if (self.layer_stats or snapshot_dir is not None) and has_dtensor(list(names)):
+        if snapshot_dir is not None and has_dtensor(list(names)):
             raise ValueError(_DTENSOR_DIAGNOSTICS)
         if snapshot_dir is not None and param_names is None and not any(
             g.get("param_names") for g in optimizer.param_groups
@@ -552,7 +559,7 @@ class ClippedOptimizer(Optimizer):
     def _close_window(self, loss: Any, closure: Callable[[], Any] | None) -> Any:
         n = self._counters.micro_batches
         params = self._params()
-        if self._has_dtensor and (self.layer_stats or self._snapshots is not None):
+        if self._has_dtensor and self._snapshots is not None:
             raise ValueError(_DTENSOR_DIAGNOSTICS)
         self._sync_unsynced()
         grads = self._window_grads(params)  # may raise: before the scaler is unscaled
@@ -627,7 +634,8 @@ class ClippedOptimizer(Optimizer):
         else:
             bad, spiking = (v > 0 for v in torch.stack([flag, spike.to(flag.dtype)]).tolist())
         inv = 1.0 / self._divisor(n)
-        layers = compute_layer_stats(params, self.layer_names(), inv, bad) if due else None
+        stats_of = sharded_layer_stats if self._has_dtensor else compute_layer_stats  # the former: collective
+        layers = stats_of(params, self.layer_names(), inv, bad) if due else None
         # with a scaler, a non-finite window is an overflow: GradScaler's normal operation
         reason = "nonfinite" if bad and self.scaler is None else "spike" if spiking and not bad else None
         if reason is not None and self._snapshots is not None:
@@ -973,9 +981,8 @@ class ClippedOptimizer(Optimizer):
 
 
 _DTENSOR_DIAGNOSTICS = (
-    "layer_stats and snapshot_dir do not support DTensor (FSDP2) parameters yet: each rank "
-    "holds only shards; pass layer_stats=False and snapshot_dir=None (total norms, "
-    "clipping, skipping and loggers work)"
+    "snapshot_dir does not support DTensor (FSDP2) parameters yet: each rank holds only "
+    "shards; pass snapshot_dir=None (norms, clipping, skipping, layer_stats and loggers work)"
 )
 
 

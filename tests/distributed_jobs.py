@@ -386,23 +386,43 @@ def fsdp_job(rank: int, port: int, out_dir: str) -> None:
     except RuntimeError as exc:
         res["checkpoint_error"] = str(exc)
 
-    # 5. per-layer statistics of shards are refused, not silently rank-local
+    # 5. per-layer statistics of shards are those of the full tensors (uneven shards, one empty:
+    #    the last layer has a single output row), also with a nan in one rank's shard;
+    #    snapshots are refused
     try:
-        ClippedOptimizer(torch.optim.AdamW(model.parameters()), layer_stats=True)
-        res["stats_error"] = None
+        ClippedOptimizer(torch.optim.AdamW(model.parameters()), snapshot_dir=os.path.join(out_dir, "s"))
+        res["snapshot_error"] = None
     except ValueError as exc:
-        res["stats_error"] = str(exc)
-    model = _fsdp(base)
-    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters()))
-    opt.layer_stats = 1  # switched on later: refused at the window's close, before anything changes
-    before = _full(model)
-    _loss(model, rank, 1).backward()
-    try:
-        opt.step()
-        res["late_stats_error"] = None
-    except ValueError as exc:
-        res["late_stats_error"] = str(exc)
-    res["late_stats_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, _full(model), strict=True))
+        res["snapshot_error"] = str(exc)
+    torch.manual_seed(1)
+    narrow = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    stats = {}
+    for case in ("finite", "nan"):
+        model = _fsdp(narrow)
+        names = [n for n, _ in narrow.named_parameters()]
+        named = list(zip(names, model.parameters(), strict=True))
+        opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), MAX_NORM, accumulation_steps=2,
+                               layer_stats=True, param_names=named)
+        for i in (1, 2):
+            x, _ = _batch(rank, i)
+            with opt.no_sync(model):
+                model(x).square().mean().backward()
+            if case == "nan" and i == 2 and rank == 1:
+                grad = next(iter(model.parameters())).grad
+                grad.to_local().view(-1)[-1] = math.nan
+            opt.step()
+        assert opt.last_stats is not None and opt.last_stats.layers is not None
+        stats[case] = {"got": opt.last_stats.layers.as_dict(), "names": names}
+    plain = copy.deepcopy(narrow)
+    for r in range(WORLD):
+        for i in (1, 2):
+            x, _ = _batch(r, i)
+            (plain(x).square().mean() / (WORLD * 2)).backward()
+    stats["grads"] = {n: p.grad.detach().double() for n, p in plain.named_parameters()}
+    stats["params"] = {n: p.detach().double() for n, p in plain.named_parameters()}
+    stats["local_numel"] = [p.to_local().numel() for p in _fsdp(narrow).parameters()]
+    res["layer_stats"] = stats
+
     # 6. value clipping then the norm bound, and AGC (unit-wise), on shards = one process
     for case in ("value", "agc"):
         model = _fsdp(base)

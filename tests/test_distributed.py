@@ -13,6 +13,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -199,16 +200,45 @@ def test_fsdp2_value_clipping_and_agc_equal_one_process(fsdp: list[dict[str, Any
         _assert_params_close(res["params"], res["ref_params"])
 
 
-def test_fsdp2_layer_stats_are_refused(fsdp: list[dict[str, Any]]) -> None:
-    """layer_stats with DTensor parameters raises a ValueError that names the way out: at
-    construction, and when switched on later, at the window's close before the update."""
+def test_fsdp2_layer_stats_are_those_of_the_full_tensors(fsdp: list[dict[str, Any]]) -> None:
+    """layer_stats=True on shards: every rank records, per parameter, the full gradient's norm,
+    max |g|, min |g| and the full parameter's norm, as NumPy computes them from one process's
+    gradients (accumulated over both ranks' micro-batches); the last weight has an empty shard."""
+    assert 0 in fsdp[1]["layer_stats"]["local_numel"]  # the empty-shard case is exercised
     for rank in fsdp:
-        assert rank["late_stats_error"] == rank["stats_error"]
-        assert rank["late_stats_unchanged"]
-        assert rank["stats_error"] == (
-            "layer_stats and snapshot_dir do not support DTensor (FSDP2) parameters yet: each rank "
-            "holds only shards; pass layer_stats=False and snapshot_dir=None (total norms, "
-            "clipping, skipping and loggers work)"
+        res = rank["layer_stats"]
+        for name in res["finite"]["names"]:
+            g = res["grads"][name].numpy().ravel()
+            w = res["params"][name].numpy().ravel()
+            row = res["finite"]["got"][name]
+            assert row["grad_norm"] == pytest.approx(float(np.sqrt(np.dot(g, g))), rel=1e-5)
+            assert row["grad_max"] == pytest.approx(float(np.abs(g).max()), rel=1e-6)
+            assert row["grad_min"] == pytest.approx(float(np.abs(g).min()), rel=1e-6, abs=1e-12)
+            assert row["nonfinite"] == 0
+            assert row["param_norm"] == pytest.approx(float(np.sqrt(np.dot(w, w))), rel=1e-5)
+
+
+def test_fsdp2_layer_stats_count_a_nan_in_one_shard(fsdp: list[dict[str, Any]]) -> None:
+    """A nan in rank 1's shard of the first weight: both ranks count 1 non-finite element there and
+    report max |g| and min |g| as nan (gloo's MAX would drop it); the other layers are unaffected."""
+    for rank in fsdp:
+        res = rank["layer_stats"]
+        names = res["nan"]["names"]
+        first = res["nan"]["got"][names[0]]
+        assert first["nonfinite"] == 1
+        assert math.isnan(first["grad_max"]) and math.isnan(first["grad_min"])
+        assert math.isnan(first["grad_norm"])
+        for name in names[1:]:
+            assert res["nan"]["got"][name]["nonfinite"] == 0
+            assert math.isfinite(res["nan"]["got"][name]["grad_norm"])
+
+
+def test_fsdp2_snapshots_are_refused(fsdp: list[dict[str, Any]]) -> None:
+    """snapshot_dir with DTensor parameters raises a ValueError that names the way out."""
+    for rank in fsdp:
+        assert rank["snapshot_error"] == (
+            "snapshot_dir does not support DTensor (FSDP2) parameters yet: each rank holds only "
+            "shards; pass snapshot_dir=None (norms, clipping, skipping, layer_stats and loggers work)"
         )
 
 
