@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -9,6 +10,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from .functional import _flat
 
 __all__ = ["LAYER_FIELDS", "LayerStats", "compute_layer_stats", "resolve_param_names"]
 
@@ -130,7 +133,7 @@ def _layer_stats(
         if g is None:
             missing.append(i)
             continue
-        values = (g.coalesce().values() if g.is_sparse else g).reshape(-1)
+        values = g.coalesce().values() if g.is_sparse else g  # N-d: flattened later, one at a time
         n = values.numel()
         if n == 0:
             empty.append(i)
@@ -165,7 +168,13 @@ def _layer_stats(
     where = [0] * len(order)
     for pos, i in enumerate(order):
         where[i] = pos
-    return grouped.index_select(0, torch.tensor(where, device=device))
+    return grouped.index_select(0, _index(tuple(where), device))
+
+
+@functools.lru_cache(maxsize=64)
+def _index(indices: tuple[int, ...], device: torch.device) -> Tensor:
+    """An index tensor on ``device``, cached: creating one from a list is a host-to-device copy."""
+    return torch.tensor(indices, device=device)
 
 
 def _chunked_rows(grads: list[Tensor], out: Tensor, count_nonfinite: bool) -> None:
@@ -173,15 +182,15 @@ def _chunked_rows(grads: list[Tensor], out: Tensor, count_nonfinite: bool) -> No
     counts = [-(-g.numel() // CHUNK_NUMEL) for g in grads]
     dot_counts = [_dot_pieces(g.numel()) for g in grads]
     # Per chunk, in column order: max |g|, min |g|, non-finite count.
-    acc = torch.empty((3, sum(counts)), dtype=torch.float32)
+    acc = torch.empty((3, sum(counts)), dtype=torch.float32, device="cpu")
     highs, lows = acc[0].unbind(), acc[1].unbind()
     bad = acc[2].unbind() if count_nonfinite else ()
-    squares = torch.empty(sum(dot_counts), dtype=torch.float32)
+    squares = torch.empty(sum(dot_counts), dtype=torch.float32, device="cpu")
     square_slots = iter(squares.unbind())
     buf = _scratch_buffer()
     k = 0
     for g in grads:
-        for piece in torch.split(g, CHUNK_NUMEL):
+        for piece in torch.split(_flat(g), CHUNK_NUMEL):
             n = piece.numel()
             b = buf if n == CHUNK_NUMEL else buf[:n]
             if piece.dtype == torch.float32:
@@ -199,7 +208,7 @@ def _chunked_rows(grads: list[Tensor], out: Tensor, count_nonfinite: bool) -> No
     if k == len(grads):  # one chunk each
         out[:, 1:3] = acc[:2].t()
     else:
-        lengths = torch.tensor(counts)
+        lengths = torch.tensor(counts, device="cpu")
         out[:, 1] = torch.segment_reduce(acc[0], "max", lengths=lengths, unsafe=True)
         out[:, 2] = torch.segment_reduce(acc[1], "min", lengths=lengths, unsafe=True)
     if count_nonfinite:
@@ -222,7 +231,8 @@ def _segment_sum(values: Tensor, counts: list[int]) -> Tensor:
     """Sums of consecutive runs of ``counts`` elements of ``values``."""
     if len(values) == len(counts):
         return values
-    return torch.segment_reduce(values, "sum", lengths=torch.tensor(counts), unsafe=True)
+    lengths = torch.tensor(counts, device=values.device)
+    return torch.segment_reduce(values, "sum", lengths=lengths, unsafe=True)
 
 
 _SCRATCH = threading.local()
@@ -235,19 +245,30 @@ def _scratch_buffer() -> Tensor:
     optimizers stepping in different threads apart.
     """
     buf: Tensor | None = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.numel() != CHUNK_NUMEL:
-        buf = torch.empty(CHUNK_NUMEL, dtype=torch.float32)
+    if buf is None or buf.numel() != CHUNK_NUMEL or buf.is_inference():
+        with torch.inference_mode(False):  # an inference tensor could not be written outside it
+            buf = torch.empty(CHUNK_NUMEL, dtype=torch.float32, device="cpu")
         _SCRATCH.buf = buf
     return buf
 
 
 def _batched_rows(grads: list[Tensor], out: Tensor, count_nonfinite: bool) -> None:
-    """Columns 0-3 for small non-empty CPU gradients, a few ``_foreach`` calls for all of them."""
+    """Columns 0-3 for small non-empty CPU gradients, a few ``_foreach`` calls per batch of them.
+
+    Batches hold at most ``CHUNK_NUMEL`` elements: ``|g|`` is a temporary copy.
+    """
     out[:, 0] = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
-    magnitudes = torch._foreach_abs(grads)
-    out[:, 1] = torch.stack(torch._foreach_max(magnitudes))
-    torch._foreach_neg_(magnitudes)
-    out[:, 2] = torch.stack(torch._foreach_max(magnitudes)).neg_()
+    start = 0
+    while start < len(grads):
+        stop, total = start, 0
+        while stop < len(grads) and (stop == start or total + grads[stop].numel() <= CHUNK_NUMEL):
+            total += grads[stop].numel()
+            stop += 1
+        magnitudes = torch._foreach_abs(grads[start:stop])
+        out[start:stop, 1] = torch.stack(torch._foreach_max(magnitudes))
+        torch._foreach_neg_(magnitudes)
+        out[start:stop, 2] = torch.stack(torch._foreach_max(magnitudes)).neg_()
+        start = stop
     if count_nonfinite:
         out[:, 3] = torch.stack([g.isfinite().logical_not_().sum() for g in grads])
 
@@ -290,21 +311,20 @@ def _param_norms(params: list[Tensor], out: Tensor, cpu_kernels: bool) -> None:
         (direct if fast and p.numel() >= PARAM_DOT_MIN_NUMEL else rest).append(j)
     device = out.device
     if direct:
-        flat = [params[j].detach().reshape(-1) for j in direct]
-        counts = [_dot_pieces(v.numel()) for v in flat]
-        squares = torch.empty(sum(counts), dtype=torch.float32)
+        counts = [_dot_pieces(params[j].numel()) for j in direct]
+        squares = torch.empty(sum(counts), dtype=torch.float32, device="cpu")
         slots = iter(squares.unbind())
         buf = _scratch_buffer()
-        for v in flat:
-            for piece in torch.split(v, CHUNK_NUMEL):
+        for j in direct:  # flattened one at a time: a non-dense parameter is copied only while in use
+            for piece in torch.split(_flat(params[j].detach()), CHUNK_NUMEL):
                 if piece.dtype != torch.float32:
                     piece = buf[: piece.numel()].copy_(piece)
                 _dots(piece, slots)
         direct_norms = _segment_sum(squares, counts).sqrt_()
-        out.index_copy_(0, torch.tensor(direct, device=device), direct_norms.to(device))
+        out.index_copy_(0, _index(tuple(direct), device), direct_norms.to(device))
     if rest:
         norms = _l2_norms([params[j].detach() for j in rest])
-        out.index_copy_(0, torch.tensor(rest, device=device), torch.stack([n.to(device) for n in norms]))
+        out.index_copy_(0, _index(tuple(rest), device), torch.stack([n.to(device) for n in norms]))
 
 
 def _l2_norms(tensors: list[Tensor]) -> list[Tensor]:

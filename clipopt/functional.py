@@ -139,6 +139,20 @@ DOT_PIECE_NUMEL = 1 << 20
 AMINMAX_MIN_NUMEL = 1 << 10
 
 
+def _flat(t: Tensor) -> Tensor:
+    """``t`` as a 1-d tensor without a copy where its memory is dense (contiguous, channels_last,
+    transposed: the dimensions permuted into memory order), else a contiguous copy.
+
+    Norms and statistics do not depend on the order of the elements; a strided
+    view would make ``torch.dot`` accumulate sequentially (less accurate).
+    """
+    if t.is_contiguous():
+        return t.view(-1)
+    strides = t.stride()
+    permuted = t.permute(sorted(range(t.dim()), key=lambda d: -strides[d]))
+    return permuted.view(-1) if permuted.is_contiguous() else t.contiguous().view(-1)
+
+
 def _direct_cpu_norms(tensors: list[Tensor], p: float, acc: torch.dtype, norms: list[Tensor]) -> list[Tensor]:
     """Append the norms of the large CPU tensors computed directly; return the rest.
 
@@ -147,9 +161,9 @@ def _direct_cpu_norms(tensors: list[Tensor], p: float, acc: torch.dtype, norms: 
     ``_foreach_norm`` on large tensors; other cases are returned untouched.
     """
     if p == 2.0 and acc == tensors[0].dtype:
-        big = [t.reshape(-1) for t in tensors if t.numel() >= DOT_MIN_NUMEL]
-        if big:
-            squares = [torch.dot(x, x) for v in big for x in torch.split(v, DOT_PIECE_NUMEL)]
+        big = [t for t in tensors if t.numel() >= DOT_MIN_NUMEL]
+        if big:  # flattened one at a time: a non-dense gradient is copied only while in use
+            squares = [torch.dot(x, x) for t in big for x in torch.split(_flat(t), DOT_PIECE_NUMEL)]
             norms.append(torch.stack(squares).sum().sqrt())
             return [t for t in tensors if t.numel() < DOT_MIN_NUMEL]
     elif p == math.inf:

@@ -17,6 +17,7 @@ import torch
 import clipopt
 import clipopt._layers as clipopt_layers
 from clipopt import LAYER_FIELDS, ClippedOptimizer, CSVLogger, StepStats
+from clipopt import functional as F
 
 from .hostreads import count_host_reads
 
@@ -606,3 +607,94 @@ def test_bad_csv_logger_arguments(factory: Any, error: type[Exception], message:
     """CSVLogger's bad arguments raise errors naming the argument, the value and the fix."""
     with pytest.raises(error, match=re.escape(message)):
         factory()
+
+
+def _non_dense_params() -> list[torch.nn.Parameter]:
+    """Parameters whose gradients (and some whose weights) are not contiguous: channels_last,
+    transposed, expanded, and a strided 1-d view (large enough for the chunked CPU path)."""
+    gen = torch.Generator().manual_seed(5)
+    conv = torch.nn.Parameter(torch.randn(64, 32, 3, 3, generator=gen).to(memory_format=torch.channels_last))
+    conv.grad = torch.randn(64, 32, 3, 3, generator=gen).to(memory_format=torch.channels_last)
+    lin = torch.nn.Parameter(torch.randn(300, 200, generator=gen).t())
+    lin.grad = torch.randn(300, 200, generator=gen).t()
+    wide = torch.nn.Parameter(torch.randn(40_000, generator=gen))
+    wide.grad = torch.randn(1, generator=gen).expand(40_000)  # stride 0
+    strided = torch.nn.Parameter(torch.randn(2 * 50_000, generator=gen)[::2])
+    strided.grad = torch.randn(2 * 50_000, generator=gen)[::2]
+    small = torch.nn.Parameter(torch.randn(20, 10, generator=gen).t())
+    small.grad = torch.randn(20, 10, generator=gen).t()
+    return [conv, lin, wide, strided, small]
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_layer_stats_of_non_contiguous_tensors(cpu_kernels: bool) -> None:
+    """channels_last, transposed, expanded and strided gradients and weights give the same statistics
+    as NumPy in float64 (element order does not matter to them)."""
+    params = _non_dense_params()
+    assert not any(p.grad is not None and p.grad.is_contiguous() for p in params)
+    got = _stats(params, 1.0, True, cpu_kernels)
+    # float32 sums of 40,000 equal values (the expanded gradient) round to ~2e-5 on the generic path
+    np.testing.assert_allclose(got, _float64_reference(params, 1.0, True), rtol=2e-5, atol=0)
+
+
+def test_flat_views_dense_non_contiguous_memory_without_copying() -> None:
+    """A channels_last or transposed tensor is flattened as a view of its own memory (no copy: before,
+    every such gradient was copied and all copies were held at once); an expanded one is copied."""
+    cl = torch.randn(8, 4, 3, 3).to(memory_format=torch.channels_last)
+    tr = torch.randn(30, 20).t()
+    for t in (cl, tr):
+        v = F._flat(t)
+        assert v.data_ptr() == t.data_ptr() and v.numel() == t.numel()
+        assert sorted(v.tolist()) == sorted(t.reshape(-1).tolist())
+    ex = torch.randn(1).expand(10)
+    assert F._flat(ex).is_contiguous() and F._flat(ex).tolist() == ex.tolist()
+
+
+def test_total_norm_of_a_strided_gradient_is_accurate() -> None:
+    """A strided 1-d gradient of 1M elements: the dot path copies it first (a strided dot accumulates
+    sequentially, 8e-5 off before), so the norm is within 5e-6 of float64."""
+    g = torch.randn(2 << 20, generator=torch.Generator().manual_seed(0))[::2]
+    truth = float(np.linalg.norm(g.double().numpy()))
+    assert F.get_total_norm([g]).item() == pytest.approx(truth, rel=5e-6)
+
+
+def test_layer_stats_ignore_a_non_cpu_default_device() -> None:
+    """torch.set_default_device (here meta, standing in for cuda) does not move the CPU kernels'
+    buffers away from the CPU gradients (before: 'Attempting to copy from device cpu to device meta')."""
+    params = [_param((3, 50_000)), _param((100,), seed=1)]
+    want = _float64_reference(params, 1.0, False)
+    torch.set_default_device("meta")
+    try:
+        stats = clipopt_layers.compute_layer_stats(params, ["a", "b"], 1.0, False)
+    finally:
+        torch.set_default_device(None)
+    np.testing.assert_allclose(np.array(stats.rows()), want, rtol=2e-6)
+
+
+def test_layer_stats_after_a_first_call_in_inference_mode() -> None:
+    """The per-thread scratch buffer first made under torch.inference_mode() still serves calls made
+    outside it (before: 'Inplace update to inference tensor outside InferenceMode')."""
+    params = [_param((3, 50_000))]
+    want = _float64_reference(params, 1.0, False)
+    results: list[np.ndarray] = []
+
+    def worker() -> None:  # a fresh thread: its buffer is created by the first call
+        with torch.inference_mode():
+            results.append(np.array(clipopt_layers.compute_layer_stats(params, ["a"], 1.0, False).rows()))
+        results.append(np.array(clipopt_layers.compute_layer_stats(params, ["a"], 1.0, False).rows()))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert len(results) == 2
+    for got in results:
+        np.testing.assert_allclose(got, want, rtol=2e-6)
+
+
+def test_batched_small_gradients_in_several_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small gradients are taken in batches of at most CHUNK_NUMEL elements (|g| is a temporary copy);
+    shrunk to 100, twenty gradients of 30-70 elements span several batches and still match NumPy."""
+    monkeypatch.setattr(clipopt_layers, "CHUNK_NUMEL", 100)
+    params = [_param((30 + 2 * i,), seed=i) for i in range(20)]
+    got = np.array(clipopt_layers.compute_layer_stats(params, [str(i) for i in range(20)], 0.5, True).rows())
+    np.testing.assert_allclose(got, _float64_reference(params, 0.5, True), rtol=2e-6)
