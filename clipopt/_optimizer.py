@@ -639,7 +639,10 @@ class ClippedOptimizer(Optimizer):
         # with a scaler, a non-finite window is an overflow: GradScaler's normal operation
         reason = "nonfinite" if bad and self.scaler is None else "spike" if spiking and not bad else None
         if reason is not None and self._snapshots is not None:
-            snap_layers = layers or compute_layer_stats(params, self.layer_names(), inv, bad)
+            if layers is None:
+                snap_layers = compute_layer_stats(params, self.layer_names(), inv, bad)
+            else:
+                snap_layers = layers
             path = self._snapshots.save(self._snapshot_payload(params, total_norm, n, snap_layers, reason))
             self.last_snapshot = path or self.last_snapshot
             if path is not None and reason == "nonfinite":

@@ -324,3 +324,18 @@ def test_partial_gradient_is_refused_before_the_scaler_is_touched() -> None:
         assert float(opt.last_stats.total_norm) == pytest.approx(2.0 / scale)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("flag", ["", "--fsdp"])
+def test_data_parallel_example_runs(flag: str) -> None:
+    """examples/data_parallel.py (2 gloo processes): the nan on one rank skips exactly one update on
+    both; the rest are applied."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, str(root / "examples" / "data_parallel.py"), "--steps", "8"]
+    cmd += [flag] if flag else []
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root, check=True).stdout
+    name = "FSDP2" if flag else "DDP"
+    assert f"{name}: 7 updates applied, 1 skipped;" in out
