@@ -8,6 +8,8 @@
 * :class:`ShardedGrads` — the local shards of DTensor gradients (FSDP2) and the
   process groups over which their norm has to be reduced, so that every rank
   computes the same global norm, and so takes the same skip decision.
+* :func:`sharded_layer_stats` — per-layer statistics of the full tensors from shards.
+* :class:`Unsynced` — the record of a micro-batch whose backward skipped its sync.
 
 Norm reductions are done on the device (``all_reduce`` of a few scalars);
 nothing is read back to the host.  Non-finite values survive them: p-norms are reduced
@@ -183,21 +185,17 @@ class ShardedGrads:
         self.locals: list[Tensor] = []
         groups: dict[tuple[Any, ...], list[int]] = {}
         for i, g in enumerate(grads):
-            key: tuple[Any, ...] = ()
             if dtensor is not None and isinstance(g, dtensor):
-                for dim, placement in enumerate(g.placements):
-                    if placement.is_partial():
-                        raise ValueError(
-                            f"a gradient has a Partial placement ({g.placements}), i.e. it is still to "
-                            "be reduced; clip after the gradients are reduced (FSDP2 and DDP do this "
-                            "in backward) or redistribute them to Shard/Replicate first"
-                        )
-                    if placement.is_shard():
-                        key += (g.device_mesh.get_group(dim),)
+                if any(placement.is_partial() for placement in g.placements):
+                    raise ValueError(
+                        f"a gradient has a Partial placement ({g.placements}), i.e. it is still to "
+                        "be reduced; clip after the gradients are reduced (FSDP2 and DDP do this "
+                        "in backward) or redistribute them to Shard/Replicate first"
+                    )
                 self.locals.append(g.to_local())
             else:
                 self.locals.append(g)
-            groups.setdefault(key, []).append(i)
+            groups.setdefault(_shard_groups(g, dtensor), []).append(i)
         self._groups = list(groups.items())
 
     def total_norm(self, grads: Sequence[Tensor], norm_type: float, foreach: bool | None) -> Tensor:
