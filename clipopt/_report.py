@@ -47,10 +47,10 @@ the mean and standard deviation of the window's log-norms (norms > 0, at least
 ``SPIKE_MIN_HISTORY`` of them): a spike has ``z = (ln x - m) / s > SPIKE_Z``
 and ``x >= SPIKE_MIN_RATIO * mu`` (the ratio keeps a z-score of a very quiet
 window from calling a small step a spike; ``s == 0`` gives ``z = inf`` when
-``ln x > m``).  Gradient norms are closer to log-normal than to
-normal: on raw norms, healthy runs with a heavy tail (log-norm standard deviation
-0.5, no spike) had 8-17 false spikes per 12,000 updates; on log-norms none.  Spikes stay in the window of
-later updates.  When the norms grow fast (above), spikes at or after the onset
+``ln x > m``).  Gradient norms are closer to log-normal than to normal: on
+raw norms, healthy runs with a heavy tail (log-norm standard deviation 0.5, no
+spike) had 8-17 false spikes per 12,000 updates; on log-norms none.  Spikes
+stay in the window of later updates.  When the norms grow fast (above), spikes at or after the onset
 are part of the explosion and are not reported as spikes.  Step: the first
 spike; the finding lists every spike step and the ``SPIKE_TOP`` largest by
 ``z``.  Layer: when a per-layer row exists at the largest spike, the layer whose

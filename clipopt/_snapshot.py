@@ -135,7 +135,7 @@ class SnapshotWriter:
             return None
         rank = process_rank()
         suffix = "" if rank is None else f"-rank{rank}"  # data parallel: every rank saves its own batch
-        path = self.directory / f"anomaly-step{payload['step']:08d}-{payload['reason']}{suffix}.pt"
+        path = self.directory / f"anomaly-step{payload['step']:08d}-{reason}{suffix}.pt"
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)

@@ -103,6 +103,12 @@ def _count_flush_all_reduces() -> list[int]:
     return count
 
 
+def _clipped(model: nn.Module, k: int, **kwargs: Any) -> ClippedOptimizer:
+    """The optimizer every DDP scenario uses: foreach AdamW, clipping at MAX_NORM, k micro-batches."""
+    inner = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
+    return ClippedOptimizer(inner, MAX_NORM, accumulation_steps=k, **kwargs)
+
+
 def ddp_job(rank: int, port: int, out_dir: str) -> None:
     _init(rank, port)
     res: dict[str, Any] = {}
@@ -112,8 +118,7 @@ def ddp_job(rank: int, port: int, out_dir: str) -> None:
     #    training equals one process over all ranks' micro-batches
     base = _model()
     ddp, calls, current = _ddp(base)
-    opt = ClippedOptimizer(torch.optim.AdamW(ddp.parameters(), lr=LR, foreach=True), MAX_NORM,
-                           accumulation_steps=3)
+    opt = _clipped(ddp, 3)
     norms = []
     for i in range(1, 7):
         current[0] = i
@@ -135,8 +140,7 @@ def ddp_job(rank: int, port: int, out_dir: str) -> None:
 
     # 2. flush() after unsynchronised micro-batches all-reduces them itself
     ddp, calls, current = _ddp(base)
-    opt = ClippedOptimizer(torch.optim.AdamW(ddp.parameters(), lr=LR, foreach=True), MAX_NORM,
-                           accumulation_steps=3)
+    opt = _clipped(ddp, 3)
     for i in (1, 2):
         current[0] = i
         with opt.no_sync(ddp):
@@ -158,8 +162,7 @@ def ddp_job(rank: int, port: int, out_dir: str) -> None:
     # 3. sync=True synchronises the first micro-batch; a plain backward after an unsynced one
     #    synchronises the window, and flush() then does not all-reduce a second time
     ddp, calls, current = _ddp(base)
-    opt = ClippedOptimizer(torch.optim.AdamW(ddp.parameters(), lr=LR, foreach=True), MAX_NORM,
-                           accumulation_steps=4)
+    opt = _clipped(ddp, 4)
     current[0] = 1
     with opt.no_sync(ddp, sync=True):
         _loss(ddp, rank, 1).backward()
@@ -187,8 +190,7 @@ def ddp_job(rank: int, port: int, out_dir: str) -> None:
     #     the resumed flush() still all-reduces; and sync=False on the closing micro-batch with
     #     opt.step() inside the block all-reduces before the update
     ddp, calls, current = _ddp(base)
-    opt = ClippedOptimizer(torch.optim.AdamW(ddp.parameters(), lr=LR, foreach=True), MAX_NORM,
-                           accumulation_steps=3)
+    opt = _clipped(ddp, 3)
     for i in (1, 2):
         with opt.no_sync(ddp):
             _loss(ddp, rank, i).backward()
@@ -198,8 +200,7 @@ def ddp_job(rank: int, port: int, out_dir: str) -> None:
     ckpt = torch.load(path, weights_only=True)
     ddp2, _, _ = _ddp(base)
     ddp2.module.load_state_dict(ckpt["model"])
-    opt2 = ClippedOptimizer(torch.optim.AdamW(ddp2.parameters(), lr=LR, foreach=True), MAX_NORM,
-                            accumulation_steps=3)
+    opt2 = _clipped(ddp2, 3)
     opt2.load_state_dict(ckpt["opt"])
     own[0] = 0
     opt2.flush()
@@ -212,8 +213,7 @@ def ddp_job(rank: int, port: int, out_dir: str) -> None:
         "ref_params": [p.detach().clone() for p in plain.parameters()],
     }
     ddp, calls, current = _ddp(base)
-    opt = ClippedOptimizer(torch.optim.AdamW(ddp.parameters(), lr=LR, foreach=True), MAX_NORM,
-                           accumulation_steps=2)
+    opt = _clipped(ddp, 2)
     own[0] = 0
     for i in (1, 2):
         with opt.no_sync(ddp, sync=False):
@@ -232,9 +232,8 @@ def ddp_job(rank: int, port: int, out_dir: str) -> None:
     # 4. a nan in one rank's micro-batch: every rank skips, parameters bit-identical;
     #    each rank writes its own snapshot with its own batch
     ddp, calls, current = _ddp(base)
-    opt = ClippedOptimizer(torch.optim.AdamW(ddp.parameters(), lr=LR, foreach=True), MAX_NORM,
-                           accumulation_steps=2, snapshot_dir=os.path.join(out_dir, "snaps"),
-                           param_names=ddp.module.named_parameters())
+    snaps = os.path.join(out_dir, "snaps")
+    opt = _clipped(ddp, 2, snapshot_dir=snaps, param_names=ddp.module.named_parameters())
     before = [p.detach().clone() for p in ddp.module.parameters()]
     for i in (1, 2):
         x, y = _batch(rank, i)
