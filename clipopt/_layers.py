@@ -353,11 +353,11 @@ def resolve_param_names(optimizer: torch.optim.Optimizer, param_names: Any) -> d
         for i, p in enumerate(group["params"]):
             names[p] = own[i] if own is not None and i < len(own) else f"group{gi}.{i}"
     if param_names is None:
-        return names
+        return _unique(names)
     if isinstance(param_names, Mapping):
         pairs: Iterable[Any] = param_names.items()
-    elif isinstance(param_names, (str, bytes)):
-        raise TypeError(_NAMES_HELP.format(got=repr(param_names)))
+    elif isinstance(param_names, (str, bytes)) or not isinstance(param_names, Iterable):
+        raise TypeError(_NAMES_HELP.format(got=f"{param_names!r:.60} ({type(param_names).__name__})"))
     else:
         pairs = list(param_names)
     items = list(pairs)
@@ -367,14 +367,38 @@ def resolve_param_names(optimizer: torch.optim.Optimizer, param_names: Any) -> d
                 f"param_names lists {len(items)} names but the optimizer has {len(params)} parameters; "
                 "pass param_names=model.named_parameters() instead"
             )
-        return dict(zip(params, items, strict=True))
+        return _unique(dict(zip(params, items, strict=True)))
     known = {id(p) for p in params}
+    matched = 0
     for item in items:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
             raise TypeError(_NAMES_HELP.format(got=f"an item {item!r:.60}"))
         name, p = item
         if id(p) in known:
             names[p] = name
+            matched += 1
+    if params and not matched:
+        raise ValueError(
+            f"param_names names {len(items)} parameters, none of which the optimizer holds "
+            "(another model's parameters?); pass the named_parameters() of the model whose "
+            "parameters the optimizer was built from"
+        )
+    return _unique(names)
+
+
+def _unique(names: dict[Tensor, str]) -> dict[Tensor, str]:
+    """``names``, refused when two parameters share a name (a snapshot would keep one of them)."""
+    seen: dict[str, int] = {}
+    for name in names.values():
+        seen[name] = seen.get(name, 0) + 1
+    repeated = sorted(n for n, count in seen.items() if count > 1)
+    if repeated:
+        shown = ", ".join(map(repr, repeated[:5]))
+        raise ValueError(
+            f"param_names gives {len(repeated)} name(s) to more than one parameter ({shown}); every "
+            "parameter needs its own name (snapshots and CSV columns are keyed by it); "
+            "pass param_names=model.named_parameters()"
+        )
     return names
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import csv
+import io
 import math
 import os
 import warnings
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ._checks import check_path, check_positive_int
+from ._files import WarnOnce, check_file_path, remove_stale_temps, write_atomic
 from ._layers import LAYER_FIELDS
 from ._stats import StepStats, materialize
 
@@ -57,6 +59,9 @@ class Logger(Protocol):
 
     def close(self) -> None: ...
 
+
+#: Rows a :class:`CSVLogger` keeps while its writes fail, at most (or ``flush_every`` if larger).
+MAX_BUFFERED_ROWS = 10_000
 
 #: The columns every :class:`CSVLogger` row has, in order.
 BASE_COLUMNS = (
@@ -104,7 +109,11 @@ class CSVLogger:
     Rows are buffered and written every ``flush_every`` windows, on
     :meth:`close` and at interpreter exit; converting a buffer is one host read.
     An existing file with the same columns is appended to (a resumed run adds
-    no second header); one with different columns is an error.
+    no second header); one with different columns is an error.  A last row
+    torn by a crash (no line end) is cut off before the first append.  A write
+    that fails (disk full) never interrupts training: it warns once per cause
+    and the rows are written at the next flush.  A ``path`` that is a
+    directory, or lies below a regular file, is refused here.
 
     Args:
         path: the CSV file; its folder is created.
@@ -113,7 +122,12 @@ class CSVLogger:
 
     def __init__(self, path: str | os.PathLike[str], flush_every: int = 100) -> None:
         self.path = Path(check_path("path", path, "grads.csv"))
+        check_file_path("path", self.path, "grads.csv")
         self.flush_every = check_positive_int("flush_every", flush_every, 100)
+        self.max_buffered = max(MAX_BUFFERED_ROWS, self.flush_every)
+        self.rows_dropped = 0  # rows given up after writes kept failing (see max_buffered)
+        self._warn = WarnOnce()
+        self._opened = False  # the file's tail was checked (a torn last row repaired)
         self.columns: list[str] | None = None
         self._names: list[str] = []
         self._groups = 1
@@ -162,16 +176,16 @@ class CSVLogger:
         existing = self._existing_header()
         if existing is not None and not set(columns) <= set(existing):
             columns += [c for c in existing if c not in set(columns)]
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            try:
-                with self.path.open(newline="") as src, tmp.open("w", newline="") as dst:
+
+            def rewrite(dst: Any) -> None:
+                with self.path.open(newline="") as src:
                     writer = csv.DictWriter(dst, columns, restval="")
                     writer.writeheader()
                     writer.writerows(csv.DictReader(src))
-                os.replace(tmp, self.path)
+
+            try:
+                write_atomic(self.path, rewrite, binary=False)
             except OSError as exc:
-                with contextlib.suppress(OSError):
-                    tmp.unlink(missing_ok=True)
                 warnings.warn(
                     f"clipopt could not rewrite {self.path} with the columns of the new parameter "
                     f"group ({exc}); it keeps its columns and the new group is not logged",
@@ -185,10 +199,19 @@ class CSVLogger:
         self.columns, self._names, self._groups = columns, names, groups
 
     def _existing_header(self) -> list[str] | None:
-        if not self.path.exists() or self.path.stat().st_size == 0:
+        """The header of the existing file (None: no file, an empty one, or one that cannot be read)."""
+        if not self._opened:  # once: a last row (or header) torn by a crash is cut off first
+            self._opened = True
+            with contextlib.suppress(OSError):
+                remove_stale_temps(self.path.parent, self.path.name)
+                repair_torn_tail(self.path)
+        try:
+            if not self.path.exists() or self.path.stat().st_size == 0:
+                return None
+            with self.path.open(newline="") as f:
+                return next(csv.reader(f), None)
+        except (OSError, UnicodeDecodeError, csv.Error):
             return None
-        with self.path.open(newline="") as f:
-            return next(csv.reader(f), None)
 
     def _row(self, s: StepStats) -> dict[str, str]:
         lr: list[float | None] = list(s.lr[: self._groups])
@@ -205,18 +228,47 @@ class CSVLogger:
         return cells
 
     def flush(self) -> None:
-        """Write the buffered rows now (one host read for all of them)."""
+        """Write the buffered rows now (one host read for all of them).
+
+        A write that fails (disk full, file removed, no permission) warns once per
+        cause and keeps the rows buffered for the next flush (at most
+        ``max_buffered``; older ones are then dropped and counted in
+        ``rows_dropped``): logging never interrupts training.
+        """
         if not self._buffer or self.columns is None:
             return
         materialize(self._buffer)
+        try:
+            self._append(self._buffer)
+        except (OSError, csv.Error) as exc:
+            excess = len(self._buffer) - self.max_buffered
+            if excess > 0:
+                del self._buffer[:excess]
+                self.rows_dropped += excess
+            self._warn(
+                exc,
+                f"clipopt could not write to the CSV log {self.path} ({exc}); training continues, "
+                f"rows are kept and written at the next flush (this warning is shown once per cause)",
+                stacklevel=4,
+            )
+            return
+        self._buffer.clear()
+
+    def _append(self, rows: list[StepStats]) -> None:
+        """Append ``rows`` (and the header to a new file) in one write.
+
+        Before the first write a last row torn by a crash (no line end) is cut
+        off, so the new rows never continue it, and temporaries left by a
+        killed writer are removed (see :meth:`_existing_header`).
+        """
         self.path.parent.mkdir(parents=True, exist_ok=True)
         new = self._existing_header() is None
-        with self.path.open("a", newline="") as f:
-            writer = csv.DictWriter(f, self.columns, restval="", extrasaction="ignore")
-            if new:
-                writer.writeheader()
-            writer.writerows(self._row(s) for s in self._buffer)
-        self._buffer.clear()
+        text = io.StringIO()
+        writer = csv.DictWriter(text, self.columns or [], restval="", extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        writer.writerows(self._row(s) for s in rows)
+        append_bytes(self.path, text.getvalue().encode())
 
     def close(self) -> None:
         """Write what is buffered; the logger may still be used afterwards."""
@@ -225,6 +277,59 @@ class CSVLogger:
 
     def __repr__(self) -> str:
         return f"CSVLogger({str(self.path)!r}, flush_every={self.flush_every})"
+
+
+def append_bytes(path: Path, data: bytes) -> None:
+    """Append ``data`` to ``path`` (created if missing); after a partial write (disk full) the file is
+    cut back to its previous size, so a retry never continues a torn row."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+
+
+def repair_torn_tail(path: Path) -> bool:
+    """Cut a last line without a line end (a row torn by a crash) off ``path``; True if one was.
+
+    A file whose only line is torn (the header itself) is emptied.  Missing files are left alone.
+    """
+    try:
+        with path.open("rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return False
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return False
+            keep = 0
+            position = size
+            while position > 0 and keep == 0:
+                start = max(0, position - 65536)
+                f.seek(start)
+                chunk = f.read(position - start)
+                cut = chunk.rfind(b"\n")
+                if cut >= 0:
+                    keep = start + cut + 1
+                position = start
+            f.truncate(keep)
+    except FileNotFoundError:
+        return False
+    warnings.warn(
+        f"clipopt: the last row of {path} was torn (a run killed while writing); it was removed "
+        "before appending",
+        RuntimeWarning,
+        stacklevel=5,
+    )
+    return True
 
 
 def _close_at_exit(ref: weakref.ref[CSVLogger]) -> None:

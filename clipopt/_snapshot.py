@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import platform
@@ -12,6 +11,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from ._files import WarnOnce, remove_stale_temps, write_atomic
 
 __all__ = [
     "SNAPSHOT_FORMAT",
@@ -114,6 +115,9 @@ class SnapshotWriter:
         self.max_snapshots = max_snapshots
         self.saved: dict[str, list[str]] = {}  # reason -> paths written
         self.not_saved: dict[str, int] = {}  # reason -> anomalies over the limit
+        self.failed = 0  # snapshots that could not be written
+        self._cleaned = False
+        self._warn = WarnOnce()
 
     def save(self, payload: dict[str, Any]) -> str | None:
         """Write ``payload`` as ``anomaly-step<step>-<reason>.pt``; return its path, or None.
@@ -136,21 +140,19 @@ class SnapshotWriter:
         rank = process_rank()
         suffix = "" if rank is None else f"-rank{rank}"  # data parallel: every rank saves its own batch
         path = self.directory / f"anomaly-step{payload['step']:08d}-{reason}{suffix}.pt"
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
-                torch.save(payload, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            if not self._cleaned:  # temporaries of a writer killed mid-write
+                remove_stale_temps(self.directory, "anomaly-step")
+                self._cleaned = True
+            write_atomic(path, lambda f: torch.save(payload, f))
         except (OSError, RuntimeError) as exc:
-            with contextlib.suppress(OSError):  # e.g. NotADirectoryError when mkdir failed
-                tmp.unlink(missing_ok=True)
-            warnings.warn(
-                f"clipopt could not write the anomaly snapshot {path} ({exc}); training continues",
-                RuntimeWarning,
-                stacklevel=6,  # the user's opt.step() line
+            self.failed += 1
+            self._warn(
+                exc,
+                f"clipopt could not write the anomaly snapshot {path} ({exc}); training continues "
+                "(this warning is shown once per cause)",
+                stacklevel=7,  # the user's opt.step() line
             )
             return None
         saved.append(str(path))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from numbers import Real
 from typing import Any, cast
 
 import torch
@@ -204,18 +205,93 @@ def validate_inner_state(state_dict: dict[str, Any], inner: Optimizer) -> None:
                 f"the optimizer's has {len(group['params'])}"
             )
         id_to_param.update(zip(saved["params"], group["params"], strict=True))
+        for name, value in saved.items():
+            if name not in ("params", "param_names") and name in group:
+                _check_hyperparameter(i, name, value, group[name])
+    flat = sum(q.numel() for group in groups for q in group["params"])
     for key, entry in state_dict["state"].items():
         if key not in id_to_param:
             raise _bad(f"state for parameter id {key!r} that no parameter group lists")
         if not isinstance(entry, dict):
             raise _bad(f"state of parameter {key!r} must be a dict, got {type(entry).__name__}")
         p = id_to_param[key]
+        current = inner.state.get(p) or {}
         for name, value in entry.items():
-            if name in _PARAM_SHAPED and isinstance(value, Tensor) and value.shape != p.shape:
-                raise _bad(
-                    f"state[{key!r}][{name!r}] has shape {tuple(value.shape)}, "
-                    f"parameter has {tuple(p.shape)}"
-                )
+            if isinstance(value, Tensor):
+                _check_state_tensor(key, name, value, p, current.get(name), flat)
+
+
+def _kind(value: Any) -> str | None:
+    """The kind of a hyper-parameter value: what a saved value must match; None: anything goes."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (Real, Tensor)):
+        return "number"
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, (tuple, list)):
+        return "sequence"
+    return None
+
+
+_KIND_NAMES = {
+    "bool": "True or False",
+    "number": "a number (or a tensor)",
+    "str": "a string",
+    "sequence": "a tuple",
+}
+
+
+def _check_hyperparameter(group: int, name: str, saved: Any, current: Any) -> None:
+    """A saved hyper-parameter must be of the kind the optimizer holds now (``lr`` a number, ``betas``
+    a tuple of numbers, flags bools); None is accepted where the optimizer holds None or a bool."""
+    want, got = _kind(current), _kind(saved)
+    if want is None or (saved is None and want == "bool"):
+        return
+    ok = got == want
+    if ok and want == "number" and isinstance(current, Tensor) and current.numel() != 1:
+        ok = isinstance(saved, Tensor) and saved.shape == current.shape
+    elif ok and want == "number":
+        ok = not isinstance(saved, Tensor) or saved.numel() == 1
+    if ok and want == "sequence":
+        ok = len(saved) == len(current) and all(
+            _kind(c) is None or _kind(s) == _kind(c) for s, c in zip(saved, current, strict=True)
+        )
+    if not ok:
+        shown = f"{saved!r:.60}"
+        raise _bad(
+            f"parameter group {group} has {name}={shown} ({type(saved).__name__}), but the optimizer's "
+            f"{name} is {_KIND_NAMES[want]} (now {current!r:.60})"
+        )
+
+
+def _fits(shape: tuple[int, ...], param: tuple[int, ...]) -> bool:
+    """Whether a state tensor of ``shape`` can belong to a parameter of shape ``param``: a scalar,
+    the parameter's shape, or a reduction of it (dimensions kept as 1 or dropped, as factored
+    second moments such as Adafactor's row and column statistics are)."""
+    if len(shape) == 0 or shape == param:
+        return True
+    if len(shape) == len(param):
+        return all(s in (d, 1) for s, d in zip(shape, param, strict=True))
+    it = iter(param)  # a subsequence of the parameter's dimensions
+    return len(shape) < len(param) and all(any(s == d for d in it) for s in shape)
+
+
+def _check_state_tensor(key: Any, name: str, value: Tensor, p: Tensor, current: Any, flat: int) -> None:
+    """A state tensor must fit its parameter: the shape the optimizer holds now, else the parameter's
+    (moments), a scalar (counters), a reduction of it, or a flat vector (LBFGS keeps flat vectors of
+    all its parameters, ``flat`` elements, under the first one)."""
+    shape, pshape = tuple(value.shape), tuple(p.shape)
+    if isinstance(current, Tensor):  # the optimizer already holds this entry: the same shape
+        ok = tuple(current.shape) == shape
+    elif name in _PARAM_SHAPED:
+        ok = shape == pshape
+    else:
+        ok = _fits(shape, pshape) or value.numel() == 1 or shape in ((p.numel(),), (flat,))
+    if not ok:
+        raise _bad(f"state[{key!r}][{name!r}] has shape {shape}, parameter has {pshape}")
 
 
 @contextmanager

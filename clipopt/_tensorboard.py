@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_path, check_positive_int
+from ._files import WarnOnce, check_dir_path
 from ._layers import LAYER_FIELDS
 from ._stats import StepStats, materialize
 
@@ -72,6 +73,7 @@ class TensorBoardLogger:
         self, log_dir: str | os.PathLike[str], flush_every: int = 100, histograms: bool = True
     ) -> None:
         check_path("log_dir", log_dir, "runs/exp1")
+        check_dir_path("log_dir", Path(log_dir), "runs/exp1")
         check_positive_int("flush_every", flush_every, 100)
         if not isinstance(histograms, bool):
             raise TypeError(
@@ -87,6 +89,7 @@ class TensorBoardLogger:
         self._writer: SummaryWriter = SummaryWriter(log_dir=str(self.log_dir))
         self._buffer: list[tuple[StepStats, float]] = []
         self._closed = False
+        self._warn = WarnOnce()
         atexit.register(_close_at_exit, weakref.ref(self))
 
     def log(self, stats: StepStats, optimizer: ClippedOptimizer) -> None:
@@ -136,7 +139,15 @@ class TensorBoardLogger:
         for s, walltime in self._buffer:
             self._write_scalars(s, walltime)
         self._buffer.clear()
-        self._writer.flush()
+        try:
+            self._writer.flush()
+        except OSError as exc:  # the event file could not be written (disk full): training goes on
+            self._warn(
+                exc,
+                f"clipopt could not write the TensorBoard log in {self.log_dir} ({exc}); training "
+                "continues (this warning is shown once per cause)",
+                stacklevel=4,
+            )
 
     def close(self) -> None:
         """Write what is buffered and close the event file; may be called more than once.

@@ -25,6 +25,7 @@ from torch import Tensor
 __all__ = [
     "EPS",
     "clip_coef",
+    "check_value_clippable",
     "clip_grads_value_",
     "get_total_norm",
     "nonfinite_flag",
@@ -45,6 +46,19 @@ def _dense(grad: Tensor) -> Tensor:
     if grad.is_sparse:
         return grad.coalesce().values()
     return grad
+
+
+def _real_magnitude(grad: Tensor, p: float) -> Tensor:
+    """A real tensor with the same p-norm as the complex ``grad``: the norm of the moduli ``|g|``.
+
+    For p = 2 the real and imaginary parts (``view_as_real``, no copy) have the
+    same 2-norm; other p need ``|g|`` itself (a copy).  This is what
+    ``clip_grad_norm_`` measures for complex gradients.
+    """
+    g = _dense(grad)
+    if g.dtype == torch.complex32:
+        g = g.to(torch.complex64)
+    return torch.view_as_real(g) if p == 2.0 else g.abs()
 
 
 def _group(grads: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
@@ -88,6 +102,8 @@ def get_total_norm(
     first_device = grads[0].device
     out_dtype = torch.float32
     norms: list[Tensor] = []
+    if any(g.is_complex() for g in grads):
+        grads = [_real_magnitude(g, p) if g.is_complex() else g for g in grads]
     for (device, dtype), group in _group(grads).items():
         acc = _norm_dtype(dtype)
         if acc == torch.float64:
@@ -188,11 +204,7 @@ def clip_grads_value_(
     """
     if not grads:
         return
-    if any(g.is_sparse for g in grads):
-        raise TypeError(
-            "clip_value does not support sparse gradients; "
-            "pass clip_value=None for optimizers such as SparseAdam"
-        )
+    check_value_clippable(grads)
     for (device, _), dense in _group(grads).items():
         if (foreach is None or foreach) and device.type in _FOREACH_DEVICES:
             torch._foreach_clamp_min_(dense, -clip_value)
@@ -200,6 +212,26 @@ def clip_grads_value_(
         else:
             for g in dense:
                 g.clamp_(-clip_value, clip_value)
+
+
+def check_value_clippable(grads: Sequence[Tensor]) -> None:
+    """Raise ``TypeError`` (before anything is clamped) for gradients value clipping cannot take.
+
+    Sparse gradients are refused, as by ``clip_grad_value_``; so are complex ones:
+    a complex number has no order, ``clamp`` is not defined for it (nor is
+    ``clip_grad_value_``), and clamping the real and imaginary parts apart would
+    turn the gradient's direction.  Clip complex gradients by norm instead.
+    """
+    if any(g.is_sparse for g in grads):
+        raise TypeError(
+            "clip_value does not support sparse gradients; "
+            "pass clip_value=None for optimizers such as SparseAdam"
+        )
+    if any(g.is_complex() for g in grads):
+        raise TypeError(
+            "clip_value does not support complex gradients (a complex number has no order to clamp "
+            "by); pass clip_value=None and bound complex gradients with max_norm"
+        )
 
 
 def clip_coef(total_norm: Tensor, max_norm: float | Tensor) -> Tensor:
