@@ -87,7 +87,9 @@ def _open_exclusive(path: Path, mode: str) -> IO[Any]:
     """Create ``path`` for writing; fails if anything (a link included) is already there."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
     try:
-        return os.fdopen(fd, mode, **({} if "b" in mode else {"newline": ""}))
+        if "b" in mode:
+            return os.fdopen(fd, "wb")
+        return os.fdopen(fd, "w", newline="")
     except BaseException:
         os.close(fd)
         raise

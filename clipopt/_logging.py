@@ -21,7 +21,7 @@ from ._stats import StepStats, materialize
 if TYPE_CHECKING:
     from ._optimizer import ClippedOptimizer
 
-__all__ = ["BASE_COLUMNS", "CSVLogger", "Logger", "format_value"]
+__all__ = ["BASE_COLUMNS", "CSVLogger", "Logger", "format_value", "log_window"]
 
 
 @runtime_checkable
@@ -75,6 +75,33 @@ BASE_COLUMNS = (
     "max_norm",
     "lr",
 )
+
+
+_LOGGER_WARNINGS: weakref.WeakKeyDictionary[Any, WarnOnce] = weakref.WeakKeyDictionary()
+_SHARED_WARNINGS = WarnOnce()  # for loggers that cannot be weakly referenced
+
+
+def _warnings_of(logger: Any) -> WarnOnce:
+    try:
+        return _LOGGER_WARNINGS.setdefault(logger, WarnOnce())
+    except TypeError:
+        return _SHARED_WARNINGS
+
+
+def log_window(loggers: list[Logger], stats: StepStats, optimizer: ClippedOptimizer) -> None:
+    """Hand ``stats`` to every logger.  A logger's ``OSError`` (disk full, a file removed) never
+    interrupts training: it warns once per logger and cause, and the next window is logged again.
+    Other errors (a bug in a custom logger) propagate, after the window is complete."""
+    for logger in loggers:
+        try:
+            logger.log(stats, optimizer)
+        except OSError as exc:
+            _warnings_of(logger)(
+                exc,
+                f"clipopt: {type(logger).__name__} could not write this window's statistics ({exc}); "
+                "training continues (this warning is shown once per cause)",
+                stacklevel=5,
+            )
 
 
 def format_value(value: Any) -> str:

@@ -36,8 +36,9 @@ from ._distributed import (
 )
 from ._errors import NonFiniteGradientError
 from ._layers import LayerStats, compute_layer_stats, resolve_param_names
-from ._logging import Logger
+from ._logging import Logger, log_window
 from ._policies import ClipPolicy
+from ._rollback import InnerBackup, UndoPoint, nonfinite_loss, reevaluates
 from ._snapshot import SnapshotWriter, check_saveable, now, process_rank, to_saveable, versions
 from ._state import (
     WrapperState,
@@ -128,6 +129,18 @@ class ClippedOptimizer(Optimizer):
     objects, so LR schedulers, ``add_param_group`` and checkpoints work as usual.
     Reading :attr:`update_applied`, :attr:`step_was_skipped` or a field of
     :attr:`last_stats` may wait for the device; recording them does not.
+
+    An error raised inside :meth:`step` or :meth:`flush` before the window is
+    recorded (bad gradients, the inner optimizer refusing them) leaves the
+    wrapper's counters, window and policy state exactly as before the call.
+    Loggers and snapshots never interrupt training for I/O errors: they warn
+    once per cause.  A window in which no parameter has a gradient is not
+    applied (``update_applied`` False); it is recorded as skipped with reason
+    ``"nograd"``.  Complex parameters are measured and clipped by norm like
+    ``clip_grad_norm_`` does (the norm of ``|g|``); ``clip_value`` refuses them.
+
+    Like torch's optimizers, a ``ClippedOptimizer`` is not thread-safe: call
+    :meth:`step` from one thread at a time (concurrent calls miscount windows).
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` (also third-party subclasses).
@@ -227,6 +240,11 @@ class ClippedOptimizer(Optimizer):
             )
         self.max_snapshots = check_positive_int("max_snapshots", max_snapshots)
         names = resolve_param_names(optimizer, param_names)
+        if self.clip_value is not None and any(p.is_complex() for p in names):
+            raise ValueError(
+                f"clip_value={clip_value!r} cannot clip complex parameters (a complex number has no order "
+                "to clamp by); pass clip_value=None and bound complex gradients with max_norm"
+            )
         if snapshot_dir is not None and has_dtensor(list(names)):
             raise ValueError(_DTENSOR_DIAGNOSTICS)
         if snapshot_dir is not None and param_names is None and not any(
@@ -423,7 +441,12 @@ class ClippedOptimizer(Optimizer):
         if self._counters.micro_batches < self.accumulation_steps:
             self._update_applied = False
             return loss
-        return self._close_window(loss, closure)
+        try:
+            return self._close_window(loss, closure)
+        except BaseException:
+            if self._counters.micro_batches > 0:  # rolled back: this call's micro-batch is not counted
+                self._counters.micro_batches -= 1
+            raise
 
     _profiled_step = Optimizer.profile_hook_step(_step)
 
@@ -557,12 +580,30 @@ class ClippedOptimizer(Optimizer):
         return self._params_cache
 
     def _close_window(self, loss: Any, closure: Callable[[], Any] | None) -> Any:
+        """Close the window; an error before it is recorded leaves the wrapper as it was.
+
+        (Once recorded, the window stands: a logger's error or
+        :class:`NonFiniteGradientError` come after a complete window.)
+        """
+        undo = UndoPoint(self)
+        try:
+            return self._finish_window(loss, closure)
+        except BaseException:
+            if self.last_stats is undo.last_stats:  # not recorded: undo
+                undo.restore(self)
+            raise
+
+    def _finish_window(self, loss: Any, closure: Callable[[], Any] | None) -> Any:
         n = self._counters.micro_batches
         params = self._params()
         if self._has_dtensor and self._snapshots is not None:
             raise ValueError(_DTENSOR_DIAGNOSTICS)
         self._sync_unsynced()
         grads = self._window_grads(params)  # may raise: before the scaler is unscaled
+        if self.clip_value is not None:
+            F.check_value_clippable(grads)  # before anything is measured, saved or clamped
+        if not grads:
+            return self._close_empty(n, loss)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         try:
@@ -581,10 +622,24 @@ class ClippedOptimizer(Optimizer):
             if self.scaler is not None:
                 self.scaler.update()
         stats = self._record(w, n, layers)
-        for logger in self.loggers:
-            logger.log(stats, self)
+        log_window(self.loggers, stats, self)  # I/O failures warn; the window is complete either way
         self._attached.clear()
         self._check_consecutive_nonfinite()
+        return loss
+
+    def _close_empty(self, n: int, loss: Any) -> Any:
+        """A window in which no parameter has a gradient: nothing to apply, so the inner step is not
+        called; it is recorded as skipped with reason ``"nograd"`` (not a non-finite skip)."""
+        params = self._params()
+        zero = torch.zeros((), dtype=torch.float32, device=params[0].device if params else None)
+        w = _Window([], zero, zero, None, 1.0, 1.0, False, self._bound)
+        self._counters.micro_batches = 0
+        self._counters.windows += 1
+        self._last_skipped, self._update_applied = True, False
+        self._counters.record(True, False)
+        stats = self._record(w, n, None, reason="nograd")
+        log_window(self.loggers, stats, self)
+        self._attached.clear()
         return loss
 
     def _window_grads(self, params: list[Tensor]) -> list[Tensor]:
@@ -779,19 +834,32 @@ class ClippedOptimizer(Optimizer):
                 p.grad = None
             out = loss
         else:
-            out = self.optimizer.step(self._inner_closure(loss, closure, w.limit))
+            # an optimizer that re-evaluates the closure (LBFGS) moves the parameters first: keep a copy
+            guard = closure is not None and self._skip_enabled() and reevaluates(self.optimizer)
+            backup, bad = (InnerBackup(self.optimizer, params), [False]) if guard else (None, None)
+            out = self.optimizer.step(self._inner_closure(loss, closure, w.limit, bad))
             if closure is None:
                 out = loss
+            if backup is not None and bad is not None and bad[0]:  # a non-finite re-evaluation: skip
+                backup.restore()
+                skipped, w.flag = True, torch.ones_like(w.flag)
         self._set_outcome(skipped, w)
         return out
 
     def _inner_closure(
-        self, loss: Any, closure: Callable[[], Any] | None, limit: float | Tensor | None
+        self,
+        loss: Any,
+        closure: Callable[[], Any] | None,
+        limit: float | Tensor | None,
+        bad: list[bool] | None = None,
     ) -> Callable[[], Any] | None:
         """First call returns the loss already computed; later calls re-evaluate and clip.
 
         Re-evaluated gradients are clipped with the window's own bound ``limit``
-        (a policy sees each window once, not each evaluation).
+        (a policy sees each window once, not each evaluation).  With ``bad``
+        (a one-element list) each re-evaluation is checked on the host: a
+        non-finite loss or gradient sets ``bad[0]`` and zeroes the gradients,
+        which ends LBFGS's iterations; the caller then restores the window.
         """
         if closure is None:
             return None
@@ -811,6 +879,11 @@ class ClippedOptimizer(Optimizer):
                 if isinstance(w.scale, Tensor) or w.scale != 1.0:
                     F.scale_grads_(grads, w.scale, foreach=self.foreach)
                 self._shards = None
+                if bad is not None and (bad[0] or bool(flag.item()) or nonfinite_loss(out)):
+                    bad[0] = True
+                    for g in grads:
+                        g.zero_()
+                    out = torch.zeros(()) if isinstance(out, Tensor) else 0.0
             return out
 
         return reevaluate
@@ -828,7 +901,7 @@ class ClippedOptimizer(Optimizer):
                 nonfinite = w.flag if enabled else torch.zeros_like(w.flag)
         self._counters.record(skipped, nonfinite)
 
-    def _record(self, w: _Window, n: int, layers: LayerStats | None) -> StepStats:
+    def _record(self, w: _Window, n: int, layers: LayerStats | None, reason: str | None = None) -> StepStats:
         stats = StepStats(
             step=self._counters.windows,
             micro_batches=n,
@@ -836,7 +909,7 @@ class ClippedOptimizer(Optimizer):
             clip_coef=w.coef,
             clipped=w.clipped,
             skipped=self._last_skipped,
-            reason_if_skipped="overflow" if self.scaler is not None else "nonfinite",
+            reason_if_skipped=reason or ("overflow" if self.scaler is not None else "nonfinite"),
             max_norm=w.limit,
             nonfinite=w.flag if self._policy is not None and self._policy.spike() is not None else None,
             lr=[_lr_value(g["lr"]) for g in self.param_groups],

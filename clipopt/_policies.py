@@ -26,7 +26,9 @@ class ClipPolicy:
 
     Subclasses implement :meth:`threshold` (global-norm policies) or
     :meth:`clip_` (unit-wise policies, ``unitwise = True``), plus
-    :meth:`state_dict` / :meth:`load_state_dict`.
+    :meth:`state_dict` / :meth:`load_state_dict`.  State is kept in attributes
+    that are replaced, never written into, so that a ``step()`` that fails
+    after the policy saw its window can put the old attributes back.
     """
 
     #: True for policies that clip each unit themselves instead of bounding the global norm.
@@ -96,8 +98,9 @@ class AutoClip(ClipPolicy):
         finite = torch.isfinite(total_norm)
         slot = (self._index % self.history).reshape(1)
         value = torch.where(finite, total_norm.to(self._buffer.dtype), self._buffer[slot][0])
-        self._buffer.index_put_((slot,), value.reshape(1))  # a non-finite norm writes nothing back
-        self._index += finite.to(torch.int64)
+        # new tensors, not writes into the old ones: a step that fails later restores the old ones
+        self._buffer = self._buffer.index_put((slot,), value.reshape(1))  # non-finite: writes nothing back
+        self._index = self._index + finite.to(torch.int64)
         return torch.nanquantile(self._buffer, self.percentile / 100.0)
 
     def state_dict(self) -> dict[str, Any]:

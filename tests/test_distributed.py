@@ -300,7 +300,8 @@ def test_copies_keep_the_unsynced_marker_without_the_model() -> None:
 
 def test_partial_gradient_is_refused_before_the_scaler_is_touched() -> None:
     """A DTensor gradient with a Partial placement raises a ValueError naming the fix, and the
-    GradScaler is not left half-used: with proper gradients the open window then closes."""
+    GradScaler is not left half-used, and the failed call is not counted (issue #11: an error leaves
+    the wrapper as before the call): with proper gradients the next step() applies the update."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, init_device_mesh
 
     dist = torch.distributed
@@ -314,11 +315,11 @@ def test_partial_gradient_is_refused_before_the_scaler_is_touched() -> None:
         w.grad = DTensor.from_local(torch.ones(4), mesh, [Partial()])
         with pytest.raises(ValueError, match=r"^a gradient has a Partial placement"):
             opt.step()
-        assert opt.micro_batches == 1  # the window stays open, its micro-batch counted
+        assert opt.micro_batches == 0 and opt.num_windows == 0  # as before the call
         w.grad = DTensor.from_local(torch.ones(4), mesh, [Replicate()])
         opt.scaler.scale(torch.tensor(1.0))
         scale = opt.scaler.get_scale()
-        opt.flush()
+        opt.step()
         assert opt.update_applied
         # the gradient was not scaled by the scaler here, so unscaling divides the norm by the scale
         assert float(opt.last_stats.total_norm) == pytest.approx(2.0 / scale)

@@ -1,0 +1,103 @@
+"""Undoing a failed or rejected step: the wrapper's own state, and an inner optimizer's.
+
+* :class:`UndoPoint` holds what closing a window changes in the wrapper
+  (counters, signals, policy state, the latest statistics); an error inside
+  ``step()`` puts it back, so the wrapper is exactly as before the call.
+* :class:`InnerBackup` copies parameters and inner state before the inner step
+  of an optimizer that re-evaluates its closure (LBFGS): a re-evaluation whose
+  gradients or loss are not finite happens after the parameters moved, so the
+  window can only be skipped by restoring that copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+if TYPE_CHECKING:
+    from ._optimizer import ClippedOptimizer
+
+__all__ = ["InnerBackup", "UndoPoint", "reevaluates", "nonfinite_loss"]
+
+#: Optimizers whose ``step(closure)`` calls the closure again after moving the parameters.
+REEVALUATING = (torch.optim.LBFGS,)
+
+
+def reevaluates(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer.step(closure)`` re-evaluates the closure after changing the parameters."""
+    return isinstance(optimizer, REEVALUATING)
+
+
+def nonfinite_loss(loss: Any) -> bool:
+    """Whether a closure's return value is a non-finite number (a host read for a tensor)."""
+    if isinstance(loss, Tensor):
+        return loss.numel() > 0 and not bool(torch.isfinite(loss.detach()).all())
+    if isinstance(loss, (int, float)):
+        return not math.isfinite(loss)
+    return False
+
+
+class UndoPoint:
+    """The wrapper's state before a window closes; :meth:`restore` puts it back.
+
+    Policies replace their tensors rather than writing into them, so a shallow
+    copy of their attributes is a snapshot of their state.
+    """
+
+    __slots__ = ("_fields", "_policy", "_stats_len")
+
+    _NAMES = ("_counters", "_update_applied", "_last_skipped", "_unsynced", "last_stats", "last_snapshot")
+
+    def __init__(self, opt: ClippedOptimizer) -> None:
+        fields = {name: getattr(opt, name) for name in self._NAMES}
+        fields["_counters"] = dataclasses.replace(opt._counters)
+        self._fields = fields
+        self._policy = None if opt._policy is None else dict(vars(opt._policy))
+        self._stats_len = len(opt.stats)
+
+    @property
+    def last_stats(self) -> Any:
+        """The latest statistics before the window: another object once the window is recorded."""
+        return self._fields["last_stats"]
+
+    def restore(self, opt: ClippedOptimizer) -> None:
+        for name, value in self._fields.items():
+            setattr(opt, name, value)
+        if self._policy is not None and opt._policy is not None:
+            vars(opt._policy).clear()
+            vars(opt._policy).update(self._policy)
+        while len(opt.stats) > self._stats_len:
+            opt.stats.pop()
+
+
+class InnerBackup:
+    """A copy of the parameters and their inner state, taken before an inner step."""
+
+    __slots__ = ("_optimizer", "_params", "_state", "_values")
+
+    def __init__(self, optimizer: Optimizer, params: Sequence[Tensor]) -> None:
+        self._optimizer = optimizer
+        self._params = list(params)
+        with torch.no_grad():
+            self._values = [p.detach().clone() for p in self._params]
+        state = optimizer.state
+        self._state = {p: copy.deepcopy(state[p]) for p in self._params if p in state}
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Parameters and inner state back to the copy, bit for bit; the gradients are discarded."""
+        state = self._optimizer.state
+        for p, value in zip(self._params, self._values, strict=True):
+            p.copy_(value)
+            p.grad = None
+            if p in self._state:
+                state[p] = self._state[p]
+            else:
+                state.pop(p, None)
