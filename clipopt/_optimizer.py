@@ -428,6 +428,11 @@ class ClippedOptimizer(Optimizer):
     step.hooked = True  # type: ignore[attr-defined]
 
     def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if closure is not None and not callable(closure):
+            raise TypeError(
+                f"closure must be a callable or None, got {type(closure).__name__}; pass a function that "
+                "computes the loss and calls backward(), e.g. opt.step(closure), or call opt.step()"
+            )
         if closure is not None and self.scaler is not None:
             raise TypeError(
                 "step(closure) cannot be used with scaler=...: GradScaler does not support "
@@ -580,20 +585,21 @@ class ClippedOptimizer(Optimizer):
         return self._params_cache
 
     def _close_window(self, loss: Any, closure: Callable[[], Any] | None) -> Any:
-        """Close the window; an error before it is recorded leaves the wrapper as it was.
+        """Close the window; an error before the inner step returned leaves the wrapper as it was.
 
-        (Once recorded, the window stands: a logger's error or
-        :class:`NonFiniteGradientError` come after a complete window.)
+        (Once the inner step has run, the window stands: an error while
+        recording or logging it, or :class:`NonFiniteGradientError`, comes
+        after an update that cannot be taken back, and the window is counted.)
         """
         undo = UndoPoint(self)
         try:
-            return self._finish_window(loss, closure)
+            return self._finish_window(loss, closure, undo)
         except BaseException:
-            if self.last_stats is undo.last_stats:  # not recorded: undo
+            if not undo.committed:
                 undo.restore(self)
             raise
 
-    def _finish_window(self, loss: Any, closure: Callable[[], Any] | None) -> Any:
+    def _finish_window(self, loss: Any, closure: Callable[[], Any] | None, undo: UndoPoint) -> Any:
         n = self._counters.micro_batches
         params = self._params()
         if self._has_dtensor and self._snapshots is not None:
@@ -603,6 +609,7 @@ class ClippedOptimizer(Optimizer):
         if self.clip_value is not None:
             F.check_value_clippable(grads)  # before anything is measured, saved or clamped
         if not grads:
+            undo.committed = True
             return self._close_empty(n, loss)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
@@ -617,6 +624,7 @@ class ClippedOptimizer(Optimizer):
                 loss = self._step_fused(w, loss, closure)
             else:
                 loss = self._step_host(w, loss, closure, params)
+            undo.committed = True
         finally:  # also after an error: an unscaled scaler without update() would refuse every later window
             self._shards = None  # views of the gradients: do not keep them past the window
             if self.scaler is not None:

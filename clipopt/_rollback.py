@@ -51,7 +51,7 @@ class UndoPoint:
     copy of their attributes is a snapshot of their state.
     """
 
-    __slots__ = ("_fields", "_policy", "_stats_len")
+    __slots__ = ("_fields", "_policy", "_stats_len", "committed")
 
     _NAMES = ("_counters", "_update_applied", "_last_skipped", "_unsynced", "last_stats", "last_snapshot")
 
@@ -61,11 +61,8 @@ class UndoPoint:
         self._fields = fields
         self._policy = None if opt._policy is None else dict(vars(opt._policy))
         self._stats_len = len(opt.stats)
-
-    @property
-    def last_stats(self) -> Any:
-        """The latest statistics before the window: another object once the window is recorded."""
-        return self._fields["last_stats"]
+        #: Set once the window's update has been applied or skipped: from then on it stands.
+        self.committed = False
 
     def restore(self, opt: ClippedOptimizer) -> None:
         for name, value in self._fields.items():
