@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import stat
 import warnings
 from pathlib import Path
 from typing import Any
@@ -168,16 +169,59 @@ def load_snapshot(path: str | os.PathLike[str]) -> dict[str, Any]:
     weights), ``optimizer`` (state dict), ``layer_stats`` (name -> statistics),
     ``attached`` (name -> what ``attach`` received), ``versions`` and ``time``.
     """
-    snap = torch.load(path, weights_only=True, map_location="cpu")
+    name = os.fspath(path)
+    if os.path.exists(name) and not stat.S_ISREG(os.stat(name).st_mode):  # a folder, a FIFO, a device
+        kind = "a directory" if os.path.isdir(name) else "not a regular file"
+        raise ValueError(f"{name} is {kind}; pass one snapshot file (anomaly-step*.pt)")
+    try:
+        snap = torch.load(name, weights_only=True, map_location="cpu")
+    except OSError:
+        raise
+    except Exception as exc:  # not a torch file, a truncated one, or a pickle weights_only refuses
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise ValueError(
+            f"{name} is not a clipopt snapshot (torch.load failed: {first}); "
+            "pass a file that ClippedOptimizer(snapshot_dir=...) wrote"
+        ) from exc
     if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT:
         raise ValueError(
-            f"{path} is not a clipopt snapshot (format {SNAPSHOT_FORMAT}); "
+            f"{name} is not a clipopt snapshot (format {SNAPSHOT_FORMAT}); "
             "pass a file that ClippedOptimizer(snapshot_dir=...) wrote"
         )
     missing = [k for k in SNAPSHOT_KEYS if k not in snap]
     if missing:
-        raise ValueError(f"{path} is a damaged clipopt snapshot: it lacks {', '.join(missing)}")
+        raise ValueError(f"{name} is a damaged clipopt snapshot: it lacks {', '.join(missing)}")
+    wrong = [k for k, ok in _SNAPSHOT_TYPES.items() if not ok(snap[k])]
+    if wrong:
+        shown = ", ".join(f"{k} ({type(snap[k]).__name__})" for k in wrong)
+        raise ValueError(f"{name} is a damaged clipopt snapshot: wrong type of {shown}")
     return snap
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tensors_by_name(value: Any) -> bool:
+    if not isinstance(value, dict):
+        return False
+    return all(isinstance(k, str) and isinstance(v, Tensor) for k, v in value.items())
+
+
+#: What each key of a snapshot must hold.
+_SNAPSHOT_TYPES: dict[str, Any] = {
+    "step": _is_int,
+    "reason": lambda v: isinstance(v, str),
+    "micro_batches": _is_int,
+    "total_norm": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "params": _tensors_by_name,
+    "grads": _tensors_by_name,
+    "optimizer": lambda v: isinstance(v, dict),
+    "layer_stats": lambda v: isinstance(v, dict) and all(isinstance(s, dict) for s in v.values()),
+    "attached": lambda v: isinstance(v, dict),
+    "versions": lambda v: isinstance(v, dict),
+    "time": lambda v: isinstance(v, str),
+}
 
 
 def now() -> str:
