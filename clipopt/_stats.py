@@ -42,7 +42,8 @@ class StepStats:
         clipped: True when norm clipping scaled the gradient down or value
             clipping changed at least one element.
         skipped: True when the update was skipped.
-        reason: why it was skipped (``"nonfinite"``, ``"overflow"``, ``"spike"``), or None.
+        reason: why it was skipped (``"nonfinite"``, ``"overflow"``, ``"spike"``, ``"nograd"``: no
+            parameter had a gradient), or None.
         max_norm: the norm bound used for this window (a policy's threshold), or None when off.
         lr: the learning rate of each parameter group when the window closed.
         layers: per-parameter :class:`~clipopt.LayerStats` when they were due
