@@ -15,12 +15,17 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import clipopt
 from clipopt import AGC, AutoClip, ClippedOptimizer, CSVLogger, ZClip
+
+from .strategies import grad_arrays, norm_types
 
 # ---------------------------------------------------------------------------------------------- helpers
 
@@ -226,6 +231,24 @@ def test_complex_parameters_are_clipped_like_clip_grad_norm(norm_type: float, dt
         torch.testing.assert_close(w, w_ref, rtol=tol, atol=tol)
         torch.testing.assert_close(b, b_ref, rtol=tol, atol=tol)
         opt.zero_grad()
+
+
+@given(arrays=grad_arrays(), imag_seed=st.integers(0, 2**16), p=norm_types)
+def test_complex_total_norm_is_the_norm_of_the_moduli(
+    arrays: list[np.ndarray], imag_seed: int, p: float
+) -> None:
+    """get_total_norm of complex gradients (mixed with real ones) equals the p-norm of |g| over all
+    elements, computed in float64 NumPy."""
+    rng = np.random.default_rng(imag_seed)
+    values = [a.astype(np.complex128) + 1j * rng.normal(size=a.shape) * 10 for a in arrays]
+    grads = [torch.tensor(v, dtype=torch.complex64) for v in values]
+    grads.append(torch.tensor(arrays[0]))  # a real one among them
+    flat = np.concatenate(
+        [np.abs(v).ravel() for v in values] + [np.abs(arrays[0].astype(np.float64)).ravel()]
+    )
+    ref = float(flat.max()) if math.isinf(p) else float(np.sum(flat**p) ** (1.0 / p))
+    got = float(clipopt.functional.get_total_norm(grads, p))
+    assert got == pytest.approx(ref, rel=1e-4, abs=1e-30)
 
 
 def test_complex_nonfinite_gradient_is_skipped() -> None:
