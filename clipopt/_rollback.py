@@ -74,6 +74,25 @@ class UndoPoint:
             opt.stats.pop()
 
 
+def _copy_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """A copy of one parameter's state that LBFGS's step cannot reach: tensors cloned, lists copied.
+
+    The tensors *inside* LBFGS's history lists (``old_dirs``, ``old_stps``,
+    ``ro``) are never written in place (the lists are appended to and popped),
+    so they are shared, not cloned: the copy costs a few flat vectors, not the
+    whole history.
+    """
+    out: dict[str, Any] = {}
+    for key, value in entry.items():
+        if isinstance(value, Tensor):
+            out[key] = value.detach().clone()
+        elif isinstance(value, list):
+            out[key] = list(value)
+        else:
+            out[key] = copy.copy(value)
+    return out
+
+
 class InnerBackup:
     """A copy of the parameters and their inner state, taken before an inner step."""
 
@@ -85,7 +104,7 @@ class InnerBackup:
         with torch.no_grad():
             self._values = [p.detach().clone() for p in self._params]
         state = optimizer.state
-        self._state = {p: copy.deepcopy(state[p]) for p in self._params if p in state}
+        self._state = {p: _copy_entry(state[p]) for p in self._params if p in state}
 
     @torch.no_grad()
     def restore(self) -> None:

@@ -506,6 +506,35 @@ def test_lbfgs_nonfinite_reevaluation_skips_the_window(bad_call: int) -> None:
     assert opt.update_applied and same_weights(model, weights(ref_model))
 
 
+def test_lbfgs_skip_after_applied_windows_restores_its_history() -> None:
+    """With LBFGS history built up by applied windows, a window whose re-evaluation goes NaN is
+    undone completely: the run then continues bit-identically to one that never had that window."""
+
+    def run(windows: list[tuple[int, bool]]) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = ClippedOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4), max_norm=1.0)
+        for seed, bad in windows:
+            g = torch.Generator().manual_seed(seed)
+            x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+            calls = [0]
+
+            def closure(x: Tensor = x, y: Tensor = y, bad: bool = bad, calls: list[int] = calls) -> Tensor:
+                calls[0] += 1
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y) * (math.nan if bad and calls[0] == 3 else 1.0)
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+            assert opt.step_was_skipped == bad
+        return model
+
+    with_skip = run([(0, False), (1, False), (2, True), (2, False), (3, False)])
+    without = run([(0, False), (1, False), (2, False), (3, False)])
+    assert same_weights(with_skip, weights(without))
+
+
 def test_lbfgs_nonfinite_loss_with_finite_gradients_on_reevaluation_skips() -> None:
     """A re-evaluation whose loss is inf while its gradients stay finite also ends in a skip
     (LBFGS compares losses; an inf loss misleads its line search)."""
