@@ -130,9 +130,11 @@ class ClippedOptimizer(Optimizer):
     Reading :attr:`update_applied`, :attr:`step_was_skipped` or a field of
     :attr:`last_stats` may wait for the device; recording them does not.
 
-    An error raised inside :meth:`step` or :meth:`flush` before the window is
-    recorded (bad gradients, the inner optimizer refusing them) leaves the
-    wrapper's counters, window and policy state exactly as before the call.
+    An error raised inside :meth:`step` or :meth:`flush` before the inner step
+    has run (bad gradients, a failing policy) leaves the wrapper's counters,
+    window and policy state exactly as before the call; when the gradients
+    were already changed in place (unscaled, clipped, or by the inner step
+    raising), they are discarded with the window's micro-batches.
     Loggers and snapshots never interrupt training for I/O errors: they warn
     once per cause.  A window in which no parameter has a gradient is not
     applied (``update_applied`` False); it is recorded as skipped with reason
@@ -587,17 +589,36 @@ class ClippedOptimizer(Optimizer):
     def _close_window(self, loss: Any, closure: Callable[[], Any] | None) -> Any:
         """Close the window; an error before the inner step returned leaves the wrapper as it was.
 
-        (Once the inner step has run, the window stands: an error while
-        recording or logging it, or :class:`NonFiniteGradientError`, comes
-        after an update that cannot be taken back, and the window is counted.)
+        An error raised once the gradients were changed in place (unscaled,
+        value-clipped, scaled, or by the inner step itself) cannot give them back:
+        the wrapper is still restored, but the window's gradients are discarded
+        and its micro-batches not counted (never applied twice, or divided
+        twice).  Once the inner step has run, the window stands: an error while
+        recording or logging it, or :class:`NonFiniteGradientError`, comes after
+        an update that cannot be taken back, and the window is counted.
         """
         undo = UndoPoint(self)
         try:
             return self._finish_window(loss, closure, undo)
-        except BaseException:
+        except BaseException as exc:
             if not undo.committed:
                 undo.restore(self)
+                if undo.touched:
+                    self._discard_window(exc)
             raise
+
+    def _discard_window(self, exc: BaseException) -> None:
+        """Drop the open window whose gradients a failed close already changed; say so on ``exc``."""
+        for p in self._params():
+            p.grad = None
+        self._counters.micro_batches = 0
+        self._attached.clear()
+        if hasattr(exc, "add_note"):
+            exc.add_note(
+                "clipopt: the window's gradients were already changed in place (unscaled or clipped) "
+                "when this error was raised; they were discarded and the window's micro-batches are "
+                "not counted"
+            )
 
     def _finish_window(self, loss: Any, closure: Callable[[], Any] | None, undo: UndoPoint) -> Any:
         n = self._counters.micro_batches
@@ -612,12 +633,16 @@ class ClippedOptimizer(Optimizer):
             undo.committed = True
             return self._close_empty(n, loss)
         if self.scaler is not None:
+            undo.touched = True
             self.scaler.unscale_(self.optimizer)
         try:
             with torch.no_grad():
                 total_norm, flag = self._measure(grads, n)
                 layers = self._diagnose(params, total_norm, flag, n)
+                unitwise = self._policy is not None and self._policy.unitwise  # AGC clips in place
+                undo.touched |= self.clip_value is not None or unitwise
                 w = self._clip(params, grads, total_norm, flag, n)
+            undo.touched = True  # scaling and the inner step change the gradients
             self._counters.micro_batches = 0
             self._counters.windows += 1
             if _is_fused(self.optimizer) and self._inner_state_ready():

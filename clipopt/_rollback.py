@@ -51,7 +51,7 @@ class UndoPoint:
     copy of their attributes is a snapshot of their state.
     """
 
-    __slots__ = ("_fields", "_policy", "_stats_len", "committed")
+    __slots__ = ("_fields", "_policy", "_stats_len", "committed", "touched")
 
     _NAMES = ("_counters", "_update_applied", "_last_skipped", "_unsynced", "last_stats", "last_snapshot")
 
@@ -63,6 +63,8 @@ class UndoPoint:
         self._stats_len = len(opt.stats)
         #: Set once the window's update has been applied or skipped: from then on it stands.
         self.committed = False
+        #: Set once the gradients may have been changed in place (they cannot be restored).
+        self.touched = False
 
     def restore(self, opt: ClippedOptimizer) -> None:
         for name, value in self._fields.items():

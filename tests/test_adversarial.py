@@ -636,7 +636,7 @@ def _inject(monkeypatch: pytest.MonkeyPatch, opt: ClippedOptimizer, stage: str) 
         raise AssertionError(stage)
 
 
-STAGES = ["norm", "layer_stats", "snapshot", "policy", "inner_step"]
+STAGES = ["norm", "layer_stats", "snapshot", "policy"]
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -644,8 +644,8 @@ STAGES = ["norm", "layer_stats", "snapshot", "policy", "inner_step"]
 def test_errors_at_every_stage_leave_the_wrapper_as_before(
     stage: str, fused: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
-    """Item 11: an error raised at any stage of closing a window up to the inner step (norm,
-    per-layer statistics, snapshot, policy, inner step) leaves the counters, the open window, the
+    """Item 11: an error raised at any stage of closing a window before the gradients are changed
+    (norm, per-layer statistics, snapshot, policy) leaves the counters, the open window, the
     signals, the statistics history and the policy state exactly as before the call, and the
     parameters and inner state untouched; once the fault is gone, the same call closes the window."""
     model = make_model()
@@ -682,6 +682,56 @@ def test_errors_at_every_stage_leave_the_wrapper_as_before(
     opt.step()  # the retried call closes the window (2 micro-batches)
     assert opt.num_windows == state[1] + 1 and opt.last_stats is not None
     assert opt.last_stats.micro_batches == 2
+
+
+@pytest.mark.parametrize("scaler", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_error_in_the_inner_step_discards_the_changed_gradients(
+    fused: bool, scaler: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error raised by the inner optimizer comes after the gradients were combined, clipped (and
+    unscaled): counters, policy, parameters and inner state are as before, but the gradients are
+    discarded and the window's micro-batches not counted (the note on the error says so), so a
+    retry never divides or unscales them twice: the next window equals a fresh run's window."""
+
+    def build() -> tuple[nn.Module, ClippedOptimizer]:
+        model = make_model()
+        amp = torch.amp.GradScaler("cpu", init_scale=4.0) if scaler else None
+        inner = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+        return model, ClippedOptimizer(inner, max_norm=0.5, accumulation_steps=2, scaler=amp)
+
+    def micro_batch(model: nn.Module, opt: ClippedOptimizer, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        loss = model(torch.randn(5, 3, generator=g)).pow(2).sum()
+        (opt.scaler.scale(loss) if opt.scaler is not None else loss).backward()
+
+    model, opt = build()
+    micro_batch(model, opt, 0)
+    opt.step()
+    micro_batch(model, opt, 1)
+    state, params = wrapper_state(opt), weights(model)
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise _Boom("inner step")
+
+    with monkeypatch.context() as m:
+        m.setattr(opt.optimizer, "step", boom)
+        with pytest.raises(_Boom) as info:
+            opt.step()
+    assert "the window's gradients were already changed in place" in "".join(info.value.__notes__)
+    assert wrapper_state(opt)[1:] == state[1:] and opt.micro_batches == 0
+    assert same_weights(model, params) and all(p.grad is None for p in model.parameters())
+    assert len(opt.state) == 0
+    for i in (2, 3):
+        micro_batch(model, opt, i)
+        opt.step()
+    ref_model, ref = build()
+    for i in (2, 3):
+        micro_batch(ref_model, ref, i)
+        ref.step()
+    assert ref.last_stats is not None and opt.last_stats is not None
+    assert float(opt.last_stats.total_norm) == float(ref.last_stats.total_norm)
+    assert same_weights(model, weights(ref_model))
 
 
 def test_error_after_the_inner_step_counts_the_applied_window(monkeypatch: pytest.MonkeyPatch) -> None:
