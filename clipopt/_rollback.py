@@ -53,7 +53,15 @@ class UndoPoint:
 
     __slots__ = ("_fields", "_policy", "_stats_len", "committed", "touched")
 
-    _NAMES = ("_counters", "_update_applied", "_last_skipped", "_unsynced", "last_stats", "last_snapshot")
+    _NAMES = (
+        "_counters",
+        "_update_applied",
+        "_last_skipped",
+        "_unsynced",
+        "last_stats",
+        "last_snapshot",
+        "_last_nonfinite_snapshot",
+    )
 
     def __init__(self, opt: ClippedOptimizer) -> None:
         fields = {name: getattr(opt, name) for name in self._NAMES}
