@@ -347,11 +347,7 @@ def resolve_param_names(optimizer: torch.optim.Optimizer, param_names: Any) -> d
     ``named_parameters()``), else ``group<g>.<i>``.
     """
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    names: dict[Tensor, str] = {}
-    for gi, group in enumerate(optimizer.param_groups):
-        own = group.get("param_names")
-        for i, p in enumerate(group["params"]):
-            names[p] = own[i] if own is not None and i < len(own) else f"group{gi}.{i}"
+    names = _own_names(optimizer)
     if param_names is None:
         return _unique(names)
     if isinstance(param_names, Mapping):
@@ -384,6 +380,23 @@ def resolve_param_names(optimizer: torch.optim.Optimizer, param_names: Any) -> d
             "parameters the optimizer was built from"
         )
     return _unique(names)
+
+
+def _own_names(optimizer: torch.optim.Optimizer) -> dict[Tensor, str]:
+    """The inner optimizer's own names, else ``group<g>.<i>``.  Groups built from the
+    ``named_parameters()`` of different modules may repeat a name (two ``weight``s): torch accepts
+    that, so a repeated name is qualified with its group, ``group<g>.<name>``, not refused."""
+    names: dict[Tensor, str] = {}
+    groups: dict[Tensor, int] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        own = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            names[p] = own[i] if own is not None and i < len(own) else f"group{gi}.{i}"
+            groups[p] = gi
+    counts: dict[str, int] = {}
+    for name in names.values():
+        counts[name] = counts.get(name, 0) + 1
+    return {p: f"group{groups[p]}.{n}" if counts[n] > 1 else n for p, n in names.items()}
 
 
 def _unique(names: dict[Tensor, str]) -> dict[Tensor, str]:

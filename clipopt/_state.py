@@ -209,6 +209,7 @@ def validate_inner_state(state_dict: dict[str, Any], inner: Optimizer) -> None:
             if name not in ("params", "param_names") and name in group:
                 _check_hyperparameter(i, name, value, group[name])
     flat = sum(q.numel() for group in groups for q in group["params"])
+    builtin = type(inner).__module__.startswith("torch.optim")  # whose state layouts are known
     for key, entry in state_dict["state"].items():
         if key not in id_to_param:
             raise _bad(f"state for parameter id {key!r} that no parameter group lists")
@@ -218,7 +219,7 @@ def validate_inner_state(state_dict: dict[str, Any], inner: Optimizer) -> None:
         current = inner.state.get(p) or {}
         for name, value in entry.items():
             if isinstance(value, Tensor):
-                _check_state_tensor(key, name, value, p, current.get(name), flat)
+                _check_state_tensor(key, name, value, p, current.get(name), flat, builtin)
 
 
 def _kind(value: Any) -> str | None:
@@ -246,9 +247,10 @@ _KIND_NAMES = {
 
 def _check_hyperparameter(group: int, name: str, saved: Any, current: Any) -> None:
     """A saved hyper-parameter must be of the kind the optimizer holds now (``lr`` a number, ``betas``
-    a tuple of numbers, flags bools); None is accepted where the optimizer holds None or a bool."""
+    a tuple of numbers, flags bools); None is accepted where the optimizer holds None, a bool or a
+    string (an option turned off, such as LBFGS's ``line_search_fn``)."""
     want, got = _kind(current), _kind(saved)
-    if want is None or (saved is None and want == "bool"):
+    if want is None or (saved is None and want in ("bool", "str")):
         return
     ok = got == want
     if ok and want == "number" and isinstance(current, Tensor) and current.numel() != 1:
@@ -279,15 +281,20 @@ def _fits(shape: tuple[int, ...], param: tuple[int, ...]) -> bool:
     return len(shape) < len(param) and all(any(s == d for d in it) for s in shape)
 
 
-def _check_state_tensor(key: Any, name: str, value: Tensor, p: Tensor, current: Any, flat: int) -> None:
+def _check_state_tensor(
+    key: Any, name: str, value: Tensor, p: Tensor, current: Any, flat: int, builtin: bool
+) -> None:
     """A state tensor must fit its parameter: the shape the optimizer holds now, else the parameter's
     (moments), a scalar (counters), a reduction of it, or a flat vector (LBFGS keeps flat vectors of
-    all its parameters, ``flat`` elements, under the first one)."""
+    all its parameters, ``flat`` elements, under the first one).  Other entries of a third-party
+    optimizer (``builtin`` False) may have any shape: Shampoo's ``(d, d)`` factors, 8-bit blocks."""
     shape, pshape = tuple(value.shape), tuple(p.shape)
     if isinstance(current, Tensor):  # the optimizer already holds this entry: the same shape
         ok = tuple(current.shape) == shape
     elif name in _PARAM_SHAPED:
         ok = shape == pshape
+    elif not builtin:
+        ok = True
     else:
         ok = _fits(shape, pshape) or value.numel() == 1 or shape in ((p.numel(),), (flat,))
     if not ok:

@@ -196,6 +196,16 @@ def test_param_names_of_another_model_are_refused() -> None:
         ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), param_names=other.named_parameters())
 
 
+def test_named_groups_that_repeat_a_name_are_accepted_and_qualified() -> None:
+    """Review of #11: an inner optimizer built from the named_parameters() of two modules (torch
+    accepts two groups that both name a parameter "weight") was refused by the new uniqueness check
+    although the user passed no param_names; the repeated names are now qualified with their group."""
+    enc, dec = nn.Linear(2, 3), nn.Linear(3, 2)
+    inner = torch.optim.AdamW([{"params": enc.named_parameters()}, {"params": dec.named_parameters()}])
+    opt = ClippedOptimizer(inner, max_norm=1.0)
+    assert opt.layer_names() == ["group0.weight", "group0.bias", "group1.weight", "group1.bias"]
+
+
 def test_param_names_of_a_larger_model_are_accepted() -> None:
     """Naming a superset (the whole model, the optimizer holding part of it) still works."""
     model = make_model()
@@ -461,6 +471,49 @@ def test_state_tensors_that_cannot_belong_to_their_parameter_are_refused(
         ):
             target.load_state_dict(sd)
         assert len(target.state) == before
+
+
+class _FactoredOptimizer(torch.optim.Optimizer):
+    """A third-party optimizer in the style of Shampoo and 8-bit optimizers: per-parameter state of
+    shapes that are neither the parameter's nor a reduction of it."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state and p.dim() == 2:
+                    state["left"] = torch.eye(p.shape[0])  # Kronecker factors (d, d)
+                    state["right"] = torch.eye(p.shape[1])
+                    state["qmap"] = torch.linspace(-1.0, 1.0, 256)  # an 8-bit code book
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_third_party_state_of_any_shape_still_loads() -> None:
+    """Review of #11: the shape check refused a third-party optimizer's own state (Shampoo-style (d, d)
+    factors, an 8-bit code book of 256 entries) when resuming into a fresh optimizer, although
+    the state dict was its own; entries of optimizers outside torch.optim are not guessed at."""
+    model = make_model()
+    opt = ClippedOptimizer(_FactoredOptimizer(model.parameters()), max_norm=1.0)
+    backward(model)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    fresh = ClippedOptimizer(_FactoredOptimizer(make_model().parameters()), max_norm=1.0)
+    fresh.load_state_dict(sd)
+    assert fresh.state[fresh.param_groups[0]["params"][0]]["left"].shape == (4, 4)
+
+
+def test_lbfgs_state_without_line_search_loads_into_one_with_it() -> None:
+    """Review of #11: line_search_fn=None saved, "strong_wolfe" now was refused as "not a string",
+    where torch's own load_state_dict takes it (None turns an option off)."""
+    model = make_model()
+    sd = torch.optim.LBFGS(model.parameters()).state_dict()
+    inner = torch.optim.LBFGS(model.parameters(), line_search_fn="strong_wolfe")
+    ClippedOptimizer(inner, max_norm=1.0).load_state_dict(sd)
+    assert inner.param_groups[0]["line_search_fn"] is None
 
 
 # ---------------------------------------------------------------------------------------------- closures
