@@ -327,10 +327,15 @@ def append_bytes(path: Path, data: bytes) -> None:
 def repair_torn_tail(path: Path) -> bool:
     """Cut a last line without a line end (a row torn by a crash) off ``path``; True if one was.
 
-    A file whose only line is torn (the header itself) is emptied.  Missing files are left alone.
+    A file whose only line is torn (the header itself) is emptied.  Missing files are left alone, and
+    so are files that are not clipopt logs (their header is not :data:`BASE_COLUMNS`): another
+    program's CSV may end without a line end, and its last row is not ours to cut.
     """
+    base = ",".join(BASE_COLUMNS).encode()
     try:
         with path.open("rb+") as f:
+            if not base.startswith(f.read(len(base))):  # shorter only at the end of a torn header
+                return False
             size = f.seek(0, os.SEEK_END)
             if size == 0:
                 return False

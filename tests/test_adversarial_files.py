@@ -95,6 +95,22 @@ def test_csv_with_a_torn_header_is_started_again(tmp_path: Path) -> None:
     assert rows_of(path)[0][:3] == ["step", "micro_batches", "total_norm"] and len(rows_of(path)) == 2
 
 
+def test_another_programs_csv_is_never_cut(tmp_path: Path) -> None:
+    """Review of #11: a CSVLogger pointed at another program's CSV whose last row has no line end cut
+    that complete row off as 'torn', then refused the file for its other columns: the user's data was
+    lost.  Only clipopt's own logs are repaired; the file is refused and left byte for byte."""
+    path = tmp_path / "metrics.csv"
+    path.write_bytes(b"epoch,acc\n1,0.5\n2,0.7")
+    model = make_model()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), loggers=[CSVLogger(path)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no 'torn' warning either
+        with pytest.raises(ValueError, match="already holds a CSV log with other columns"):
+            train(opt, model, 1)
+            opt.close()
+    assert path.read_bytes() == b"epoch,acc\n1,0.5\n2,0.7"
+
+
 # ---------------------------------------------------------------------------------------------- full disks
 
 
