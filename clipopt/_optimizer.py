@@ -37,6 +37,7 @@ from ._distributed import (
 from ._errors import NonFiniteGradientError
 from ._layers import LayerStats, compute_layer_stats, resolve_param_names
 from ._logging import Logger
+from ._loss import LossSum, check_loss, loss_of_closure
 from ._policies import ClipPolicy
 from ._snapshot import SnapshotWriter, check_saveable, now, process_rank, to_saveable, versions
 from ._state import (
@@ -247,6 +248,7 @@ class ClippedOptimizer(Optimizer):
         self.stats: collections.deque[StepStats] = collections.deque(maxlen=self.stats_history)
         self.last_stats: StepStats | None = None
         self._counters = WrapperState()
+        self._loss = LossSum()  # the open window's micro-batch losses
         self._update_applied: bool | None = False  # None: read _last_skipped
         self._last_skipped: bool | Tensor = False
         self._ready_state: Any = None  # the state object known to hold state for every parameter
@@ -319,6 +321,7 @@ class ClippedOptimizer(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         pending = state.pop("_pending_grads", None)
         self.__dict__.update(state)
+        self.__dict__.setdefault("_loss", LossSum())  # pickled by a clipopt without the loss
         self._init_hooks()
         if pending is not None:
             for p, g in zip(self._params(), pending, strict=True):
@@ -387,8 +390,12 @@ class ClippedOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ step
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, *, loss: Tensor | float | None = None) -> Any:
         """Record one micro-batch; at the window's end combine, clip, and step or skip.
+
+        ``loss`` (a one-element tensor or a float), or else the closure's return
+        value, is the micro-batch's loss: the window's losses are combined like
+        the gradients (``reduction``) into ``StepStats.loss`` without a host read.
 
         With a ``closure`` the wrapper evaluates it (forward + backward) once per
         call; optimizers that re-evaluate it (LBFGS) get the re-evaluated
@@ -402,28 +409,30 @@ class ClippedOptimizer(Optimizer):
             or _optim_module._global_optimizer_post_hooks
             or torch.autograd._profiler_enabled()  # type: ignore[attr-defined]
         ):
-            return self._profiled_step(closure)
-        return self._step(closure)
+            return self._profiled_step(closure, loss=loss)
+        return self._step(closure, loss=loss)
 
     # torch's profile_hook_step costs ~12 us per call (record_function) even with
     # no hook and no profiler; take it only when a hook or the profiler is active.
     step.hooked = True  # type: ignore[attr-defined]
 
-    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def _step(self, closure: Callable[[], Any] | None = None, *, loss: Tensor | float | None = None) -> Any:
+        given = check_loss(loss)
         if closure is not None and self.scaler is not None:
             raise TypeError(
                 "step(closure) cannot be used with scaler=...: GradScaler does not support "
                 "closures; call loss.backward() yourself and then opt.step()"
             )
-        loss = None
+        out = None
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()
+                out = closure()
+        self._loss.add(given if given is not None else loss_of_closure(out))
         self._counters.micro_batches += 1
         if self._counters.micro_batches < self.accumulation_steps:
             self._update_applied = False
-            return loss
-        return self._close_window(loss, closure)
+            return out
+        return self._close_window(out, closure)
 
     _profiled_step = Optimizer.profile_hook_step(_step)
 
@@ -572,6 +581,7 @@ class ClippedOptimizer(Optimizer):
                 w = self._clip(params, grads, total_norm, flag, n)
             self._counters.micro_batches = 0
             self._counters.windows += 1
+            window_loss = self._loss.take(self.reduction)
             if _is_fused(self.optimizer) and self._inner_state_ready():
                 loss = self._step_fused(w, loss, closure)
             else:
@@ -580,7 +590,7 @@ class ClippedOptimizer(Optimizer):
             self._shards = None  # views of the gradients: do not keep them past the window
             if self.scaler is not None:
                 self.scaler.update()
-        stats = self._record(w, n, layers)
+        stats = self._record(w, n, layers, window_loss)
         for logger in self.loggers:
             logger.log(stats, self)
         self._attached.clear()
@@ -828,7 +838,7 @@ class ClippedOptimizer(Optimizer):
                 nonfinite = w.flag if enabled else torch.zeros_like(w.flag)
         self._counters.record(skipped, nonfinite)
 
-    def _record(self, w: _Window, n: int, layers: LayerStats | None) -> StepStats:
+    def _record(self, w: _Window, n: int, layers: LayerStats | None, loss: Tensor | float | None) -> StepStats:
         stats = StepStats(
             step=self._counters.windows,
             micro_batches=n,
@@ -841,6 +851,7 @@ class ClippedOptimizer(Optimizer):
             nonfinite=w.flag if self._policy is not None and self._policy.spike() is not None else None,
             lr=[_lr_value(g["lr"]) for g in self.param_groups],
             layers=layers,
+            loss=loss,
         )
         self.last_stats = stats
         self.stats.append(stats)
@@ -898,6 +909,7 @@ class ClippedOptimizer(Optimizer):
             pending_grads=pending,
             scaler=self.scaler.state_dict() if self.scaler is not None else None,
         )
+        sd["clipopt"].update(self._loss.to_dict())  # the open window's loss sum
         sd["clipopt"]["policy"] = self._policy.state_dict() if self._policy is not None else None
         marker = self._pending_unsynced()  # DDP: the saved gradients are this rank's, not yet averaged
         sd["clipopt"]["unsynced"] = None if marker is None else marker.to_dict()
@@ -926,6 +938,7 @@ class ClippedOptimizer(Optimizer):
         unsynced = Unsynced.from_dict(
             ext.get("unsynced") if isinstance(ext, dict) else None, wrapper[0].micro_batches if wrapper else 0
         )
+        loss_sum = LossSum.from_dict(ext, wrapper[0].micro_batches) if wrapper else LossSum()
         inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
         with restore_on_failure(self.optimizer), keep_group_keys(self.optimizer):
             self.optimizer.load_state_dict(inner_sd)
@@ -942,6 +955,7 @@ class ClippedOptimizer(Optimizer):
                 self.scaler.load_state_dict(scaler_state)
             if policy_state is not None and self._policy is not None:
                 self._policy.load_state_dict(policy_state)
+        self._loss = loss_sum
         self._update_applied = False
         self._last_skipped = False
         self._unsynced = unsynced

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -47,11 +48,15 @@ class StepStats:
         lr: the learning rate of each parameter group when the window closed.
         layers: per-parameter :class:`~clipopt.LayerStats` when they were due
             (``layer_stats=k``), else None.
+        loss: the window's loss -- the micro-batch losses given to ``step(loss=...)``
+            (or returned by the closure), combined like the gradients (mean or
+            sum); ``nan`` when none was given.
     """
 
     __slots__ = (
         "_clip_coef",
         "_clipped",
+        "_loss",
         "_lr",
         "_max_norm",
         "_nonfinite",
@@ -77,6 +82,7 @@ class StepStats:
         lr: Sequence[float | Tensor] = (),
         layers: LayerStats | None = None,
         nonfinite: Tensor | None = None,
+        loss: float | Tensor | None = None,
     ) -> None:
         self.step = step
         self.micro_batches = micro_batches
@@ -89,6 +95,18 @@ class StepStats:
         self._nonfinite: bool | Tensor | None = nonfinite  # set when a skip may also be a spike
         self._lr: tuple[float | Tensor, ...] = tuple(lr)
         self.layers = layers
+        self._loss = loss  # None: no loss was given
+
+    @property
+    def loss(self) -> float:
+        if isinstance(self._loss, Tensor):
+            self._loss = _as_float(self._loss)
+        return math.nan if self._loss is None else self._loss
+
+    @property
+    def has_loss(self) -> bool:
+        """True when a loss was given for this window (``loss`` is then that loss, ``nan`` included)."""
+        return self._loss is not None
 
     @property
     def total_norm(self) -> float:
@@ -149,6 +167,7 @@ class StepStats:
             "reason": self.reason,
             "max_norm": self.max_norm,
             "lr": list(self.lr),
+            "loss": self.loss,
         }
 
     def __repr__(self) -> str:
@@ -156,7 +175,7 @@ class StepStats:
         return f"StepStats({fields})"
 
 
-_LAZY = ("_total_norm", "_clip_coef", "_clipped", "_skipped", "_max_norm", "_nonfinite")
+_LAZY = ("_total_norm", "_clip_coef", "_clipped", "_skipped", "_max_norm", "_nonfinite", "_loss")
 
 
 def materialize(stats: Sequence[StepStats]) -> None:

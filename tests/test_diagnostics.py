@@ -432,8 +432,8 @@ def test_csv_rows_match_stats(tmp_path: Path) -> None:
     _train(model, opt, _batches(7, bad={4}))
     opt.close()
     rows = _read_csv(path)
-    assert list(rows[0])[:9] == list(clipopt._logging.BASE_COLUMNS)
-    assert list(rows[0])[9:14] == [f"0.weight.{f}" for f in LAYER_FIELDS]
+    assert list(rows[0])[:10] == list(clipopt._logging.BASE_COLUMNS)
+    assert list(rows[0])[10:15] == [f"0.weight.{f}" for f in LAYER_FIELDS]
     assert len(rows) == 7
     for row, s in zip(rows, opt.stats, strict=True):
         assert int(row["step"]) == s.step
