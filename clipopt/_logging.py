@@ -200,8 +200,9 @@ class CSVLogger:
         cells = dict(zip(names, (format_value(v) for v in (*row, *lr)), strict=True))
         cells["lr"] = cells.pop("lr.0")
         cells["loss"] = format_value(s.loss) if s.has_loss else ""
-        if self._names and s.layers is not None:
-            values = s.layers.as_dict()
+        layers = s.logged_layers() if self._names else None
+        if layers is not None:
+            values = layers.as_dict()
             for name in self._names:
                 stats = values.get(name)
                 if stats:

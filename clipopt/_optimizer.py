@@ -37,6 +37,7 @@ from ._distributed import (
 from ._errors import NonFiniteGradientError
 from ._layers import LayerStats, compute_layer_stats, resolve_param_names
 from ._logging import Logger
+from ._badrow import candidate_row
 from ._loss import LossSum, check_loss, loss_of_closure
 from ._policies import ClipPolicy
 from ._snapshot import SnapshotWriter, check_saveable, now, process_rank, to_saveable, versions
@@ -261,6 +262,7 @@ class ClippedOptimizer(Optimizer):
         self._names = names
         self._snapshots = None if snapshot_dir is None else SnapshotWriter(snapshot_dir, self.max_snapshots)
         self._attached: dict[str, list[Any]] = {}
+        self._bad_row: LayerStats | None = None  # see _diagnose
         #: Path of the latest anomaly snapshot written, or None.
         self.last_snapshot: str | None = None
         self._last_nonfinite_snapshot: str | None = None  # what NonFiniteGradientError names
@@ -634,6 +636,9 @@ class ClippedOptimizer(Optimizer):
         policy's spike rule, see :meth:`ClipPolicy.is_spike`) from the device, once.
         """
         due = bool(self.layer_stats) and (self._counters.windows + 1) % self.layer_stats == 0
+        self._bad_row = None  # this window's per-layer row, written only if it goes bad (see _badrow)
+        if self.layer_stats and not due and not self._has_dtensor:
+            self._bad_row = candidate_row(params, self.layer_names(), 1.0 / self._divisor(n))
         if not due and self._snapshots is None:
             return None
         spike = None
@@ -651,6 +656,7 @@ class ClippedOptimizer(Optimizer):
         if reason is not None and self._snapshots is not None:
             if layers is None:
                 snap_layers = compute_layer_stats(params, self.layer_names(), inv, bad)
+                self._bad_row = snap_layers if self.layer_stats else None  # the full row, computed anyway
             else:
                 snap_layers = layers
             path = self._snapshots.save(self._snapshot_payload(params, total_norm, n, snap_layers, reason))
@@ -852,6 +858,7 @@ class ClippedOptimizer(Optimizer):
             lr=[_lr_value(g["lr"]) for g in self.param_groups],
             layers=layers,
             loss=loss,
+            bad_row=self._bad_row,
         )
         self.last_stats = stats
         self.stats.append(stats)

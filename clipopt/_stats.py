@@ -56,6 +56,7 @@ class StepStats:
     __slots__ = (
         "_clip_coef",
         "_clipped",
+        "_bad_row",
         "_loss",
         "_lr",
         "_max_norm",
@@ -83,6 +84,7 @@ class StepStats:
         layers: LayerStats | None = None,
         nonfinite: Tensor | None = None,
         loss: float | Tensor | None = None,
+        bad_row: LayerStats | None = None,
     ) -> None:
         self.step = step
         self.micro_batches = micro_batches
@@ -96,6 +98,7 @@ class StepStats:
         self._lr: tuple[float | Tensor, ...] = tuple(lr)
         self.layers = layers
         self._loss = loss  # None: no loss was given
+        self._bad_row = bad_row  # per-layer row to log if this window is non-finite (clipopt._badrow)
 
     @property
     def loss(self) -> float:
@@ -154,6 +157,15 @@ class StepStats:
             if not self._nonfinite:
                 return "spike"
         return self._reason_if_skipped
+
+    def logged_layers(self) -> LayerStats | None:
+        """The per-layer row a logger writes: :attr:`layers` when due, else -- when this window's
+        norm is not finite -- its own row from the norm pass (see ``clipopt._badrow``), else None."""
+        if self.layers is not None:
+            return self.layers
+        if self._bad_row is not None and math.isfinite(self.total_norm):
+            self._bad_row = None  # a finite window: drop the candidate row
+        return self._bad_row
 
     def as_dict(self) -> dict[str, Any]:
         """All fields as Python values (reads the device once per field)."""
