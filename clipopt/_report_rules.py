@@ -60,8 +60,8 @@ after it, and the evidence says it was taken from a later row.
   12,000 updates, on log-norms none.  *A spike that clipping handled is not a
   spike*: a clipped update (clipopt's ``clipped`` column) whose loss over the
   next :data:`HANDLED_ROWS` rows stays below :data:`LOSS_SPIKE_RATIO` times
-  the median loss before it (or any clipped update, in logs without a loss) is
-  counted as handled in the summary, not as evidence -- clipping doing its
+  the median loss before it is counted as handled (without a loss in the log,
+  nothing shows that it was handled, and it is a spike) in the summary, not as evidence -- clipping doing its
   job (``clipopt demo``'s clipped run clips 9 % of its updates, some at 2x the
   rolling mean, and learns).
 - *loss spikes* (logs with a loss): a loss more than :data:`LOSS_SPIKE_Z`
@@ -543,9 +543,9 @@ def _norm_spikes(
 
 
 def _loss_calm_after(loss: Tensor, row: int) -> bool:
-    """No loss in the log, or the loss of the next rows stays below LOSS_SPIKE_RATIO x the median before."""
+    """The loss of the next rows stays below LOSS_SPIKE_RATIO x the median before (False without a loss)."""
     if bool(torch.isnan(loss).all()):
-        return True
+        return False
     before = loss[max(0, row - LOSS_WINDOW) : row]
     before = before[torch.isfinite(before)]
     after = loss[row + 1 : row + 1 + HANDLED_ROWS]
