@@ -36,7 +36,7 @@ def candidate_row(params: Sequence[Tensor], names: Sequence[str], scale: float) 
     device = grads[0][1].device
     dense = [g.to_dense() if g.is_sparse else g for _, g in grads]
     if all(g.device == device and not g.is_sparse for _, g in grads) and device.type in ("cpu", "cuda"):
-        norms = torch._foreach_norm(dense, 2.0, dtype=torch.float32)  # type: ignore[call-arg]
+        norms: list[Tensor] = list(torch._foreach_norm(dense, 2.0, dtype=torch.float32))
     else:
         norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in dense]
     values = torch.full((len(params), len(LAYER_FIELDS)), float("nan"), dtype=torch.float32, device=device)

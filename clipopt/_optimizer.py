@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from torch.optim import optimizer as _optim_module
 
 from . import functional as F
+from ._badrow import candidate_row
 from ._checks import (
     check_choice,
     check_flag,
@@ -37,7 +38,6 @@ from ._distributed import (
 from ._errors import NonFiniteGradientError
 from ._layers import LayerStats, compute_layer_stats, resolve_param_names
 from ._logging import Logger
-from ._badrow import candidate_row
 from ._loss import LossSum, check_loss, loss_of_closure
 from ._policies import ClipPolicy
 from ._snapshot import SnapshotWriter, check_saveable, now, process_rank, to_saveable, versions
@@ -844,7 +844,7 @@ class ClippedOptimizer(Optimizer):
                 nonfinite = w.flag if enabled else torch.zeros_like(w.flag)
         self._counters.record(skipped, nonfinite)
 
-    def _record(self, w: _Window, n: int, layers: LayerStats | None, loss: Tensor | float | None) -> StepStats:
+    def _record(self, w: _Window, n: int, layers: LayerStats | None, loss: Tensor | float | None) -> StepStats:  # noqa: E501
         stats = StepStats(
             step=self._counters.windows,
             micro_batches=n,
@@ -945,7 +945,7 @@ class ClippedOptimizer(Optimizer):
         unsynced = Unsynced.from_dict(
             ext.get("unsynced") if isinstance(ext, dict) else None, wrapper[0].micro_batches if wrapper else 0
         )
-        loss_sum = LossSum.from_dict(ext, wrapper[0].micro_batches) if wrapper else LossSum()
+        loss_sum = LossSum.from_dict(ext, wrapper[0].micro_batches) if wrapper and isinstance(ext, dict) else LossSum()
         inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
         with restore_on_failure(self.optimizer), keep_group_keys(self.optimizer):
             self.optimizer.load_state_dict(inner_sd)

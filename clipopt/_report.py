@@ -24,11 +24,20 @@ from ._report_rules import VERDICTS, analyze, percentile
 from ._text import fmt_num as _num
 from ._text import json_safe
 
-__all__ = ["VERDICTS", "GradLog", "analyze", "format_json", "format_report", "percentile", "plot_log", "read_log"]
+__all__ = [
+    "VERDICTS",
+    "GradLog",
+    "analyze",
+    "format_json",
+    "format_report",
+    "percentile",
+    "plot_log",
+    "read_log",
+]
 
 
 def plot_log(log: GradLog, report: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
-    """Draw the log (see :func:`clipopt._report_plot.plot_log`); ImportError with a hint without matplotlib."""
+    """Draw the log (see :func:`clipopt._report_plot.plot_log`); ImportError with a hint without matplotlib."""  # noqa: E501
     from ._report_plot import plot_log as _plot
 
     _plot(log, report, path)
@@ -74,16 +83,25 @@ def format_report(report: Mapping[str, Any]) -> str:
     if report["findings"]:
         lines += [f"  - [{f['kind']}] {f['evidence']}" for f in report["findings"]]
     else:
-        lines.append("  - none of the rules fired (they are listed in the docstring of clipopt._report_rules)")
+        lines.append(
+            "  - none of the rules fired (they are listed in the docstring of clipopt._report_rules)"
+        )
     clip = report["clipping"]
     suggested = report["suggested_max_norm"]
-    lines += ["", f"Suggested max_norm: {_num(suggested) if suggested is not None else 'none (no finite norm)'}"]
+    lines += [
+        "",
+        f"Suggested max_norm: {_num(suggested) if suggested is not None else 'none (no finite norm)'}",
+    ]
     lines.append(f"  clipping: {clip['advice']}")
     if report["suggestions"]:
         lines.append("  for reference:")
         rows = []
         for sug in report["suggestions"]:
-            value = _num(sug["value"]) if sug["value"] is not None else f"{_num(sug['low'])} - {_num(sug['high'])}"
+            value = (
+                _num(sug["value"])
+                if sug["value"] is not None
+                else f"{_num(sug['low'])} - {_num(sug['high'])}"
+            )
             rows.append([sug["name"], value, sug["rule"]])
         lines += ["  " + line for line in _table(rows)]
     lines += ["", "Summary:"]
@@ -107,7 +125,10 @@ def format_report(report: Mapping[str, Any]) -> str:
         ["non-finite", f"{s['nonfinite']}" + (f" ({s['overflow']} overflow)" if s["overflow"] else "")],
         ["total norm", norms],
         ["max_norm used", _max_norm_text(s)],
-        ["layers", f"{s['layers']} ({s['layer_rows']} rows with per-layer statistics)" if s["layers"] else "-"],
+        [
+            "layers",
+            f"{s['layers']} ({s['layer_rows']} rows with per-layer statistics)" if s["layers"] else "-",
+        ],
     ]
     lines += _table(rows)
     if report["notes"]:

@@ -69,19 +69,37 @@ def _norm_panel(ax: Any, log: GradLog, report: Mapping[str, Any]) -> None:
 
     steps, norm = log.steps, log.total_norm
     good = [i for i, x in enumerate(norm) if math.isfinite(x) and x > 0]
-    ax.plot([steps[i] for i in good], [norm[i] for i in good], lw=0.9, color="tab:blue", label="total norm (pre-clip)")
+    ax.plot(
+        [steps[i] for i in good],
+        [norm[i] for i in good],
+        lw=0.9,
+        color="tab:blue",
+        label="total norm (pre-clip)",
+    )
     clipped = [i for i in good if log.clipped[i]]
     if clipped:
         ax.scatter(
-            [steps[i] for i in clipped], [norm[i] for i in clipped], s=8, color="tab:orange", alpha=0.7,
-            lw=0, zorder=3, label=f"clipped ({len(clipped)})",
+            [steps[i] for i in clipped],
+            [norm[i] for i in clipped],
+            s=8,
+            color="tab:orange",
+            alpha=0.7,
+            lw=0,
+            zorder=3,
+            label=f"clipped ({len(clipped)})",
         )
     spike = next((f for f in report["findings"] if f["kind"] == "spikes"), None)
     if spike is not None:
         rows = [r for r in spike["values"]["rows"] if math.isfinite(norm[r])]
         ax.scatter(
-            [steps[r] for r in rows], [norm[r] for r in rows], s=60, facecolors="none",
-            edgecolors="tab:purple", lw=1.5, zorder=4, label=f"spike ({spike['values']['count']})",
+            [steps[r] for r in rows],
+            [norm[r] for r in rows],
+            s=60,
+            facecolors="none",
+            edgecolors="tab:purple",
+            lw=1.5,
+            zorder=4,
+            label=f"spike ({spike['values']['count']})",
         )
     bounds = [(steps[i], b) for i, b in enumerate(log.max_norm) if math.isfinite(b)]
     if bounds:
@@ -89,16 +107,27 @@ def _norm_panel(ax: Any, log: GradLog, report: Mapping[str, Any]) -> None:
         ax.step(bx, by, where="post", color="black", ls="--", lw=1.0, label="max_norm used")
     suggested = report["suggested_max_norm"]
     if suggested is not None and suggested > 0:
-        ax.axhline(suggested, color="tab:green", ls=":", lw=1.4, label=f"suggested max_norm {_num(suggested)}")
+        ax.axhline(
+            suggested, color="tab:green", ls=":", lw=1.4, label=f"suggested max_norm {_num(suggested)}"
+        )
     onset = next((f for f in report["findings"] if f["kind"] in ("blowup", "growth")), None)
     if onset is not None:
-        ax.axvline(onset["step"], color="tab:red", lw=1.0, alpha=0.6, label=f"explosion (step {onset['step']})")
+        ax.axvline(
+            onset["step"], color="tab:red", lw=1.0, alpha=0.6, label=f"explosion (step {onset['step']})"
+        )
     bad = [steps[i] for i in range(len(log)) if log.skipped[i] or not math.isfinite(norm[i])]
     if bad:
         top = blended_transform_factory(ax.transData, ax.transAxes)
         ax.scatter(
-            bad, [0.97] * len(bad), transform=top, marker="x", s=30, color="tab:red", zorder=5,
-            clip_on=False, label=f"skipped / non-finite ({len(bad)})",
+            bad,
+            [0.97] * len(bad),
+            transform=top,
+            marker="x",
+            s=30,
+            color="tab:red",
+            zorder=5,
+            clip_on=False,
+            label=f"skipped / non-finite ({len(bad)})",
         )
     if good or bounds:
         ax.set_yscale("log")
@@ -118,7 +147,13 @@ def _loss_panel(ax: Any, log: GradLog) -> None:
     if bad:
         top = blended_transform_factory(ax.transData, ax.transAxes)
         ax.scatter(
-            bad, [0.95] * len(bad), transform=top, marker="x", s=30, color="tab:red", clip_on=False,
+            bad,
+            [0.95] * len(bad),
+            transform=top,
+            marker="x",
+            s=30,
+            color="tab:red",
+            clip_on=False,
             label=f"non-finite loss ({len(bad)})",
         )
     if ys and min(ys) > 0 and max(ys) / min(ys) > 20:
@@ -143,11 +178,17 @@ def _heatmap(ax: Any, log: GradLog, names: list[str]) -> None:
         for x, g in enumerate(cols["grad_norm"]):
             count = cols["nonfinite"][x]
             line.append(math.log10(g) if math.isfinite(g) and g > 0 else math.nan)
-            if (math.isfinite(count) and count > 0) or math.isinf(g) or (math.isnan(g) and not math.isnan(count)):
+            if (
+                (math.isfinite(count) and count > 0)
+                or math.isinf(g)
+                or (math.isnan(g) and not math.isnan(count))
+            ):
                 bad_x.append(steps[x])
                 bad_y.append(y)
         grid.append(line)
-    mesh = ax.pcolormesh(edges, [y - 0.5 for y in range(len(names) + 1)], grid, cmap="viridis", shading="flat")
+    mesh = ax.pcolormesh(
+        edges, [y - 0.5 for y in range(len(names) + 1)], grid, cmap="viridis", shading="flat"
+    )
     ax.set_facecolor("white")
     if bad_x:
         ax.scatter(bad_x, bad_y, marker="x", s=22, color="tab:red", lw=1.5)

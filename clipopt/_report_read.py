@@ -190,7 +190,11 @@ def _columns(name: str, header: list[str]) -> _Columns:
         norm = next((i for i, c in enumerate(header) if _LIGHTNING_TOTAL.fullmatch(c)), -1)
     if norm < 0:
         norm = next(
-            (i for i, c in enumerate(header) if c.endswith("grad_norm") and c.rpartition(".")[2] != "grad_norm"),
+            (
+                i
+                for i, c in enumerate(header)
+                if c.endswith("grad_norm") and c.rpartition(".")[2] != "grad_norm"
+            ),
             -1,
         )
     if norm < 0:
@@ -203,7 +207,9 @@ def _columns(name: str, header: list[str]) -> _Columns:
             (
                 i
                 for i, c in enumerate(header)
-                if c.lower().endswith("loss") and not c.lower().startswith(_NOT_TRAIN) and "val" not in c.lower()
+                if c.lower().endswith("loss")
+                and not c.lower().startswith(_NOT_TRAIN)
+                and "val" not in c.lower()
             ),
             -1,
         )
@@ -375,7 +381,10 @@ class _Parser:
 
 
 def _from_records(
-    name: str, source: str, records: dict[int, dict[str, float]], layers: dict[str, dict[int, dict[str, float]]]
+    name: str,
+    source: str,
+    records: dict[int, dict[str, float]],
+    layers: dict[str, dict[int, dict[str, float]]],
 ) -> GradLog:
     """A GradLog from step -> {"norm", "loss", "lr", "max_norm", "clip_coef", "clipped", "skipped"}."""
     log = GradLog(name, source)
@@ -423,9 +432,9 @@ def _read_trainer_state(name: str) -> GradLog:
         rec = records.setdefault(entry["step"], {})
         for key, out in keys:
             value = entry.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                rec[out] = float(value)
-            elif isinstance(value, str) and value.lower() in ("nan", "inf", "infinity", "-inf"):
+            if (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
+                isinstance(value, str) and value.lower() in ("nan", "inf", "infinity", "-inf")
+            ):
                 rec[out] = float(value)
     log = _from_records(name, "Trainer trainer_state.json", records, {})
     log.norm_column, log.loss_column = "grad_norm", "loss"

@@ -185,9 +185,11 @@ def percentile(values: Tensor | list[float], q: float) -> float:
     x = values if isinstance(values, Tensor) else torch.tensor(values, dtype=torch.float64)
     if x.numel() == 0:
         raise ValueError("percentile of no values")
-    return float(torch.quantile(x, q / 100.0)) if x.numel() <= 16_000_000 else float(x.sort().values[
-        min(x.numel() - 1, round((x.numel() - 1) * q / 100.0))
-    ])
+    return (
+        float(torch.quantile(x, q / 100.0))
+        if x.numel() <= 16_000_000
+        else float(x.sort().values[min(x.numel() - 1, round((x.numel() - 1) * q / 100.0))])
+    )
 
 
 def _median(x: Tensor) -> float:
@@ -334,7 +336,13 @@ def _loss_blowup(log: GradLog, loss: Tensor, first_bad: int) -> dict[str, Any] |
         "step": log.steps[row],
         "layer": None,
         "evidence": evidence,
-        "values": {"row": row, "start_loss": start, "loss": float(values[j]), "next_median": after, "block": k},
+        "values": {
+            "row": row,
+            "start_loss": start,
+            "loss": float(values[j]),
+            "next_median": after,
+            "block": k,
+        },
     }
 
 
@@ -388,7 +396,13 @@ def _growth(
         "step": log.steps[row],
         "layer": layer,
         "evidence": evidence,
-        "values": {"row": row, "start_norm": start, "tail_median": tail, "block": k, "layer_ratio": layer_ratio},
+        "values": {
+            "row": row,
+            "start_norm": start,
+            "tail_median": tail,
+            "block": k,
+            "layer_ratio": layer_ratio,
+        },
     }
 
 
@@ -422,7 +436,12 @@ def _nonfinite(log: GradLog, bad_rows: Tensor, onset: int) -> dict[str, Any]:
     step = log.steps[first]
     skipped = sum(log.skipped[int(i)] for i in bad_rows[:1_000_000].tolist())
     applied = int(bad_rows.numel()) - skipped
-    layer, how, bad_layers, layer_step = None, "no per-layer statistics were recorded at or after it", {}, None
+    layer, how, bad_layers, layer_step = (
+        None,
+        "no per-layer statistics were recorded at or after it",
+        {},
+        None,
+    )
     pos = next((p for p, r in enumerate(log.layer_rows) if r >= first), None)
     if pos is not None:
         layer_step = log.steps[log.layer_rows[pos]]
@@ -433,7 +452,9 @@ def _nonfinite(log: GradLog, bad_rows: Tensor, onset: int) -> dict[str, Any]:
             elif math.isnan(g) and not math.isnan(count):
                 bad_layers[name] = int(count) if math.isfinite(count) and count > 0 else -1
         own = layer_step == step
-        where = "in its own per-layer row" if own else f"in the next per-layer row (step {layer_step}), a guess"
+        where = (
+            "in its own per-layer row" if own else f"in the next per-layer row (step {layer_step}), a guess"
+        )
         if bad_layers:
             layer = next(iter(bad_layers))
             how = (
@@ -446,7 +467,7 @@ def _nonfinite(log: GradLog, bad_rows: Tensor, onset: int) -> dict[str, Any]:
     if applied and first + 1 < len(log) and all(not math.isfinite(v) for v in log.total_norm[first + 1 :]):
         tail = "; it was applied and every later update is non-finite too (the parameters went non-finite)"
     evidence = (
-        f"total norm {_num(log.total_norm[first])} at step {step}, the first of {bad_rows.numel()} non-finite "
+        f"total norm {_num(log.total_norm[first])} at step {step}, the first of {bad_rows.numel()} non-finite "  # noqa: E501
         f"update(s) ({skipped} skipped, {applied} applied); {how}{tail}"
     )
     return {
@@ -503,14 +524,21 @@ def _norm_spikes(
     z = torch.where(std_log > 0, excess / std_log.clamp(min=1e-300), torch.where(excess > 0, math.inf, 0.0))
     hit = (count >= SPIKE_MIN_HISTORY) & (z > SPIKE_Z) & (x >= SPIKE_MIN_RATIO * mean_raw)
     pos = hit.nonzero().flatten().tolist()
-    spikes, handled = [], []
+    spikes: list[dict[str, Any]] = []
+    handled: list[int] = []
     for p in pos:
         row = int(idx[p])
         if log.clipped[row] and _loss_calm_after(loss, row):
             handled.append(log.steps[row])
             continue
         spikes.append(
-            {"row": row, "step": log.steps[row], "norm": float(x[p]), "mean": float(mean_raw[p]), "z": float(z[p])}
+            {
+                "row": row,
+                "step": log.steps[row],
+                "norm": float(x[p]),
+                "mean": float(mean_raw[p]),
+                "z": float(z[p]),
+            }
         )
     if not spikes:
         return None, handled
@@ -574,8 +602,8 @@ def _loss_spikes(log: GradLog, loss: Tensor, end: int) -> dict[str, Any] | None:
     steps = [log.steps[r] for r in rows]
     big = max(pos, key=lambda p: float((x[p] - mean[p]) / std[p].clamp(min=1e-300)))
     evidence = (
-        f"{len(pos)} loss spike(s) (> {LOSS_SPIKE_Z:g} std and > {LOSS_SPIKE_RATIO:g}x the mean of the previous "
-        f"up to {LOSS_WINDOW} losses) at step(s) {_steps_text(steps)}; largest at step {log.steps[int(idx[big])]}: "
+        f"{len(pos)} loss spike(s) (> {LOSS_SPIKE_Z:g} std and > {LOSS_SPIKE_RATIO:g}x the mean of the previous "  # noqa: E501
+        f"up to {LOSS_WINDOW} losses) at step(s) {_steps_text(steps)}; largest at step {log.steps[int(idx[big])]}: "  # noqa: E501
         f"loss {_num(float(x[big]))} against a rolling mean {_num(float(mean[big]))}"
     )
     return {
@@ -691,8 +719,9 @@ def _clipping(
 ) -> dict[str, Any]:
     n = len(log)
     clipped = sum(log.clipped)
-    bounds = [b for b in log.max_norm if not math.isnan(b)]
-    used = bounds[-1] if bounds else None
+    mn = _t(log.max_norm)
+    bounds = mn[~torch.isnan(mn)]
+    used = float(bounds[-1]) if bounds.numel() else None
     out: dict[str, Any] = {
         "recorded": log.has_clipping,
         "clipped": clipped,
@@ -713,18 +742,22 @@ def _clipping(
             out["advice"] = f"no norm clipping, and the run went wrong: use max_norm={sug}"
         return out
     bad_rows = [f["values"].get("row") for f in findings if f["verdict"] in ("exploding", "spikes")]
-    unclipped_bad = any(r is not None and not log.clipped[r] and math.isfinite(log.total_norm[r]) for r in bad_rows)
+    unclipped_bad = any(
+        r is not None and not log.clipped[r] and math.isfinite(log.total_norm[r]) for r in bad_rows
+    )
     if out["clipped_fraction"] > TIGHT_FRACTION:
         out["assessment"] = "too tight"
         out["advice"] = (
-            f"max_norm {_num(used)} clipped {100 * out['clipped_fraction']:.0f}% of the updates: at that rate "
+            f"max_norm {_num(used)} clipped {100 * out['clipped_fraction']:.0f}% of the updates: at that rate "  # noqa: E501
             f"it acts as a smaller learning rate; suggested max_norm {sug}"
         )
     elif verdict in ("exploding", "spikes") and (
         unclipped_bad or (suggested is not None and used > LOOSE_RATIO * suggested)
     ):
         out["assessment"] = "too loose"
-        out["advice"] = f"max_norm {_num(used)} did not bound the updates that went wrong; suggested max_norm {sug}"
+        out["advice"] = (
+            f"max_norm {_num(used)} did not bound the updates that went wrong; suggested max_norm {sug}"
+        )
     else:
         out["assessment"] = "fine"
         out["advice"] = (
@@ -745,21 +778,21 @@ def _suggestions(norms: Tensor) -> list[dict[str, Any]]:
     return [
         {
             "name": "autoclip",
-            "rule": f"the {AUTOCLIP_PERCENTILE:g}th percentile of the {n} finite norms (AutoClip, Seetharaman et al. 2020)",
+            "rule": f"the {AUTOCLIP_PERCENTILE:g}th percentile of the {n} finite norms (AutoClip, Seetharaman et al. 2020)",  # noqa: E501
             "value": percentile(norms, AUTOCLIP_PERCENTILE),
             "low": None,
             "high": None,
         },
         {
             "name": "pascanu",
-            "rule": f"{PASCANU_LOW:g} to {PASCANU_HIGH:g} times the mean norm {_num(mean)} (Pascanu et al. 2013)",
+            "rule": f"{PASCANU_LOW:g} to {PASCANU_HIGH:g} times the mean norm {_num(mean)} (Pascanu et al. 2013)",  # noqa: E501
             "value": None,
             "low": PASCANU_LOW * mean,
             "high": PASCANU_HIGH * mean,
         },
         {
             "name": "zclip",
-            "rule": f"mean {_num(mean)} + {ZCLIP_Z:g} x std {_num(std)} (a static ZClip bound, Kumar et al. 2025)",
+            "rule": f"mean {_num(mean)} + {ZCLIP_Z:g} x std {_num(std)} (a static ZClip bound, Kumar et al. 2025)",  # noqa: E501
             "value": mean + ZCLIP_Z * std if math.isfinite(mean + ZCLIP_Z * std) else math.inf,
             "low": None,
             "high": None,
@@ -775,7 +808,9 @@ def _summary(
     given = loss[~torch.isnan(loss)]
     fin_loss = given[torch.isfinite(given)]
     k = block(int(fin_loss.numel())) if fin_loss.numel() else 0
-    bounds = [b for b in log.max_norm if math.isfinite(b)]
+    mn = _t(log.max_norm)
+    fin = mn[torch.isfinite(mn)]
+    bounds = [float(fin.min()), float(fin.max()), float(fin[-1])] if fin.numel() else []
     return {
         "updates": n,
         "first_step": log.steps[0],
@@ -790,8 +825,8 @@ def _summary(
         "norm_min": float(x.min()) if x.numel() else None,
         "norm_median": _median(x) if x.numel() else None,
         "norm_max": float(x.max()) if x.numel() else None,
-        "max_norm": {"min": min(bounds), "max": max(bounds), "last": bounds[-1]} if bounds else None,
-        "max_norm_unbounded": any(math.isinf(b) for b in log.max_norm),
+        "max_norm": {"min": bounds[0], "max": bounds[1], "last": bounds[2]} if bounds else None,
+        "max_norm_unbounded": bool(torch.isinf(mn).any()),
         "losses": int(given.numel()),
         "loss_start": _start(fin_loss) if k else None,
         "loss_end": _median(fin_loss[-k:]) if k else None,

@@ -54,9 +54,9 @@ class StepStats:
     """
 
     __slots__ = (
+        "_bad_row",
         "_clip_coef",
         "_clipped",
-        "_bad_row",
         "_loss",
         "_lr",
         "_max_norm",

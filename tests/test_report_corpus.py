@@ -49,7 +49,10 @@ def train(
     torch.manual_seed(0)
     net = model if model is not None else _mlp()
     opt = ClippedOptimizer(
-        make_opt(net), max_norm=max_norm, param_names=net.named_parameters(), layer_stats=layer_stats,
+        make_opt(net),
+        max_norm=max_norm,
+        param_names=net.named_parameters(),
+        layer_stats=layer_stats,
         loggers=[CSVLogger(path)],
     )
     losses = []
@@ -84,19 +87,42 @@ def _deep_sigmoid() -> torch.nn.Module:
 #: name -> (train kwargs, expected verdict, expected step or None, expected layer or None)
 CORPUS: dict[str, tuple[dict[str, Any], str, int | None, str | None]] = {
     "healthy-sgd": ({"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.05)}, "healthy", None, None),
-    "healthy-adamw": ({"make_opt": lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3)}, "healthy", None, None),
+    "healthy-adamw": (
+        {"make_opt": lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3)},
+        "healthy",
+        None,
+        None,
+    ),
     "healthy-momentum": (
-        {"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.02, momentum=0.9)}, "healthy", None, None
+        {"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.02, momentum=0.9)},
+        "healthy",
+        None,
+        None,
     ),
     "healthy-clipped": (
-        {"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.3), "max_norm": 0.5}, "healthy", None, None
+        {"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.3), "max_norm": 0.5},
+        "healthy",
+        None,
+        None,
     ),
-    "early-blowup": ({"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=1.0)}, "exploding", None, None),
+    "early-blowup": (
+        {"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=1.0)},
+        "exploding",
+        None,
+        None,
+    ),
     "corrupted-batches": (
-        {"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.02), "corrupt": _corrupted}, "spikes", 80, None
+        {"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.02), "corrupt": _corrupted},
+        "spikes",
+        80,
+        None,
     ),
     "loss-spikes-clipped": (
-        {"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.05), "max_norm": 1.0, "corrupt": _bad_labels},
+        {
+            "make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
+            "max_norm": 1.0,
+            "corrupt": _bad_labels,
+        },
         "spikes",
         90,
         None,
@@ -157,12 +183,10 @@ def test_early_blowup_is_real(corpus: dict[str, tuple[Path, list[float]]]) -> No
 def test_suggested_max_norm_makes_the_exploding_run_train(
     corpus: dict[str, tuple[Path, list[float]]], tmp_path: Path
 ) -> None:
-    """Re-training the exploding run with the suggested max_norm stays finite and ends below its start loss."""
+    """Re-training the exploding run with the suggested max_norm stays finite and ends below its start loss."""  # noqa: E501
     report = analyze(read_log(corpus["early-blowup"][0]))
     suggested = report["suggested_max_norm"]
     assert report["clipping"]["assessment"] == "missing"
-    losses = train(
-        tmp_path / "retrained.csv", CORPUS["early-blowup"][0]["make_opt"], max_norm=suggested
-    )
+    losses = train(tmp_path / "retrained.csv", CORPUS["early-blowup"][0]["make_opt"], max_norm=suggested)
     assert all(math.isfinite(v) for v in losses)
     assert sum(losses[-20:]) / 20 < losses[0]

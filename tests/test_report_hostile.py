@@ -31,11 +31,23 @@ def _cli(path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[i
         (b"\x00\x01\x02PK\x03\x04" + bytes(range(256)) * 4, "is not a text file (binary data)"),
         (bytes(range(128, 256)) * 30, "is not a text file (binary data)"),
         (HEADER.encode(), "has a header but no row with a gradient norm yet"),
-        (b"epoch,accuracy\n1,0.5\n", "has no gradient-norm column; expected a step column and a gradient-norm"),
+        (
+            b"epoch,accuracy\n1,0.5\n",
+            "has no gradient-norm column; expected a step column and a gradient-norm",
+        ),
         ((_rows(["1.0", "abc", "1.0"])).encode(), "line 3: column total_norm holds 'abc', not a number"),
-        ((_rows(["1.0"]) + "x,1,1.0,1.0,0,0,,,0.1,\n").encode(), "line 3: column step holds 'x', not a number"),
-        ((_rows(["1.0"]) + "2.5,1,1.0,1.0,0,0,,,0.1,\n").encode(), "line 3: step must be an integer, got '2.5'"),
-        ((_rows(["1.0"]) + "2,1\n" + "3,1,1.0,1.0,0,0,,,0.1,\n").encode(), "line 3: 2 cells where the header has 10"),
+        (
+            (_rows(["1.0"]) + "x,1,1.0,1.0,0,0,,,0.1,\n").encode(),
+            "line 3: column step holds 'x', not a number",
+        ),
+        (
+            (_rows(["1.0"]) + "2.5,1,1.0,1.0,0,0,,,0.1,\n").encode(),
+            "line 3: step must be an integer, got '2.5'",
+        ),
+        (
+            (_rows(["1.0"]) + "2,1\n" + "3,1,1.0,1.0,0,0,,,0.1,\n").encode(),
+            "line 3: 2 cells where the header has 10",
+        ),
         (b"{not json", "is not valid JSON"),
         (b'{"log_history": [{"step": 1, "loss": 2.0}]}', "has no 'grad_norm' in its log_history"),
         (b'["a"]', "is JSON without a 'log_history' list"),
@@ -83,7 +95,9 @@ def test_byte_order_mark_is_read(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 @pytest.mark.parametrize("big", ["1e200", "1e308", "1.7976931348623157e308"])
-def test_huge_finite_norms_give_a_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str], big: str) -> None:
+def test_huge_finite_norms_give_a_verdict(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], big: str
+) -> None:
     """Finite but huge norms (no overflow in the statistics): exploding, and valid JSON."""
     norms = ["1.0", "1.1", "0.9"] * 10 + [big] * 10
     path = tmp_path / "huge.csv"
@@ -107,7 +121,9 @@ def test_huge_norms_everywhere(tmp_path: Path) -> None:
 def test_nan_inf_cells_and_text_losses(tmp_path: Path) -> None:
     """nan/inf norms are non-finite updates; a non-finite loss reads as inf; a text loss is an error line."""
     path = tmp_path / "g.csv"
-    body = "".join(f"{i},1,{'nan' if i == 20 else '-inf' if i == 21 else 1.0},1,0,0,,,0.1,{2.0}\n" for i in range(1, 41))
+    body = "".join(
+        f"{i},1,{'nan' if i == 20 else '-inf' if i == 21 else 1.0},1,0,0,,,0.1,{2.0}\n" for i in range(1, 41)
+    )
     path.write_text(HEADER + body.replace("40,1,1.0,1,0,0,,,0.1,2.0", "40,1,1.0,1,0,0,,,0.1,nan"))
     log = read_log(path)
     assert log.loss[-1] == math.inf

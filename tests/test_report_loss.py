@@ -94,7 +94,11 @@ def test_closure_return_value_is_the_loss() -> None:
 @pytest.mark.parametrize(
     ("loss", "error", "match"),
     [
-        (torch.ones(2), ValueError, r"loss must be a one-element tensor or a float, got a tensor of shape \(2,\)"),
+        (
+            torch.ones(2),
+            ValueError,
+            r"loss must be a one-element tensor or a float, got a tensor of shape \(2,\)",
+        ),
         ("1.0", TypeError, "loss must be a 0-d tensor or a float, got str"),
         (True, TypeError, "loss must be a 0-d tensor or a float, got bool"),
     ],
@@ -128,7 +132,8 @@ def test_fused_update_with_loss_reads_nothing(give_loss: bool) -> None:
 
 
 def test_mid_window_checkpoint_keeps_the_partial_loss() -> None:
-    """A state dict taken mid-window carries the loss sum: the resumed window's loss equals the unbroken one."""
+    """A state dict taken mid-window carries the loss sum: the resumed window's loss equals the unbroken one."""  # noqa: E501
+
     def run(stop: bool) -> float:
         model = _model()
         opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), accumulation_steps=3)
@@ -166,7 +171,9 @@ def test_tensorboard_gets_the_loss_scalar(tmp_path: Path) -> None:
     from clipopt import TensorBoardLogger
 
     model = _model()
-    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), loggers=[TensorBoardLogger(tmp_path)])
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), loggers=[TensorBoardLogger(tmp_path)]
+    )
     loss = _loss(model, 0)
     loss.backward()
     opt.step(loss=loss)
