@@ -945,7 +945,8 @@ class ClippedOptimizer(Optimizer):
         unsynced = Unsynced.from_dict(
             ext.get("unsynced") if isinstance(ext, dict) else None, wrapper[0].micro_batches if wrapper else 0
         )
-        loss_sum = LossSum.from_dict(ext, wrapper[0].micro_batches) if wrapper and isinstance(ext, dict) else LossSum()
+        pending_loss = wrapper is not None and isinstance(ext, dict)
+        loss_sum = LossSum.from_dict(ext, wrapper[0].micro_batches) if pending_loss else LossSum()  # type: ignore[index, arg-type]
         inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
         with restore_on_failure(self.optimizer), keep_group_keys(self.optimizer):
             self.optimizer.load_state_dict(inner_sd)
