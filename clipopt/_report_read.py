@@ -52,6 +52,7 @@ _LIGHTNING_TOTAL = re.compile(r"grad_(?:[0-9.]+|inf)_norm_total")
 _LIGHTNING_LAYER = re.compile(r"grad_(?:[0-9.]+|inf)_norm/(.+)")
 _NOT_TRAIN = ("val", "eval", "test", "valid")
 _NAN = math.nan
+_FLAGS = {"0": 0, "1": 1, "": 0, "True": 1, "False": 0, "true": 1, "false": 0, "0.0": 0, "1.0": 1}
 #: How many bytes of the file's start are checked for binary content.
 _SNIFF = 4096
 _EXPECTED = (
@@ -270,8 +271,8 @@ class _Parser:
         self.layer_first = sorted(i for _, _, i in self.layer_cells)
         for n in self.layer_names:
             log.layers[n] = {f: array("d") for f in LAYER_FIELDS}
-        self.by_step: dict[int, int] = {}  # step -> row, for merging sparse rows (Lightning)
-        self.pending_loss: dict[int, float] = {}  # losses of steps whose norm row is not read yet
+        self.pending_loss: dict[int, float] = {}  # losses of sparse rows whose norm row is not read yet
+        self.n_rows = [0]
 
     def number(self, lineno: int, i: int, text: str) -> float:
         try:
@@ -283,26 +284,96 @@ class _Parser:
             ) from None
 
     def run(self, rows: Iterator[list[str]]) -> None:
+        """Every row: a fast path for well-formed rows, :meth:`row` (exact errors, sparse rows) otherwise."""
         torn: tuple[int, int] | None = None
+        width, fast = self.width, self.fast_row()
         for lineno, row in enumerate(rows, start=2):
-            if not row:
-                continue
-            if torn is not None:
-                raise ValueError(
-                    f"{self.name}, line {torn[0]}: {torn[1]} cells where the header has {self.width}"
-                )
-            if len(row) != self.width:
+            if len(row) != width:
+                if not row:
+                    continue
+                if torn is not None:
+                    break
                 torn = (lineno, len(row))
                 continue
-            self.row(lineno, row)
-        if torn is not None:
-            self.log.notes.append(
-                f"the last row (line {torn[0]}) has {torn[1]} of {self.width} cells "
-                "(a run stopped while writing?); it was ignored"
-            )
-        self.finish()
+            if torn is not None:
+                break
+            try:
+                fast(row)
+            except (ValueError, KeyError):
+                self.row(lineno, row)
+        else:
+            if torn is not None:
+                self.log.notes.append(
+                    f"the last row (line {torn[0]}) has {torn[1]} of {self.width} cells "
+                    "(a run stopped while writing?); it was ignored"
+                )
+            self.finish()
+            return
+        assert torn is not None
+        raise ValueError(f"{self.name}, line {torn[0]}: {torn[1]} cells where the header has {self.width}")
+
+    def fast_row(self) -> Any:
+        """A row reader for the common case (every cell well-formed, the norm present); raises
+        ValueError/KeyError, before appending anything, on anything else."""
+        c, log = self.cols, self.log
+        nan, inf = _NAN, math.inf
+        si, ni, li, ri = c.step, c.norm, c.loss, c.reason
+        lri, mi, cci, cli, ski = c.lr, c.max_norm, c.clip_coef, c.clipped, c.skipped
+        steps, norms, losses, lrs = log.steps.append, log.total_norm.append, log.loss.append, log.lr.append
+        maxes, coefs = log.max_norm.append, log.clip_coef.append
+        clipped, skipped, reasons = log.clipped.append, log.skipped.append, log.reason
+        flags = _FLAGS
+        pending = self.pending_loss
+        layer_idx = sorted(self.layer_first)
+        contiguous = bool(layer_idx) and layer_idx == list(range(layer_idx[0], layer_idx[-1] + 1))
+        lo, hi = (layer_idx[0], layer_idx[-1] + 1) if layer_idx else (0, 0)
+        flat = [self.cols.layers[n].get(f, -1) for n in self.layer_names for f in LAYER_FIELDS]
+        add_layers = self.add_layers
+        n_rows = [0]
+
+        def fast(row: list[str]) -> None:
+            row.append("")  # absent columns have index -1: they read this empty cell
+            step = int(row[si]) if si >= 0 else n_rows[0] + 1
+            norm = float(row[ni])
+            t = row[li]
+            loss = float(t) if t else nan
+            if t and not -inf < loss < inf:
+                loss = inf
+            t = row[lri]
+            lr = float(t) if t else nan
+            t = row[mi]
+            mn = float(t) if t else nan
+            t = row[cci]
+            coef = float(t) if t else nan
+            clip, skip = flags[row[cli]], flags[row[ski]]
+            if not layer_idx:
+                has_layers = False
+            else:
+                has_layers = any(row[lo:hi]) if contiguous else any(row[i] for i in layer_idx)
+            layer_values = [float(t) if (t := row[i]) else nan for i in flat] if has_layers else None
+            if pending and loss != loss:
+                loss = pending.pop(step, nan)
+            n = n_rows[0]
+            steps(step)
+            norms(norm)
+            losses(loss)
+            lrs(lr)
+            maxes(mn)
+            coefs(coef)
+            clipped(clip)
+            skipped(skip)
+            if t := row[ri]:
+                reasons[n] = t.strip()
+            n_rows[0] = n + 1
+            if layer_values is not None:
+                add_layers(n, layer_values)
+
+        self.n_rows = n_rows
+        return fast
 
     def row(self, lineno: int, row: list[str]) -> None:
+        """One row the fast path refused: exact error messages, sparse (Lightning) rows merged."""
+        del row[self.width :]  # the fast path's padding cell
         c, log = self.cols, self.log
         if c.step >= 0:
             text = row[c.step]
@@ -325,13 +396,12 @@ class _Parser:
                 loss = math.inf
         if not norm_text.strip():  # a sparse row (Lightning): keep its loss for the step's norm row
             if not math.isnan(loss):
-                at = self.by_step.get(step)
-                if at is not None and math.isnan(log.loss[at]):
-                    log.loss[at] = loss
+                if log.steps and log.steps[-1] == step and math.isnan(log.loss[-1]):
+                    log.loss[-1] = loss
                 else:
                     self.pending_loss[step] = loss
             return
-        self.by_step[step] = len(log.steps)
+        self.n_rows[0] += 1
         log.steps.append(step)
         log.total_norm.append(self.number(lineno, c.norm, norm_text))
         log.loss.append(self.pending_loss.pop(step, loss) if math.isnan(loss) else loss)
@@ -360,6 +430,15 @@ class _Parser:
             f"{self.name}, line {lineno}: column {self.header[i]} must be 0 or 1, got {text[:40]!r}"
         )
 
+    def add_layers(self, at: int, values: list[float]) -> None:
+        """Append one per-layer row (``values``: every layer's LAYER_FIELDS, in order) for row ``at``."""
+        self.log.layer_rows.append(at)
+        k = len(LAYER_FIELDS)
+        for j, n in enumerate(self.layer_names):
+            out = self.log.layers[n]
+            for m, f in enumerate(LAYER_FIELDS):
+                out[f].append(values[j * k + m])
+
     def layer_row(self, lineno: int, row: list[str]) -> None:
         self.log.layer_rows.append(len(self.log.steps) - 1)
         for n in self.layer_names:
@@ -370,11 +449,14 @@ class _Parser:
                 out[f].append(self.optional(lineno, i, row) if i >= 0 else _NAN)
 
     def finish(self) -> None:
-        log = self.log
-        for step, loss in self.pending_loss.items():  # a loss row after its norm row was merged on read
-            at = self.by_step.get(step)
-            if at is not None and math.isnan(log.loss[at]):
-                log.loss[at] = loss
+        """Losses of sparse rows that came after their step's norm row (and not right after it)."""
+        log, pending = self.log, self.pending_loss
+        if not pending:
+            return
+        for at in range(len(log.steps)):
+            step = log.steps[at]
+            if step in pending and math.isnan(log.loss[at]):
+                log.loss[at] = pending.pop(step)
 
 
 # ---------------------------------------------------------------------------- records (JSON, TensorBoard)
