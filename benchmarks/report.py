@@ -17,6 +17,8 @@ import time
 import tracemalloc
 from pathlib import Path
 
+import torch
+
 from clipopt._report import analyze, format_report, read_log
 
 HEADER = "step,micro_batches,total_norm,clip_coef,clipped,skipped,reason,max_norm,lr,loss"
@@ -44,6 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=1_000_000)
     args = parser.parse_args()
+    torch.set_num_threads(1)  # as `clipopt report` does
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "grads.csv"
         write(path, args.rows)

@@ -99,7 +99,11 @@ def _add_report(subparsers: _Subparsers) -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
+    import torch
+
     from ._report import analyze, format_json, format_report, plot_log, read_log
+
+    torch.set_num_threads(1)  # this process only: the report's columns are small, threads only contend
 
     try:
         log = read_log(args.csv)

@@ -25,6 +25,7 @@ that was recorded but not finite reads as ``inf``.
 from __future__ import annotations
 
 import csv
+import gc
 import glob
 import json
 import math
@@ -32,8 +33,11 @@ import os
 import re
 from array import array
 from collections.abc import Iterable, Iterator
+from itertools import islice
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from ._layers import LAYER_FIELDS
 
@@ -52,6 +56,8 @@ _LIGHTNING_TOTAL = re.compile(r"grad_(?:[0-9.]+|inf)_norm_total")
 _LIGHTNING_LAYER = re.compile(r"grad_(?:[0-9.]+|inf)_norm/(.+)")
 _NOT_TRAIN = ("val", "eval", "test", "valid")
 _NAN = math.nan
+#: Rows converted column by column at once.
+_CHUNK = 16384
 _FLAGS = {"0": 0, "1": 1, "": 0, "True": 1, "False": 0, "true": 1, "false": 0, "0.0": 0, "1.0": 1}
 #: How many bytes of the file's start are checked for binary content.
 _SNIFF = 4096
@@ -82,7 +88,6 @@ class GradLog:
     loss: array[float] = field(default_factory=lambda: array("d"))
     lr: array[float] = field(default_factory=lambda: array("d"))
     max_norm: array[float] = field(default_factory=lambda: array("d"))
-    clip_coef: array[float] = field(default_factory=lambda: array("d"))
     clipped: bytearray = field(default_factory=bytearray)
     skipped: bytearray = field(default_factory=bytearray)
     reason: dict[int, str] = field(default_factory=dict)
@@ -171,7 +176,6 @@ class _Columns:
     loss: int = -1
     lr: int = -1
     max_norm: int = -1
-    clip_coef: int = -1
     clipped: int = -1
     skipped: int = -1
     reason: int = -1
@@ -218,7 +222,7 @@ def _columns(name: str, header: list[str]) -> _Columns:
     if lr < 0:
         lr = next((i for i, c in enumerate(header) if c.startswith(("lr-", "lr/"))), -1)
     cols = _Columns(step, norm, loss, lr)
-    for key in ("max_norm", "clip_coef", "clipped", "skipped", "reason"):
+    for key in ("max_norm", "clipped", "skipped", "reason"):
         setattr(cols, key, _pick(header, (key,)))
     for i, col in enumerate(header):
         base, _, fld = col.rpartition(".")
@@ -229,17 +233,21 @@ def _columns(name: str, header: list[str]) -> _Columns:
     return cols
 
 
-def _open_text(name: str) -> Iterator[list[str]]:
-    """CSV rows of ``name`` (a UTF-8 byte-order mark is dropped, undecodable bytes replaced)."""
-    with open(name, newline="", encoding="utf-8-sig", errors="replace") as f:
-        try:
-            yield from csv.reader(f)
-        except csv.Error as exc:
-            raise ValueError(f"{name} is not readable as CSV ({exc}); expected {_EXPECTED}") from None
-
-
 def _read_csv(name: str) -> GradLog:
-    rows = _open_text(name)
+    """A UTF-8 byte-order mark is dropped and undecodable bytes replaced; csv errors become one line."""
+    enabled = gc.isenabled()
+    gc.disable()  # millions of short-lived row lists: the cyclic collector would scan them again and again
+    try:
+        with open(name, newline="", encoding="utf-8-sig", errors="replace") as f:
+            return _read_csv_rows(name, csv.reader(f))
+    except csv.Error as exc:
+        raise ValueError(f"{name} is not readable as CSV ({exc}); expected {_EXPECTED}") from None
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _read_csv_rows(name: str, rows: Iterator[list[str]]) -> GradLog:
     header = next((r for r in rows if r), None)
     if header is None:
         raise ValueError(f"{name} is empty; expected a training log with {_EXPECTED}")
@@ -272,7 +280,7 @@ class _Parser:
         for n in self.layer_names:
             log.layers[n] = {f: array("d") for f in LAYER_FIELDS}
         self.pending_loss: dict[int, float] = {}  # losses of sparse rows whose norm row is not read yet
-        self.n_rows = [0]
+        self.flat = [cols.layers[n].get(f, -1) for n in self.layer_names for f in LAYER_FIELDS]
 
     def number(self, lineno: int, i: int, text: str) -> float:
         try:
@@ -284,96 +292,96 @@ class _Parser:
             ) from None
 
     def run(self, rows: Iterator[list[str]]) -> None:
-        """Every row: a fast path for well-formed rows, :meth:`row` (exact errors, sparse rows) otherwise."""
-        torn: tuple[int, int] | None = None
-        width, fast = self.width, self.fast_row()
-        for lineno, row in enumerate(rows, start=2):
-            if len(row) != width:
-                if not row:
+        """Every row, in chunks: whole columns converted at once (:meth:`fast_chunk`) when every row of
+        the chunk is well-formed; row by row (:meth:`row`: exact errors, sparse rows) otherwise."""
+        self.torn: tuple[int, int] | None = None
+        lineno = 2
+        while chunk := list(islice(rows, _CHUNK)):
+            width = self.width
+            if self.torn is None and set(map(len, chunk)) == {width}:
+                try:
+                    self.fast_chunk(chunk)
+                    lineno += len(chunk)
                     continue
-                if torn is not None:
-                    break
-                torn = (lineno, len(row))
-                continue
-            if torn is not None:
-                break
-            try:
-                fast(row)
-            except (ValueError, KeyError):
-                self.row(lineno, row)
-        else:
-            if torn is not None:
-                self.log.notes.append(
-                    f"the last row (line {torn[0]}) has {torn[1]} of {self.width} cells "
-                    "(a run stopped while writing?); it was ignored"
-                )
-            self.finish()
+                except (ValueError, KeyError):
+                    pass
+            for row in chunk:
+                self.one(lineno, row)
+                lineno += 1
+        if self.torn is not None:
+            self.log.notes.append(
+                f"the last row (line {self.torn[0]}) has {self.torn[1]} of {self.width} cells "
+                "(a run stopped while writing?); it was ignored"
+            )
+        self.finish()
+
+    def one(self, lineno: int, row: list[str]) -> None:
+        if not row:
             return
-        assert torn is not None
-        raise ValueError(f"{self.name}, line {torn[0]}: {torn[1]} cells where the header has {self.width}")
+        if self.torn is not None:
+            raise ValueError(f"{self.name}, line {self.torn[0]}: {self.torn[1]} cells where the header has {self.width}")
+        if len(row) != self.width:
+            self.torn = (lineno, len(row))
+            return
+        self.row(lineno, row)
 
-    def fast_row(self) -> Any:
-        """A row reader for the common case (every cell well-formed, the norm present); raises
-        ValueError/KeyError, before appending anything, on anything else."""
+    def fast_chunk(self, chunk: list[list[str]]) -> None:
+        """Convert the chunk's columns with C-level loops; raise (ValueError/KeyError) before appending
+        anything when a cell is not well-formed, so :meth:`row` can say exactly where."""
         c, log = self.cols, self.log
-        nan, inf = _NAN, math.inf
-        si, ni, li, ri = c.step, c.norm, c.loss, c.reason
-        lri, mi, cci, cli, ski = c.lr, c.max_norm, c.clip_coef, c.clipped, c.skipped
-        steps, norms, losses, lrs = log.steps.append, log.total_norm.append, log.loss.append, log.lr.append
-        maxes, coefs = log.max_norm.append, log.clip_coef.append
-        clipped, skipped, reasons = log.clipped.append, log.skipped.append, log.reason
-        flags = _FLAGS
-        pending = self.pending_loss
-        layer_idx = sorted(self.layer_first)
-        contiguous = bool(layer_idx) and layer_idx == list(range(layer_idx[0], layer_idx[-1] + 1))
-        lo, hi = (layer_idx[0], layer_idx[-1] + 1) if layer_idx else (0, 0)
-        flat = [self.cols.layers[n].get(f, -1) for n in self.layer_names for f in LAYER_FIELDS]
-        add_layers = self.add_layers
-        n_rows = [0]
+        n0 = len(log.steps)
 
-        def fast(row: list[str]) -> None:
-            row.append("")  # absent columns have index -1: they read this empty cell
-            step = int(row[si]) if si >= 0 else n_rows[0] + 1
-            norm = float(row[ni])
-            t = row[li]
-            loss = float(t) if t else nan
-            if t and not -inf < loss < inf:
-                loss = inf
-            t = row[lri]
-            lr = float(t) if t else nan
-            t = row[mi]
-            mn = float(t) if t else nan
-            t = row[cci]
-            coef = float(t) if t else nan
-            clip, skip = flags[row[cli]], flags[row[ski]]
-            if not layer_idx:
-                has_layers = False
-            else:
-                has_layers = any(row[lo:hi]) if contiguous else any(row[i] for i in layer_idx)
-            layer_values = [float(t) if (t := row[i]) else nan for i in flat] if has_layers else None
-            if pending and loss != loss:
-                loss = pending.pop(step, nan)
-            n = n_rows[0]
-            steps(step)
-            norms(norm)
-            losses(loss)
-            lrs(lr)
-            maxes(mn)
-            coefs(coef)
-            clipped(clip)
-            skipped(skip)
-            if t := row[ri]:
-                reasons[n] = t.strip()
-            n_rows[0] = n + 1
-            if layer_values is not None:
-                add_layers(n, layer_values)
+        def col(i: int) -> list[str]:
+            return [r[i] for r in chunk]
 
-        self.n_rows = n_rows
-        return fast
+        steps = array("q", map(int, col(c.step))) if c.step >= 0 else array("q", range(n0 + 1, n0 + 1 + len(chunk)))
+        norms = array("d", map(float, col(c.norm)))
+        loss = self.floats(c.loss, chunk, recorded_inf=True)
+        lr, max_norm = (self.floats(i, chunk) for i in (c.lr, c.max_norm))
+        flags = _FLAGS.__getitem__
+        clipped = bytearray(map(flags, col(c.clipped))) if c.clipped >= 0 else bytearray(len(chunk))
+        skipped = bytearray(map(flags, col(c.skipped))) if c.skipped >= 0 else bytearray(len(chunk))
+        reasons = [(n0 + k, t.strip()) for k, t in enumerate(col(c.reason)) if t] if c.reason >= 0 else []
+        layer_rows: list[tuple[int, list[float]]] = []
+        if self.layer_first:
+            first, last = self.layer_first[0], self.layer_first[-1]
+            flat = self.flat
+            marked = [k for k, r in enumerate(chunk) if r[first] or r[last]]
+            for k in marked:
+                r = chunk[k]
+                layer_rows.append((n0 + k, [float(r[i]) if i >= 0 and r[i] else _NAN for i in flat]))
+        if self.pending_loss:
+            raise ValueError("sparse rows pending: merge row by row")
+        log.steps.extend(steps)
+        log.total_norm.extend(norms)
+        log.loss.extend(loss)
+        log.lr.extend(lr)
+        log.max_norm.extend(max_norm)
+        log.clipped.extend(clipped)
+        log.skipped.extend(skipped)
+        log.reason.update(reasons)
+        for at, values in layer_rows:
+            self.add_layers(at, values)
+
+    @staticmethod
+    def floats(i: int, chunk: list[list[str]], recorded_inf: bool = False) -> array[float]:
+        """Column ``i`` as floats, empty cells ``nan`` (``recorded_inf``: a written non-finite value is inf)."""
+        if i < 0:
+            return array("d", [_NAN]) * len(chunk)
+        cells = [r[i] for r in chunk]
+        try:
+            out = array("d", map(float, cells))
+        except ValueError:
+            out = array("d", [float(t) if t else _NAN for t in cells])
+        if recorded_inf and len(out):
+            values = torch.frombuffer(out, dtype=torch.float64)
+            for k in (~torch.isfinite(values)).nonzero().flatten().tolist():
+                if cells[k]:
+                    out[k] = math.inf
+        return out
 
     def row(self, lineno: int, row: list[str]) -> None:
         """One row the fast path refused: exact error messages, sparse (Lightning) rows merged."""
-        del row[self.width :]  # the fast path's padding cell
         c, log = self.cols, self.log
         if c.step >= 0:
             text = row[c.step]
@@ -401,13 +409,11 @@ class _Parser:
                 else:
                     self.pending_loss[step] = loss
             return
-        self.n_rows[0] += 1
         log.steps.append(step)
         log.total_norm.append(self.number(lineno, c.norm, norm_text))
         log.loss.append(self.pending_loss.pop(step, loss) if math.isnan(loss) else loss)
         log.lr.append(self.optional(lineno, c.lr, row))
         log.max_norm.append(self.optional(lineno, c.max_norm, row))
-        log.clip_coef.append(self.optional(lineno, c.clip_coef, row))
         log.clipped.append(self.flag(lineno, c.clipped, row))
         log.skipped.append(self.flag(lineno, c.skipped, row))
         if c.reason >= 0 and (reason := row[c.reason].strip()):
@@ -468,7 +474,7 @@ def _from_records(
     records: dict[int, dict[str, float]],
     layers: dict[str, dict[int, dict[str, float]]],
 ) -> GradLog:
-    """A GradLog from step -> {"norm", "loss", "lr", "max_norm", "clip_coef", "clipped", "skipped"}."""
+    """A GradLog from step -> {"norm", "loss", "lr", "max_norm", "clipped", "skipped"}."""
     log = GradLog(name, source)
     index: dict[int, int] = {}
     for step in sorted(records):
@@ -482,7 +488,6 @@ def _from_records(
         log.loss.append(loss if math.isnan(loss) or math.isfinite(loss) else math.inf)
         log.lr.append(rec.get("lr", _NAN))
         log.max_norm.append(rec.get("max_norm", _NAN))
-        log.clip_coef.append(rec.get("clip_coef", _NAN))
         log.clipped.append(1 if rec.get("clipped", 0.0) > 0.5 else 0)
         skipped = rec.get("skipped", 0.0) > 0.5
         log.skipped.append(1 if skipped else 0)
@@ -558,7 +563,6 @@ def _read_tensorboard(name: str) -> GradLog:
         "loss": _tag(scalars, ("clipopt/loss", *LOSS_NAMES), ("/loss", "train_loss")),
         "lr": _tag(scalars, ("clipopt/lr", *LR_NAMES), ("/learning_rate", "/lr")),
         "max_norm": _tag(scalars, ("clipopt/max_norm",), ()),
-        "clip_coef": _tag(scalars, ("clipopt/clip_coef",), ()),
         "clipped": _tag(scalars, ("clipopt/clipped",), ()),
         "skipped": _tag(scalars, ("clipopt/skipped",), ()),
     }

@@ -181,15 +181,18 @@ def _t(values: array[float] | list[float]) -> Tensor:
 
 
 def percentile(values: Tensor | list[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) by linear interpolation, as ``numpy.percentile`` by default."""
+    """The ``q``-th percentile (0..100) by linear interpolation, as ``numpy.percentile`` by default.
+
+    Two selections (``torch.kthvalue``), not a sort: a few milliseconds on a million values."""
     x = values if isinstance(values, Tensor) else torch.tensor(values, dtype=torch.float64)
-    if x.numel() == 0:
+    n = x.numel()
+    if n == 0:
         raise ValueError("percentile of no values")
-    return (
-        float(torch.quantile(x, q / 100.0))
-        if x.numel() <= 16_000_000
-        else float(x.sort().values[min(x.numel() - 1, round((x.numel() - 1) * q / 100.0))])
-    )
+    pos = (n - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    a = float(torch.kthvalue(x, lo + 1).values)
+    b = a if hi == lo else float(torch.kthvalue(x, hi + 1).values)
+    return a + (b - a) * (pos - lo) if b != a else a
 
 
 def _median(x: Tensor) -> float:
