@@ -40,16 +40,24 @@ def train(
     *,
     model: torch.nn.Module | None = None,
     max_norm: float | None = None,
-    layer_stats: int = 10,
+    layer_stats: bool | int = 10,
     corrupt: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     nan_at: tuple[int, str] | None = None,
     steps: int = STEPS,
+    scaler: torch.amp.GradScaler | None = None,
+    warmup: int = 0,
+    data: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> list[float]:
     """Train and log to ``path``; return the losses."""
     torch.manual_seed(0)
     net = model if model is not None else _mlp()
+    inner = make_opt(net)
+    sched = (
+        torch.optim.lr_scheduler.LambdaLR(inner, lambda s: min(1.0, (s + 1) / warmup)) if warmup else None
+    )
     opt = ClippedOptimizer(
-        make_opt(net),
+        inner,
+        scaler=scaler,
         max_norm=max_norm,
         param_names=net.named_parameters(),
         layer_stats=layer_stats,
@@ -57,15 +65,18 @@ def train(
     )
     losses = []
     for step in range(1, steps + 1):
-        x, y = _data(step)
+        x, y = (data or _data)(step)
         if corrupt is not None:
             x, y = corrupt(step, x, y)
-        loss = torch.nn.functional.mse_loss(net(x), y)
-        loss.backward()
+        with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
+            loss = torch.nn.functional.mse_loss(net(x).float(), y)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
         if nan_at is not None and step == nan_at[0]:
             dict(net.named_parameters())[nan_at[1]].grad.view(-1)[0] = math.nan
         opt.step(loss=loss)
         opt.zero_grad()
+        if sched is not None:
+            sched.step()
         losses.append(float(loss.detach()))
     opt.close()
     return losses
@@ -77,6 +88,21 @@ def _corrupted(step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tenso
 
 def _bad_labels(step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x, y + 25.0) if step in (90, 150) else (x, y)
+
+
+#: Full-batch linear regression: plain SGD multiplies the error by |1 - lr * lambda_max| per step.
+_X = torch.randn(64, 8, generator=torch.Generator().manual_seed(7))
+_Y = _X @ torch.linspace(-1, 1, 8).unsqueeze(1)
+_LAMBDA_MAX = float(torch.linalg.eigvalsh(2 * _X.T @ _X / len(_X)).max())
+
+
+def _full_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _X, _Y
+
+
+def _linear() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(8, 1, bias=False)
 
 
 def _deep_sigmoid() -> torch.nn.Module:
@@ -139,6 +165,32 @@ CORPUS: dict[str, tuple[dict[str, Any], str, int | None, str | None]] = {
         57,
         "4.bias",
     ),
+    "slow-growth-to-overflow": (
+        {
+            "make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=2.3 / _LAMBDA_MAX),
+            "model": _linear(),
+            "data": _full_batch,
+            "layer_stats": False,
+        },
+        "exploding",
+        None,
+        None,
+    ),
+    "gradscaler-overflows": (
+        {
+            "make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
+            "scaler": torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=20),
+        },
+        "healthy",
+        None,
+        None,
+    ),
+    "warmup": (
+        {"make_opt": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), "warmup": 50},
+        "healthy",
+        None,
+        None,
+    ),
     "vanishing-deep-sigmoid": (
         {"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.05), "model": _deep_sigmoid()},
         "vanishing",
@@ -189,4 +241,16 @@ def test_suggested_max_norm_makes_the_exploding_run_train(
     assert report["clipping"]["assessment"] == "missing"
     losses = train(tmp_path / "retrained.csv", CORPUS["early-blowup"][0]["make_opt"], max_norm=suggested)
     assert all(math.isfinite(v) for v in losses)
+    assert sum(losses[-20:]) / 20 < losses[0]
+
+
+def test_labels_of_growth_and_overflow_runs_are_true(corpus: dict[str, tuple[Path, list[float]]]) -> None:
+    """The slow-growth run's loss grows geometrically to a non-finite value; the GradScaler run had
+    overflow updates (reason 'overflow') and learned."""
+    losses = corpus["slow-growth-to-overflow"][1]
+    assert not math.isfinite(losses[-1])
+    assert all(b > a for a, b in zip(losses[20:60], losses[21:61], strict=True))
+    log = read_log(corpus["gradscaler-overflows"][0])
+    assert set(log.reason.values()) == {"overflow"} and len(log.reason) >= 3
+    losses = corpus["gradscaler-overflows"][1]
     assert sum(losses[-20:]) / 20 < losses[0]
