@@ -7,6 +7,7 @@ its truth is known by construction.  The runs are generated once per session.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from clipopt import ClippedOptimizer, CSVLogger
+from clipopt._cli import main
 from clipopt._report import analyze, read_log
 
 STEPS = 200
@@ -254,3 +256,54 @@ def test_labels_of_growth_and_overflow_runs_are_true(corpus: dict[str, tuple[Pat
     assert set(log.reason.values()) == {"overflow"} and len(log.reason) >= 3
     losses = corpus["gradscaler-overflows"][1]
     assert sum(losses[-20:]) / 20 < losses[0]
+
+
+def test_cli_json_and_text_on_a_corpus_run(
+    corpus: dict[str, tuple[Path, list[float]]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--json has verdict, findings (kind, step, layer, evidence), the suggestion and the clipped fraction;
+    the text starts with the verdict line naming step and layer."""
+    path = corpus["nan-first-layer"][0]
+    assert main(["report", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == "nonfinite"
+    head = report["findings"][0]
+    assert {"kind", "step", "layer", "evidence"} <= set(head)
+    assert (head["kind"], head["step"], head["layer"]) == ("nonfinite", 21, "0.weight")
+    assert "in its own per-layer row" in head["evidence"]
+    assert report["suggested_max_norm"] > 0 and report["clipping"]["clipped_fraction"] == 0.0
+    assert main(["report", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("verdict: nonfinite (non-finite gradient; step 21, layer 0.weight)")
+    assert "Suggested max_norm: " in text
+
+
+def test_plot_has_the_loss_panel(corpus: dict[str, tuple[Path, list[float]]], tmp_path: Path) -> None:
+    """--plot writes a PNG with three panels (norm, loss, per-layer heatmap) for a run with all three."""
+    pytest.importorskip("matplotlib")
+    from clipopt._report_plot import plot_log
+
+    path = corpus["nan-first-layer"][0]
+    log = read_log(path)
+    figures: list[Any] = []
+    import matplotlib.figure
+
+    original = matplotlib.figure.Figure.savefig
+
+    def keep(self: Any, *args: Any, **kwargs: Any) -> None:
+        figures.append(self)
+        original(self, *args, **kwargs)
+
+    matplotlib.figure.Figure.savefig = keep  # type: ignore[method-assign]
+    try:
+        plot_log(log, analyze(log), tmp_path / "p.png")
+    finally:
+        matplotlib.figure.Figure.savefig = original  # type: ignore[method-assign]
+    axes = figures[0].axes
+    assert [ax.get_ylabel() for ax in axes] == ["gradient norm", "loss", ""]
+    colorbar = axes[2].child_axes[0]  # beside the heatmap, not taking width from it
+    assert colorbar.get_ylabel() == "log10 grad_norm"
+    figures[0].canvas.draw()
+    heat, bar = axes[2].get_position(), colorbar.get_position()
+    assert bar.x0 >= heat.x1 and axes[0].get_position().x1 == pytest.approx(heat.x1)
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
