@@ -637,7 +637,7 @@ class ClippedOptimizer(Optimizer):
         """
         due = bool(self.layer_stats) and (self._counters.windows + 1) % self.layer_stats == 0
         self._bad_row = None  # this window's per-layer row, written only if it goes bad (see _badrow)
-        if self.layer_stats and not due and not self._has_dtensor:
+        if self.layer_stats and not due and self.loggers and not self._has_dtensor:  # only loggers write it
             self._bad_row = candidate_row(params, self.layer_names(), 1.0 / self._divisor(n))
         if not due and self._snapshots is None:
             return None

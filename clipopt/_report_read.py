@@ -33,8 +33,8 @@ import os
 import re
 from array import array
 from collections.abc import Iterable, Iterator
-from itertools import islice
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import torch
@@ -319,7 +319,8 @@ class _Parser:
         if not row:
             return
         if self.torn is not None:
-            raise ValueError(f"{self.name}, line {self.torn[0]}: {self.torn[1]} cells where the header has {self.width}")
+            line, cells = self.torn
+            raise ValueError(f"{self.name}, line {line}: {cells} cells where the header has {self.width}")
         if len(row) != self.width:
             self.torn = (lineno, len(row))
             return
@@ -334,7 +335,10 @@ class _Parser:
         def col(i: int) -> list[str]:
             return [r[i] for r in chunk]
 
-        steps = array("q", map(int, col(c.step))) if c.step >= 0 else array("q", range(n0 + 1, n0 + 1 + len(chunk)))
+        if c.step >= 0:
+            steps = array("q", map(int, col(c.step)))
+        else:
+            steps = array("q", range(n0 + 1, n0 + 1 + len(chunk)))
         norms = array("d", map(float, col(c.norm)))
         loss = self.floats(c.loss, chunk, recorded_inf=True)
         lr, max_norm = (self.floats(i, chunk) for i in (c.lr, c.max_norm))
@@ -365,7 +369,7 @@ class _Parser:
 
     @staticmethod
     def floats(i: int, chunk: list[list[str]], recorded_inf: bool = False) -> array[float]:
-        """Column ``i`` as floats, empty cells ``nan`` (``recorded_inf``: a written non-finite value is inf)."""
+        """Column ``i`` as floats, empty cells ``nan`` (``recorded_inf``: a written non-finite is inf)."""
         if i < 0:
             return array("d", [_NAN]) * len(chunk)
         cells = [r[i] for r in chunk]

@@ -7,6 +7,7 @@ its truth is known by construction.  The runs are generated once per session.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Callable
@@ -251,7 +252,7 @@ def test_labels_of_growth_and_overflow_runs_are_true(corpus: dict[str, tuple[Pat
     overflow updates (reason 'overflow') and learned."""
     losses = corpus["slow-growth-to-overflow"][1]
     assert not math.isfinite(losses[-1])
-    assert all(b > a for a, b in zip(losses[20:60], losses[21:61], strict=True))
+    assert all(b > a for a, b in itertools.pairwise(losses[20:61]))
     log = read_log(corpus["gradscaler-overflows"][0])
     assert set(log.reason.values()) == {"overflow"} and len(log.reason) >= 3
     losses = corpus["gradscaler-overflows"][1]
