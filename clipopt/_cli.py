@@ -101,9 +101,16 @@ def _add_report(subparsers: _Subparsers) -> None:
 def _run_report(args: argparse.Namespace) -> int:
     import torch
 
-    from ._report import analyze, format_json, format_report, plot_log, read_log
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the report's columns are small: threads only contend (restored after)
+    try:
+        return _report(args)
+    finally:
+        torch.set_num_threads(threads)
 
-    torch.set_num_threads(1)  # this process only: the report's columns are small, threads only contend
+
+def _report(args: argparse.Namespace) -> int:
+    from ._report import analyze, format_json, format_report, plot_log, read_log
 
     try:
         log = read_log(args.csv)

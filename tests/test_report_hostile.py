@@ -152,3 +152,15 @@ def test_very_long_cell_is_an_error_line(tmp_path: Path, capsys: pytest.CaptureF
     path.write_text(HEADER + "1,1," + "9" * 200_000 + ",1,0,0,,,0.1,\n")
     code, _, err = _cli(path, capsys)
     assert code == 2 and "is not readable as CSV" in err and err.count("\n") == 1
+
+
+def test_cli_report_leaves_the_thread_count_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`clipopt report` computes with one torch thread but restores the caller's setting (in-process use)."""
+    import torch
+
+    path = tmp_path / "g.csv"
+    path.write_text(_rows(["1.0", "1.1"] * 10))
+    before = torch.get_num_threads()
+    assert main(["report", str(path)]) == 0
+    capsys.readouterr()
+    assert torch.get_num_threads() == before
