@@ -844,7 +844,9 @@ class ClippedOptimizer(Optimizer):
                 nonfinite = w.flag if enabled else torch.zeros_like(w.flag)
         self._counters.record(skipped, nonfinite)
 
-    def _record(self, w: _Window, n: int, layers: LayerStats | None, loss: Tensor | float | None) -> StepStats:  # noqa: E501
+    def _record(
+        self, w: _Window, n: int, layers: LayerStats | None, loss: Tensor | float | None
+    ) -> StepStats:
         stats = StepStats(
             step=self._counters.windows,
             micro_batches=n,
@@ -945,8 +947,9 @@ class ClippedOptimizer(Optimizer):
         unsynced = Unsynced.from_dict(
             ext.get("unsynced") if isinstance(ext, dict) else None, wrapper[0].micro_batches if wrapper else 0
         )
-        pending_loss = wrapper is not None and isinstance(ext, dict)
-        loss_sum = LossSum.from_dict(ext, wrapper[0].micro_batches) if pending_loss else LossSum()  # type: ignore[index, arg-type]
+        loss_sum = LossSum()
+        if wrapper is not None and isinstance(ext, dict):  # older state dicts have no loss: an empty sum
+            loss_sum = LossSum.from_dict(ext, wrapper[0].micro_batches)
         inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
         with restore_on_failure(self.optimizer), keep_group_keys(self.optimizer):
             self.optimizer.load_state_dict(inner_sd)

@@ -181,3 +181,26 @@ def test_tensorboard_gets_the_loss_scalar(tmp_path: Path) -> None:
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
     assert acc.Scalars("clipopt/loss")[0].value == pytest.approx(float(loss))
+
+
+@pytest.mark.parametrize(
+    ("patch", "match"),
+    [
+        ({"loss_count": 5}, r"'clipopt.loss_count' must be an int from 0 to the pending .* \(1\), got 5"),
+        ({"loss_sum": "x", "loss_count": 1}, "'clipopt.loss_sum' must be a float, a one-element float"),
+        ({"loss_sum": None, "loss_count": 1}, "'clipopt.loss_sum' is None but 'clipopt.loss_count' is 1"),
+    ],
+)
+def test_corrupt_loss_entries_are_refused(patch: dict[str, object], match: str) -> None:
+    """A state dict with inconsistent loss entries raises ValueError and changes nothing."""
+    model = _model()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), accumulation_steps=2)
+    loss = _loss(model, 0)
+    loss.backward()
+    opt.step(loss=loss)
+    sd = opt.state_dict()
+    sd["clipopt"].update(patch)
+    fresh = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), accumulation_steps=2)
+    with pytest.raises(ValueError, match=match):
+        fresh.load_state_dict(sd)
+    assert fresh.micro_batches == 0
