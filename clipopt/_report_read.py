@@ -35,6 +35,7 @@ from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -268,6 +269,20 @@ def _read_csv_rows(name: str, rows: Iterator[list[str]]) -> GradLog:
     return log
 
 
+def _floats(cells: tuple[str, ...], recorded_inf: bool = False) -> array[float]:
+    """Cells as floats, empty ones ``nan`` (``recorded_inf``: a written non-finite value is inf)."""
+    try:
+        out = array("d", map(float, cells))
+    except ValueError:
+        out = array("d", [float(t) if t else _NAN for t in cells])
+    if recorded_inf and len(out):
+        values = torch.frombuffer(out, dtype=torch.float64)
+        for k in (~torch.isfinite(values)).nonzero().flatten().tolist():
+            if cells[k]:
+                out[k] = math.inf
+    return out
+
+
 class _Parser:
     """The row loop of :func:`_read_csv`: one pass, each column appended to its array."""
 
@@ -331,26 +346,33 @@ class _Parser:
         anything when a cell is not well-formed, so :meth:`row` can say exactly where."""
         c, log = self.cols, self.log
         n0 = len(log.steps)
+        first = self.layer_first[0] if self.layer_first else -1
+        last = self.layer_first[-1] if self.layer_first else -1
+        wanted = (c.step, c.norm, c.loss, c.lr, c.max_norm, c.clipped, c.skipped, c.reason, first, last)
+        present = sorted({i for i in wanted if i >= 0} | {c.norm, -1})  # -1: two indices at least (tuples)
+        # one C-level pass picks the cells of every row, a second transposes them into columns
+        columns = dict(zip(present, zip(*map(itemgetter(*present), chunk), strict=True), strict=True))
 
-        def col(i: int) -> list[str]:
-            return [r[i] for r in chunk]
+        def col(i: int) -> tuple[str, ...]:
+            return columns[i]
 
         if c.step >= 0:
             steps = array("q", map(int, col(c.step)))
         else:
             steps = array("q", range(n0 + 1, n0 + 1 + len(chunk)))
         norms = array("d", map(float, col(c.norm)))
-        loss = self.floats(c.loss, chunk, recorded_inf=True)
-        lr, max_norm = (self.floats(i, chunk) for i in (c.lr, c.max_norm))
+        empty = ("",) * len(chunk)
+        loss = _floats(columns.get(c.loss, empty) if c.loss >= 0 else empty, recorded_inf=True)
+        lr = _floats(col(c.lr) if c.lr >= 0 else empty)
+        max_norm = _floats(col(c.max_norm) if c.max_norm >= 0 else empty)
         flags = _FLAGS.__getitem__
         clipped = bytearray(map(flags, col(c.clipped))) if c.clipped >= 0 else bytearray(len(chunk))
         skipped = bytearray(map(flags, col(c.skipped))) if c.skipped >= 0 else bytearray(len(chunk))
         reasons = [(n0 + k, t.strip()) for k, t in enumerate(col(c.reason)) if t] if c.reason >= 0 else []
         layer_rows: list[tuple[int, list[float]]] = []
-        if self.layer_first:
-            first, last = self.layer_first[0], self.layer_first[-1]
+        if first >= 0:
             flat = self.flat
-            marked = [k for k, r in enumerate(chunk) if r[first] or r[last]]
+            marked = [k for k, (a, b) in enumerate(zip(col(first), col(last), strict=True)) if a or b]
             for k in marked:
                 r = chunk[k]
                 layer_rows.append((n0 + k, [float(r[i]) if i >= 0 and r[i] else _NAN for i in flat]))
@@ -366,23 +388,6 @@ class _Parser:
         log.reason.update(reasons)
         for at, values in layer_rows:
             self.add_layers(at, values)
-
-    @staticmethod
-    def floats(i: int, chunk: list[list[str]], recorded_inf: bool = False) -> array[float]:
-        """Column ``i`` as floats, empty cells ``nan`` (``recorded_inf``: a written non-finite is inf)."""
-        if i < 0:
-            return array("d", [_NAN]) * len(chunk)
-        cells = [r[i] for r in chunk]
-        try:
-            out = array("d", map(float, cells))
-        except ValueError:
-            out = array("d", [float(t) if t else _NAN for t in cells])
-        if recorded_inf and len(out):
-            values = torch.frombuffer(out, dtype=torch.float64)
-            for k in (~torch.isfinite(values)).nonzero().flatten().tolist():
-                if cells[k]:
-                    out[k] = math.inf
-        return out
 
     def row(self, lineno: int, row: list[str]) -> None:
         """One row the fast path refused: exact error messages, sparse (Lightning) rows merged."""
