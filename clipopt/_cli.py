@@ -67,21 +67,28 @@ def _run_inspect(args: argparse.Namespace) -> int:
 def _add_report(subparsers: _Subparsers) -> None:
     p = subparsers.add_parser(
         "report",
-        help="verdict and suggested max_norm values from a CSVLogger file",
+        help="verdict and a suggested max_norm from a training log",
         description=(
-            "Read a CSV written by clipopt.CSVLogger and give a verdict -- exploding (non-finite or "
-            "fast-growing norms), spikes, vanishing (per-layer) or healthy -- with the step and layer as "
-            "evidence, max_norm values suggested from the recorded norms (AutoClip 10th percentile, "
-            "Pascanu et al. 0.5-10x the mean, mean + 2.5 std) and a summary; --plot draws the norms "
-            "(needs matplotlib: pip install 'clipopt[plot]'). The rules and their thresholds are "
-            "documented in the module clipopt._report."
+            "Read a training log -- a clipopt.CSVLogger file, any CSV with a step and a gradient-norm "
+            "column (total_norm, grad_norm, ...), a Hugging Face Trainer trainer_state.json, a Lightning "
+            "metrics.csv or a TensorBoard log folder -- and give a verdict: exploding (the loss or the "
+            "norm left its scale for good), nonfinite (a non-finite gradient, with the layer), spikes, "
+            "vanishing (per-layer) or healthy, with the step and layer as evidence, one suggested "
+            "max_norm, the fraction of updates clipped and whether max_norm looks too tight or too "
+            "loose; --plot draws the norms, the loss and the per-layer heatmap (needs matplotlib: "
+            "pip install 'clipopt[plot]'). The rules and their reasons are documented in the module "
+            "clipopt._report_rules."
         ),
     )
-    p.add_argument("csv", help="a CSV file written by clipopt.CSVLogger, e.g. grads.csv")
+    p.add_argument(
+        "csv",
+        metavar="PATH",
+        help="the log: grads.csv, metrics.csv, trainer_state.json or a TensorBoard log folder",
+    )
     p.add_argument(
         "--plot",
         metavar="PNG",
-        help="also draw the total norm over updates (and a per-layer heatmap) into this image file",
+        help="also draw the total norm, the loss and the per-layer heatmap over updates into this image file",
     )
     p.add_argument(
         "--json",
@@ -92,13 +99,24 @@ def _add_report(subparsers: _Subparsers) -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the report's columns are small: threads only contend (restored after)
+    try:
+        return _report(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _report(args: argparse.Namespace) -> int:
     from ._report import analyze, format_json, format_report, plot_log, read_log
 
     try:
         log = read_log(args.csv)
     except FileNotFoundError:
         raise CommandError(f"{args.csv}: no such file") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, UnicodeError) as exc:
         raise CommandError(_one_line(exc)) from None
     report = analyze(log)
     print(format_json(report) if args.json else format_report(report))

@@ -186,7 +186,7 @@ def _train(
         x, y = next(batches)
         loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
         loss.backward()  # type: ignore[no-untyped-call]
-        opt.step()
+        opt.step(loss=loss)
         opt.zero_grad()
         value = float(loss.detach())
         result.losses.append(value)

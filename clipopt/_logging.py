@@ -74,6 +74,7 @@ BASE_COLUMNS = (
     "reason",
     "max_norm",
     "lr",
+    "loss",
 )
 
 
@@ -125,7 +126,8 @@ class CSVLogger:
     Columns, stable across versions: :data:`BASE_COLUMNS` — ``step``,
     ``micro_batches``, ``total_norm`` (pre-clip), ``clip_coef``, ``clipped``
     (0/1), ``skipped`` (0/1), ``reason`` (empty, ``nonfinite``, ``overflow`` or ``spike``),
-    ``max_norm`` (empty when off), ``lr`` (group 0) — then ``lr.<g>`` for further
+    ``max_norm`` (empty when off), ``lr`` (group 0), ``loss`` (the window's loss, empty when
+    none was given to ``step(loss=...)``) — then ``lr.<g>`` for further
     parameter groups, then, when the optimizer has ``layer_stats`` on, for every
     parameter ``<name>.grad_norm``, ``.grad_max``, ``.grad_min``, ``.nonfinite``,
     ``.param_norm`` (empty in rows where they were not due).  When a parameter
@@ -184,7 +186,7 @@ class CSVLogger:
     def _set_columns(self, optimizer: ClippedOptimizer, groups: int) -> None:
         columns, names = self._columns_for(optimizer, groups)
         existing = self._existing_header()
-        if existing is not None and not set(columns) <= set(existing):
+        if existing is not None and not set(columns) - {"loss"} <= set(existing):  # older files: no loss
             raise ValueError(
                 f"{self.path} already holds a CSV log with other columns "
                 f"({len(existing)} vs {len(columns)}: a different model or layer_stats setting); "
@@ -244,10 +246,13 @@ class CSVLogger:
         lr: list[float | None] = list(s.lr[: self._groups])
         lr += [None] * (self._groups - len(lr))
         row = [s.step, s.micro_batches, s.total_norm, s.clip_coef, s.clipped, s.skipped, s.reason, s.max_norm]
-        names = [*BASE_COLUMNS, *(f"lr.{g}" for g in range(1, self._groups))]
+        names = [*BASE_COLUMNS[:-2], *(f"lr.{g}" for g in range(self._groups))]
         cells = dict(zip(names, (format_value(v) for v in (*row, *lr)), strict=True))
-        if self._names and s.layers is not None:
-            values = s.layers.as_dict()
+        cells["lr"] = cells.pop("lr.0")
+        cells["loss"] = format_value(s.loss) if s.has_loss else ""
+        layers = s.logged_layers() if self._names else None
+        if layers is not None:
+            values = layers.as_dict()
             for name in self._names:
                 stats = values.get(name)
                 if stats:

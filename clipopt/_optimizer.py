@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from torch.optim import optimizer as _optim_module
 
 from . import functional as F
+from ._badrow import candidate_row
 from ._checks import (
     check_choice,
     check_flag,
@@ -37,6 +38,7 @@ from ._distributed import (
 from ._errors import NonFiniteGradientError
 from ._layers import LayerStats, compute_layer_stats, resolve_param_names
 from ._logging import Logger, log_window
+from ._loss import LossSum, check_loss, loss_of_closure
 from ._policies import ClipPolicy
 from ._rollback import InnerBackup, UndoPoint, nonfinite_loss, reevaluates
 from ._snapshot import SnapshotWriter, check_saveable, now, process_rank, to_saveable, versions
@@ -267,6 +269,7 @@ class ClippedOptimizer(Optimizer):
         self.stats: collections.deque[StepStats] = collections.deque(maxlen=self.stats_history)
         self.last_stats: StepStats | None = None
         self._counters = WrapperState()
+        self._loss = LossSum()  # the open window's micro-batch losses
         self._update_applied: bool | None = False  # None: read _last_skipped
         self._last_skipped: bool | Tensor = False
         self._ready_state: Any = None  # the state object known to hold state for every parameter
@@ -279,6 +282,7 @@ class ClippedOptimizer(Optimizer):
         self._names = names
         self._snapshots = None if snapshot_dir is None else SnapshotWriter(snapshot_dir, self.max_snapshots)
         self._attached: dict[str, list[Any]] = {}
+        self._bad_row: LayerStats | None = None  # see _diagnose
         #: Path of the latest anomaly snapshot written, or None.
         self.last_snapshot: str | None = None
         self._last_nonfinite_snapshot: str | None = None  # what NonFiniteGradientError names
@@ -339,6 +343,7 @@ class ClippedOptimizer(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         pending = state.pop("_pending_grads", None)
         self.__dict__.update(state)
+        self.__dict__.setdefault("_loss", LossSum())  # pickled by a clipopt without the loss
         self._init_hooks()
         if pending is not None:
             for p, g in zip(self._params(), pending, strict=True):
@@ -407,8 +412,12 @@ class ClippedOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ step
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, *, loss: Tensor | float | None = None) -> Any:
         """Record one micro-batch; at the window's end combine, clip, and step or skip.
+
+        ``loss`` (a one-element tensor or a float), or else the closure's return
+        value, is the micro-batch's loss: the window's losses are combined like
+        the gradients (``reduction``) into ``StepStats.loss`` without a host read.
 
         With a ``closure`` the wrapper evaluates it (forward + backward) once per
         call; optimizers that re-evaluate it (LBFGS) get the re-evaluated
@@ -422,14 +431,15 @@ class ClippedOptimizer(Optimizer):
             or _optim_module._global_optimizer_post_hooks
             or torch.autograd._profiler_enabled()  # type: ignore[attr-defined]
         ):
-            return self._profiled_step(closure)
-        return self._step(closure)
+            return self._profiled_step(closure, loss=loss)
+        return self._step(closure, loss=loss)
 
     # torch's profile_hook_step costs ~12 us per call (record_function) even with
     # no hook and no profiler; take it only when a hook or the profiler is active.
     step.hooked = True  # type: ignore[attr-defined]
 
-    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def _step(self, closure: Callable[[], Any] | None = None, *, loss: Tensor | float | None = None) -> Any:
+        given = check_loss(loss)
         if closure is not None and not callable(closure):
             raise TypeError(
                 f"closure must be a callable or None, got {type(closure).__name__}; pass a function that "
@@ -440,19 +450,22 @@ class ClippedOptimizer(Optimizer):
                 "step(closure) cannot be used with scaler=...: GradScaler does not support "
                 "closures; call loss.backward() yourself and then opt.step()"
             )
-        loss = None
+        out = None
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()
+                out = closure()
+        loss_before = self._loss.total, self._loss.count  # add() replaces, never writes into, the sum
+        self._loss.add(given if given is not None else loss_of_closure(out))
         self._counters.micro_batches += 1
         if self._counters.micro_batches < self.accumulation_steps:
             self._update_applied = False
-            return loss
+            return out
         try:
-            return self._close_window(loss, closure)
+            return self._close_window(out, closure)
         except BaseException:
             if self._counters.micro_batches > 0:  # rolled back: this call's micro-batch is not counted
                 self._counters.micro_batches -= 1
+                self._loss.total, self._loss.count = loss_before
             raise
 
     _profiled_step = Optimizer.profile_hook_step(_step)
@@ -612,6 +625,7 @@ class ClippedOptimizer(Optimizer):
         for p in self._params():
             p.grad = None
         self._counters.micro_batches = 0
+        self._loss = LossSum()
         self._attached.clear()
         if hasattr(exc, "add_note"):
             exc.add_note(
@@ -645,6 +659,7 @@ class ClippedOptimizer(Optimizer):
             undo.touched = True  # scaling and the inner step change the gradients
             self._counters.micro_batches = 0
             self._counters.windows += 1
+            window_loss = self._loss.take(self.reduction)
             if _is_fused(self.optimizer) and self._inner_state_ready():
                 loss = self._step_fused(w, loss, closure)
             else:
@@ -654,7 +669,7 @@ class ClippedOptimizer(Optimizer):
             self._shards = None  # views of the gradients: do not keep them past the window
             if self.scaler is not None:
                 self.scaler.update()
-        stats = self._record(w, n, layers)
+        stats = self._record(w, n, layers, window_loss)
         log_window(self.loggers, stats, self)  # I/O failures warn; the window is complete either way
         self._attached.clear()
         self._check_consecutive_nonfinite()
@@ -670,7 +685,7 @@ class ClippedOptimizer(Optimizer):
         self._counters.windows += 1
         self._last_skipped, self._update_applied = True, False
         self._counters.record(True, False)
-        stats = self._record(w, n, None, reason="nograd")
+        stats = self._record(w, n, None, self._loss.take(self.reduction), reason="nograd")
         log_window(self.loggers, stats, self)
         self._attached.clear()
         return loss
@@ -712,6 +727,9 @@ class ClippedOptimizer(Optimizer):
         policy's spike rule, see :meth:`ClipPolicy.is_spike`) from the device, once.
         """
         due = bool(self.layer_stats) and (self._counters.windows + 1) % self.layer_stats == 0
+        self._bad_row = None  # this window's per-layer row, written only if it goes bad (see _badrow)
+        if self.layer_stats and not due and self.loggers and not self._has_dtensor:  # only loggers write it
+            self._bad_row = candidate_row(params, self.layer_names(), 1.0 / self._divisor(n))
         if not due and self._snapshots is None:
             return None
         spike = None
@@ -729,6 +747,7 @@ class ClippedOptimizer(Optimizer):
         if reason is not None and self._snapshots is not None:
             if layers is None:
                 snap_layers = compute_layer_stats(params, self.layer_names(), inv, bad)
+                self._bad_row = snap_layers if self.layer_stats else None  # the full row, computed anyway
             else:
                 snap_layers = layers
             path = self._snapshots.save(self._snapshot_payload(params, total_norm, n, snap_layers, reason))
@@ -934,7 +953,14 @@ class ClippedOptimizer(Optimizer):
                 nonfinite = w.flag if enabled else torch.zeros_like(w.flag)
         self._counters.record(skipped, nonfinite)
 
-    def _record(self, w: _Window, n: int, layers: LayerStats | None, reason: str | None = None) -> StepStats:
+    def _record(
+        self,
+        w: _Window,
+        n: int,
+        layers: LayerStats | None,
+        loss: Tensor | float | None,
+        reason: str | None = None,
+    ) -> StepStats:
         stats = StepStats(
             step=self._counters.windows,
             micro_batches=n,
@@ -947,6 +973,8 @@ class ClippedOptimizer(Optimizer):
             nonfinite=w.flag if self._policy is not None and self._policy.spike() is not None else None,
             lr=[_lr_value(g["lr"]) for g in self.param_groups],
             layers=layers,
+            loss=loss,
+            bad_row=self._bad_row,
         )
         self.last_stats = stats
         self.stats.append(stats)
@@ -1004,6 +1032,7 @@ class ClippedOptimizer(Optimizer):
             pending_grads=pending,
             scaler=self.scaler.state_dict() if self.scaler is not None else None,
         )
+        sd["clipopt"].update(self._loss.to_dict())  # the open window's loss sum
         sd["clipopt"]["policy"] = self._policy.state_dict() if self._policy is not None else None
         marker = self._pending_unsynced()  # DDP: the saved gradients are this rank's, not yet averaged
         sd["clipopt"]["unsynced"] = None if marker is None else marker.to_dict()
@@ -1032,6 +1061,9 @@ class ClippedOptimizer(Optimizer):
         unsynced = Unsynced.from_dict(
             ext.get("unsynced") if isinstance(ext, dict) else None, wrapper[0].micro_batches if wrapper else 0
         )
+        loss_sum = LossSum()
+        if wrapper is not None and isinstance(ext, dict):  # older state dicts have no loss: an empty sum
+            loss_sum = LossSum.from_dict(ext, wrapper[0].micro_batches)
         inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
         with restore_on_failure(self.optimizer), keep_group_keys(self.optimizer):
             self.optimizer.load_state_dict(inner_sd)
@@ -1048,6 +1080,7 @@ class ClippedOptimizer(Optimizer):
                 self.scaler.load_state_dict(scaler_state)
             if policy_state is not None and self._policy is not None:
                 self._policy.load_state_dict(policy_state)
+        self._loss = loss_sum
         self._update_applied = False
         self._last_skipped = False
         self._unsynced = unsynced

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -48,11 +49,16 @@ class StepStats:
         lr: the learning rate of each parameter group when the window closed.
         layers: per-parameter :class:`~clipopt.LayerStats` when they were due
             (``layer_stats=k``), else None.
+        loss: the window's loss -- the micro-batch losses given to ``step(loss=...)``
+            (or returned by the closure), combined like the gradients (mean or
+            sum); ``nan`` when none was given.
     """
 
     __slots__ = (
+        "_bad_row",
         "_clip_coef",
         "_clipped",
+        "_loss",
         "_lr",
         "_max_norm",
         "_nonfinite",
@@ -78,6 +84,8 @@ class StepStats:
         lr: Sequence[float | Tensor] = (),
         layers: LayerStats | None = None,
         nonfinite: Tensor | None = None,
+        loss: float | Tensor | None = None,
+        bad_row: LayerStats | None = None,
     ) -> None:
         self.step = step
         self.micro_batches = micro_batches
@@ -90,6 +98,19 @@ class StepStats:
         self._nonfinite: bool | Tensor | None = nonfinite  # set when a skip may also be a spike
         self._lr: tuple[float | Tensor, ...] = tuple(lr)
         self.layers = layers
+        self._loss = loss  # None: no loss was given
+        self._bad_row = bad_row  # per-layer row to log if this window is non-finite (clipopt._badrow)
+
+    @property
+    def loss(self) -> float:
+        if isinstance(self._loss, Tensor):
+            self._loss = _as_float(self._loss)
+        return math.nan if self._loss is None else self._loss
+
+    @property
+    def has_loss(self) -> bool:
+        """True when a loss was given for this window (``loss`` is then that loss, ``nan`` included)."""
+        return self._loss is not None
 
     @property
     def total_norm(self) -> float:
@@ -138,6 +159,15 @@ class StepStats:
                 return "spike"
         return self._reason_if_skipped
 
+    def logged_layers(self) -> LayerStats | None:
+        """The per-layer row a logger writes: :attr:`layers` when due, else -- when this window's
+        norm is not finite -- its own row from the norm pass (see ``clipopt._badrow``), else None."""
+        if self.layers is not None:
+            return self.layers
+        if self._bad_row is not None and math.isfinite(self.total_norm):
+            self._bad_row = None  # a finite window: drop the candidate row
+        return self._bad_row
+
     def as_dict(self) -> dict[str, Any]:
         """All fields as Python values (reads the device once per field)."""
         return {
@@ -150,6 +180,7 @@ class StepStats:
             "reason": self.reason,
             "max_norm": self.max_norm,
             "lr": list(self.lr),
+            "loss": self.loss,
         }
 
     def __repr__(self) -> str:
@@ -157,7 +188,7 @@ class StepStats:
         return f"StepStats({fields})"
 
 
-_LAZY = ("_total_norm", "_clip_coef", "_clipped", "_skipped", "_max_norm", "_nonfinite")
+_LAZY = ("_total_norm", "_clip_coef", "_clipped", "_skipped", "_max_norm", "_nonfinite", "_loss")
 
 
 def materialize(stats: Sequence[StepStats]) -> None:

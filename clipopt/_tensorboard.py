@@ -124,6 +124,8 @@ class TensorBoardLogger:
         add("micro_batches", float(s.micro_batches))
         if s.max_norm is not None:
             add("max_norm", float(s.max_norm))
+        if s.has_loss:
+            add("loss", s.loss)
         for g, lr in enumerate(s.lr):
             add("lr" if g == 0 else f"lr.{g}", float(lr))
         if s.layers is not None:

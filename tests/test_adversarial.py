@@ -713,18 +713,19 @@ def test_errors_at_every_stage_leave_the_wrapper_as_before(
     )
     for i in range(4):  # two applied windows: state exists, the fused path is taken
         backward(model, i)
-        opt.step()
+        opt.step(loss=float(i))
         opt.zero_grad()
     backward(model, 10, scale=math.nan if stage == "snapshot" else 1.0)
-    opt.step()
+    opt.step(loss=10.0)
     state, params = wrapper_state(opt), weights(model)
     policy = copy.deepcopy(opt._policy.state_dict()) if opt._policy is not None else None
     inner_state = copy.deepcopy(inner.state_dict()["state"])
     with monkeypatch.context() as m:
         _inject(m, opt, stage)
         with pytest.raises(_Boom):
-            opt.step()
+            opt.step(loss=20.0)
     assert wrapper_state(opt) == state
+    assert (opt._loss.total, opt._loss.count) == (10.0, 1)  # the failed call's loss is not kept
     assert same_weights(model, params)
     assert opt._policy is not None and policy is not None
     for k, v in opt._policy.state_dict().items():
@@ -732,9 +733,10 @@ def test_errors_at_every_stage_leave_the_wrapper_as_before(
     for i, entry in inner.state_dict()["state"].items():
         for k, v in entry.items():
             assert torch.equal(v, inner_state[i][k]), (i, k)
-    opt.step()  # the retried call closes the window (2 micro-batches)
+    opt.step(loss=20.0)  # the retried call closes the window (2 micro-batches, 2 losses)
     assert opt.num_windows == state[1] + 1 and opt.last_stats is not None
     assert opt.last_stats.micro_batches == 2
+    assert float(opt.last_stats.loss) == 15.0
 
 
 @pytest.mark.parametrize("scaler", [False, True])
@@ -770,7 +772,8 @@ def test_error_in_the_inner_step_discards_the_changed_gradients(
     with monkeypatch.context() as m:
         m.setattr(opt.optimizer, "step", boom)
         with pytest.raises(_Boom) as info:
-            opt.step()
+            opt.step(loss=7.0)
+    assert opt._loss.count == 0  # the discarded window's losses go with its gradients
     assert "the window's gradients were already changed in place" in "".join(info.value.__notes__)
     assert wrapper_state(opt)[1:] == state[1:] and opt.micro_batches == 0
     assert same_weights(model, params) and all(p.grad is None for p in model.parameters())

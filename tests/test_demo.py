@@ -88,3 +88,14 @@ def test_cli_demo_rejects_bad_steps(capsys: pytest.CaptureFixture[str]) -> None:
     """--steps below 2 is a usage error (exit 2) naming the option."""
     assert _cli.main(["demo", "--steps", "1"]) == 2
     assert "--steps must be >= 2" in capsys.readouterr().err
+
+
+def test_demo_reports_exploding_and_healthy(demo: tuple[Path, object]) -> None:
+    """The demo's own reports: plain SGD is exploding, the clipped run healthy; the summary says so."""
+    out, result = demo
+    report = json.loads((out / "report.json").read_text())
+    assert report["reports"]["plain"]["verdict"] == "exploding"
+    assert report["reports"]["clipopt"]["verdict"] == "healthy"
+    text = format_summary(result)  # type: ignore[arg-type]
+    line = next(row for row in text.splitlines() if "clipopt report verdict" in row)
+    assert "exploding" in line and "healthy" in line

@@ -397,7 +397,7 @@ def test_csv_widening_that_fails_warns_and_keeps_a_consistent_file(
     monkeypatch.undo()
     with path.open(newline="") as f:
         lines = list(csv.reader(f))
-    assert lines[0][-1] == "lr" and len({len(line) for line in lines}) == 1
+    assert lines[0][-2:] == ["lr", "loss"] and len({len(line) for line in lines}) == 1
     assert [line[0] for line in lines[1:]] == ["1", "2", "3"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["grads.csv"]
 

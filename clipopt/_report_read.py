@@ -1,0 +1,603 @@
+"""Reading a training log for ``clipopt report``: every format into one :class:`GradLog`.
+
+Formats (SPEC §3):
+
+- a CSV written by :class:`~clipopt.CSVLogger`, or any CSV with a step column and
+  a gradient-norm column (:data:`NORM_NAMES`, a name ending in ``grad_norm``, or
+  Lightning's ``grad_<p>_norm_total``), plus ``loss`` and ``lr`` columns when
+  present (:data:`LOSS_NAMES`, :data:`LR_NAMES`).  Rows are streamed: the file
+  is never held whole, only its columns, each as one ``array('d')``.
+  Lightning's ``metrics.csv`` writes different metrics of one step in separate
+  rows; the values of one step are merged into one row.
+- a Hugging Face Trainer ``trainer_state.json`` (``log_history`` entries with
+  ``step``, ``grad_norm``, ``loss``, ``learning_rate``), or a folder holding
+  one (the latest ``checkpoint-*`` one when only those do);
+- a TensorBoard log folder (needs the ``tensorboard`` package): the scalar
+  tags ending in ``total_norm`` or ``grad_norm``, ``loss`` and ``lr`` or
+  ``learning_rate``; clipopt's own tags (``clipopt/clipped``, per-layer
+  ``clipopt/layers/<name>/<field>``) too.
+
+Every failure is a :class:`ValueError` (or :class:`OSError`) with one line that
+names the file and says what was expected.  A missing loss is ``nan``; a loss
+that was recorded but not finite reads as ``inf``.
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import glob
+import json
+import math
+import os
+import re
+from array import array
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+from operator import itemgetter
+from typing import Any
+
+import torch
+
+from ._layers import LAYER_FIELDS
+
+__all__ = ["LOSS_NAMES", "LR_NAMES", "NORM_NAMES", "STEP_NAMES", "GradLog", "read_log"]
+
+#: Step columns, in order of preference.
+STEP_NAMES = ("step", "global_step", "trainer/global_step", "iteration", "iter")
+#: Gradient-norm columns, in order of preference (then Lightning's total, then a name ending in grad_norm).
+NORM_NAMES = ("total_norm", "grad_norm", "gradient_norm", "train/grad_norm")
+#: Loss columns, in order of preference (then any name ending in ``loss`` that is not a validation one).
+LOSS_NAMES = ("loss", "train_loss", "train/loss", "train_loss_step", "training_loss")
+#: Learning-rate columns, in order of preference (then a name starting with ``lr-`` or ``lr/``).
+LR_NAMES = ("lr", "learning_rate", "train/learning_rate", "train/lr")
+
+_LIGHTNING_TOTAL = re.compile(r"grad_(?:[0-9.]+|inf)_norm_total")
+_LIGHTNING_LAYER = re.compile(r"grad_(?:[0-9.]+|inf)_norm/(.+)")
+_NOT_TRAIN = ("val", "eval", "test", "valid")
+_NAN = math.nan
+#: Rows converted column by column at once.
+_CHUNK = 16384
+_FLAGS = {"0": 0, "1": 1, "": 0, "True": 1, "False": 0, "true": 1, "false": 0, "0.0": 0, "1.0": 1}
+#: How many bytes of the file's start are checked for binary content.
+_SNIFF = 4096
+_EXPECTED = (
+    "a step column and a gradient-norm column (total_norm, grad_norm, gradient_norm, a name ending "
+    "in grad_norm, or Lightning's grad_2.0_norm_total)"
+)
+
+
+@dataclass
+class GradLog:
+    """A training log, one entry per update (row), in file order.
+
+    Float columns are ``array('d')``; ``nan`` stands for "not recorded".
+    ``loss`` is ``inf`` where a loss was recorded but was not finite.
+    ``max_norm`` is ``inf`` where a policy set no bound.  ``reason`` maps a row
+    to its skip reason (rows without one are absent).  Per-layer statistics
+    exist only in the rows listed in ``layer_rows``; ``layers[name][field]``
+    is aligned with ``layer_rows``.  ``source`` names the format;
+    ``has_clipping`` is True when the log records clipping (clipopt's
+    ``clipped``/``max_norm`` columns); ``notes`` says what reading skipped.
+    """
+
+    path: str
+    source: str
+    steps: array[int] = field(default_factory=lambda: array("q"))
+    total_norm: array[float] = field(default_factory=lambda: array("d"))
+    loss: array[float] = field(default_factory=lambda: array("d"))
+    lr: array[float] = field(default_factory=lambda: array("d"))
+    max_norm: array[float] = field(default_factory=lambda: array("d"))
+    clipped: bytearray = field(default_factory=bytearray)
+    skipped: bytearray = field(default_factory=bytearray)
+    reason: dict[int, str] = field(default_factory=dict)
+    layer_rows: array[int] = field(default_factory=lambda: array("q"))
+    layers: dict[str, dict[str, array[float]]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    norm_column: str = "total_norm"
+    loss_column: str | None = None
+    has_clipping: bool = False
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    @property
+    def has_loss(self) -> bool:
+        """True when some row recorded a loss."""
+        return any(not math.isnan(x) for x in self.loss)
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+def read_log(path: str | os.PathLike[str]) -> GradLog:
+    """Read any supported log (see the module docstring); ``ValueError`` with one line when it is not one."""
+    name = os.fspath(path)
+    if os.path.isdir(name):
+        return _read_folder(name)
+    if not os.path.exists(name):
+        raise FileNotFoundError(f"{name}: no such file")
+    with open(name, "rb") as f:
+        head = f.read(_SNIFF)
+    if not head.strip(b"\xef\xbb\xbf \t\r\n"):
+        raise ValueError(f"{name} is empty; expected a training log with {_EXPECTED}")
+    if b"\x00" in head or _mostly_binary(head):
+        raise ValueError(f"{name} is not a text file (binary data); expected a CSV or JSON training log")
+    if head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] in (b"{", b"["):
+        return _read_trainer_state(name)
+    if os.path.basename(name).startswith("events.out.tfevents"):
+        return _read_tensorboard(os.path.dirname(name) or ".")
+    return _read_csv(name)
+
+
+def _mostly_binary(head: bytes) -> bool:
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 4:  # not merely a character cut at the sniff boundary
+            return True
+        text = head[: exc.start].decode("utf-8")
+    control = sum(1 for c in text if ord(c) < 32 and c not in "\t\r\n")
+    return control > max(2, len(text) // 100)
+
+
+def _read_folder(name: str) -> GradLog:
+    for candidate in ("trainer_state.json", "metrics.csv"):
+        path = os.path.join(name, candidate)
+        if os.path.isfile(path):
+            return read_log(path)
+    events = glob.glob(os.path.join(glob.escape(name), "**", "events.out.tfevents*"), recursive=True)
+    if events:
+        return _read_tensorboard(name)
+    states = glob.glob(os.path.join(glob.escape(name), "checkpoint-*", "trainer_state.json"))
+    if states:
+        latest = max(states, key=lambda p: _checkpoint_number(os.path.dirname(p)))
+        return read_log(latest)
+    raise ValueError(
+        f"{name} is a folder without a training log (looked for trainer_state.json, metrics.csv and "
+        "TensorBoard event files); pass the CSV file, trainer_state.json or TensorBoard log folder"
+    )
+
+
+def _checkpoint_number(path: str) -> int:
+    tail = os.path.basename(path).rpartition("-")[2]
+    return int(tail) if tail.isdigit() else -1
+
+
+# ---------------------------------------------------------------------------- CSV
+
+
+@dataclass
+class _Columns:
+    """Where each quantity is in a CSV header (-1: absent)."""
+
+    step: int
+    norm: int
+    loss: int = -1
+    lr: int = -1
+    max_norm: int = -1
+    clipped: int = -1
+    skipped: int = -1
+    reason: int = -1
+    layers: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def _pick(header: list[str], names: Iterable[str]) -> int:
+    for n in names:
+        if n in header:
+            return header.index(n)
+    return -1
+
+
+def _columns(name: str, header: list[str]) -> _Columns:
+    norm = _pick(header, NORM_NAMES)
+    if norm < 0:
+        norm = next((i for i, c in enumerate(header) if _LIGHTNING_TOTAL.fullmatch(c)), -1)
+    if norm < 0:
+        norm = next(
+            (
+                i
+                for i, c in enumerate(header)
+                if c.endswith("grad_norm") and c.rpartition(".")[2] != "grad_norm"
+            ),
+            -1,
+        )
+    if norm < 0:
+        shown = ", ".join(header[:12]) + (", ..." if len(header) > 12 else "")
+        raise ValueError(f"{name} has no gradient-norm column; expected {_EXPECTED}; its columns: {shown}")
+    step = _pick(header, STEP_NAMES)
+    loss = _pick(header, LOSS_NAMES)
+    if loss < 0:
+        loss = next(
+            (
+                i
+                for i, c in enumerate(header)
+                if c.lower().endswith("loss")
+                and not c.lower().startswith(_NOT_TRAIN)
+                and "val" not in c.lower()
+            ),
+            -1,
+        )
+    lr = _pick(header, LR_NAMES)
+    if lr < 0:
+        lr = next((i for i, c in enumerate(header) if c.startswith(("lr-", "lr/"))), -1)
+    cols = _Columns(step, norm, loss, lr)
+    for key in ("max_norm", "clipped", "skipped", "reason"):
+        setattr(cols, key, _pick(header, (key,)))
+    for i, col in enumerate(header):
+        base, _, fld = col.rpartition(".")
+        if base and fld in LAYER_FIELDS and i != norm:
+            cols.layers.setdefault(base, {})[fld] = i
+        elif (m := _LIGHTNING_LAYER.fullmatch(col)) is not None:
+            cols.layers.setdefault(m.group(1), {})["grad_norm"] = i
+    return cols
+
+
+def _read_csv(name: str) -> GradLog:
+    """A UTF-8 byte-order mark is dropped and undecodable bytes replaced; csv errors become one line."""
+    enabled = gc.isenabled()
+    gc.disable()  # millions of short-lived row lists: the cyclic collector would scan them again and again
+    try:
+        with open(name, newline="", encoding="utf-8-sig", errors="replace") as f:
+            return _read_csv_rows(name, csv.reader(f))
+    except csv.Error as exc:
+        raise ValueError(f"{name} is not readable as CSV ({exc}); expected {_EXPECTED}") from None
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _read_csv_rows(name: str, rows: Iterator[list[str]]) -> GradLog:
+    header = next((r for r in rows if r), None)
+    if header is None:
+        raise ValueError(f"{name} is empty; expected a training log with {_EXPECTED}")
+    header = [c.strip() for c in header]
+    if len(set(header)) != len(header):
+        dup = next(c for c in header if header.count(c) > 1)
+        raise ValueError(f"{name}: its header repeats the column {dup!r}; expected one column per name")
+    cols = _columns(name, header)
+    clipopt = cols.clipped >= 0 and cols.skipped >= 0 and cols.step >= 0 and header[cols.norm] == "total_norm"
+    log = GradLog(name, "clipopt CSV" if clipopt else "CSV", norm_column=header[cols.norm])
+    log.loss_column = header[cols.loss] if cols.loss >= 0 else None
+    log.has_clipping = cols.clipped >= 0 or cols.max_norm >= 0
+    if cols.step < 0:
+        log.notes.append("no step column: the row number is used as the step")
+    _Parser(name, header, cols, log).run(rows)
+    if not log.steps:
+        raise ValueError(f"{name} has a header but no row with a gradient norm yet; expected {_EXPECTED}")
+    return log
+
+
+def _floats(cells: tuple[str, ...], recorded_inf: bool = False) -> array[float]:
+    """Cells as floats, empty ones ``nan`` (``recorded_inf``: a written non-finite value is inf)."""
+    try:
+        out = array("d", map(float, cells))
+    except ValueError:
+        out = array("d", [float(t) if t else _NAN for t in cells])
+    if recorded_inf and len(out):
+        values = torch.frombuffer(out, dtype=torch.float64)
+        for k in (~torch.isfinite(values)).nonzero().flatten().tolist():
+            if cells[k]:
+                out[k] = math.inf
+    return out
+
+
+class _Parser:
+    """The row loop of :func:`_read_csv`: one pass, each column appended to its array."""
+
+    def __init__(self, name: str, header: list[str], cols: _Columns, log: GradLog) -> None:
+        self.name, self.header, self.cols, self.log = name, header, cols, log
+        self.width = len(header)
+        self.layer_names = list(cols.layers)
+        self.layer_cells = [(n, f, i) for n, fields in cols.layers.items() for f, i in fields.items()]
+        self.layer_first = sorted(i for _, _, i in self.layer_cells)
+        for n in self.layer_names:
+            log.layers[n] = {f: array("d") for f in LAYER_FIELDS}
+        self.pending_loss: dict[int, float] = {}  # losses of sparse rows whose norm row is not read yet
+        self.flat = [cols.layers[n].get(f, -1) for n in self.layer_names for f in LAYER_FIELDS]
+
+    def number(self, lineno: int, i: int, text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(
+                f"{self.name}, line {lineno}: column {self.header[i]} holds {text.strip()[:40]!r}, "
+                "not a number"
+            ) from None
+
+    def run(self, rows: Iterator[list[str]]) -> None:
+        """Every row, in chunks: whole columns converted at once (:meth:`fast_chunk`) when every row of
+        the chunk is well-formed; row by row (:meth:`row`: exact errors, sparse rows) otherwise."""
+        self.torn: tuple[int, int] | None = None
+        lineno = 2
+        while chunk := list(islice(rows, _CHUNK)):
+            width = self.width
+            if self.torn is None and set(map(len, chunk)) == {width}:
+                try:
+                    self.fast_chunk(chunk)
+                    lineno += len(chunk)
+                    continue
+                except (ValueError, KeyError):
+                    pass
+            for row in chunk:
+                self.one(lineno, row)
+                lineno += 1
+        if self.torn is not None:
+            self.log.notes.append(
+                f"the last row (line {self.torn[0]}) has {self.torn[1]} of {self.width} cells "
+                "(a run stopped while writing?); it was ignored"
+            )
+        self.finish()
+
+    def one(self, lineno: int, row: list[str]) -> None:
+        if not row:
+            return
+        if self.torn is not None:
+            line, cells = self.torn
+            raise ValueError(f"{self.name}, line {line}: {cells} cells where the header has {self.width}")
+        if len(row) != self.width:
+            self.torn = (lineno, len(row))
+            return
+        self.row(lineno, row)
+
+    def fast_chunk(self, chunk: list[list[str]]) -> None:
+        """Convert the chunk's columns with C-level loops; raise (ValueError/KeyError) before appending
+        anything when a cell is not well-formed, so :meth:`row` can say exactly where."""
+        c, log = self.cols, self.log
+        n0 = len(log.steps)
+        first = self.layer_first[0] if self.layer_first else -1
+        last = self.layer_first[-1] if self.layer_first else -1
+        wanted = (c.step, c.norm, c.loss, c.lr, c.max_norm, c.clipped, c.skipped, c.reason, first, last)
+        present = sorted({i for i in wanted if i >= 0} | {c.norm, -1})  # -1: two indices at least (tuples)
+        # one C-level pass picks the cells of every row, a second transposes them into columns
+        columns = dict(zip(present, zip(*map(itemgetter(*present), chunk), strict=True), strict=True))
+
+        def col(i: int) -> tuple[str, ...]:
+            return columns[i]
+
+        if c.step >= 0:
+            steps = array("q", map(int, col(c.step)))
+        else:
+            steps = array("q", range(n0 + 1, n0 + 1 + len(chunk)))
+        norms = array("d", map(float, col(c.norm)))
+        empty = ("",) * len(chunk)
+        loss = _floats(columns.get(c.loss, empty) if c.loss >= 0 else empty, recorded_inf=True)
+        lr = _floats(col(c.lr) if c.lr >= 0 else empty)
+        max_norm = _floats(col(c.max_norm) if c.max_norm >= 0 else empty)
+        flags = _FLAGS.__getitem__
+        clipped = bytearray(map(flags, col(c.clipped))) if c.clipped >= 0 else bytearray(len(chunk))
+        skipped = bytearray(map(flags, col(c.skipped))) if c.skipped >= 0 else bytearray(len(chunk))
+        reasons = [(n0 + k, t.strip()) for k, t in enumerate(col(c.reason)) if t] if c.reason >= 0 else []
+        layer_rows: list[tuple[int, list[float]]] = []
+        if first >= 0:
+            flat = self.flat
+            marked = [k for k, (a, b) in enumerate(zip(col(first), col(last), strict=True)) if a or b]
+            for k in marked:
+                r = chunk[k]
+                layer_rows.append((n0 + k, [float(r[i]) if i >= 0 and r[i] else _NAN for i in flat]))
+        if self.pending_loss:
+            raise ValueError("sparse rows pending: merge row by row")
+        log.steps.extend(steps)
+        log.total_norm.extend(norms)
+        log.loss.extend(loss)
+        log.lr.extend(lr)
+        log.max_norm.extend(max_norm)
+        log.clipped.extend(clipped)
+        log.skipped.extend(skipped)
+        log.reason.update(reasons)
+        for at, values in layer_rows:
+            self.add_layers(at, values)
+
+    def row(self, lineno: int, row: list[str]) -> None:
+        """One row the fast path refused: exact error messages, sparse (Lightning) rows merged."""
+        c, log = self.cols, self.log
+        if c.step >= 0:
+            text = row[c.step]
+            try:
+                step = int(text)
+            except ValueError:
+                value = self.number(lineno, c.step, text) if text.strip() else _NAN
+                if not (math.isfinite(value) and value == int(value)):
+                    raise ValueError(
+                        f"{self.name}, line {lineno}: step must be an integer, got {text.strip()[:40]!r}"
+                    ) from None
+                step = int(value)
+        else:
+            step = len(log.steps) + 1
+        norm_text = row[c.norm]
+        loss = _NAN
+        if c.loss >= 0 and (t := row[c.loss]):
+            loss = self.number(lineno, c.loss, t)
+            if not math.isfinite(loss):
+                loss = math.inf
+        if not norm_text.strip():  # a sparse row (Lightning): keep its loss for the step's norm row
+            if not math.isnan(loss):
+                if log.steps and log.steps[-1] == step and math.isnan(log.loss[-1]):
+                    log.loss[-1] = loss
+                else:
+                    self.pending_loss[step] = loss
+            return
+        log.steps.append(step)
+        log.total_norm.append(self.number(lineno, c.norm, norm_text))
+        log.loss.append(self.pending_loss.pop(step, loss) if math.isnan(loss) else loss)
+        log.lr.append(self.optional(lineno, c.lr, row))
+        log.max_norm.append(self.optional(lineno, c.max_norm, row))
+        log.clipped.append(self.flag(lineno, c.clipped, row))
+        log.skipped.append(self.flag(lineno, c.skipped, row))
+        if c.reason >= 0 and (reason := row[c.reason].strip()):
+            log.reason[len(log.steps) - 1] = reason
+        if self.layer_cells and any(row[i].strip() for i in self.layer_first):
+            self.layer_row(lineno, row)
+
+    def optional(self, lineno: int, i: int, row: list[str]) -> float:
+        if i < 0 or not (text := row[i]).strip():
+            return _NAN
+        return self.number(lineno, i, text)
+
+    def flag(self, lineno: int, i: int, row: list[str]) -> int:
+        if i < 0:
+            return 0
+        text = row[i].strip().lower()
+        if text in ("0", "1", "", "true", "false", "0.0", "1.0"):
+            return 1 if text in ("1", "true", "1.0") else 0
+        raise ValueError(
+            f"{self.name}, line {lineno}: column {self.header[i]} must be 0 or 1, got {text[:40]!r}"
+        )
+
+    def add_layers(self, at: int, values: list[float]) -> None:
+        """Append one per-layer row (``values``: every layer's LAYER_FIELDS, in order) for row ``at``."""
+        self.log.layer_rows.append(at)
+        k = len(LAYER_FIELDS)
+        for j, n in enumerate(self.layer_names):
+            out = self.log.layers[n]
+            for m, f in enumerate(LAYER_FIELDS):
+                out[f].append(values[j * k + m])
+
+    def layer_row(self, lineno: int, row: list[str]) -> None:
+        self.log.layer_rows.append(len(self.log.steps) - 1)
+        for n in self.layer_names:
+            fields = self.cols.layers[n]
+            out = self.log.layers[n]
+            for f in LAYER_FIELDS:
+                i = fields.get(f, -1)
+                out[f].append(self.optional(lineno, i, row) if i >= 0 else _NAN)
+
+    def finish(self) -> None:
+        """Losses of sparse rows that came after their step's norm row (and not right after it)."""
+        log, pending = self.log, self.pending_loss
+        if not pending:
+            return
+        for at in range(len(log.steps)):
+            step = log.steps[at]
+            if step in pending and math.isnan(log.loss[at]):
+                log.loss[at] = pending.pop(step)
+
+
+# ---------------------------------------------------------------------------- records (JSON, TensorBoard)
+
+
+def _from_records(
+    name: str,
+    source: str,
+    records: dict[int, dict[str, float]],
+    layers: dict[str, dict[int, dict[str, float]]],
+) -> GradLog:
+    """A GradLog from step -> {"norm", "loss", "lr", "max_norm", "clipped", "skipped"}."""
+    log = GradLog(name, source)
+    index: dict[int, int] = {}
+    for step in sorted(records):
+        rec = records[step]
+        if "norm" not in rec:
+            continue
+        index[step] = len(log.steps)
+        log.steps.append(step)
+        log.total_norm.append(rec["norm"])
+        loss = rec.get("loss", _NAN)
+        log.loss.append(loss if math.isnan(loss) or math.isfinite(loss) else math.inf)
+        log.lr.append(rec.get("lr", _NAN))
+        log.max_norm.append(rec.get("max_norm", _NAN))
+        log.clipped.append(1 if rec.get("clipped", 0.0) > 0.5 else 0)
+        skipped = rec.get("skipped", 0.0) > 0.5
+        log.skipped.append(1 if skipped else 0)
+        if skipped:
+            log.reason[len(log.steps) - 1] = "nonfinite"
+    rows = sorted({s for per in layers.values() for s in per if s in index})
+    log.layer_rows.extend(index[s] for s in rows)
+    for lname, per in layers.items():
+        log.layers[lname] = {f: array("d", (per.get(s, {}).get(f, _NAN) for s in rows)) for f in LAYER_FIELDS}
+    return log
+
+
+def _read_trainer_state(name: str) -> GradLog:
+    try:
+        with open(name, encoding="utf-8-sig") as f:
+            state = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{name} is not valid JSON ({exc}); expected a Trainer trainer_state.json") from None
+    history = state.get("log_history") if isinstance(state, dict) else None
+    if not isinstance(history, list):
+        raise ValueError(
+            f"{name} is JSON without a 'log_history' list; expected a Hugging Face Trainer trainer_state.json"
+        )
+    records: dict[int, dict[str, float]] = {}
+    keys = (("grad_norm", "norm"), ("loss", "loss"), ("learning_rate", "lr"))
+    for entry in history:
+        if not isinstance(entry, dict) or not isinstance(entry.get("step"), int):
+            continue
+        rec = records.setdefault(entry["step"], {})
+        for key, out in keys:
+            value = entry.get(key)
+            if (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
+                isinstance(value, str) and value.lower() in ("nan", "inf", "infinity", "-inf")
+            ):
+                rec[out] = float(value)
+    log = _from_records(name, "Trainer trainer_state.json", records, {})
+    log.norm_column, log.loss_column = "grad_norm", "loss"
+    if not log.steps:
+        raise ValueError(
+            f"{name} has no 'grad_norm' in its log_history; expected a Trainer run with max_grad_norm > 0 "
+            "that logged at least once (logging_steps)"
+        )
+    return log
+
+
+# ---------------------------------------------------------------------------- TensorBoard
+
+
+def _read_tensorboard(name: str) -> GradLog:
+    try:
+        from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+    except ImportError:
+        raise ValueError(
+            f"{name} holds TensorBoard event files; reading them needs the tensorboard package: "
+            "pip install 'clipopt[tensorboard]'"
+        ) from None
+    mux = EventMultiplexer(size_guidance={"scalars": 0})  # 0: keep every scalar
+    mux.AddRunsFromDirectory(name)
+    mux.Reload()
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for run, tags in mux.Runs().items():
+        for tag in tags.get("scalars", []):
+            scalars.setdefault(tag, []).extend((e.step, float(e.value)) for e in mux.Scalars(run, tag))
+    norm_tag = _tag(scalars, ("clipopt/total_norm", *NORM_NAMES), ("total_norm", "grad_norm"))
+    if norm_tag is None:
+        shown = ", ".join(sorted(scalars)[:12]) or "none"
+        raise ValueError(
+            f"{name} has no gradient-norm scalar; expected a tag ending in total_norm or grad_norm "
+            f"(e.g. train/grad_norm); its scalar tags: {shown}"
+        )
+    wanted = {
+        "norm": norm_tag,
+        "loss": _tag(scalars, ("clipopt/loss", *LOSS_NAMES), ("/loss", "train_loss")),
+        "lr": _tag(scalars, ("clipopt/lr", *LR_NAMES), ("/learning_rate", "/lr")),
+        "max_norm": _tag(scalars, ("clipopt/max_norm",), ()),
+        "clipped": _tag(scalars, ("clipopt/clipped",), ()),
+        "skipped": _tag(scalars, ("clipopt/skipped",), ()),
+    }
+    records: dict[int, dict[str, float]] = {}
+    for key, tag in wanted.items():
+        for step, value in scalars.get(tag, []) if tag is not None else []:
+            records.setdefault(step, {})[key] = value
+    layers: dict[str, dict[int, dict[str, float]]] = {}
+    for tag, events in scalars.items():
+        parts = tag.split("/")
+        if len(parts) >= 4 and parts[0] == "clipopt" and parts[1] == "layers" and parts[-1] in LAYER_FIELDS:
+            per = layers.setdefault("/".join(parts[2:-1]), {})
+            for step, value in events:
+                per.setdefault(step, {})[parts[-1]] = value
+    log = _from_records(name, "TensorBoard", records, layers)
+    log.norm_column, log.loss_column = norm_tag, wanted["loss"]
+    log.has_clipping = wanted["clipped"] is not None
+    return log
+
+
+def _tag(scalars: dict[str, Any], exact: tuple[str, ...], endings: tuple[str, ...]) -> str | None:
+    for t in exact:
+        if t in scalars:
+            return t
+    for t in sorted(scalars):
+        low = t.lower()
+        if any(low.endswith(e) for e in endings) and "layers/" not in low and not low.startswith(_NOT_TRAIN):
+            return t
+    return None

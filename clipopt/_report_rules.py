@@ -1,0 +1,839 @@
+"""The verdict rules of ``clipopt report``, founded on real runs (tests/test_report_corpus.py).
+
+Every rule reads a :class:`~clipopt._report_read.GradLog`: the pre-clip total
+norm of each update, the loss when the log has one, the clipping record
+(clipopt logs) and the per-layer rows.  Statistics are computed with torch on
+float64 columns, so a million updates take a fraction of a second; the norms
+are judged on their logarithms (or divided by their maximum), so norms up to
+``1e308`` give a verdict rather than an overflow.
+
+Terms
+-----
+*Finite norms*: rows whose norm is finite, in file order.  *Overflow rows*:
+non-finite norm with reason ``overflow`` -- a ``GradScaler`` calibrating its
+scale, normal operation, never evidence.  *Start*: the median of the first
+:data:`START_ROWS` finite values (norms or losses) -- the scale of the run
+before anything happened.  A percentile interpolates linearly between ranks
+(numpy's default).
+
+Rules, most severe verdict first
+--------------------------------
+``exploding`` -- the run left its scale for good:
+
+- *blow-up of the loss* (logs with a loss): some loss is above
+  :data:`LOSS_BLOWUP` times the start loss (or is not finite, with no
+  non-finite gradient before it), and from a row on the median loss of the
+  next :func:`block` rows stays above :data:`LOSS_STAY` times the start.
+  Step: that row.  Why: a person decides that a run blew up from its loss; a
+  loss that stays an order of magnitude above where it started is a run that
+  is lost, even when its gradient norm comes down again (the plain run of
+  ``clipopt demo`` blows up at update 5 and then sits at 10x its start loss).
+- *fast growth of the norm*: the median of the last :func:`block` finite norms
+  is at least :data:`GROWTH_RATIO` times the start's, or some norm reaches
+  :data:`GROWTH_RATIO` times the start and the median of the next block stays
+  above :data:`GROWTH_ONSET_RATIO` times it (a blow-up in the first updates,
+  which block medians over the whole run miss).  Step (onset): the first norm
+  above ``GROWTH_ONSET_RATIO`` x start from which the next block's median
+  stays above it.  When the log has a loss that is finite to the end and
+  lower at the end than at the start, growth of the norm alone is not an
+  explosion (a note says so): the loss is the better witness.  Slow geometric
+  growth that ends in an overflow is an explosion from its onset, and the
+  non-finite updates that follow are part of it.
+
+``nonfinite`` -- some update (not an overflow row) had a non-finite gradient,
+not inside an explosion.  Its own verdict because one bad batch is not an
+explosion: clipopt skips it (``skip_nonfinite``) and the run goes on.  Step:
+the first such row.  Layer: in that row's own per-layer statistics (clipopt
+writes them for every non-finite window, whatever the ``layer_stats``
+period) the first parameter, in parameter order, with non-finite elements or a
+non-finite gradient norm; in logs without that row, the first per-layer row
+after it, and the evidence says it was taken from a later row.
+
+``spikes`` -- isolated large updates:
+
+- *norm spikes*: a finite norm ``x`` with ``z = (ln x - m) / s >``
+  :data:`SPIKE_Z`, ``m``/``s`` the mean and standard deviation of the
+  logarithms of the previous up to :data:`SPIKE_WINDOW` norms (at least
+  :data:`SPIKE_MIN_HISTORY`), and ``x`` at least :data:`SPIKE_MIN_RATIO`
+  times their mean.  On logarithms because gradient norms are close to
+  log-normal: on raw norms healthy heavy-tailed runs had 8-17 false spikes per
+  12,000 updates, on log-norms none.  *A spike that clipping handled is not a
+  spike*: a clipped update (clipopt's ``clipped`` column) whose loss over the
+  next :data:`HANDLED_ROWS` rows stays below :data:`LOSS_SPIKE_RATIO` times
+  the median loss before it is counted as handled (without a loss in the log,
+  nothing shows that it was handled, and it is a spike) in the summary, not as evidence -- clipping doing its
+  job (``clipopt demo``'s clipped run clips 9 % of its updates, some at 2x the
+  rolling mean, and learns).
+- *loss spikes* (logs with a loss): a loss more than :data:`LOSS_SPIKE_Z`
+  standard deviations above the mean of the previous up to
+  :data:`LOSS_WINDOW` losses and above :data:`LOSS_SPIKE_RATIO` times that
+  mean (a corrupted batch, a bad data shard: the loss shows it even when
+  clipping hides the norm).
+
+``vanishing`` (needs per-layer rows): a layer whose median gradient norm is
+below :data:`VANISH_RELATIVE` times the median over layers, or whose median
+``grad_norm / param_norm`` is below :data:`VANISH_TO_PARAM`.  Step: its first
+per-layer row below.  Why: in a deep saturating net the first layers' gradients
+are orders of magnitude below the last ones' while the total norm looks calm.
+
+``healthy`` -- none of the above.
+
+Threshold
+---------
+``suggested_max_norm``, one number: the :data:`SUGGEST_PERCENTILE`-th
+percentile of the *healthy stretch*'s finite norms -- the rows before an
+explosion's onset (or before the first non-finite row), spikes left out --
+so that clipping bounds the outliers and leaves the typical update alone;
+when the run exploded, the median of that stretch instead, since its last
+norms already rise towards the blow-up.  The report also says which fraction
+of updates was clipped, and whether the ``max_norm`` used looks too tight (more
+than :data:`TIGHT_FRACTION` of the updates clipped: the bound then acts as a
+smaller learning rate) or too loose (the run exploded or spiked and the bound
+did not clip those updates, or it is above :data:`LOOSE_RATIO` times the
+suggestion).  Further values for reference: AutoClip's
+:data:`AUTOCLIP_PERCENTILE`-th percentile (Seetharaman et al. 2020), Pascanu et
+al.'s range of :data:`PASCANU_LOW`-:data:`PASCANU_HIGH` times the mean norm
+(2013), and a static ZClip bound, mean + :data:`ZCLIP_Z` standard deviations
+(Kumar et al. 2025).
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._report_read import GradLog
+from ._text import fmt_num as _num
+
+__all__ = ["VERDICTS", "analyze", "block", "percentile"]
+
+#: Verdicts, most severe first.
+VERDICTS = ("exploding", "nonfinite", "spikes", "vanishing", "healthy")
+
+#: Rows (finite values) whose median is the run's start.
+START_ROWS = 3
+#: Loss blow-up: a loss above this multiple of the start loss.
+LOSS_BLOWUP = 10.0
+#: Loss blow-up: the median loss of the next block stays above this multiple of the start.
+LOSS_STAY = 3.0
+#: Growth: last block's median (or a sustained peak) / start at or above which norms explode.
+GROWTH_RATIO = 100.0
+#: Growth: the onset is where the next block's median first stays above this multiple of the start.
+GROWTH_ONSET_RATIO = 10.0
+#: Growth: finite norms needed to judge the block medians.
+GROWTH_MIN_UPDATES = 20
+#: Blocks: this fraction of the rows, at least BLOCK_MIN rows.
+GROWTH_BLOCK = 0.05
+BLOCK_MIN = 5
+
+#: Spikes: the rolling window, in finite norms before the update.
+SPIKE_WINDOW = 128
+#: Spikes: finite norms needed in the window before an update can be a spike.
+SPIKE_MIN_HISTORY = 16
+#: Spikes: the z-score of the log-norm above which an update is a spike.
+SPIKE_Z = 5.0
+#: Spikes: a spike is also at least this multiple of the window's mean.
+SPIKE_MIN_RATIO = 2.0
+#: Spikes: how many of the largest spikes the finding details.
+SPIKE_TOP = 5
+#: Handled spikes: rows after a clipped spike whose loss is checked.
+HANDLED_ROWS = 5
+#: Loss spikes: the rolling window, in losses before the update.
+LOSS_WINDOW = 64
+#: Loss spikes: z-score above which a loss is a spike.
+LOSS_SPIKE_Z = 6.0
+#: Loss spikes: a spike is also above this multiple of the window's mean loss.
+LOSS_SPIKE_RATIO = 1.5
+
+#: Vanishing: a layer's median grad_norm below this multiple of the median of all layers' medians.
+VANISH_RELATIVE = 1e-3
+#: Vanishing: a layer's median grad_norm / param_norm below this.
+VANISH_TO_PARAM = 1e-6
+
+#: Threshold: the percentile of the healthy stretch's norms suggested as max_norm.
+SUGGEST_PERCENTILE = 90.0
+#: Threshold: more than this fraction of the updates clipped is too tight.
+TIGHT_FRACTION = 0.5
+#: Threshold: a max_norm above this multiple of the suggestion is too loose (in a run that went wrong).
+LOOSE_RATIO = 10.0
+AUTOCLIP_PERCENTILE = 10.0
+PASCANU_LOW = 0.5
+PASCANU_HIGH = 10.0
+ZCLIP_Z = 2.5
+
+_MAX_LISTED_STEPS = 100
+_MAX_CANDIDATES = 10_000
+
+
+def block(n: int) -> int:
+    """Rows in a block of a run of ``n`` rows: ``max(BLOCK_MIN, ceil(GROWTH_BLOCK * n))``, at most n."""
+    return min(n, max(BLOCK_MIN, math.ceil(GROWTH_BLOCK * n)))
+
+
+def _t(values: array[float] | list[float]) -> Tensor:
+    if isinstance(values, array) and values.typecode == "d" and len(values):
+        return torch.frombuffer(values, dtype=torch.float64)
+    return torch.tensor(list(values), dtype=torch.float64)
+
+
+def percentile(values: Tensor | list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) by linear interpolation, as ``numpy.percentile`` by default.
+
+    Two selections (``torch.kthvalue``), not a sort: a few milliseconds on a million values."""
+    x = values if isinstance(values, Tensor) else torch.tensor(values, dtype=torch.float64)
+    n = x.numel()
+    if n == 0:
+        raise ValueError("percentile of no values")
+    pos = (n - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    a = float(torch.kthvalue(x, lo + 1).values)
+    b = a if hi == lo else float(torch.kthvalue(x, hi + 1).values)
+    return a + (b - a) * (pos - lo) if b != a else a
+
+
+def _median(x: Tensor) -> float:
+    return percentile(x, 50.0)
+
+
+def _start(x: Tensor) -> float:
+    return _median(x[:START_ROWS])
+
+
+# ---------------------------------------------------------------------------- the whole analysis
+
+
+def analyze(log: GradLog) -> dict[str, Any]:
+    """The verdict, its findings, the suggested ``max_norm``, the clipping assessment and a summary.
+
+    Keys: ``file``, ``source``, ``verdict`` (one of :data:`VERDICTS`),
+    ``findings`` (most severe first; each ``kind`` -- ``blowup``, ``growth``,
+    ``nonfinite``, ``spikes``, ``loss_spikes`` or ``vanishing`` --,
+    ``verdict``, ``step``, ``layer``, ``evidence``, ``values``),
+    ``suggested_max_norm``, ``clipping``, ``suggestions``, ``summary``,
+    ``notes``.  See the module docstring for the rules.
+    """
+    n = len(log)
+    norm = _t(log.total_norm)
+    loss = _t(log.loss)
+    notes = list(log.notes)
+    finite = torch.isfinite(norm)
+    overflow = torch.zeros(n, dtype=torch.bool)
+    for i, r in log.reason.items():
+        if r == "overflow" and not math.isfinite(log.total_norm[i]):
+            overflow[i] = True
+    bad_rows = (~finite & ~overflow).nonzero().flatten()
+    first_bad = int(bad_rows[0]) if bad_rows.numel() else n
+
+    blowup = _loss_blowup(log, loss, first_bad)
+    growth = _growth(log, norm, finite, loss, notes)
+    explosions = [f for f in (blowup, growth) if f is not None]
+    onset = min((f["values"]["row"] for f in explosions), default=n)
+    nonfinite = _nonfinite(log, bad_rows, onset) if bad_rows.numel() else None
+    if nonfinite is not None and explosions and onset <= first_bad:
+        nonfinite["verdict"] = "exploding"
+        nonfinite["evidence"] += " (part of the explosion above)"
+    end = min(onset, first_bad) if explosions else n
+    spikes, handled = _norm_spikes(log, norm, loss, min(onset, n))
+    loss_spikes = _loss_spikes(log, loss, min(onset, n))
+    findings: list[dict[str, Any]] = [*explosions]
+    findings += [f for f in (nonfinite, spikes, loss_spikes) if f is not None]
+    if log.layer_rows:
+        findings += _vanishing(log)
+    elif log.layers:
+        notes.append("the per-layer columns are empty in every row: vanishing gradients were not checked")
+    else:
+        notes.append("no per-layer statistics: vanishing gradients were not checked (clipopt: layer_stats=k)")
+    findings.sort(key=lambda f: VERDICTS.index(f["verdict"]))
+    verdict = findings[0]["verdict"] if findings else "healthy"
+
+    n_overflow = int(overflow.sum())
+    if n_overflow:
+        notes.append(
+            f"{n_overflow} update(s) overflowed under a GradScaler (reason 'overflow'): loss-scale "
+            "calibration, not counted as a problem"
+        )
+    if handled:
+        notes.append(
+            f"{len(handled)} large norm(s) (at step(s) {_steps_text(handled)}) were clipped and the loss "
+            "did not jump after them: clipping handled them, so they are not counted as spikes"
+        )
+    spike_rows = set(spikes["values"]["rows"]) if spikes is not None else set()
+    if verdict == "exploding":  # the stretch ends where the norms first left their start's order
+        start = norm[finite][:START_ROWS]
+        if start.numel():
+            above = (norm[:end] > GROWTH_ONSET_RATIO * _median(start)).nonzero().flatten()
+            end = int(above[0]) if above.numel() else end
+    stretch = _healthy_stretch(norm, end, spike_rows)
+    suggested = _suggest(stretch, exploding=verdict == "exploding")
+    clipping = _clipping(log, verdict, findings, suggested)
+    return {
+        "file": log.path,
+        "source": log.source,
+        "verdict": verdict,
+        "findings": findings,
+        "suggested_max_norm": suggested,
+        "clipping": clipping,
+        "suggestions": _suggestions(norm[finite]),
+        "summary": _summary(log, norm, loss, finite, n_overflow, len(handled)),
+        "notes": notes,
+    }
+
+
+def _steps_text(steps: list[int]) -> str:
+    return ", ".join(str(s) for s in steps[:10]) + (", ..." if len(steps) > 10 else "")
+
+
+# ---------------------------------------------------------------------------- exploding
+
+
+def _sustained_onset(x: Tensor, threshold: float, k: int) -> int | None:
+    """The first index j with ``x[j] > threshold`` and median of ``x[j:j+k]`` > threshold (nan/inf: above)."""
+    above = (x > threshold) | ~torch.isfinite(x)
+    candidates = above.nonzero().flatten()[:_MAX_CANDIDATES].tolist()
+    y = torch.where(torch.isfinite(x), x, torch.full_like(x, math.inf))
+    for j in candidates:
+        if _median(y[j : j + k]) > threshold:
+            return int(j)
+    return None
+
+
+def _loss_blowup(log: GradLog, loss: Tensor, first_bad: int) -> dict[str, Any] | None:
+    given = ~torch.isnan(loss)
+    rows = given.nonzero().flatten()
+    if rows.numel() < 2:
+        return None
+    values = loss[rows].clone()
+    finite = torch.isfinite(values)
+    if not finite.any():
+        return None
+    start = _start(values[finite])
+    if not start > 0:
+        return None
+    # a non-finite loss after a non-finite gradient is its consequence (nonfinite), not a blow-up
+    late = ~finite & (rows >= first_bad)
+    values[late] = math.nan
+    keep = ~torch.isnan(values)
+    rows, values = rows[keep], values[keep]
+    peak = (values > LOSS_BLOWUP * start) | torch.isinf(values)
+    if not peak.any():
+        return None
+    k = block(int(rows.numel()))
+    j = _sustained_onset(values, LOSS_STAY * start, k)
+    if j is None:
+        return None
+    row = int(rows[j])
+    top = float(values[torch.isfinite(values)].max()) if torch.isfinite(values).any() else math.nan
+    after = _median(torch.where(torch.isfinite(values[j : j + k]), values[j : j + k], math.inf))
+    evidence = (
+        f"the loss left its start {_num(start)} for good at step {log.steps[row]} "
+        f"(loss {_num(float(values[j]))}; median of the next {k} logged losses {_num(after)}, above "
+        f"{LOSS_STAY:g}x the start; highest finite loss {_num(top)}, blow-up at > {LOSS_BLOWUP:g}x)"
+    )
+    return {
+        "kind": "blowup",
+        "verdict": "exploding",
+        "step": log.steps[row],
+        "layer": None,
+        "evidence": evidence,
+        "values": {
+            "row": row,
+            "start_loss": start,
+            "loss": float(values[j]),
+            "next_median": after,
+            "block": k,
+        },
+    }
+
+
+def _growth(
+    log: GradLog, norm: Tensor, finite: Tensor, loss: Tensor, notes: list[str]
+) -> dict[str, Any] | None:
+    idx = finite.nonzero().flatten()
+    x = norm[idx]
+    m = int(x.numel())
+    if m < BLOCK_MIN:
+        notes.append(f"{m} finite norm(s): growth needs at least {BLOCK_MIN}, so it was not checked")
+        return None
+    start = _start(x)
+    if not start > 0:
+        return None
+    k = block(m)
+    # a run whose last block of rows is non-finite (not overflows) ended above every bound
+    last = range(max(0, len(log) - k), len(log))
+    ends_bad = all(not math.isfinite(log.total_norm[i]) and log.reason.get(i) != "overflow" for i in last)
+    tail = _median(x[-k:])
+    grew = m >= GROWTH_MIN_UPDATES and tail >= GROWTH_RATIO * start
+    onset = _sustained_onset(x, GROWTH_ONSET_RATIO * start, k)
+    peaked = bool((x >= GROWTH_RATIO * start).any()) and onset is not None
+    if not (grew or peaked or (ends_bad and onset is not None)):
+        return None
+    if onset is None:
+        onset = m - k
+    row = int(idx[onset])
+    if _loss_fell(loss):
+        notes.append(
+            f"the gradient norm grew (from {_num(start)} to {_num(float(x[onset:].max()))} from step "
+            f"{log.steps[row]}) while the loss fell and stayed finite: not counted as an explosion"
+        )
+        return None
+    layer, layer_ratio = _largest_layer_growth(log)
+    by_layer = f"; grew most in {layer} ({_num(layer_ratio)}x between per-layer rows)" if layer else ""
+    why = (
+        f"median of the last {k} norms {_num(tail)} is {_num(tail / start)}x the start {_num(start)}"
+        if grew
+        else f"norm {_num(float(x.max()))} reached {_num(float(x.max()) / start)}x the start {_num(start)}"
+        if peaked
+        else f"the norms rose above {GROWTH_ONSET_RATIO:g}x the start {_num(start)} and ended non-finite"
+    )
+    evidence = (
+        f"{why} (explosion at >= {GROWTH_RATIO:g}x); above {GROWTH_ONSET_RATIO:g}x the start to stay "
+        f"from step {log.steps[row]} (norm {_num(float(x[onset]))}){by_layer}"
+    )
+    return {
+        "kind": "growth",
+        "verdict": "exploding",
+        "step": log.steps[row],
+        "layer": layer,
+        "evidence": evidence,
+        "values": {
+            "row": row,
+            "start_norm": start,
+            "tail_median": tail,
+            "block": k,
+            "layer_ratio": layer_ratio,
+        },
+    }
+
+
+def _loss_fell(loss: Tensor) -> bool:
+    """The log has losses, all finite, and the last block's median is below the first's."""
+    given = loss[~torch.isnan(loss)]
+    if given.numel() < 2 * BLOCK_MIN or not bool(torch.isfinite(given).all()):
+        return False
+    k = block(int(given.numel()))
+    return _median(given[-k:]) < _median(given[:k])
+
+
+def _largest_layer_growth(log: GradLog) -> tuple[str | None, float | None]:
+    best: tuple[str | None, float | None] = (None, None)
+    for name, cols in log.layers.items():
+        g = _t(cols["grad_norm"])
+        g = g[torch.isfinite(g)]
+        if g.numel() < 2 or not float(g[0]) > 0:
+            continue
+        ratio = float(g[-1]) / float(g[0])
+        if best[1] is None or ratio > best[1]:
+            best = (name, ratio)
+    return best
+
+
+# ---------------------------------------------------------------------------- non-finite
+
+
+def _nonfinite(log: GradLog, bad_rows: Tensor, onset: int) -> dict[str, Any]:
+    first = int(bad_rows[0])
+    step = log.steps[first]
+    skipped = sum(log.skipped[int(i)] for i in bad_rows[:1_000_000].tolist())
+    applied = int(bad_rows.numel()) - skipped
+    layer, how, bad_layers, layer_step = (
+        None,
+        "no per-layer statistics were recorded at or after it",
+        {},
+        None,
+    )
+    pos = next((p for p, r in enumerate(log.layer_rows) if r >= first), None)
+    if pos is not None:
+        layer_step = log.steps[log.layer_rows[pos]]
+        for name, cols in log.layers.items():
+            count, g = cols["nonfinite"][pos], cols["grad_norm"][pos]
+            if (math.isfinite(count) and count > 0) or (not math.isnan(g) and not math.isfinite(g)):
+                bad_layers[name] = int(count) if math.isfinite(count) else -1
+            elif math.isnan(g) and not math.isnan(count):
+                bad_layers[name] = int(count) if math.isfinite(count) and count > 0 else -1
+        own = layer_step == step
+        where = (
+            "in its own per-layer row" if own else f"in the next per-layer row (step {layer_step}), a guess"
+        )
+        if bad_layers:
+            layer = next(iter(bad_layers))
+            how = (
+                f"first parameter with a non-finite gradient {where}: {layer} "
+                f"({len(bad_layers)} of {len(log.layers)} non-finite)"
+            )
+        else:
+            how = f"no parameter recorded non-finite elements {where}"
+    tail = ""
+    if applied and first + 1 < len(log) and all(not math.isfinite(v) for v in log.total_norm[first + 1 :]):
+        tail = "; it was applied and every later update is non-finite too (the parameters went non-finite)"
+    evidence = (
+        f"total norm {_num(log.total_norm[first])} at step {step}, the first of {bad_rows.numel()} non-finite "  # noqa: E501
+        f"update(s) ({skipped} skipped, {applied} applied); {how}{tail}"
+    )
+    return {
+        "kind": "nonfinite",
+        "verdict": "nonfinite",
+        "step": step,
+        "layer": layer,
+        "evidence": evidence,
+        "values": {
+            "row": first,
+            "total_norm": log.total_norm[first],
+            "count": int(bad_rows.numel()),
+            "applied": applied,
+            "layer_step": layer_step,
+            "nonfinite_layers": bad_layers,
+        },
+    }
+
+
+# ---------------------------------------------------------------------------- spikes
+
+
+def _rolling(x: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Mean, population std and count of the previous up to ``window`` values, for every index."""
+    n = x.numel()
+    shift = float(x.mean()) if n else 0.0
+    y = x - shift
+    c1 = torch.cat([torch.zeros(1, dtype=x.dtype), y.cumsum(0)])
+    c2 = torch.cat([torch.zeros(1, dtype=x.dtype), (y * y).cumsum(0)])
+    j = torch.arange(n)
+    lo = (j - window).clamp(min=0)
+    count = (j - lo).to(x.dtype)
+    safe = count.clamp(min=1)
+    s1 = (c1[j] - c1[lo]) / safe
+    s2 = (c2[j] - c2[lo]) / safe
+    var = (s2 - s1 * s1).clamp(min=0)
+    return s1 + shift, var.sqrt(), count
+
+
+def _norm_spikes(
+    log: GradLog, norm: Tensor, loss: Tensor, end: int
+) -> tuple[dict[str, Any] | None, list[int]]:
+    """Norm spikes before row ``end`` and the steps of the spikes clipping handled."""
+    head = norm[:end]
+    idx = (torch.isfinite(head) & (head > 0)).nonzero().flatten()
+    x = head[idx]
+    if x.numel() <= SPIKE_MIN_HISTORY:
+        return None, []
+    logs = x.log()
+    mean_log, std_log, count = _rolling(logs, SPIKE_WINDOW)
+    scale = float(x.max())
+    mean_raw = _rolling(x / scale, SPIKE_WINDOW)[0] * scale
+    excess = logs - mean_log
+    z = torch.where(std_log > 0, excess / std_log.clamp(min=1e-300), torch.where(excess > 0, math.inf, 0.0))
+    hit = (count >= SPIKE_MIN_HISTORY) & (z > SPIKE_Z) & (x >= SPIKE_MIN_RATIO * mean_raw)
+    pos = hit.nonzero().flatten().tolist()
+    spikes: list[dict[str, Any]] = []
+    handled: list[int] = []
+    for p in pos:
+        row = int(idx[p])
+        if log.clipped[row] and _loss_calm_after(loss, row):
+            handled.append(log.steps[row])
+            continue
+        spikes.append(
+            {
+                "row": row,
+                "step": log.steps[row],
+                "norm": float(x[p]),
+                "mean": float(mean_raw[p]),
+                "z": float(z[p]),
+            }
+        )
+    if not spikes:
+        return None, handled
+    top = sorted(spikes, key=lambda s: -s["z"])[:SPIKE_TOP]
+    big = top[0]
+    layer = _most_unusual_layer(log, big["row"])
+    steps = [s["step"] for s in spikes]
+    at_layer = f"; at that step {layer} had the largest gradient norm against its median" if layer else ""
+    evidence = (
+        f"{len(spikes)} spike(s) (log-norm z > {SPIKE_Z:g} over the previous up to {SPIKE_WINDOW} "
+        f"updates and >= {SPIKE_MIN_RATIO:g}x their mean) at step(s) {_steps_text(steps)}; "
+        f"largest at step {big['step']}: norm {_num(big['norm'])}, {_num(big['norm'] / big['mean'])}x the "
+        f"rolling mean {_num(big['mean'])}, z = {_num(big['z'])}{at_layer}"
+    )
+    finding = {
+        "kind": "spikes",
+        "verdict": "spikes",
+        "step": steps[0],
+        "layer": layer,
+        "evidence": evidence,
+        "values": {
+            "count": len(spikes),
+            "steps": steps[:_MAX_LISTED_STEPS],
+            "rows": [s["row"] for s in spikes],
+            "steps_truncated": len(steps) > _MAX_LISTED_STEPS,
+            "top": top,
+        },
+    }
+    return finding, handled
+
+
+def _loss_calm_after(loss: Tensor, row: int) -> bool:
+    """The loss of the next rows stays below LOSS_SPIKE_RATIO x the median before (False without a loss)."""
+    if bool(torch.isnan(loss).all()):
+        return False
+    before = loss[max(0, row - LOSS_WINDOW) : row]
+    before = before[torch.isfinite(before)]
+    after = loss[row + 1 : row + 1 + HANDLED_ROWS]
+    after = after[~torch.isnan(after)]
+    if before.numel() == 0 or after.numel() == 0:
+        return True
+    if not bool(torch.isfinite(after).all()):
+        return False
+    ref = _median(before)
+    return _median(after) <= LOSS_SPIKE_RATIO * ref if ref > 0 else True
+
+
+def _loss_spikes(log: GradLog, loss: Tensor, end: int) -> dict[str, Any] | None:
+    head = loss[:end]
+    idx = torch.isfinite(head).nonzero().flatten()
+    x = head[idx]
+    if x.numel() <= SPIKE_MIN_HISTORY:
+        return None
+    mean, std, count = _rolling(x, LOSS_WINDOW)
+    hit = (count >= SPIKE_MIN_HISTORY) & (x - mean > LOSS_SPIKE_Z * std) & (x > LOSS_SPIKE_RATIO * mean)
+    hit &= mean > 0
+    pos = hit.nonzero().flatten().tolist()
+    if not pos:
+        return None
+    rows = [int(idx[p]) for p in pos]
+    steps = [log.steps[r] for r in rows]
+    big = max(pos, key=lambda p: float((x[p] - mean[p]) / std[p].clamp(min=1e-300)))
+    evidence = (
+        f"{len(pos)} loss spike(s) (> {LOSS_SPIKE_Z:g} std and > {LOSS_SPIKE_RATIO:g}x the mean of the previous "  # noqa: E501
+        f"up to {LOSS_WINDOW} losses) at step(s) {_steps_text(steps)}; largest at step {log.steps[int(idx[big])]}: "  # noqa: E501
+        f"loss {_num(float(x[big]))} against a rolling mean {_num(float(mean[big]))}"
+    )
+    return {
+        "kind": "loss_spikes",
+        "verdict": "spikes",
+        "step": steps[0],
+        "layer": None,
+        "evidence": evidence,
+        "values": {"count": len(pos), "steps": steps[:_MAX_LISTED_STEPS], "rows": rows[:_MAX_LISTED_STEPS]},
+    }
+
+
+def _most_unusual_layer(log: GradLog, row: int) -> str | None:
+    pos = next((p for p, r in enumerate(log.layer_rows) if r == row), None)
+    if pos is None:
+        return None
+    best: tuple[str | None, float] = (None, -math.inf)
+    for name, cols in log.layers.items():
+        g = _t(cols["grad_norm"])
+        x = float(g[pos])
+        history = g[torch.isfinite(g)]
+        if not math.isfinite(x) or history.numel() == 0:
+            continue
+        med = _median(history)
+        ratio = x / med if med > 0 else math.inf
+        if ratio > best[1]:
+            best = (name, ratio)
+    return best[0]
+
+
+# ---------------------------------------------------------------------------- vanishing
+
+
+def _vanishing(log: GradLog) -> list[dict[str, Any]]:
+    medians: dict[str, float] = {}
+    ratios: dict[str, Tensor] = {}
+    for name, cols in log.layers.items():
+        g, p = _t(cols["grad_norm"]), _t(cols["param_norm"])
+        ok = torch.isfinite(g)
+        if not ok.any():
+            continue
+        medians[name] = _median(g[ok])
+        both = ok & torch.isfinite(p) & (p > 0)
+        ratios[name] = torch.where(both, g / p.clamp(min=1e-300), math.nan)
+    if not medians:
+        return []
+    reference = _median(torch.tensor(list(medians.values()), dtype=torch.float64))
+    out = []
+    for name, med in medians.items():
+        r = ratios[name]
+        r_ok = r[~torch.isnan(r)]
+        ratio = _median(r_ok) if r_ok.numel() else None
+        relative = med < VANISH_RELATIVE * reference
+        to_param = ratio is not None and ratio < VANISH_TO_PARAM
+        if not (relative or to_param):
+            continue
+        g = _t(log.layers[name]["grad_norm"])
+        below = (g < VANISH_RELATIVE * reference) if relative else (r < VANISH_TO_PARAM)
+        first = int(below.nonzero().flatten()[0]) if below.any() else 0
+        step = log.steps[log.layer_rows[first]]
+        parts = []
+        if relative:
+            rel = _num(med / reference) if reference > 0 else "0"
+            parts.append(
+                f"median gradient norm {_num(med)} is {rel}x the median over layers ({_num(reference)}; "
+                f"vanishing below {VANISH_RELATIVE:g}x)"
+            )
+        if ratio is not None:
+            tail = f"; vanishing below {VANISH_TO_PARAM:g}" if to_param else ""
+            parts.append(f"median grad_norm/param_norm {_num(ratio)}{tail}")
+        out.append(
+            {
+                "kind": "vanishing",
+                "verdict": "vanishing",
+                "step": step,
+                "layer": name,
+                "evidence": f"{name}: " + "; ".join(parts) + f" (first below at step {step})",
+                "values": {
+                    "median_grad_norm": med,
+                    "reference": reference,
+                    "median_grad_to_param": ratio,
+                    "relative": relative,
+                    "to_param": to_param,
+                },
+            }
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------- threshold
+
+
+def _healthy_stretch(norm: Tensor, end: int, spike_rows: set[int]) -> Tensor:
+    head = norm[:end]
+    keep = torch.isfinite(head) & (head > 0)
+    for r in spike_rows:
+        if r < end:
+            keep[r] = False
+    x = head[keep]
+    if x.numel() == 0:
+        x = norm[torch.isfinite(norm) & (norm > 0)][:START_ROWS]
+    return x
+
+
+def _suggest(stretch: Tensor, *, exploding: bool) -> float | None:
+    if stretch.numel() == 0:
+        return None
+    return percentile(stretch, 50.0 if exploding else SUGGEST_PERCENTILE)
+
+
+def _clipping(
+    log: GradLog, verdict: str, findings: list[dict[str, Any]], suggested: float | None
+) -> dict[str, Any]:
+    n = len(log)
+    clipped = sum(log.clipped)
+    mn = _t(log.max_norm)
+    bounds = mn[~torch.isnan(mn)]
+    used = float(bounds[-1]) if bounds.numel() else None
+    out: dict[str, Any] = {
+        "recorded": log.has_clipping,
+        "clipped": clipped,
+        "clipped_fraction": clipped / n if n else 0.0,
+        "max_norm": used,
+        "assessment": "unknown",
+        "advice": "",
+    }
+    sug = _num(suggested) if suggested is not None else "-"
+    if not log.has_clipping:
+        out["advice"] = f"the log does not record clipping; suggested max_norm {sug}"
+        return out
+    if used is None or math.isinf(used):
+        out["assessment"] = "off"
+        out["advice"] = f"norm clipping was off (no max_norm); suggested max_norm {sug}"
+        if verdict in ("exploding", "spikes"):
+            out["assessment"] = "missing"
+            out["advice"] = f"no norm clipping, and the run went wrong: use max_norm={sug}"
+        return out
+    bad_rows = [f["values"].get("row") for f in findings if f["verdict"] in ("exploding", "spikes")]
+    unclipped_bad = any(
+        r is not None and not log.clipped[r] and math.isfinite(log.total_norm[r]) for r in bad_rows
+    )
+    if out["clipped_fraction"] > TIGHT_FRACTION:
+        out["assessment"] = "too tight"
+        out["advice"] = (
+            f"max_norm {_num(used)} clipped {100 * out['clipped_fraction']:.0f}% of the updates: at that rate "  # noqa: E501
+            f"it acts as a smaller learning rate; suggested max_norm {sug}"
+        )
+    elif verdict in ("exploding", "spikes") and (
+        unclipped_bad or (suggested is not None and used > LOOSE_RATIO * suggested)
+    ):
+        out["assessment"] = "too loose"
+        out["advice"] = (
+            f"max_norm {_num(used)} did not bound the updates that went wrong; suggested max_norm {sug}"
+        )
+    else:
+        out["assessment"] = "fine"
+        out["advice"] = (
+            f"max_norm {_num(used)} clipped {100 * out['clipped_fraction']:.1f}% of the updates; "
+            f"it looks right (suggested from the norms: {sug})"
+        )
+    return out
+
+
+def _suggestions(norms: Tensor) -> list[dict[str, Any]]:
+    if norms.numel() == 0:
+        return []
+    scale = float(norms.abs().max()) or 1.0
+    scaled = norms / scale
+    mean = float(scaled.mean()) * scale
+    std = float(scaled.std(unbiased=False)) * scale
+    n = int(norms.numel())
+    return [
+        {
+            "name": "autoclip",
+            "rule": f"the {AUTOCLIP_PERCENTILE:g}th percentile of the {n} finite norms (AutoClip, Seetharaman et al. 2020)",  # noqa: E501
+            "value": percentile(norms, AUTOCLIP_PERCENTILE),
+            "low": None,
+            "high": None,
+        },
+        {
+            "name": "pascanu",
+            "rule": f"{PASCANU_LOW:g} to {PASCANU_HIGH:g} times the mean norm {_num(mean)} (Pascanu et al. 2013)",  # noqa: E501
+            "value": None,
+            "low": PASCANU_LOW * mean,
+            "high": PASCANU_HIGH * mean,
+        },
+        {
+            "name": "zclip",
+            "rule": f"mean {_num(mean)} + {ZCLIP_Z:g} x std {_num(std)} (a static ZClip bound, Kumar et al. 2025)",  # noqa: E501
+            "value": mean + ZCLIP_Z * std if math.isfinite(mean + ZCLIP_Z * std) else math.inf,
+            "low": None,
+            "high": None,
+        },
+    ]
+
+
+def _summary(
+    log: GradLog, norm: Tensor, loss: Tensor, finite: Tensor, overflow: int, handled: int
+) -> dict[str, Any]:
+    n = len(log)
+    x = norm[finite]
+    given = loss[~torch.isnan(loss)]
+    fin_loss = given[torch.isfinite(given)]
+    k = block(int(fin_loss.numel())) if fin_loss.numel() else 0
+    mn = _t(log.max_norm)
+    fin = mn[torch.isfinite(mn)]
+    bounds = [float(fin.min()), float(fin.max()), float(fin[-1])] if fin.numel() else []
+    return {
+        "updates": n,
+        "first_step": log.steps[0],
+        "last_step": log.steps[-1],
+        "clipped": sum(log.clipped),
+        "clipped_fraction": sum(log.clipped) / n,
+        "handled_spikes": handled,
+        "skipped": sum(log.skipped),
+        "nonfinite": int((~finite).sum()),
+        "overflow": overflow,
+        "finite_norms": int(x.numel()),
+        "norm_min": float(x.min()) if x.numel() else None,
+        "norm_median": _median(x) if x.numel() else None,
+        "norm_max": float(x.max()) if x.numel() else None,
+        "max_norm": {"min": bounds[0], "max": bounds[1], "last": bounds[2]} if bounds else None,
+        "max_norm_unbounded": bool(torch.isinf(mn).any()),
+        "losses": int(given.numel()),
+        "loss_start": _start(fin_loss) if k else None,
+        "loss_end": _median(fin_loss[-k:]) if k else None,
+        "loss_nonfinite": int((~torch.isfinite(given)).sum()),
+        "layers": len(log.layers),
+        "layer_rows": len(log.layer_rows),
+    }

@@ -1,0 +1,310 @@
+"""A labelled corpus of small real training runs; ``clipopt report`` must be right on every one.
+
+Each run trains a small network on synthetic data on the CPU (well under a
+second) through ClippedOptimizer with a CSVLogger and ``step(loss=loss)``;
+its truth is known by construction.  The runs are generated once per session.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from clipopt import ClippedOptimizer, CSVLogger
+from clipopt._cli import main
+from clipopt._report import analyze, read_log
+
+STEPS = 200
+
+
+def _mlp(depth: int = 2, width: int = 16, act: type[torch.nn.Module] = torch.nn.Tanh) -> torch.nn.Sequential:
+    layers: list[torch.nn.Module] = [torch.nn.Linear(8, width), act()]
+    for _ in range(depth - 1):
+        layers += [torch.nn.Linear(width, width), act()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(32, 8, generator=g)
+    return x, (x[:, :4].sum(1, keepdim=True) - x[:, 4:].prod(1, keepdim=True)).tanh()
+
+
+def train(
+    path: Path,
+    make_opt: Callable[[torch.nn.Module], torch.optim.Optimizer],
+    *,
+    model: torch.nn.Module | None = None,
+    max_norm: float | None = None,
+    layer_stats: bool | int = 10,
+    corrupt: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    nan_at: tuple[int, str] | None = None,
+    steps: int = STEPS,
+    scaler: torch.amp.GradScaler | None = None,
+    warmup: int = 0,
+    data: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> list[float]:
+    """Train and log to ``path``; return the losses."""
+    torch.manual_seed(0)
+    net = model if model is not None else _mlp()
+    inner = make_opt(net)
+    sched = (
+        torch.optim.lr_scheduler.LambdaLR(inner, lambda s: min(1.0, (s + 1) / warmup)) if warmup else None
+    )
+    opt = ClippedOptimizer(
+        inner,
+        scaler=scaler,
+        max_norm=max_norm,
+        param_names=net.named_parameters(),
+        layer_stats=layer_stats,
+        loggers=[CSVLogger(path)],
+    )
+    losses = []
+    for step in range(1, steps + 1):
+        x, y = (data or _data)(step)
+        if corrupt is not None:
+            x, y = corrupt(step, x, y)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
+            loss = torch.nn.functional.mse_loss(net(x).float(), y)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if nan_at is not None and step == nan_at[0]:
+            dict(net.named_parameters())[nan_at[1]].grad.view(-1)[0] = math.nan
+        opt.step(loss=loss)
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        losses.append(float(loss.detach()))
+    opt.close()
+    return losses
+
+
+def _corrupted(step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (x, y - 10.0) if step in (80, 140) else (x, y)
+
+
+def _bad_labels(step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (x, y + 25.0) if step in (90, 150) else (x, y)
+
+
+#: Full-batch linear regression: plain SGD multiplies the error by |1 - lr * lambda_max| per step.
+_X = torch.randn(64, 8, generator=torch.Generator().manual_seed(7))
+_Y = _X @ torch.linspace(-1, 1, 8).unsqueeze(1)
+_LAMBDA_MAX = float(torch.linalg.eigvalsh(2 * _X.T @ _X / len(_X)).max())
+
+
+def _full_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _X, _Y
+
+
+def _linear() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(8, 1, bias=False)
+
+
+def _deep_sigmoid() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return _mlp(depth=14, width=16, act=torch.nn.Sigmoid)
+
+
+#: name -> (train kwargs, expected verdict, expected step or None, expected layer or None)
+CORPUS: dict[str, tuple[dict[str, Any], str, int | None, str | None]] = {
+    "healthy-sgd": ({"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.05)}, "healthy", None, None),
+    "healthy-adamw": (
+        {"make_opt": lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3)},
+        "healthy",
+        None,
+        None,
+    ),
+    "healthy-momentum": (
+        {"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.02, momentum=0.9)},
+        "healthy",
+        None,
+        None,
+    ),
+    "healthy-clipped": (
+        {"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.3), "max_norm": 0.5},
+        "healthy",
+        None,
+        None,
+    ),
+    "early-blowup": (
+        {"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=1.0)},
+        "exploding",
+        None,
+        None,
+    ),
+    "corrupted-batches": (
+        {"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.02), "corrupt": _corrupted},
+        "spikes",
+        80,
+        None,
+    ),
+    "loss-spikes-clipped": (
+        {
+            "make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
+            "max_norm": 1.0,
+            "corrupt": _bad_labels,
+        },
+        "spikes",
+        90,
+        None,
+    ),
+    "nan-first-layer": (
+        {"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.05), "nan_at": (21, "0.weight")},
+        "nonfinite",
+        21,
+        "0.weight",
+    ),
+    "nan-last-layer": (
+        {"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.05), "nan_at": (57, "4.bias")},
+        "nonfinite",
+        57,
+        "4.bias",
+    ),
+    "slow-growth-to-overflow": (
+        {
+            "make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=2.3 / _LAMBDA_MAX),
+            "model": _linear(),
+            "data": _full_batch,
+            "layer_stats": False,
+        },
+        "exploding",
+        None,
+        None,
+    ),
+    "gradscaler-overflows": (
+        {
+            "make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
+            "scaler": torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=20),
+        },
+        "healthy",
+        None,
+        None,
+    ),
+    "warmup": (
+        {"make_opt": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), "warmup": 50},
+        "healthy",
+        None,
+        None,
+    ),
+    "vanishing-deep-sigmoid": (
+        {"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.05), "model": _deep_sigmoid()},
+        "vanishing",
+        None,
+        "0.weight",
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[float]]]:
+    out = tmp_path_factory.mktemp("corpus")
+    runs = {}
+    for name, (kwargs, *_) in CORPUS.items():
+        path = out / f"{name}.csv"
+        runs[name] = (path, train(path, **kwargs))
+    return runs
+
+
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_report_is_right_on_the_corpus(name: str, corpus: dict[str, tuple[Path, list[float]]]) -> None:
+    """The verdict (and where known, the step and the layer) of each labelled run."""
+    _, verdict, step, layer = CORPUS[name]
+    report = analyze(read_log(corpus[name][0]))
+    assert report["verdict"] == verdict, report["findings"]
+    head = report["findings"][0] if report["findings"] else None
+    if step is not None:
+        assert head is not None and head["step"] == step
+    if layer is not None:
+        assert head is not None and head["layer"] == layer
+
+
+def test_early_blowup_is_real(corpus: dict[str, tuple[Path, list[float]]]) -> None:
+    """The exploding run's loss did rise above 10x its start (the label is true), healthy ones fell."""
+    losses = corpus["early-blowup"][1]
+    assert any(not math.isfinite(v) or v > 10 * losses[0] for v in losses[:50])
+    for name in ("healthy-sgd", "healthy-adamw", "healthy-clipped"):
+        losses = corpus[name][1]
+        assert sum(losses[-20:]) / 20 < losses[0]
+
+
+def test_suggested_max_norm_makes_the_exploding_run_train(
+    corpus: dict[str, tuple[Path, list[float]]], tmp_path: Path
+) -> None:
+    """Re-training the exploding run with the suggested max_norm stays finite and ends below its start loss."""  # noqa: E501
+    report = analyze(read_log(corpus["early-blowup"][0]))
+    suggested = report["suggested_max_norm"]
+    assert report["clipping"]["assessment"] == "missing"
+    losses = train(tmp_path / "retrained.csv", CORPUS["early-blowup"][0]["make_opt"], max_norm=suggested)
+    assert all(math.isfinite(v) for v in losses)
+    assert sum(losses[-20:]) / 20 < losses[0]
+
+
+def test_labels_of_growth_and_overflow_runs_are_true(corpus: dict[str, tuple[Path, list[float]]]) -> None:
+    """The slow-growth run's loss grows geometrically to a non-finite value; the GradScaler run had
+    overflow updates (reason 'overflow') and learned."""
+    losses = corpus["slow-growth-to-overflow"][1]
+    assert not math.isfinite(losses[-1])
+    assert all(b > a for a, b in itertools.pairwise(losses[20:61]))
+    log = read_log(corpus["gradscaler-overflows"][0])
+    assert set(log.reason.values()) == {"overflow"} and len(log.reason) >= 3
+    losses = corpus["gradscaler-overflows"][1]
+    assert sum(losses[-20:]) / 20 < losses[0]
+
+
+def test_cli_json_and_text_on_a_corpus_run(
+    corpus: dict[str, tuple[Path, list[float]]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--json has verdict, findings (kind, step, layer, evidence), the suggestion and the clipped fraction;
+    the text starts with the verdict line naming step and layer."""
+    path = corpus["nan-first-layer"][0]
+    assert main(["report", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == "nonfinite"
+    head = report["findings"][0]
+    assert {"kind", "step", "layer", "evidence"} <= set(head)
+    assert (head["kind"], head["step"], head["layer"]) == ("nonfinite", 21, "0.weight")
+    assert "in its own per-layer row" in head["evidence"]
+    assert report["suggested_max_norm"] > 0 and report["clipping"]["clipped_fraction"] == 0.0
+    assert main(["report", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("verdict: nonfinite (non-finite gradient; step 21, layer 0.weight)")
+    assert "Suggested max_norm: " in text
+
+
+def test_plot_has_the_loss_panel(corpus: dict[str, tuple[Path, list[float]]], tmp_path: Path) -> None:
+    """--plot writes a PNG with three panels (norm, loss, per-layer heatmap) for a run with all three."""
+    pytest.importorskip("matplotlib")
+    from clipopt._report_plot import plot_log
+
+    path = corpus["nan-first-layer"][0]
+    log = read_log(path)
+    figures: list[Any] = []
+    import matplotlib.figure
+
+    original = matplotlib.figure.Figure.savefig
+
+    def keep(self: Any, *args: Any, **kwargs: Any) -> None:
+        figures.append(self)
+        original(self, *args, **kwargs)
+
+    matplotlib.figure.Figure.savefig = keep  # type: ignore[method-assign]
+    try:
+        plot_log(log, analyze(log), tmp_path / "p.png")
+    finally:
+        matplotlib.figure.Figure.savefig = original  # type: ignore[method-assign]
+    axes = figures[0].axes
+    assert [ax.get_ylabel() for ax in axes] == ["gradient norm", "loss", ""]
+    colorbar = axes[2].child_axes[0]  # beside the heatmap, not taking width from it
+    assert colorbar.get_ylabel() == "log10 grad_norm"
+    figures[0].canvas.draw()
+    heat, bar = axes[2].get_position(), colorbar.get_position()
+    assert bar.x0 >= heat.x1 and axes[0].get_position().x1 == pytest.approx(heat.x1)
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,205 @@
+"""``clipopt report`` on logs written by the real libraries (SPEC §3): Trainer, Lightning, TensorBoard, CSV.
+
+Each test makes the file with the library itself (a tiny run of a few seconds)
+and checks the values read against the file's own content, read here with
+the json/csv modules or TensorBoard's EventAccumulator.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from clipopt import ClippedOptimizer, CSVLogger, TensorBoardLogger
+from clipopt._cli import main
+from clipopt._report import analyze, read_log
+
+
+def _xy(n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    return x, x.sum(1, keepdim=True)
+
+
+def test_trainer_state_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tiny transformers.Trainer run: grad_norm, loss and learning_rate of log_history are read per step."""
+    transformers = pytest.importorskip("transformers")
+    x, y = _xy()
+
+    class Data(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return len(x)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"x": x[i], "labels": y[i]}
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            out = self.lin(x)
+            return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=20,
+        per_device_train_batch_size=8,
+        logging_steps=1,
+        max_grad_norm=1.0,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        learning_rate=0.05,
+    )
+    trainer = transformers.Trainer(model=Model(), args=args, train_dataset=Data())
+    trainer.train()
+    trainer.save_state()
+    path = tmp_path / "out" / "trainer_state.json"
+    history = [e for e in json.loads(path.read_text())["log_history"] if "grad_norm" in e]
+    log = read_log(path)
+    assert list(log.steps) == [e["step"] for e in history]
+    assert list(log.total_norm) == pytest.approx([e["grad_norm"] for e in history])
+    assert list(log.loss) == pytest.approx([e["loss"] for e in history])
+    assert list(log.lr) == pytest.approx([e["learning_rate"] for e in history])
+    assert read_log(tmp_path / "out").steps == log.steps  # the folder works too
+    capsys.readouterr()  # the Trainer's own printing
+    assert main(["report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("verdict: healthy") and "Trainer trainer_state.json" in out
+
+
+def test_lightning_metrics_csv(tmp_path: Path) -> None:
+    """A tiny Lightning run with CSVLogger and grad_norm(): total and per-layer norms, train_loss read."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.loggers import CSVLogger as LightningCSV
+    from lightning.pytorch.utilities import grad_norm
+
+    class Module(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch: list[torch.Tensor], i: int) -> torch.Tensor:
+            loss = torch.nn.functional.mse_loss(self.lin(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            self.log_dict(grad_norm(self, norm_type=2))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    x, y = _xy()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    trainer = pl.Trainer(
+        max_steps=16,
+        logger=LightningCSV(str(tmp_path)),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+    )
+    trainer.fit(Module(), loader)
+    path = next(tmp_path.rglob("metrics.csv"))
+    with path.open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["grad_2.0_norm_total"]]
+    log = read_log(path)
+    assert list(log.steps) == [int(r["step"]) for r in rows]
+    assert list(log.total_norm) == pytest.approx([float(r["grad_2.0_norm_total"]) for r in rows])
+    assert list(log.loss) == pytest.approx([float(r["train_loss"]) for r in rows])
+    assert set(log.layers) == {"lin.weight", "lin.bias"}
+    assert list(log.layers["lin.weight"]["grad_norm"]) == pytest.approx(
+        [float(r["grad_2.0_norm/lin.weight"]) for r in rows]
+    )
+    assert analyze(log)["verdict"] == "healthy"
+
+
+def test_sparse_csv_rows_of_one_step_are_merged(tmp_path: Path) -> None:
+    """Loss and norm of one step in separate rows (either order) make one update."""
+    path = tmp_path / "metrics.csv"
+    lines = ["step,grad_norm,train_loss"]
+    for s in range(1, 31):
+        first, second = (f"{s},{1 + s % 3},", f"{s},,{5 - s / 10}")
+        lines += [first, second] if s % 2 else [second, first]
+    path.write_text("\n".join(lines) + "\n")
+    log = read_log(path)
+    assert list(log.steps) == list(range(1, 31))
+    assert list(log.loss) == pytest.approx([5 - s / 10 for s in range(1, 31)])
+
+
+def test_plain_csv_without_step_column(tmp_path: Path) -> None:
+    """A CSV with only grad_norm and loss: the row number is the step, and a note says so."""
+    path = tmp_path / "plain.csv"
+    path.write_text("grad_norm,loss\n" + "".join(f"{1 + i % 2},{3 - i / 100}\n" for i in range(40)))
+    report = analyze(read_log(path))
+    assert report["summary"]["first_step"] == 1 and report["summary"]["last_step"] == 40
+    assert any("no step column" in n for n in report["notes"])
+    assert report["verdict"] == "healthy"
+
+
+def _train_with(opt: ClippedOptimizer, model: torch.nn.Module, steps: int, nan_at: int | None = None) -> None:
+    x, y = _xy()
+    for step in range(1, steps + 1):
+        i = (step * 8) % len(x)
+        loss = torch.nn.functional.mse_loss(model(x[i : i + 8]), y[i : i + 8])
+        loss.backward()
+        if step == nan_at:
+            model[0].weight.grad[0, 0] = math.nan
+        opt.step(loss=loss)
+        opt.zero_grad()
+    opt.close()
+
+
+def test_tensorboard_summary_writer(tmp_path: Path) -> None:
+    """A folder written by torch.utils.tensorboard.SummaryWriter with train/grad_norm and train/loss."""
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path))
+    for step in range(1, 41):
+        writer.add_scalar("train/grad_norm", 1.0 + (step % 4) / 10, step)
+        writer.add_scalar("train/loss", 3.0 - step / 40, step)
+        writer.add_scalar("val/loss", 9.0, step)
+    writer.close()
+    log = read_log(tmp_path)
+    assert (
+        log.source == "TensorBoard"
+        and log.norm_column == "train/grad_norm"
+        and log.loss_column == "train/loss"
+    )
+    assert list(log.steps) == list(range(1, 41))
+    assert list(log.loss) == pytest.approx([3.0 - s / 40 for s in range(1, 41)])
+    assert analyze(log)["verdict"] == "healthy"
+
+
+def test_tensorboard_from_clipopt_logger_and_csv_agree(tmp_path: Path) -> None:
+    """clipopt's TensorBoardLogger and CSVLogger of one run give the same verdict, step and norms."""
+    pytest.importorskip("tensorboard")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        max_norm=5.0,
+        param_names=model.named_parameters(),
+        layer_stats=5,
+        loggers=[CSVLogger(tmp_path / "g.csv"), TensorBoardLogger(tmp_path / "tb")],
+    )
+    _train_with(opt, model, 30, nan_at=12)
+    from_csv, from_tb = read_log(tmp_path / "g.csv"), read_log(tmp_path / "tb")
+    assert list(from_tb.steps) == list(from_csv.steps)
+    assert list(from_tb.total_norm)[:11] == pytest.approx(list(from_csv.total_norm)[:11], rel=1e-6)
+    assert list(from_tb.loss) == pytest.approx(list(from_csv.loss), rel=1e-6, nan_ok=True)
+    csv_report, tb_report = analyze(from_csv), analyze(from_tb)
+    assert csv_report["verdict"] == tb_report["verdict"] == "nonfinite"
+    assert csv_report["findings"][0]["step"] == tb_report["findings"][0]["step"] == 12
+    assert csv_report["findings"][0]["layer"] == "0.weight"
