@@ -282,7 +282,7 @@ class ClippedOptimizer(Optimizer):
         self._names = names
         self._snapshots = None if snapshot_dir is None else SnapshotWriter(snapshot_dir, self.max_snapshots)
         self._attached: dict[str, list[Any]] = {}
-        self._bad_row: LayerStats | None = None  # see _diagnose
+        self._bad_row: LayerStats | None = None  # the window's candidate per-layer row, see _measure
         #: Path of the latest anomaly snapshot written, or None.
         self.last_snapshot: str | None = None
         self._last_nonfinite_snapshot: str | None = None  # what NonFiniteGradientError names
@@ -651,7 +651,7 @@ class ClippedOptimizer(Optimizer):
             self.scaler.unscale_(self.optimizer)
         try:
             with torch.no_grad():
-                total_norm, flag = self._measure(grads, n)
+                total_norm, flag = self._measure(grads, n, params)
                 layers = self._diagnose(params, total_norm, flag, n)
                 unitwise = self._policy is not None and self._policy.unitwise  # AGC clips in place
                 undo.touched |= self.clip_value is not None or unitwise
@@ -713,10 +713,27 @@ class ClippedOptimizer(Optimizer):
     def _divisor(self, n: int) -> float:
         return float(n) if self.reduction == "mean" else 1.0
 
-    def _measure(self, grads: list[Tensor], n: int) -> tuple[Tensor, Tensor]:
-        """Steps 1-2: the pre-clip norm of the combined gradient and its non-finite flag."""
+    def _measure(
+        self, grads: list[Tensor], n: int, params: list[Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Steps 1-2: the pre-clip norm of the combined gradient and its non-finite flag.
+
+        Given ``params`` while per-layer statistics are on and a logger writes them,
+        the same pass keeps each gradient's norm for the window's candidate bad row
+        (see :mod:`clipopt._badrow`).
+        """
         divisor = self._divisor(n)
-        raw_norm = self._total_norm(grads)
+        if params is not None:
+            self._bad_row = None
+        if params is not None and self.layer_stats and self.loggers and self._shards is None:
+            norms = F.get_norms(grads, self.norm_type, foreach=self.foreach)
+            raw_norm = torch.linalg.vector_norm(norms, self.norm_type)
+            with_grad = [i for i, p in enumerate(params) if p.grad is not None]
+            self._bad_row = candidate_row(
+                self.layer_names(), with_grad, norms, 1.0 / divisor, self.norm_type == 2.0
+            )
+        else:
+            raw_norm = self._total_norm(grads)
         total_norm = raw_norm / divisor if divisor != 1.0 else raw_norm
         return total_norm, F.nonfinite_flag(total_norm)
 
@@ -727,9 +744,8 @@ class ClippedOptimizer(Optimizer):
         policy's spike rule, see :meth:`ClipPolicy.is_spike`) from the device, once.
         """
         due = bool(self.layer_stats) and (self._counters.windows + 1) % self.layer_stats == 0
-        self._bad_row = None  # this window's per-layer row, written only if it goes bad (see _badrow)
-        if self.layer_stats and not due and self.loggers and not self._has_dtensor:  # only loggers write it
-            self._bad_row = candidate_row(params, self.layer_names(), 1.0 / self._divisor(n))
+        if due:
+            self._bad_row = None  # the full statistics are this window's row
         if not due and self._snapshots is None:
             return None
         spike = None

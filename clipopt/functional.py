@@ -27,6 +27,7 @@ __all__ = [
     "clip_coef",
     "check_value_clippable",
     "clip_grads_value_",
+    "get_norms",
     "get_total_norm",
     "nonfinite_flag",
     "scale_grads_",
@@ -137,6 +138,75 @@ def get_total_norm(
     return total
 
 
+@torch.no_grad()
+def get_norms(
+    grads: Sequence[Tensor],
+    norm_type: float = 2.0,
+    *,
+    foreach: bool | None = None,
+) -> Tensor:
+    r"""Return the ``norm_type``-norm of each gradient, stacked in the order given.
+
+    .. math:: n_i = \|g_i\|_p, \qquad \|g\|_p = \|(n_1, \dots, n_k)\|_p
+
+    One read of the gradients, as :func:`get_total_norm` (whose value is the
+    ``norm_type``-norm of this vector, equal to rounding), with the same kernels
+    and accumulation dtype; for callers that need each gradient's norm too.
+    A 1-d tensor of ``len(grads)`` values on the device of the first gradient.
+    """
+    p = float(norm_type)
+    if len(grads) == 0:
+        return torch.zeros(0, dtype=torch.float32)
+    if any(g.is_complex() for g in grads):
+        grads = [_real_magnitude(g, p) if g.is_complex() else g for g in grads]
+    first_device = grads[0].device
+    out_dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    norms: list[Tensor | None] = [None] * len(grads)
+    places: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, g in enumerate(grads):
+        places.setdefault((g.device, g.dtype), []).append(i)
+    for (device, dtype), index in places.items():
+        acc = _norm_dtype(dtype)
+        sparse = any(grads[i].is_sparse for i in index)
+        rest = []
+        for i in index:
+            t = _dense(grads[i])
+            direct = _direct_cpu_norm(t, p, acc) if foreach is None and device.type == "cpu" else None
+            if direct is None:
+                rest.append(i)
+            else:
+                norms[i] = direct
+        tensors = [_dense(grads[i]) for i in rest]
+        if not tensors:
+            continue
+        if (foreach is None or foreach) and device.type in _FOREACH_DEVICES and not sparse:
+            found = list(torch._foreach_norm(tensors, p, dtype=acc))
+        else:
+            found = [torch.linalg.vector_norm(t, p, dtype=acc) for t in tensors]
+        for i, n in zip(rest, found, strict=True):
+            norms[i] = n
+    return torch.stack([n.to(device=first_device, dtype=out_dtype) for n in norms if n is not None])
+
+
+def _direct_cpu_norm(t: Tensor, p: float, acc: torch.dtype) -> Tensor | None:
+    """One large CPU tensor's norm by the kernels of :func:`_direct_cpu_norms`, else None."""
+    if p == 2.0 and acc == t.dtype and t.numel() >= DOT_MIN_NUMEL:
+        return torch.stack(_piece_squares(t)).sum().sqrt()
+    if p == math.inf and t.numel() >= AMINMAX_MIN_NUMEL:
+        return _abs_max(t).to(acc)
+    return None
+
+
+def _piece_squares(t: Tensor) -> list[Tensor]:
+    """``sum(t**2)`` as ``torch.dot`` over pieces of ``DOT_PIECE_NUMEL`` elements (see there)."""
+    return [torch.dot(x, x) for x in torch.split(_flat(t), DOT_PIECE_NUMEL)]
+
+
+def _abs_max(t: Tensor) -> Tensor:
+    """``max |t|`` in one pass (``torch.aminmax``), in ``t``'s dtype."""
+    return torch.stack(torch.aminmax(t)).abs().max()
+
+
 #: Devices with ``torch._foreach_*`` kernels.
 _FOREACH_DEVICES = ("cpu", "cuda", "xpu", "mps")
 
@@ -179,14 +249,13 @@ def _direct_cpu_norms(tensors: list[Tensor], p: float, acc: torch.dtype, norms: 
     if p == 2.0 and acc == tensors[0].dtype:
         big = [t for t in tensors if t.numel() >= DOT_MIN_NUMEL]
         if big:  # flattened one at a time: a non-dense gradient is copied only while in use
-            squares = [torch.dot(x, x) for t in big for x in torch.split(_flat(t), DOT_PIECE_NUMEL)]
+            squares = [square for t in big for square in _piece_squares(t)]
             norms.append(torch.stack(squares).sum().sqrt())
             return [t for t in tensors if t.numel() < DOT_MIN_NUMEL]
     elif p == math.inf:
         big = [t for t in tensors if t.numel() >= AMINMAX_MIN_NUMEL]
         if big:
-            extremes = torch.stack([torch.stack(torch.aminmax(t)) for t in big])
-            norms.append(extremes.abs().max().to(acc))
+            norms.append(torch.stack([_abs_max(t) for t in big]).max().to(acc))
             return [t for t in tensors if t.numel() < AMINMAX_MIN_NUMEL]
     return tensors
 

@@ -455,6 +455,48 @@ def test_csv_rows_match_stats(tmp_path: Path) -> None:
     assert [r["step"] for r in rows if r["0.weight.grad_norm"]] == ["2", "4", "5", "6"]
 
 
+@pytest.mark.parametrize("norm_type", [2.0, math.inf, 1.0])
+@pytest.mark.parametrize("fused", [False, True])
+def test_bad_window_row_names_the_nonfinite_parameter(tmp_path: Path, norm_type: float, fused: bool) -> None:
+    """A non-finite window between two periodic statistics rows gets its own row from the norm pass:
+    nonfinite = 1 exactly for the parameters whose gradient went non-finite, and (for the 2-norm)
+    each other parameter's gradient norm of the combined window, equal to torch's vector_norm."""
+    path = tmp_path / "grads.csv"
+    model = _model()
+    opt = ClippedOptimizer(
+        torch.optim.AdamW(model.named_parameters(), lr=0.01, fused=fused),
+        max_norm=1.0,
+        norm_type=norm_type,
+        accumulation_steps=2,
+        layer_stats=10,
+        loggers=[CSVLogger(path)],
+    )
+    expected: dict[str, float] = {}
+    for i, x in enumerate(_batches(12)):
+        model(x).pow(2).mean().backward()
+        if i == 7:  # the second micro-batch of window 4
+            weight = model[2].weight
+            assert weight.grad is not None
+            weight.grad[1, 3] = math.inf
+            expected = {n: float(p.grad.double().norm() / 2) for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    rows = {r["step"]: r for r in _read_csv(path)}
+    assert [s for s, r in rows.items() if r["0.weight.nonfinite"]] == ["4"]
+    row = rows["4"]
+    assert row["reason"] == "nonfinite"
+    nonfinite = {n: float(row[f"{n}.nonfinite"]) for n in expected}
+    assert nonfinite == {"0.weight": 0.0, "0.bias": 0.0, "2.weight": 1.0, "2.bias": 0.0}
+    for name, value in expected.items():
+        if norm_type != 2.0:
+            assert math.isnan(float(row[f"{name}.grad_norm"]))  # only the 2-norm is a grad_norm
+        elif name == "2.weight":
+            assert float(row[f"{name}.grad_norm"]) == math.inf
+        else:
+            assert float(row[f"{name}.grad_norm"]) == pytest.approx(value, rel=1e-5)
+
+
 def test_csv_is_buffered(tmp_path: Path) -> None:
     """Nothing is written before flush_every windows; close() writes the rest."""
     path = tmp_path / "grads.csv"

@@ -228,3 +228,42 @@ def test_dot_norm_is_accurate_on_long_tensors(piece: int | None, monkeypatch: py
     g = torch.randn(n, generator=torch.Generator().manual_seed(0))
     truth = math.sqrt(float(np.dot(g.double().numpy(), g.double().numpy())))
     assert F.get_total_norm([g]).item() == pytest.approx(truth, rel=5e-6)
+
+
+@given(grad_arrays(), norm_types, st.booleans())
+def test_get_norms_match_numpy_per_tensor(arrays: list[np.ndarray], p: float, mixed: bool) -> None:
+    """get_norms gives each gradient's p-norm (NumPy float64 reference), in the order given, also
+    when the gradients have different dtypes; the p-norm of that vector is get_total_norm's value."""
+    grads = to_tensors(arrays)
+    if mixed:
+        grads = [g.double() if i % 2 else g for i, g in enumerate(grads)]
+    got = F.get_norms(grads, p)
+    assert got.shape == (len(arrays),)
+    assert got.dtype == (torch.float64 if mixed and len(arrays) > 1 else torch.float32)
+    for value, a in zip(got.tolist(), arrays, strict=True):
+        assert value == pytest.approx(reference_norm([a], p), rel=1e-4, abs=1e-6)
+    total = torch.linalg.vector_norm(got, p).item()
+    assert total == pytest.approx(F.get_total_norm(grads, p).item(), rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("p", [2.0, math.inf, 3.0])
+def test_get_norms_of_large_sparse_and_nonfinite_tensors(p: float) -> None:
+    """get_norms takes the direct CPU kernels for large tensors (per tensor, in order), coalesces
+    sparse gradients, and keeps a non-finite gradient's norm non-finite without touching the others."""
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(1 << 18, generator=g)
+    small = torch.randn(7, generator=g)
+    bad = torch.randn(3000, generator=g)
+    bad[5] = math.nan
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 0, 2]]), torch.tensor([1.0, 2.0, -4.0]), (4,))
+    got = F.get_norms([small, big, bad, sparse], p).tolist()
+
+    def ref(t: torch.Tensor) -> float:
+        return float(torch.linalg.vector_norm(t.double(), p))
+
+    assert got[0] == pytest.approx(ref(small), rel=1e-6)
+    # p = 3 has no direct kernel: _foreach_norm's float32 sum (as get_total_norm) is good to ~2e-5
+    assert got[1] == pytest.approx(ref(big), rel=1e-6 if p in (2.0, math.inf) else 1e-4)
+    assert math.isnan(got[2])
+    assert got[3] == pytest.approx(ref(sparse.to_dense()), rel=1e-6)
+    assert F.get_norms([], p).shape == (0,)
