@@ -111,6 +111,21 @@ def test_another_programs_csv_is_never_cut(tmp_path: Path) -> None:
     assert path.read_bytes() == b"epoch,acc\n1,0.5\n2,0.7"
 
 
+def test_an_existing_binary_file_is_refused_not_appended_to(tmp_path: Path) -> None:
+    """Review of #11: a CSVLogger path naming an existing binary file (a checkpoint, by a slip) had CSV
+    rows appended to it silently (the header read failed and counted as 'no header'); now a
+    ValueError names the path and the file is left byte for byte."""
+    path = tmp_path / "model.pt"
+    torch.save({"w": torch.arange(100.0)}, path)
+    before = path.read_bytes()
+    model = make_model()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), loggers=[CSVLogger(path)])
+    with pytest.raises(ValueError, match=r"path='.*model\.pt' already exists and is not a CSV log \("):
+        train(opt, model, 1)
+        opt.close()
+    assert path.read_bytes() == before
+
+
 # ---------------------------------------------------------------------------------------------- full disks
 
 
