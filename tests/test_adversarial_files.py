@@ -362,6 +362,24 @@ def test_temporaries_of_killed_writers_are_removed(tmp_path: Path) -> None:
     assert sorted(p.name for p in snaps.iterdir()) == sorted([live.name, "anomaly-step00000001-nonfinite.pt"])
 
 
+def test_pids_are_never_signalled_where_signal_0_is_not_a_probe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of #11: on Windows os.kill(pid, 0) sends CTRL_C_EVENT (signal 0) to the process group
+    pid instead of probing it; the stale-temporary cleanup must not call it there, and then keeps
+    a recent temporary of another process of this host (only age decides)."""
+    from clipopt import _files
+
+    host = socket.gethostname().replace(".", "_")[:32] or "host"
+    recent = tmp_path / f".grads.csv.{host}.{os.getpid() + 1}.0a1b2c.tmp"
+    recent.write_bytes(b"partial")
+    calls: list[int] = []
+    monkeypatch.setattr(_files, "_CAN_PROBE_PIDS", False, raising=False)
+    monkeypatch.setattr(_files.os, "kill", lambda pid, sig: calls.append(pid))
+    assert _files.remove_stale_temps(tmp_path, "grads.csv") == 0
+    assert calls == [] and recent.exists()
+
+
 # ------------------------------------------------------------------------------ hostile snapshots
 
 
