@@ -114,7 +114,14 @@ def write_atomic(target: Path, write: Callable[[IO[Any]], None], *, binary: bool
         raise
 
 
+#: Whether ``os.kill(pid, 0)`` only probes a process.  On Windows signal 0 is ``CTRL_C_EVENT``: it
+#: would interrupt the process group ``pid`` instead of probing it, so there only age decides.
+_CAN_PROBE_PIDS = os.name != "nt"
+
+
 def _pid_alive(pid: int) -> bool:
+    if not _CAN_PROBE_PIDS:
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -239,8 +239,13 @@ class CSVLogger:
                 return None
             with self.path.open(newline="") as f:
                 return next(csv.reader(f), None)
-        except (OSError, UnicodeDecodeError, csv.Error):
+        except OSError:
             return None
+        except (UnicodeDecodeError, csv.Error) as exc:  # never append text to someone's binary file
+            raise ValueError(
+                f"path={str(self.path)!r} already exists and is not a CSV log ({exc}); "
+                "pass a new path to CSVLogger, such as 'grads.csv'"
+            ) from exc
 
     def _row(self, s: StepStats) -> dict[str, str]:
         lr: list[float | None] = list(s.lr[: self._groups])

@@ -59,6 +59,11 @@ class TensorBoardLogger:
     event file when taken (TensorBoard's writer queue decides when they reach
     the disk), not with the buffered scalars.
 
+    A failing event file (disk full) never interrupts training, nor
+    :meth:`close`: it warns once per cause; TensorBoard's writer stops at its
+    first error, so the scalars of later windows are dropped (counted in
+    ``rows_dropped``) instead of piling up in memory.
+
     Args:
         log_dir: the run's folder (e.g. ``"runs/exp1"``); created if missing.
             Another event file is added next to existing ones.
@@ -90,13 +95,17 @@ class TensorBoardLogger:
         self._buffer: list[tuple[StepStats, float]] = []
         self._closed = False
         self._warn = WarnOnce()
+        self.rows_dropped = 0  # windows whose scalars could not be written (the event writer failed)
         atexit.register(_close_at_exit, weakref.ref(self))
 
     def log(self, stats: StepStats, optimizer: ClippedOptimizer) -> None:
         """Buffer one window's scalars (write them every ``flush_every`` windows); histograms if due."""
         walltime = time.time()
         if self.histograms and stats.layers is not None:
-            self._write_histograms(stats, optimizer, walltime)
+            try:
+                self._write_histograms(stats, optimizer, walltime)
+            except OSError as exc:
+                self._failed(exc)
         self._buffer.append((stats, walltime))
         self._closed = False
         if len(self._buffer) >= self.flush_every:
@@ -138,18 +147,24 @@ class TensorBoardLogger:
         if not self._buffer:
             return
         materialize([s for s, _ in self._buffer])
-        for s, walltime in self._buffer:
-            self._write_scalars(s, walltime)
-        self._buffer.clear()
+        rows, self._buffer = self._buffer, []
         try:
+            for s, walltime in rows:
+                self._write_scalars(s, walltime)
             self._writer.flush()
         except OSError as exc:  # the event file could not be written (disk full): training goes on
-            self._warn(
-                exc,
-                f"clipopt could not write the TensorBoard log in {self.log_dir} ({exc}); training "
-                "continues (this warning is shown once per cause)",
-                stacklevel=4,
-            )
+            # TensorBoard's writer thread stops at its first error and raises it on every later
+            # write, so the rows are not kept for a retry (the buffer would only grow)
+            self.rows_dropped += len(rows)
+            self._failed(exc)
+
+    def _failed(self, exc: OSError) -> None:
+        self._warn(
+            exc,
+            f"clipopt could not write the TensorBoard log in {self.log_dir} ({exc}); training "
+            "continues (this warning is shown once per cause)",
+            stacklevel=5,
+        )
 
     def close(self) -> None:
         """Write what is buffered and close the event file; may be called more than once.
@@ -157,7 +172,10 @@ class TensorBoardLogger:
         Logging after ``close()`` still works: it goes to a new event file in ``log_dir``.
         """
         self.flush()
-        self._writer.close()
+        try:
+            self._writer.close()
+        except OSError as exc:
+            self._failed(exc)
         self._closed = True
 
     def __repr__(self) -> str:

@@ -111,6 +111,21 @@ def test_another_programs_csv_is_never_cut(tmp_path: Path) -> None:
     assert path.read_bytes() == b"epoch,acc\n1,0.5\n2,0.7"
 
 
+def test_an_existing_binary_file_is_refused_not_appended_to(tmp_path: Path) -> None:
+    """Review of #11: a CSVLogger path naming an existing binary file (a checkpoint, by a slip) had CSV
+    rows appended to it silently (the header read failed and counted as 'no header'); now a
+    ValueError names the path and the file is left byte for byte."""
+    path = tmp_path / "model.pt"
+    torch.save({"w": torch.arange(100.0)}, path)
+    before = path.read_bytes()
+    model = make_model()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), loggers=[CSVLogger(path)])
+    with pytest.raises(ValueError, match=r"path='.*model\.pt' already exists and is not a CSV log \("):
+        train(opt, model, 1)
+        opt.close()
+    assert path.read_bytes() == before
+
+
 # ---------------------------------------------------------------------------------------------- full disks
 
 
@@ -345,6 +360,24 @@ def test_temporaries_of_killed_writers_are_removed(tmp_path: Path) -> None:
     )
     _nan_window(opt, model)
     assert sorted(p.name for p in snaps.iterdir()) == sorted([live.name, "anomaly-step00000001-nonfinite.pt"])
+
+
+def test_pids_are_never_signalled_where_signal_0_is_not_a_probe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of #11: on Windows os.kill(pid, 0) sends CTRL_C_EVENT (signal 0) to the process group
+    pid instead of probing it; the stale-temporary cleanup must not call it there, and then keeps
+    a recent temporary of another process of this host (only age decides)."""
+    from clipopt import _files
+
+    host = socket.gethostname().replace(".", "_")[:32] or "host"
+    recent = tmp_path / f".grads.csv.{host}.{os.getpid() + 1}.0a1b2c.tmp"
+    recent.write_bytes(b"partial")
+    calls: list[int] = []
+    monkeypatch.setattr(_files, "_CAN_PROBE_PIDS", False, raising=False)
+    monkeypatch.setattr(_files.os, "kill", lambda pid, sig: calls.append(pid))
+    assert _files.remove_stale_temps(tmp_path, "grads.csv") == 0
+    assert calls == [] and recent.exists()
 
 
 # ------------------------------------------------------------------------------ hostile snapshots

@@ -7,6 +7,7 @@ import builtins
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -313,3 +314,40 @@ def test_arguments_checked(tmp_path: Path) -> None:
         TensorBoardLogger(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="histograms"):
         TensorBoardLogger(tmp_path, histograms="yes")  # type: ignore[arg-type]
+
+
+def test_failing_event_file_neither_piles_up_rows_nor_breaks_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of #11: once TensorBoard's writer failed (disk full) every later write raised, so the
+    logger kept every window's scalars in memory for ever and close() raised the OSError (at exit
+    too).  Now one warning, the dropped windows are counted, the buffer stays bounded, close() works."""
+    import errno
+
+    import tensorboard.summary.writer.record_writer as record_writer
+
+    model = torch.nn.Linear(3, 1)
+    tb = TensorBoardLogger(tmp_path / "tb", flush_every=5, histograms=False)
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), max_norm=1.0, loggers=[tb])
+
+    def window() -> None:
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(5):
+        window()
+
+    def full(self: Any, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", full)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # TensorBoard's thread dies
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(30):
+            window()
+        tb.close()
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "could not write the TensorBoard log" in messages[0]
+    assert len(tb._buffer) == 0 and tb.rows_dropped == 30
