@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ._checks import check_path, check_positive_int
+from ._distributed import check_ranks, rank_target
 from ._layers import LAYER_FIELDS
 from ._stats import StepStats, materialize
 
@@ -109,11 +110,16 @@ class CSVLogger:
     Args:
         path: the CSV file; its folder is created.
         flush_every: windows per write.
+        ranks: under ``torch.distributed`` with several processes, ``"zero"``
+            (default): only rank 0 writes; ``"all"``: every rank writes its own
+            file, ``<stem>-rank<r><suffix>``.  Decided at the first row.
     """
 
-    def __init__(self, path: str | os.PathLike[str], flush_every: int = 100) -> None:
+    def __init__(self, path: str | os.PathLike[str], flush_every: int = 100, *, ranks: str = "zero") -> None:
         self.path = Path(check_path("path", path, "grads.csv"))
         self.flush_every = check_positive_int("flush_every", flush_every, 100)
+        self.ranks = check_ranks(ranks)
+        self._target: Path | bool | None = False  # False: not decided yet; None: this rank does not write
         self.columns: list[str] | None = None
         self._names: list[str] = []
         self._groups = 1
@@ -123,6 +129,11 @@ class CSVLogger:
 
     def log(self, stats: StepStats, optimizer: ClippedOptimizer) -> None:
         """Buffer one window; write the buffer every ``flush_every`` windows."""
+        if self._target is False:
+            self._target = rank_target(self.path, self.ranks)
+            self.path = self._target or self.path
+        if self._target is None:  # another rank writes
+            return
         if self.columns is None:
             self._set_columns(optimizer, len(stats.lr))
         elif len(stats.lr) != self._groups:  # add_param_group(): more lr and per-layer columns

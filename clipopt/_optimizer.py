@@ -31,9 +31,11 @@ from ._distributed import (
     Unsynced,
     allreduce_mean_,
     has_dtensor,
+    reduce_norm_over,
     sharded_layer_stats,
     suppress_sync,
 )
+from ._distributed_decision import ReplicaDecision, check_replica_group, settings_of
 from ._errors import NonFiniteGradientError
 from ._layers import LayerStats, compute_layer_stats, resolve_param_names
 from ._logging import Logger
@@ -160,6 +162,16 @@ class ClippedOptimizer(Optimizer):
             Deciding reads one flag from the device per update.
         max_snapshots: at most this many snapshots are written per run and reason
             (non-finite, spike), so spikes never crowd out a later non-finite one.
+        norm_group: a process group whose ranks hold *different* parameters
+            (pipeline stages): the partial norms are combined over it (one scalar
+            collective per norm), so every stage clips and skips alike.
+        replica_group: the ranks holding replicas of these parameters (DDP):
+            ``"auto"`` (the default group when ``torch.distributed`` is
+            initialised with more than one rank), a process group, or None
+            (decisions stay rank-local: ranks training independent models).
+            Costs one scalar collective per window with plain-tensor parameters
+            (none added for DTensor ones) and one settings check at the first
+            ``step()``; see ``clipopt/_distributed_decision.py``.
     """
 
     _policy: ClipPolicy | None
@@ -184,6 +196,8 @@ class ClippedOptimizer(Optimizer):
         loggers: Sequence[Logger] = (),
         snapshot_dir: str | os.PathLike[str] | None = None,
         max_snapshots: int = 10,
+        norm_group: Any = None,
+        replica_group: Any = "auto",
     ) -> None:
         if isinstance(optimizer, ClippedOptimizer):
             raise TypeError(
@@ -226,6 +240,11 @@ class ClippedOptimizer(Optimizer):
                 "pass e.g. snapshot_dir='anomalies/'"
             )
         self.max_snapshots = check_positive_int("max_snapshots", max_snapshots)
+        self.norm_group = None if norm_group is None else check_replica_group(norm_group)
+        if isinstance(self.norm_group, str):
+            raise TypeError("norm_group must be a torch.distributed ProcessGroup or None, got 'auto'; "
+                            "pass the pipeline stages' group, e.g. norm_group=dist.new_group(ranks)")
+        self._replicas = ReplicaDecision(check_replica_group(replica_group))
         names = resolve_param_names(optimizer, param_names)
         if snapshot_dir is not None and has_dtensor(list(names)):
             raise ValueError(_DTENSOR_DIAGNOSTICS)
@@ -410,6 +429,8 @@ class ClippedOptimizer(Optimizer):
     step.hooked = True  # type: ignore[attr-defined]
 
     def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if not self._replicas._checked:
+            self._check_replicas()
         if closure is not None and self.scaler is not None:
             raise TypeError(
                 "step(closure) cannot be used with scaler=...: GradScaler does not support "
@@ -481,6 +502,8 @@ class ClippedOptimizer(Optimizer):
             )
         if sync is not None:
             check_flag("sync", sync)
+        if not self._replicas._checked:
+            self._check_replicas()
         index = self._counters.micro_batches + 1  # this micro-batch's place in the window
         if sync is None:
             sync = index >= self.accumulation_steps
@@ -489,6 +512,7 @@ class ClippedOptimizer(Optimizer):
             return
         context, kind = suppress_sync(model)
         if kind is None:
+            self._warn_plain_no_sync(model)
             with context:
                 yield
             return
@@ -501,6 +525,25 @@ class ClippedOptimizer(Optimizer):
         except BaseException:
             self._unsynced = before
             raise
+
+    def _check_replicas(self) -> None:
+        """Once, at the first step() or no_sync(): the ranks' window settings must agree (collective)."""
+        params = self._params()
+        if params:
+            self._replicas.check_settings(settings_of(self), params[0].device)
+
+    def _warn_plain_no_sync(self, model: torch.nn.Module) -> None:
+        """no_sync(model) under data parallelism with a module that has no sync to skip: warn once."""
+        if self._replicas.active and not self._replicas.warned_no_sync:
+            self._replicas.warned_no_sync = True
+            warnings.warn(
+                f"opt.no_sync(model) got a {type(model).__name__}, which has no gradient sync to "
+                "skip, so every micro-batch still synchronises (or none does); pass the "
+                "DistributedDataParallel (or fully_shard) wrapper itself, e.g. opt.no_sync(ddp_model), "
+                "not ddp_model.module",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def _pending_unsynced(self) -> Unsynced | None:
         """The marker when the open window's latest micro-batch skipped its sync, else None."""
@@ -568,14 +611,14 @@ class ClippedOptimizer(Optimizer):
         try:
             with torch.no_grad():
                 total_norm, flag = self._measure(grads, n)
+                if self._replicas.active and not self._has_dtensor:  # DDP: one decision on every rank
+                    total_norm, flag = self._replicas.agree(total_norm, flag, n, self._counters.windows + 1)
                 layers = self._diagnose(params, total_norm, flag, n)
                 w = self._clip(params, grads, total_norm, flag, n)
             self._counters.micro_batches = 0
             self._counters.windows += 1
-            if _is_fused(self.optimizer) and self._inner_state_ready():
-                loss = self._step_fused(w, loss, closure)
-            else:
-                loss = self._step_host(w, loss, closure, params)
+            fused = _is_fused(self.optimizer) and self._inner_state_ready()
+            loss = self._step_fused(w, loss, closure) if fused else self._step_host(w, loss, closure, params)
         finally:  # also after an error: an unscaled scaler without update() would refuse every later window
             self._shards = None  # views of the gradients: do not keep them past the window
             if self.scaler is not None:
@@ -584,6 +627,7 @@ class ClippedOptimizer(Optimizer):
         for logger in self.loggers:
             logger.log(stats, self)
         self._attached.clear()
+        self._replicas.end_window(host_read=not fused)  # may warn (divergence) or raise (out of step)
         self._check_consecutive_nonfinite()
         return loss
 
@@ -596,8 +640,12 @@ class ClippedOptimizer(Optimizer):
     def _total_norm(self, grads: list[Tensor]) -> Tensor:
         """The norm of ``grads`` over all ranks holding shards of them (collective for DTensors)."""
         if self._shards is not None:
-            return self._shards.total_norm(grads, self.norm_type, self.foreach)
-        return F.get_total_norm(grads, self.norm_type, foreach=self.foreach)
+            norm = self._shards.total_norm(grads, self.norm_type, self.foreach)
+        else:
+            norm = F.get_total_norm(grads, self.norm_type, foreach=self.foreach)
+        if self.norm_group is not None:  # pipeline stages: every stage gets the norm of all of them
+            norm = reduce_norm_over(norm, self.norm_type, self.norm_group)
+        return norm
 
     def _check_consecutive_nonfinite(self) -> None:
         """Raise once ``max_consecutive_nonfinite`` windows in a row were skipped (reads one counter)."""
@@ -638,6 +686,8 @@ class ClippedOptimizer(Optimizer):
         layers = stats_of(params, self.layer_names(), inv, bad) if due else None
         # with a scaler, a non-finite window is an overflow: GradScaler's normal operation
         reason = "nonfinite" if bad and self.scaler is None else "spike" if spiking and not bad else None
+        if not bad and self._snapshots is not None and self._replicas.diverged_now():
+            reason = "divergence"
         if reason is not None and self._snapshots is not None:
             if layers is None:
                 snap_layers = compute_layer_stats(params, self.layer_names(), inv, bad)
@@ -706,6 +756,8 @@ class ClippedOptimizer(Optimizer):
         unitwise = self._policy is not None and self._policy.unitwise
         policy = self._policy if fixed is None or unitwise else None
         skip = flag if self._skip_enabled() else None
+        if fixed is None:
+            skip = self._replicas.skip_with_divergence(skip)
         coef: float | Tensor = 1.0
         bound = self._bound if fixed is None else fixed[0]
         if policy is not None and policy.unitwise:
@@ -826,6 +878,12 @@ class ClippedOptimizer(Optimizer):
                 nonfinite = skipped and enabled and bool(w.flag.item())  # only read after a skip
             else:
                 nonfinite = w.flag if enabled else torch.zeros_like(w.flag)
+        elif self._replicas.divergence is not None:  # a divergence skip is not a non-finite one
+            enabled = self._skip_enabled()
+            if isinstance(skipped, Tensor):
+                nonfinite = w.flag if enabled else torch.zeros_like(w.flag)
+            else:
+                nonfinite = skipped and enabled and bool(w.flag.item())  # only read after a skip
         self._counters.record(skipped, nonfinite)
 
     def _record(self, w: _Window, n: int, layers: LayerStats | None) -> StepStats:
@@ -839,6 +897,7 @@ class ClippedOptimizer(Optimizer):
             reason_if_skipped="overflow" if self.scaler is not None else "nonfinite",
             max_norm=w.limit,
             nonfinite=w.flag if self._policy is not None and self._policy.spike() is not None else None,
+            divergence=self._replicas.divergence,
             lr=[_lr_value(g["lr"]) for g in self.param_groups],
             layers=layers,
         )
