@@ -257,7 +257,13 @@ def _shard_groups(t: Any, dtensor: Any) -> tuple[Any, ...]:
     """The process groups of the mesh dimensions over which ``t`` is sharded (none: complete here)."""
     if dtensor is None or not isinstance(t, dtensor):
         return ()
-    return tuple(t.device_mesh.get_group(d) for d, pl in enumerate(t.placements) if pl.is_shard())
+    return tuple(t.device_mesh.get_group(d) for d, pl in enumerate(t.placements) if _splits(pl))
+
+
+def _splits(placement: Any) -> bool:
+    """Whether a mesh dimension splits the tensor: ``Shard``, and also ``_StridedShard`` (FSDP2 over
+    tensor parallel), whose ``is_shard()`` is False.  Partial placements are refused earlier."""
+    return not placement.is_replicate() and not placement.is_partial()
 
 
 @torch.no_grad()
@@ -349,7 +355,7 @@ def sharded_unit_norms(pairs: Sequence[tuple[Tensor, Tensor]]) -> list[tuple[Ten
             groups = tuple(
                 g.device_mesh.get_group(d)
                 for d, pl in enumerate(g.placements)
-                if pl.is_shard() and (g.ndim <= 1 or getattr(pl, "dim", 0) >= 1)
+                if _splits(pl) and (g.ndim <= 1 or getattr(pl, "dim", 0) >= 1)
             )
             if groups:
                 pending.setdefault(groups, []).append(i)

@@ -6,10 +6,10 @@ one rank's copy change after the all-reduce (a buggy hook, silent data
 corruption), the ranks would take different decisions and their replicas
 drift apart.  :class:`ReplicaDecision` makes the decision common:
 
-* **per window, one collective**: an ``all_reduce(MAX)`` of seven float64
+* **per window, one collective**: an ``all_reduce(MAX)`` of nine float64
   values — the non-finite indicator, ``norm`` and ``-norm`` (the largest and
-  the smallest norm over the replicas), the micro-batch count and the window
-  index (each with its negation).  Every rank then skips when any rank is
+  the smallest norm over the replicas), the micro-batch count, the window
+  index and the packet kind (each with its negation).  Every rank then skips when any rank is
   non-finite, and skips with reason ``"divergence"`` when the replicas' norms
   differ by more than :data:`DIVERGENCE_RTOL` (relative) or when the ranks
   closed different windows (``flush()`` on some ranks only).  Every rank
@@ -24,6 +24,13 @@ drift apart.  :class:`ReplicaDecision` makes the decision common:
   of the window settings and their negations (accumulation_steps, reduction,
   norm_type, max_norm, clip_value, ...), read to the host once; ranks built
   differently raise on every rank instead of hanging in a later collective.
+* **per** ``flush()`` **call, one collective** (also when nothing is pending):
+  the same packet with kind "flush", read to the host; ranks with different
+  partial windows (uneven data at the end of an epoch) raise on every rank.
+  A ``flush()`` on some ranks only is detected when the others' next
+  collective is clipopt's; when it is the model's own gradient all-reduce
+  the backend reports a collective mismatch (gloo aborts) or waits for its
+  timeout (NCCL) — call ``flush()`` on every rank.
 
 Under FSDP2 / tensor parallelism (DTensor parameters) the norm is already
 reduced across the shard groups, so every rank holds the same norm and flag
@@ -46,7 +53,7 @@ __all__ = ["DIVERGENCE_RTOL", "ReplicaDecision", "check_replica_group"]
 #: hardware; the margin leaves room for different kernels on mixed hardware.
 DIVERGENCE_RTOL = 1e-5
 
-_PACKET = 7  # flag, norm, -norm, n, -n, window, -window
+_PACKET = 9  # flag, norm, -norm, n, -n, window, -window, kind, -kind (0: window, 1: flush check)
 
 
 def check_replica_group(value: Any) -> Any:
@@ -146,12 +153,12 @@ class ReplicaDecision:
         finite = torch.nan_to_num(norm64, nan=0.0, posinf=0.0, neginf=0.0)
         packet = torch.empty(_PACKET, dtype=torch.float64, device=total_norm.device)
         packet[:3] = torch.stack([flag.to(torch.float64), finite, -finite])
-        for i, v in enumerate((n, -n, window, -window)):  # fills on the device: no host-to-device copy
+        for i, v in enumerate((n, -n, window, -window, 0, 0)):  # fills on the device: no host-to-device copy
             packet[3 + i].fill_(float(v))
         dist.all_reduce(packet, op=dist.ReduceOp.MAX, group=self._group)
         any_bad = packet[0] > 0
         high, low = packet[1], -packet[2]
-        out_of_step = (packet[3] != -packet[4]) | (packet[5] != -packet[6])
+        out_of_step = (packet[3] != -packet[4]) | (packet[5] != -packet[6]) | (packet[7] != -packet[8])
         spread = (high - low) > DIVERGENCE_RTOL * high
         self.divergence = ((spread & ~any_bad) | out_of_step).to(torch.float32)
         self._current = packet
@@ -193,11 +200,13 @@ class ReplicaDecision:
         if event is not None:
             event.synchronize()
         self._pending = None
-        bad, high, neg_low, n_hi, n_lo, w_hi, w_lo = host.tolist()
+        bad, high, neg_low, n_hi, n_lo, w_hi, w_lo, k_hi, k_lo = host.tolist()
+        if k_hi != -k_lo:
+            raise RuntimeError(_FLUSH_ON_SOME)
         if n_hi != -n_lo or w_hi != -w_lo:
             raise RuntimeError(
                 f"the ranks of the replica group closed different accumulation windows: this rank "
-                f"closed window {window} after {n} micro-batches, the others windows "
+                f"closed window {window} after {n} micro-batches, the ranks windows "
                 f"{_fmt(-w_lo)} to {_fmt(w_hi)} after {_fmt(-n_lo)} to {_fmt(n_hi)} micro-batches; "
                 "call flush() on every rank (it is collective under data parallelism) and give every "
                 "rank the same accumulation_steps; the window was skipped on every rank"
@@ -214,6 +223,29 @@ class ReplicaDecision:
                 stacklevel=4,
             )
 
+    def check_flush(self, n: int, window: int, device: torch.device) -> None:
+        """At every ``flush()``: raise on every rank when the ranks' partial windows differ.
+
+        One collective and one host read per ``flush()`` call (not per window).
+        """
+        if not self.resolve():
+            return
+        self.settle(wait=True)
+        dist = torch.distributed
+        values = [0.0, 0.0, 0.0, n, -n, window, -window, 1.0, -1.0]
+        packet = torch.tensor(values, dtype=torch.float64).to(device)
+        dist.all_reduce(packet, op=dist.ReduceOp.MAX, group=self._group)
+        _, _, _, n_hi, n_lo, w_hi, w_lo, k_hi, k_lo = packet.tolist()
+        if k_hi != -k_lo:
+            raise RuntimeError(_FLUSH_ON_SOME)
+        if n_hi != -n_lo or w_hi != -w_lo:
+            raise RuntimeError(
+                f"flush() found different partial windows on the ranks of the replica group: this rank "
+                f"has {n} micro-batches pending in window {window}, the ranks from {_fmt(-n_lo)} to "
+                f"{_fmt(n_hi)} (windows {_fmt(-w_lo)} to {_fmt(w_hi)}); give every rank the same number "
+                "of micro-batches (e.g. DistributedSampler(drop_last=True)) and call flush() on every rank"
+            )
+
     @staticmethod
     def _to_host(packet: Tensor) -> tuple[Tensor, Any]:
         if packet.device.type == "cpu":
@@ -227,8 +259,14 @@ class ReplicaDecision:
         return packet, None  # other devices: read (and so waited for) when settled
 
 
+_FLUSH_ON_SOME = (
+    "flush() was called on some ranks of the replica group only: one rank's flush() met another "
+    "rank's window; call flush() on every rank (it is collective under data parallelism)"
+)
+
+
 def _fmt(v: float) -> str:
-    return f"{v:g}"
+    return f"{v + 0.0:g}"  # no "-0"
 
 
 def settings_of(opt: Any) -> list[tuple[str, float]]:

@@ -451,8 +451,15 @@ class ClippedOptimizer(Optimizer):
     def flush(self) -> None:
         """Apply the micro-batches gathered so far (a partial window), dividing by their count.
 
-        A no-op when no micro-batch is pending.
+        A no-op when no micro-batch is pending.  Under data parallelism it is
+        collective: call it on every rank (ranks with different partial windows raise).
         """
+        if not self._replicas._checked:
+            self._check_replicas()
+        params = self._params()
+        if self._replicas.active and params:
+            counters = self._counters
+            self._replicas.check_flush(counters.micro_batches, counters.windows + 1, params[0].device)
         if self._counters.micro_batches > 0:
             self._close_window(None, None)
 
