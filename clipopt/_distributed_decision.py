@@ -120,9 +120,11 @@ class ReplicaDecision:
 
     def check_settings(self, settings: list[tuple[str, float]], device: torch.device) -> None:
         """Raise on every rank when the ranks' window settings differ (once; one collective, one read)."""
-        if self._checked or not self.resolve():
+        if self._checked:
             return
-        self._checked = True
+        self._checked = True  # also without replicas: step() then never asks again
+        if not self.resolve():
+            return
         dist = torch.distributed
         values = torch.tensor([v for _, v in settings], dtype=torch.float64)
         packet = torch.cat([values, -values, torch.ones(1, dtype=torch.float64)]).to(device)

@@ -1045,6 +1045,8 @@ class ClippedOptimizer(Optimizer):
         memo[id(self)] = new
         for logger in self.loggers:  # a copy logs to the same files: share the loggers, do not copy rows
             memo[id(logger)] = logger
+        if self.norm_group is not None:  # process groups are shared, never copied
+            memo[id(self.norm_group)] = self.norm_group
         new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return new
 

@@ -257,3 +257,39 @@ def test_tensor_parallel_clipping_equals_one_process(tp: list[dict[str, Any]], c
     """Norm clipping and AGC (row norms split over tp) on the 2-D mesh give the one-process update."""
     for rank in tp:
         _close(rank[case]["params"], rank[case]["ref_params"])
+
+
+# ---------------------------------------------------------------------------- one process
+
+
+def test_distributed_arguments_are_checked() -> None:
+    """replica_group, norm_group and the loggers' ranks get errors naming the value and the fix."""
+    from clipopt import ClippedOptimizer, CSVLogger
+
+    params = [torch.nn.Parameter(torch.ones(2))]
+    with pytest.raises(TypeError, match=r"^replica_group must be 'auto', None or a torch.distributed "
+                                        r"ProcessGroup, got 'all' \(str\); pass replica_group='auto'"):
+        ClippedOptimizer(torch.optim.SGD(params, lr=0.1), replica_group="all")
+    with pytest.raises(TypeError, match=r"^norm_group must be a torch.distributed ProcessGroup or None, "
+                                        r"got 'auto'; pass the pipeline stages' group"):
+        ClippedOptimizer(torch.optim.SGD(params, lr=0.1), norm_group="auto")
+    with pytest.raises(TypeError, match=r"^replica_group must be .* got 3 \(int\)"):
+        ClippedOptimizer(torch.optim.SGD(params, lr=0.1), norm_group=3)
+    with pytest.raises(ValueError, match=r"^ranks must be 'zero' or 'all', got 'first'; pass ranks='zero'"):
+        CSVLogger("grads.csv", ranks="first")
+
+
+def test_one_process_adds_no_collective_and_no_divergence_reason(tmp_path: Path) -> None:
+    """Without torch.distributed nothing is agreed: a non-finite window is skipped with reason
+    'nonfinite' as before, and CSVLogger writes its own path (no -rank suffix)."""
+    from clipopt import ClippedOptimizer, CSVLogger
+
+    w = torch.nn.Parameter(torch.ones(3))
+    path = tmp_path / "grads.csv"
+    opt = ClippedOptimizer(torch.optim.SGD([w], lr=0.1), 1.0, loggers=[CSVLogger(path, ranks="all")])
+    w.grad = torch.tensor([1.0, math.nan, 0.0])
+    opt.step()
+    opt.close()
+    assert opt.last_stats is not None and opt.last_stats.reason == "nonfinite"
+    assert opt._replicas.divergence is None and not opt._replicas.active
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grads.csv"]
