@@ -59,8 +59,7 @@ def _reference(plain: nn.Module, windows: list[list[int]], norm_type: float = 2.
 
 
 def _init(rank: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    _init_world(rank, port, WORLD)  # with a short timeout: a hang fails the job
 
 
 def _gather(value: Any) -> list[Any]:

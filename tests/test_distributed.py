@@ -36,8 +36,18 @@ def _free_port() -> int:
 
 
 def _run(job: Any, name: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Run ``job`` on every rank; a job still running after 240 s is killed and fails (hang guard)."""
+    import time
+
     out = tmp_path_factory.mktemp(name)
-    mp.spawn(job, args=(_free_port(), str(out)), nprocs=jobs.WORLD, join=True)
+    ctx = mp.spawn(job, args=(_free_port(), str(out)), nprocs=jobs.WORLD, join=False)
+    deadline = time.monotonic() + 240
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+            pytest.fail(f"the {name} job did not finish within 240 s (ranks wait for each other)")
     return [torch.load(out / f"{name}{rank}.pt", weights_only=True) for rank in range(jobs.WORLD)]
 
 
