@@ -39,6 +39,7 @@ and no per-window collective is added; the settings check still runs once.
 
 from __future__ import annotations
 
+import collections
 import math
 import warnings
 from typing import Any
@@ -52,6 +53,9 @@ __all__ = ["DIVERGENCE_RTOL", "ReplicaDecision", "check_replica_group"]
 #: largest) have diverged.  Identical gradients give bit-identical norms on identical
 #: hardware; the margin leaves room for different kernels on mixed hardware.
 DIVERGENCE_RTOL = 1e-5
+
+#: Agreed windows whose host copy may still be in flight before the oldest is waited for.
+MAX_PENDING = 8
 
 _PACKET = 9  # flag, norm, -norm, n, -n, window, -window, kind, -kind (0: window, 1: flush check)
 
@@ -86,7 +90,8 @@ class ReplicaDecision:
         self._group: Any = None
         self.active = False  # a group of more than one rank: settings check, and (plain tensors) agreement
         self._checked = False
-        self._pending: tuple[Tensor, Any, int, int] | None = None  # (host copy, event, n, window)
+        # agreed windows not checked on the host yet: (host copy, event or None, n, window), oldest first
+        self._pending: collections.deque[tuple[Tensor, Any, int, int]] = collections.deque()
         self._current: Tensor | None = None  # this window's packet, reduced, on the device
         self.divergence: Tensor | None = None  # this window's divergence indicator (1.0/0.0)
         self.warned_no_sync = False
@@ -167,7 +172,7 @@ class ReplicaDecision:
         nan = torch.full_like(total_norm, math.nan)
         common = torch.where(any_bad, nan, high.to(total_norm.dtype))
         norm = torch.where(flag > 0, total_norm, common)  # a non-finite rank keeps its own nan/inf
-        self._pending = (*self._to_host(packet), n, window)
+        self._pending.append((*self._to_host(packet), n, window))
         return norm, any_bad.to(torch.float32)
 
     def skip_with_divergence(self, skip: Tensor | None) -> Tensor | None:
@@ -190,18 +195,23 @@ class ReplicaDecision:
         return bool(self.divergence.item())
 
     def settle(self, wait: bool) -> None:
-        """Warn about divergence / raise on ranks out of step, for the latest agreed window.
+        """Warn about divergence / raise on ranks out of step, for the agreed windows not checked yet.
 
-        ``wait=False`` reads only a value already on the host (no device sync).
+        ``wait=False`` reads only values already on the host (no device sync): a
+        window whose copy is still in flight stays pending (at most
+        :data:`MAX_PENDING` do; beyond that the oldest is waited for).
         """
-        if self._pending is None:
-            return
-        host, event, n, window = self._pending
-        if event is not None and not wait and not event.query():
-            return
-        if event is not None:
-            event.synchronize()
-        self._pending = None
+        while self._pending:
+            host, event, n, window = self._pending[0]
+            in_flight = event is not None and not event.query()
+            if in_flight and not wait and len(self._pending) < MAX_PENDING:
+                return
+            if event is not None:
+                event.synchronize()
+            self._pending.popleft()
+            self._check(host, n, window)
+
+    def _check(self, host: Tensor, n: int, window: int) -> None:
         bad, high, neg_low, n_hi, n_lo, w_hi, w_lo, k_hi, k_lo = host.tolist()
         if k_hi != -k_lo:
             raise RuntimeError(_FLUSH_ON_SOME)

@@ -791,6 +791,36 @@ def ddp_hardening_job(rank: int, port: int, out_dir: str, world: int) -> None:
         opt.flush()
 
     res["flush_error"] = _catch(uneven)
+
+    # replicas kept identical without DDP (every rank sees the same data), so clipopt's collectives
+    # are the only ones: a flush() on rank 0 only meets rank 1's window; then accumulation_steps
+    # changed on one rank after the first window
+    for case in ("flush-one-rank", "changed-k"):
+        model = _model()
+        opt = _clipped(model, 2)
+
+        def run(model: nn.Module = model, opt: ClippedOptimizer = opt, case: str = case) -> None:
+            for i in range(2):  # one normal window
+                _loss(model, 0, i).backward()
+                opt.step()
+            opt.zero_grad()
+            if case == "changed-k":
+                opt.accumulation_steps = 1 + rank
+                for i in range(opt.accumulation_steps):  # rank 0 closes a window after 1, rank 1 after 2
+                    _loss(model, 0, 3 + i).backward()
+                    opt.step()
+                return
+            _loss(model, 0, 3).backward()
+            opt.step()
+            if case == "flush-one-rank":
+                if rank == 0:
+                    opt.flush()
+                else:
+                    _loss(model, 0, 4).backward()
+                    opt.step()
+
+        res[case] = {"error": _catch(run), "skipped": [s.skipped for s in opt.stats],
+                     "reasons": [s.reason for s in opt.stats]}
     torch.save(res, os.path.join(out_dir, f"hard{rank}.pt"))
     dist.destroy_process_group()
 

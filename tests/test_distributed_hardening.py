@@ -293,3 +293,31 @@ def test_one_process_adds_no_collective_and_no_divergence_reason(tmp_path: Path)
     assert opt.last_stats is not None and opt.last_stats.reason == "nonfinite"
     assert opt._replicas.divergence is None and not opt._replicas.active
     assert sorted(p.name for p in tmp_path.iterdir()) == ["grads.csv"]
+
+
+def test_flush_on_one_rank_meeting_a_window_fails_on_every_rank(hard: list[dict[str, Any]]) -> None:
+    """rank 0 calls flush() mid-window while rank 1 closes the window: the flush's check meets the
+    window's agreement; both ranks raise (rank 1 after skipping that window) instead of hanging."""
+    message = (
+        "flush() was called on some ranks of the replica group only: one rank's flush() met another "
+        "rank's window; call flush() on every rank (it is collective under data parallelism)"
+    )
+    for r, rank in enumerate(hard):
+        res = rank["flush-one-rank"]
+        assert res["error"] == message
+        assert res["skipped"] == ([False] if r == 0 else [False, True])
+        assert res["reasons"][1:] == ([] if r == 0 else ["divergence"])
+
+
+def test_windows_out_of_step_fail_on_every_rank(hard: list[dict[str, Any]]) -> None:
+    """accumulation_steps changed on one rank after the settings check: rank 0 closes a window after 1
+    micro-batch while rank 1 closes one after 2; the agreement sees it, both skip and raise."""
+    for r, rank in enumerate(hard):
+        res = rank["changed-k"]
+        assert res["error"] == (
+            f"the ranks of the replica group closed different accumulation windows: this rank closed "
+            f"window 2 after {1 + r} micro-batches, the ranks windows 2 to 2 after 1 to 2 micro-batches; "
+            "call flush() on every rank (it is collective under data parallelism) and give every rank the "
+            "same accumulation_steps; the window was skipped on every rank"
+        )
+        assert res["skipped"] == [False, True] and res["reasons"] == [None, "divergence"]
