@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["DIVERGENCE_RTOL", "ReplicaDecision", "check_replica_group"]
+__all__ = ["DIVERGENCE_RTOL", "ReplicaDecision", "check_norm_group", "check_replica_group"]
 
 #: Replicas whose synchronised gradient norms differ by more than this (relative to the
 #: largest) have diverged.  Identical gradients give bit-identical norms on identical
@@ -71,6 +71,18 @@ def check_replica_group(value: Any) -> Any:
         f"replica_group must be 'auto', None or a torch.distributed ProcessGroup, got "
         f"{value!r:.80} ({type(value).__name__}); pass replica_group='auto' (every rank of the default "
         "group holds a replica), a group from dist.new_group(...), or None (rank-local decisions)"
+    )
+
+
+def check_norm_group(value: Any) -> Any:
+    """``norm_group``: None or a ``torch.distributed`` process group (pipeline stages)."""
+    dist = torch.distributed
+    if value is None or (dist.is_available() and isinstance(value, dist.ProcessGroup)):
+        return value
+    raise TypeError(
+        f"norm_group must be a torch.distributed ProcessGroup or None, got {value!r:.80} "
+        f"({type(value).__name__}); pass the group of the ranks holding the other parameters "
+        "(pipeline stages), e.g. norm_group=dist.new_group(stage_ranks)"
     )
 
 

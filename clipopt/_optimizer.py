@@ -35,7 +35,7 @@ from ._distributed import (
     sharded_layer_stats,
     suppress_sync,
 )
-from ._distributed_decision import ReplicaDecision, check_replica_group, settings_of
+from ._distributed_decision import ReplicaDecision, check_norm_group, check_replica_group, settings_of
 from ._errors import NonFiniteGradientError
 from ._layers import LayerStats, compute_layer_stats, resolve_param_names
 from ._logging import Logger
@@ -240,10 +240,7 @@ class ClippedOptimizer(Optimizer):
                 "pass e.g. snapshot_dir='anomalies/'"
             )
         self.max_snapshots = check_positive_int("max_snapshots", max_snapshots)
-        self.norm_group = None if norm_group is None else check_replica_group(norm_group)
-        if isinstance(self.norm_group, str):
-            raise TypeError("norm_group must be a torch.distributed ProcessGroup or None, got 'auto'; "
-                            "pass the pipeline stages' group, e.g. norm_group=dist.new_group(ranks)")
+        self.norm_group = check_norm_group(norm_group)
         self._replicas = ReplicaDecision(check_replica_group(replica_group))
         names = resolve_param_names(optimizer, param_names)
         if snapshot_dir is not None and has_dtensor(list(names)):
@@ -337,6 +334,8 @@ class ClippedOptimizer(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         pending = state.pop("_pending_grads", None)
+        state.setdefault("norm_group", None)  # pickled before these existed
+        state.setdefault("_replicas", ReplicaDecision("auto"))
         self.__dict__.update(state)
         self._init_hooks()
         if pending is not None:
@@ -879,18 +878,13 @@ class ClippedOptimizer(Optimizer):
         self._last_skipped = skipped
         self._update_applied = not skipped if isinstance(skipped, bool) else None
         nonfinite: bool | Tensor = skipped
-        if self._policy is not None and self._policy.spike() is not None:  # a skip may be a spike
+        spikes = self._policy is not None and self._policy.spike() is not None
+        if spikes or self._replicas.divergence is not None:  # a skip may be a spike or a divergence
             enabled = self._skip_enabled()
             if isinstance(skipped, bool):
                 nonfinite = skipped and enabled and bool(w.flag.item())  # only read after a skip
             else:
                 nonfinite = w.flag if enabled else torch.zeros_like(w.flag)
-        elif self._replicas.divergence is not None:  # a divergence skip is not a non-finite one
-            enabled = self._skip_enabled()
-            if isinstance(skipped, Tensor):
-                nonfinite = w.flag if enabled else torch.zeros_like(w.flag)
-            else:
-                nonfinite = skipped and enabled and bool(w.flag.item())  # only read after a skip
         self._counters.record(skipped, nonfinite)
 
     def _record(self, w: _Window, n: int, layers: LayerStats | None) -> StepStats:

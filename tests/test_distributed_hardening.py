@@ -271,9 +271,10 @@ def test_distributed_arguments_are_checked() -> None:
                                         r"ProcessGroup, got 'all' \(str\); pass replica_group='auto'"):
         ClippedOptimizer(torch.optim.SGD(params, lr=0.1), replica_group="all")
     with pytest.raises(TypeError, match=r"^norm_group must be a torch.distributed ProcessGroup or None, "
-                                        r"got 'auto'; pass the pipeline stages' group"):
+                                        r"got 'auto' \(str\); pass the group of the ranks holding the other "
+                                        r"parameters \(pipeline stages\)"):
         ClippedOptimizer(torch.optim.SGD(params, lr=0.1), norm_group="auto")
-    with pytest.raises(TypeError, match=r"^replica_group must be .* got 3 \(int\)"):
+    with pytest.raises(TypeError, match=r"^norm_group must be .* got 3 \(int\)"):
         ClippedOptimizer(torch.optim.SGD(params, lr=0.1), norm_group=3)
     with pytest.raises(ValueError, match=r"^ranks must be 'zero' or 'all', got 'first'; pass ranks='zero'"):
         CSVLogger("grads.csv", ranks="first")
