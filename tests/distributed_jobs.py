@@ -659,6 +659,31 @@ def _divergence_case(rank: int, kind: str, k: int, snaps: str | None, corrupt: s
     }
 
 
+def _policy_case(rank: int) -> dict[str, Any]:
+    """ZClip with spike skips under DDP (fused AdamW), rank 1's gradient scaled by 3 after the all-reduce
+    in window 4: every window's decision and ZClip's statistics stay identical on every rank."""
+    import warnings
+
+    from clipopt import ZClip
+
+    ddp = nn.parallel.DistributedDataParallel(_model())
+    policy = ZClip(warmup_steps=2, z_thresh=1.0, skip_spikes=True)
+    opt = ClippedOptimizer(torch.optim.AdamW(ddp.parameters(), lr=LR, fused=True), policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(6):
+            _loss(ddp, rank, i).backward()
+            if rank == 1 and i == 3:
+                next(iter(ddp.module.parameters())).grad.mul_(3.0)
+            opt.step()
+            opt.zero_grad()
+    return {
+        "decisions": _gather_n([(s.skipped, s.reason, s.max_norm) for s in opt.stats]),
+        "stats": _gather_n(policy.state_dict()["stats"].clone()),
+        "same": _params_same_on_every_rank(ddp.module),
+    }
+
+
 def _pipeline_case(rank: int, p: float, nan: bool) -> dict[str, Any]:
     """Rank r holds pipeline stage r (layer 2r of the model) and optimizes only its parameters;
     ``norm_group`` combines the stages' partial norms.  Activations would travel between the stages
@@ -729,6 +754,7 @@ def ddp_hardening_job(rank: int, port: int, out_dir: str, world: int) -> None:
         res[f"diverge-{kind}-{k}"] = _divergence_case(rank, kind, k, None, "scale")
         res[f"nan-{kind}-{k}"] = _divergence_case(rank, kind, k, None, "nan")
     res["snapshot"] = _divergence_case(rank, "foreach", 1, os.path.join(out_dir, "snaps"), "scale")
+    res["policy"] = _policy_case(rank)
     for p in (2.0, math.inf):
         res[f"pipeline-{p}"] = _pipeline_case(rank, p, False)
     res["pipeline-nan"] = _pipeline_case(rank, 2.0, True)

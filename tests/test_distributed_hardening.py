@@ -322,3 +322,15 @@ def test_windows_out_of_step_fail_on_every_rank(hard: list[dict[str, Any]]) -> N
             "same accumulation_steps; the window was skipped on every rank"
         )
         assert res["skipped"] == [False, True] and res["reasons"] == [None, "divergence"]
+
+
+def test_ddp_policy_state_and_spike_decisions_stay_identical(hard: list[dict[str, Any]]) -> None:
+    """ZClip (spike skips) under DDP with fused AdamW and one rank's gradient changed after the
+    all-reduce: every rank records the same decisions and bounds in every window (the corrupted one
+    skipped as 'divergence'), ZClip's statistics are bit-identical and so are the replicas."""
+    res = hard[0]["policy"]
+    first = res["decisions"][0]
+    assert all(d == first for d in res["decisions"])
+    assert first[3][1] == "divergence"
+    assert all(torch.equal(s, res["stats"][0]) for s in res["stats"])
+    assert res["same"]
