@@ -10,6 +10,13 @@
   computes the same global norm, and so takes the same skip decision.
 * :func:`sharded_layer_stats` — per-layer statistics of the full tensors from shards.
 * :class:`Unsynced` — the record of a micro-batch whose backward skipped its sync.
+* :func:`reduce_norm_over` — a partial norm combined over a process group
+  (``norm_group``: pipeline stages holding different parameters).
+* :func:`sharded_unit_norms` — AGC's row norms of DTensor shards, as of the full tensors.
+* :func:`rank_target` / :func:`check_ranks` — where a logger writes under
+  ``torch.distributed`` (rank 0 by default, or one file per rank).
+
+The skip decision shared by data-parallel replicas lives in ``_distributed_decision.py``.
 
 Norm reductions are done on the device (``all_reduce`` of a few scalars);
 nothing is read back to the host.  Non-finite values survive them: p-norms are reduced
