@@ -10,6 +10,13 @@
   computes the same global norm, and so takes the same skip decision.
 * :func:`sharded_layer_stats` — per-layer statistics of the full tensors from shards.
 * :class:`Unsynced` — the record of a micro-batch whose backward skipped its sync.
+* :func:`reduce_norm_over` — a partial norm combined over a process group
+  (``norm_group``: pipeline stages holding different parameters).
+* :func:`sharded_unit_norms` — AGC's row norms of DTensor shards, as of the full tensors.
+* :func:`rank_target` / :func:`check_ranks` — where a logger writes under
+  ``torch.distributed`` (rank 0 by default, or one file per rank).
+
+The skip decision shared by data-parallel replicas lives in ``_distributed_decision.py``.
 
 Norm reductions are done on the device (``all_reduce`` of a few scalars);
 nothing is read back to the host.  Non-finite values survive them: p-norms are reduced
@@ -22,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -205,11 +213,34 @@ class ShardedGrads:
         """
         parts = []
         for pgs, indices in self._groups:
-            local = F.get_total_norm([grads[i] for i in indices], norm_type, foreach=foreach)
+            local = _local_norm([grads[i] for i in indices], norm_type, foreach)
             parts.append(_reduce_norm(local, norm_type, pgs) if pgs else local)
         if len(parts) == 1:
             return parts[0]
         return F.get_total_norm(parts, norm_type)
+
+
+def _local_norm(grads: Sequence[Tensor], p: float, foreach: bool | None) -> Tensor:
+    """The norm of this rank's shards; empty shards (a dimension smaller than the world) count 0.
+
+    The inf-norm kernels refuse empty tensors, so they are left out; a rank whose
+    shards are all empty contributes a zero of the dtype the others use (the
+    collective needs the same dtype on every rank).
+    """
+    kept = [g for g in grads if g.numel() > 0]
+    if kept:
+        return F.get_total_norm(kept, p, foreach=foreach)
+    wide = any(g.dtype == torch.float64 for g in grads)
+    return torch.zeros((), dtype=torch.float64 if wide else torch.float32, device=grads[0].device)
+
+
+def reduce_norm_over(local: Tensor, p: float, group: Any) -> Tensor:
+    """``local`` (this rank's partial ``p``-norm) combined over ``group``: every rank gets the total.
+
+    For ``norm_group=pg`` (pipeline stages: each rank holds different parameters).
+    One scalar collective (two values for the inf-norm).
+    """
+    return _reduce_norm(local, p, [group])
 
 
 def _reduce_norm(local: Tensor, p: float, groups: Sequence[Any]) -> Tensor:
@@ -233,7 +264,13 @@ def _shard_groups(t: Any, dtensor: Any) -> tuple[Any, ...]:
     """The process groups of the mesh dimensions over which ``t`` is sharded (none: complete here)."""
     if dtensor is None or not isinstance(t, dtensor):
         return ()
-    return tuple(t.device_mesh.get_group(d) for d, pl in enumerate(t.placements) if pl.is_shard())
+    return tuple(t.device_mesh.get_group(d) for d, pl in enumerate(t.placements) if _splits(pl))
+
+
+def _splits(placement: Any) -> bool:
+    """Whether a mesh dimension splits the tensor: ``Shard``, and also ``_StridedShard`` (FSDP2 over
+    tensor parallel), whose ``is_shard()`` is False.  Partial placements are refused earlier."""
+    return not placement.is_replicate() and not placement.is_partial()
 
 
 @torch.no_grad()
@@ -288,3 +325,84 @@ def sharded_layer_stats(
         full = torch.cat([grad_cols, summed[:, 1:2], summed[:, 2:3].sqrt()], dim=1)
         values.index_copy_(0, index, full.to(values.dtype))
     return LayerStats(names, values)
+
+
+def unit_norm_dims(t: Tensor) -> tuple[int, ...] | None:
+    """The dimensions AGC reduces for one unit: all but the first (a row); None: the whole tensor."""
+    return tuple(range(1, t.ndim)) if t.ndim > 1 else None
+
+
+@torch.no_grad()
+def sharded_unit_norms(pairs: Sequence[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """AGC's unit norms ``(||W_i||, ||G_i||, local G)`` of DTensor parameters, as of the full tensors.
+
+    A unit is a row (dimension 0) of a parameter with two or more dimensions,
+    else the whole tensor.  Each rank computes the sums of squares of its shard;
+    those over mesh dimensions that split a unit (``Shard(d)`` with ``d >= 1``,
+    or any ``Shard`` of a vector) are summed over that dimension's process group,
+    one collective per distinct set of groups.  Empty and size-1 shards are fine.
+    The local gradient returned shares storage with the DTensor gradient, so
+    scaling it in place clips the gradient without any placement change.
+    """
+    dtensor = _dtensor_type()
+    rows: list[tuple[Tensor, Tensor, Tensor]] = []
+    pending: dict[tuple[Any, ...], list[int]] = {}
+    for i, (p, grad) in enumerate(pairs):
+        g: Any = grad
+        sharded = dtensor is not None and isinstance(g, dtensor)
+        local_g: Tensor = g.to_local() if sharded else g
+        detached: Any = p.detach()
+        local_p: Tensor = detached.to_local() if sharded else detached
+        dims = unit_norm_dims(local_g)
+        acc = torch.float32 if local_g.dtype in (torch.float16, torch.bfloat16) else None
+        w_sq = torch.linalg.vector_norm(local_p, dim=dims, keepdim=True, dtype=acc).square()
+        g_sq = torch.linalg.vector_norm(local_g, dim=dims, keepdim=True, dtype=acc).square()
+        rows.append((w_sq, g_sq, local_g))
+        if sharded:
+            groups = tuple(
+                g.device_mesh.get_group(d)
+                for d, pl in enumerate(g.placements)
+                if _splits(pl) and (g.ndim <= 1 or getattr(pl, "dim", 0) >= 1)
+            )
+            if groups:
+                pending.setdefault(groups, []).append(i)
+    dist = torch.distributed
+    for groups, indices in pending.items():
+        flat = torch.cat([t.reshape(-1).double() for i in indices for t in rows[i][:2]])
+        for pg in groups:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
+        offset = 0
+        for i in indices:
+            w_sq, g_sq, local_g = rows[i]
+            k = w_sq.numel()
+            w_sq = flat[offset : offset + k].reshape(w_sq.shape).to(w_sq.dtype)
+            g_sq = flat[offset + k : offset + 2 * k].reshape(g_sq.shape).to(g_sq.dtype)
+            rows[i] = (w_sq, g_sq, local_g)
+            offset += 2 * k
+    return [(w_sq.sqrt(), g_sq.sqrt(), local_g) for w_sq, g_sq, local_g in rows]
+
+
+#: ``ranks=`` of the loggers: who writes under ``torch.distributed``.
+LOGGER_RANKS = ("zero", "all")
+
+
+def check_ranks(value: Any) -> str:
+    """A logger's ``ranks``: ``"zero"`` (rank 0 writes) or ``"all"`` (every rank, its own file)."""
+    if value not in LOGGER_RANKS:
+        raise ValueError(
+            f"ranks must be 'zero' or 'all', got {value!r}; pass ranks='zero' (rank 0 writes, the "
+            "default) or ranks='all' (every rank writes its own file, name ending in -rank<r>)"
+        )
+    return str(value)
+
+
+def rank_target(path: Path, ranks: str, *, folder: bool = False) -> Path | None:
+    """Where this process's logger writes: ``path`` in one process or on rank 0, None on other ranks
+    with ``ranks="zero"``, ``<stem>-rank<r><suffix>`` (a folder: ``path/rank<r>``) with ``"all"``."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return path
+    rank = dist.get_rank()
+    if ranks == "zero":
+        return path if rank == 0 else None
+    return path / f"rank{rank}" if folder else path.with_name(f"{path.stem}-rank{rank}{path.suffix}")

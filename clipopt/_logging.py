@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ._checks import check_path, check_positive_int
+from ._distributed import check_ranks, rank_target
 from ._files import WarnOnce, check_file_path, remove_stale_temps, write_atomic
 from ._layers import LAYER_FIELDS
 from ._stats import StepStats, materialize
@@ -147,9 +148,12 @@ class CSVLogger:
     Args:
         path: the CSV file; its folder is created.
         flush_every: windows per write.
+        ranks: under ``torch.distributed`` with several processes, ``"zero"``
+            (default): only rank 0 writes; ``"all"``: every rank writes its own
+            file, ``<stem>-rank<r><suffix>``.  Decided at the first row.
     """
 
-    def __init__(self, path: str | os.PathLike[str], flush_every: int = 100) -> None:
+    def __init__(self, path: str | os.PathLike[str], flush_every: int = 100, *, ranks: str = "zero") -> None:
         self.path = Path(check_path("path", path, "grads.csv"))
         check_file_path("path", self.path, "grads.csv")
         self.flush_every = check_positive_int("flush_every", flush_every, 100)
@@ -157,6 +161,8 @@ class CSVLogger:
         self.rows_dropped = 0  # rows given up after writes kept failing (see max_buffered)
         self._warn = WarnOnce()
         self._opened = False  # the file's tail was checked (a torn last row repaired)
+        self.ranks = check_ranks(ranks)
+        self._target: Path | bool | None = False  # False: not decided yet; None: this rank does not write
         self.columns: list[str] | None = None
         self._names: list[str] = []
         self._groups = 1
@@ -166,6 +172,11 @@ class CSVLogger:
 
     def log(self, stats: StepStats, optimizer: ClippedOptimizer) -> None:
         """Buffer one window; write the buffer every ``flush_every`` windows."""
+        if self._target is False:
+            self._target = rank_target(self.path, self.ranks)
+            self.path = self._target or self.path
+        if self._target is None:  # another rank writes
+            return
         if self.columns is None:
             self._set_columns(optimizer, len(stats.lr))
         elif len(stats.lr) != self._groups:  # add_param_group(): more lr and per-layer columns

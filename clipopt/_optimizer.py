@@ -32,9 +32,11 @@ from ._distributed import (
     Unsynced,
     allreduce_mean_,
     has_dtensor,
+    reduce_norm_over,
     sharded_layer_stats,
     suppress_sync,
 )
+from ._distributed_decision import ReplicaDecision, check_norm_group, check_replica_group, settings_of
 from ._errors import NonFiniteGradientError
 from ._layers import LayerStats, compute_layer_stats, resolve_param_names
 from ._logging import Logger, log_window
@@ -177,6 +179,16 @@ class ClippedOptimizer(Optimizer):
             Deciding reads one flag from the device per update.
         max_snapshots: at most this many snapshots are written per run and reason
             (non-finite, spike), so spikes never crowd out a later non-finite one.
+        norm_group: a process group whose ranks hold *different* parameters
+            (pipeline stages): the partial norms are combined over it (one scalar
+            collective per norm), so every stage clips and skips alike.
+        replica_group: the ranks holding replicas of these parameters (DDP):
+            ``"auto"`` (the default group when ``torch.distributed`` is
+            initialised with more than one rank), a process group, or None
+            (decisions stay rank-local: ranks training independent models).
+            Costs one scalar collective per window with plain-tensor parameters
+            (none added for DTensor ones) and one settings check at the first
+            ``step()``; see ``clipopt/_distributed_decision.py``.
     """
 
     _policy: ClipPolicy | None
@@ -201,6 +213,8 @@ class ClippedOptimizer(Optimizer):
         loggers: Sequence[Logger] = (),
         snapshot_dir: str | os.PathLike[str] | None = None,
         max_snapshots: int = 10,
+        norm_group: Any = None,
+        replica_group: Any = "auto",
     ) -> None:
         if isinstance(optimizer, ClippedOptimizer):
             raise TypeError(
@@ -243,6 +257,8 @@ class ClippedOptimizer(Optimizer):
                 "pass e.g. snapshot_dir='anomalies/'"
             )
         self.max_snapshots = check_positive_int("max_snapshots", max_snapshots)
+        self.norm_group = check_norm_group(norm_group)
+        self._replicas = ReplicaDecision(check_replica_group(replica_group))
         names = resolve_param_names(optimizer, param_names)
         if self.clip_value is not None and any(p.is_complex() for p in names):
             raise ValueError(
@@ -342,6 +358,8 @@ class ClippedOptimizer(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         pending = state.pop("_pending_grads", None)
+        state.setdefault("norm_group", None)  # pickled before these existed
+        state.setdefault("_replicas", ReplicaDecision("auto"))
         self.__dict__.update(state)
         self.__dict__.setdefault("_loss", LossSum())  # pickled by a clipopt without the loss
         self._init_hooks()
@@ -439,6 +457,8 @@ class ClippedOptimizer(Optimizer):
     step.hooked = True  # type: ignore[attr-defined]
 
     def _step(self, closure: Callable[[], Any] | None = None, *, loss: Tensor | float | None = None) -> Any:
+        if not self._replicas._checked:
+            self._check_replicas()
         given = check_loss(loss)
         if closure is not None and not callable(closure):
             raise TypeError(
@@ -473,8 +493,15 @@ class ClippedOptimizer(Optimizer):
     def flush(self) -> None:
         """Apply the micro-batches gathered so far (a partial window), dividing by their count.
 
-        A no-op when no micro-batch is pending.
+        A no-op when no micro-batch is pending.  Under data parallelism it is
+        collective: call it on every rank (ranks with different partial windows raise).
         """
+        if not self._replicas._checked:
+            self._check_replicas()
+        params = self._params()
+        if self._replicas.active and params:
+            counters = self._counters
+            self._replicas.check_flush(counters.micro_batches, counters.windows + 1, params[0].device)
         if self._counters.micro_batches > 0:
             self._close_window(None, None)
 
@@ -524,6 +551,8 @@ class ClippedOptimizer(Optimizer):
             )
         if sync is not None:
             check_flag("sync", sync)
+        if not self._replicas._checked:
+            self._check_replicas()
         index = self._counters.micro_batches + 1  # this micro-batch's place in the window
         if sync is None:
             sync = index >= self.accumulation_steps
@@ -532,6 +561,7 @@ class ClippedOptimizer(Optimizer):
             return
         context, kind = suppress_sync(model)
         if kind is None:
+            self._warn_plain_no_sync(model)
             with context:
                 yield
             return
@@ -544,6 +574,25 @@ class ClippedOptimizer(Optimizer):
         except BaseException:
             self._unsynced = before
             raise
+
+    def _check_replicas(self) -> None:
+        """Once, at the first step() or no_sync(): the ranks' window settings must agree (collective)."""
+        params = self._params()
+        if params:
+            self._replicas.check_settings(settings_of(self), params[0].device)
+
+    def _warn_plain_no_sync(self, model: torch.nn.Module) -> None:
+        """no_sync(model) under data parallelism with a module that has no sync to skip: warn once."""
+        if self._replicas.active and not self._replicas.warned_no_sync:
+            self._replicas.warned_no_sync = True
+            warnings.warn(
+                f"opt.no_sync(model) got a {type(model).__name__}, which has no gradient sync to "
+                "skip, so every micro-batch still synchronises (or none does); pass the "
+                "DistributedDataParallel (or fully_shard) wrapper itself, e.g. opt.no_sync(ddp_model), "
+                "not ddp_model.module",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def _pending_unsynced(self) -> Unsynced | None:
         """The marker when the open window's latest micro-batch skipped its sync, else None."""
@@ -652,6 +701,8 @@ class ClippedOptimizer(Optimizer):
         try:
             with torch.no_grad():
                 total_norm, flag = self._measure(grads, n, params)
+                if self._replicas.active and not self._has_dtensor:  # DDP: one decision on every rank
+                    total_norm, flag = self._replicas.agree(total_norm, flag, n, self._counters.windows + 1)
                 layers = self._diagnose(params, total_norm, flag, n)
                 unitwise = self._policy is not None and self._policy.unitwise  # AGC clips in place
                 undo.touched |= self.clip_value is not None or unitwise
@@ -660,10 +711,8 @@ class ClippedOptimizer(Optimizer):
             self._counters.micro_batches = 0
             self._counters.windows += 1
             window_loss = self._loss.take(self.reduction)
-            if _is_fused(self.optimizer) and self._inner_state_ready():
-                loss = self._step_fused(w, loss, closure)
-            else:
-                loss = self._step_host(w, loss, closure, params)
+            fused = _is_fused(self.optimizer) and self._inner_state_ready()
+            loss = self._step_fused(w, loss, closure) if fused else self._step_host(w, loss, closure, params)
             undo.committed = True
         finally:  # also after an error: an unscaled scaler without update() would refuse every later window
             self._shards = None  # views of the gradients: do not keep them past the window
@@ -672,6 +721,7 @@ class ClippedOptimizer(Optimizer):
         stats = self._record(w, n, layers, window_loss)
         log_window(self.loggers, stats, self)  # I/O failures warn; the window is complete either way
         self._attached.clear()
+        self._replicas.end_window(host_read=not fused)  # may warn (divergence) or raise (out of step)
         self._check_consecutive_nonfinite()
         return loss
 
@@ -699,8 +749,12 @@ class ClippedOptimizer(Optimizer):
     def _total_norm(self, grads: list[Tensor]) -> Tensor:
         """The norm of ``grads`` over all ranks holding shards of them (collective for DTensors)."""
         if self._shards is not None:
-            return self._shards.total_norm(grads, self.norm_type, self.foreach)
-        return F.get_total_norm(grads, self.norm_type, foreach=self.foreach)
+            norm = self._shards.total_norm(grads, self.norm_type, self.foreach)
+        else:
+            norm = F.get_total_norm(grads, self.norm_type, foreach=self.foreach)
+        if self.norm_group is not None:  # pipeline stages: every stage gets the norm of all of them
+            norm = reduce_norm_over(norm, self.norm_type, self.norm_group)
+        return norm
 
     def _check_consecutive_nonfinite(self) -> None:
         """Raise once ``max_consecutive_nonfinite`` windows in a row were skipped (reads one counter)."""
@@ -760,6 +814,8 @@ class ClippedOptimizer(Optimizer):
         layers = stats_of(params, self.layer_names(), inv, bad) if due else None
         # with a scaler, a non-finite window is an overflow: GradScaler's normal operation
         reason = "nonfinite" if bad and self.scaler is None else "spike" if spiking and not bad else None
+        if not bad and self._snapshots is not None and self._replicas.diverged_now():
+            reason = "divergence"
         if reason is not None and self._snapshots is not None:
             if layers is None:
                 snap_layers = compute_layer_stats(params, self.layer_names(), inv, bad)
@@ -829,6 +885,8 @@ class ClippedOptimizer(Optimizer):
         unitwise = self._policy is not None and self._policy.unitwise
         policy = self._policy if fixed is None or unitwise else None
         skip = flag if self._skip_enabled() else None
+        if fixed is None:
+            skip = self._replicas.skip_with_divergence(skip)
         coef: float | Tensor = 1.0
         bound = self._bound if fixed is None else fixed[0]
         if policy is not None and policy.unitwise:
@@ -961,7 +1019,8 @@ class ClippedOptimizer(Optimizer):
         self._last_skipped = skipped
         self._update_applied = not skipped if isinstance(skipped, bool) else None
         nonfinite: bool | Tensor = skipped
-        if self._policy is not None and self._policy.spike() is not None:  # a skip may be a spike
+        spikes = self._policy is not None and self._policy.spike() is not None
+        if spikes or self._replicas.divergence is not None:  # a skip may be a spike or a divergence
             enabled = self._skip_enabled()
             if isinstance(skipped, bool):
                 nonfinite = skipped and enabled and bool(w.flag.item())  # only read after a skip
@@ -987,6 +1046,7 @@ class ClippedOptimizer(Optimizer):
             reason_if_skipped=reason or ("overflow" if self.scaler is not None else "nonfinite"),
             max_norm=w.limit,
             nonfinite=w.flag if self._policy is not None and self._policy.spike() is not None else None,
+            divergence=self._replicas.divergence,
             lr=[_lr_value(g["lr"]) for g in self.param_groups],
             layers=layers,
             loss=loss,
@@ -1134,6 +1194,8 @@ class ClippedOptimizer(Optimizer):
         memo[id(self)] = new
         for logger in self.loggers:  # a copy logs to the same files: share the loggers, do not copy rows
             memo[id(logger)] = logger
+        if self.norm_group is not None:  # process groups are shared, never copied
+            memo[id(self.norm_group)] = self.norm_group
         new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return new
 

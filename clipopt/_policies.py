@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_choice, check_flag, check_optional_positive_float, check_positive_int
+from ._distributed import has_dtensor, sharded_unit_norms
 
 __all__ = ["AGC", "AutoClip", "ClipPolicy", "ZClip"]
 
@@ -261,11 +262,12 @@ class AGC(ClipPolicy):
         if any(g.is_sparse for _, g in grads):  # checked before any gradient changes
             raise TypeError("AGC does not support sparse gradients; use a float max_norm or None")
         clipped: list[Tensor] = []
-        for p, g in grads:
-            dims = tuple(range(1, g.ndim)) if g.ndim > 1 else None
-            acc = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None  # at least float32
-            w_norm = torch.linalg.vector_norm(p.detach(), dim=dims, keepdim=True, dtype=acc)
-            g_norm = torch.linalg.vector_norm(g, dim=dims, keepdim=True, dtype=acc) * scale
+        if has_dtensor([g for _, g in grads]):  # FSDP2 / tensor parallel: norms of the full units
+            units = sharded_unit_norms(grads)
+        else:
+            units = [_unit_norms(p, g) for p, g in grads]
+        for w_norm, g_norm, g in units:
+            g_norm = g_norm * scale
             limit = self.clip_factor * w_norm.clamp_min(self.eps)
             coef = (limit / g_norm.clamp_min(1e-6)).clamp(max=1.0)
             clipped.append((coef < 1.0).any())
@@ -276,6 +278,14 @@ class AGC(ClipPolicy):
 
     def __repr__(self) -> str:
         return f"AGC(clip_factor={self.clip_factor:g}, eps={self.eps:g})"
+
+
+def _unit_norms(p: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """AGC's ``(||W_i||, ||G_i||, G)`` per unit (row, or whole tensor), in at least float32."""
+    dims = tuple(range(1, g.ndim)) if g.ndim > 1 else None
+    acc = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None
+    w_norm = torch.linalg.vector_norm(p.detach(), dim=dims, keepdim=True, dtype=acc)
+    return w_norm, torch.linalg.vector_norm(g, dim=dims, keepdim=True, dtype=acc), g
 
 
 def _required_positive(name: str, value: Any, example: str) -> float:

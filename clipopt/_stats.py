@@ -43,8 +43,9 @@ class StepStats:
         clipped: True when norm clipping scaled the gradient down or value
             clipping changed at least one element.
         skipped: True when the update was skipped.
-        reason: why it was skipped (``"nonfinite"``, ``"overflow"``, ``"spike"``, ``"nograd"``: no
-            parameter had a gradient), or None.
+        reason: why it was skipped (``"nonfinite"``, ``"overflow"``, ``"spike"``,
+            ``"divergence"``: data-parallel replicas disagreed, ``"nograd"``: no parameter had a
+            gradient), or None.
         max_norm: the norm bound used for this window (a policy's threshold), or None when off.
         lr: the learning rate of each parameter group when the window closed.
         layers: per-parameter :class:`~clipopt.LayerStats` when they were due
@@ -58,6 +59,7 @@ class StepStats:
         "_bad_row",
         "_clip_coef",
         "_clipped",
+        "_divergence",
         "_loss",
         "_lr",
         "_max_norm",
@@ -86,6 +88,7 @@ class StepStats:
         nonfinite: Tensor | None = None,
         loss: float | Tensor | None = None,
         bad_row: LayerStats | None = None,
+        divergence: Tensor | None = None,
     ) -> None:
         self.step = step
         self.micro_batches = micro_batches
@@ -96,6 +99,7 @@ class StepStats:
         self._reason_if_skipped = reason_if_skipped
         self._max_norm = max_norm
         self._nonfinite: bool | Tensor | None = nonfinite  # set when a skip may also be a spike
+        self._divergence: bool | Tensor | None = divergence  # set when replicas are compared (DDP)
         self._lr: tuple[float | Tensor, ...] = tuple(lr)
         self.layers = layers
         self._loss = loss  # None: no loss was given
@@ -152,6 +156,11 @@ class StepStats:
     def reason(self) -> str | None:
         if not self.skipped:
             return None
+        if self._divergence is not None:
+            if isinstance(self._divergence, Tensor):
+                self._divergence = _as_bool(self._divergence)
+            if self._divergence:
+                return "divergence"
         if self._nonfinite is not None:
             if isinstance(self._nonfinite, Tensor):
                 self._nonfinite = _as_bool(self._nonfinite)
@@ -188,7 +197,16 @@ class StepStats:
         return f"StepStats({fields})"
 
 
-_LAZY = ("_total_norm", "_clip_coef", "_clipped", "_skipped", "_max_norm", "_nonfinite", "_loss")
+_LAZY = (
+    "_total_norm",
+    "_clip_coef",
+    "_clipped",
+    "_skipped",
+    "_max_norm",
+    "_nonfinite",
+    "_loss",
+    "_divergence",
+)
 
 
 def materialize(stats: Sequence[StepStats]) -> None:
@@ -203,7 +221,8 @@ def materialize(stats: Sequence[StepStats]) -> None:
     device = parts[0].device
     flat = torch.cat([t.to(device, torch.float64, non_blocking=True) for t in parts]).tolist()
     for i, (s, name) in enumerate(pending):
-        setattr(s, name, bool(flat[i]) if name in ("_clipped", "_skipped", "_nonfinite") else flat[i])
+        flags = ("_clipped", "_skipped", "_nonfinite", "_divergence")
+        setattr(s, name, bool(flat[i]) if name in flags else flat[i])
     offset = len(pending)
     for lay in layers:
         k = len(LAYER_FIELDS)

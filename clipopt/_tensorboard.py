@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_path, check_positive_int
+from ._distributed import check_ranks, rank_target
 from ._files import WarnOnce, check_dir_path
 from ._layers import LAYER_FIELDS
 from ._stats import StepStats, materialize
@@ -69,13 +70,21 @@ class TensorBoardLogger:
             Another event file is added next to existing ones.
         flush_every: windows per write of the buffered scalars.
         histograms: write gradient histograms on windows with per-layer statistics.
+        ranks: under ``torch.distributed`` with several processes, ``"zero"``
+            (default): only rank 0 writes; ``"all"``: every rank writes into
+            ``log_dir/rank<r>``.  Decided when the logger is built.
 
     Raises:
         ImportError: tensorboard is not installed.
     """
 
     def __init__(
-        self, log_dir: str | os.PathLike[str], flush_every: int = 100, histograms: bool = True
+        self,
+        log_dir: str | os.PathLike[str],
+        flush_every: int = 100,
+        histograms: bool = True,
+        *,
+        ranks: str = "zero",
     ) -> None:
         check_path("log_dir", log_dir, "runs/exp1")
         check_dir_path("log_dir", Path(log_dir), "runs/exp1")
@@ -88,18 +97,25 @@ class TensorBoardLogger:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
             raise ImportError(f"{_INSTALL_HINT} ({e})") from e
-        self.log_dir = Path(log_dir)
+        self.ranks = check_ranks(ranks)
+        target = rank_target(Path(log_dir), self.ranks, folder=True)
+        self.log_dir = Path(log_dir) if target is None else target
         self.flush_every = flush_every
         self.histograms = histograms
-        self._writer: SummaryWriter = SummaryWriter(log_dir=str(self.log_dir))
+        self._silent = target is None  # under torch.distributed another rank writes
         self._buffer: list[tuple[StepStats, float]] = []
         self._closed = False
         self._warn = WarnOnce()
         self.rows_dropped = 0  # windows whose scalars could not be written (the event writer failed)
+        if self._silent:
+            return
+        self._writer: SummaryWriter = SummaryWriter(log_dir=str(self.log_dir))
         atexit.register(_close_at_exit, weakref.ref(self))
 
     def log(self, stats: StepStats, optimizer: ClippedOptimizer) -> None:
         """Buffer one window's scalars (write them every ``flush_every`` windows); histograms if due."""
+        if self._silent:
+            return
         walltime = time.time()
         if self.histograms and stats.layers is not None:
             try:
@@ -171,6 +187,8 @@ class TensorBoardLogger:
 
         Logging after ``close()`` still works: it goes to a new event file in ``log_dir``.
         """
+        if self._silent:
+            return
         self.flush()
         try:
             self._writer.close()

@@ -1,8 +1,11 @@
 """Data-parallel training with ClippedOptimizer: DDP or FSDP2, gradient accumulation with no_sync.
 
 Runs 2 processes on the CPU (gloo backend); each reads its own shard of the data.
+Every rank takes the same skip decision (under DDP one small all-reduce per
+window agrees it, and reports replicas whose gradients diverged); loggers given
+on every rank write on rank 0.
 
-Run:  python examples/data_parallel.py [--fsdp] [--steps 40]
+Run:  python examples/data_parallel.py [--fsdp] [--steps 40] [--csv grads.csv]
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ WORLD = 2
 ACCUMULATION = 4
 
 
-def train(rank: int, port: int, fsdp: bool, steps: int) -> None:
+def train(rank: int, port: int, fsdp: bool, steps: int, csv: str | None) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     torch.manual_seed(0)  # the same initial weights on every rank
     model: torch.nn.Module = torch.nn.Sequential(
@@ -40,6 +43,7 @@ def train(rank: int, port: int, fsdp: bool, steps: int) -> None:
         torch.optim.AdamW(model.parameters(), lr=3e-3),
         max_norm=1.0,
         accumulation_steps=ACCUMULATION,
+        loggers=[clipopt.CSVLogger(csv)] if csv else [],  # the same path on every rank: rank 0 writes
     )
     gen = torch.Generator().manual_seed(1 + rank)  # each rank its own data
     true_w = torch.randn(16, 1, generator=torch.Generator().manual_seed(7))
@@ -53,7 +57,8 @@ def train(rank: int, port: int, fsdp: bool, steps: int) -> None:
             loss.backward()
         opt.step()
         opt.zero_grad()
-    opt.flush()
+    opt.flush()  # collective: every rank calls it
+    opt.close()
     if rank == 0:
         print(
             f"{'FSDP2' if fsdp else 'DDP'}: {opt.num_updates} updates applied, {opt.num_skipped} skipped; "
@@ -66,12 +71,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
     ap.add_argument("--steps", type=int, default=40, help="optimizer updates")
+    ap.add_argument("--csv", default=None, help="write one row per update to this CSV file (rank 0)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(train, args=(port, args.fsdp, args.steps), nprocs=WORLD, join=True)
+    mp.spawn(train, args=(port, args.fsdp, args.steps, args.csv), nprocs=WORLD, join=True)
 
 
 if __name__ == "__main__":

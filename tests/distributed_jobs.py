@@ -59,8 +59,7 @@ def _reference(plain: nn.Module, windows: list[list[int]], norm_type: float = 2.
 
 
 def _init(rank: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    _init_world(rank, port, WORLD)  # with a short timeout: a hang fails the job
 
 
 def _gather(value: Any) -> list[Any]:
@@ -455,4 +454,446 @@ def fsdp_job(rank: int, port: int, out_dir: str) -> None:
             "ref_params": [p.detach().clone() for p in plain.parameters()],
         }
     torch.save(res, os.path.join(out_dir, f"fsdp{rank}.pt"))
+    dist.destroy_process_group()
+
+
+# ============================================================================ hardening (issue #17)
+# Worlds of 2, 3 and 4 processes; a short process-group timeout so that a regression that makes
+# the ranks wait for each other fails the job (and the test) instead of blocking CI.
+
+HANG_TIMEOUT_S = 30
+
+
+def _init_world(rank: int, port: int, world: int) -> None:
+    from datetime import timedelta
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=HANG_TIMEOUT_S),
+    )
+
+
+def _gather_n(value: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+class _Collectives:
+    """Counts the collectives issued while active (all_reduce, all_gather, broadcast, ...)."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor",
+             "all_gather_object", "barrier")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.active = False
+        self._originals = {n: getattr(dist, n) for n in self.NAMES}
+        for name, original in self._originals.items():
+            setattr(dist, name, self._wrap(original))
+
+    def _wrap(self, original: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.active:
+                self.count += 1
+            return original(*args, **kwargs)
+
+        return counted
+
+    def restore(self) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+
+
+def _edge_model() -> nn.Module:
+    """Parameters whose first dimension is smaller than the world: empty shards, and a size-1 bias."""
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2), nn.Tanh(), nn.Linear(2, 1))
+
+
+def _edge_loss(model: nn.Module, rank: int, index: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(500 + 1000 * rank + index)
+    x, y = torch.randn(5, 6, generator=gen) * 3, torch.randn(5, 1, generator=gen)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _edge_policy(name: str) -> Any:
+    from clipopt import AutoClip, ZClip
+
+    return {
+        "float": MAX_NORM,
+        "autoclip": AutoClip(percentile=50),
+        "zclip": ZClip(warmup_steps=2, z_thresh=0.5, skip_spikes=True),
+        "agc": AGC(clip_factor=0.01),
+    }[name]
+
+
+def fsdp_edge_job(rank: int, port: int, out_dir: str, world: int) -> None:
+    """FSDP2 with empty and size-1 shards: norms for every p, every policy = one process."""
+    from clipopt import ClippedOptimizer as Clipped
+
+    _init_world(rank, port, world)
+    counter = _Collectives()
+    res: dict[str, Any] = {"local_numel": None, "norms": {}, "policies": {}, "collectives": {}}
+    base = _edge_model()
+    plain = copy.deepcopy(base)
+    for r in range(world):
+        (_edge_loss(plain, r, 1) / world).backward()
+    ref_grads = [p.grad.detach().double() for p in plain.parameters()]
+    for p in (1.0, 2.0, 3.0, math.inf):
+        model = _fsdp(base)
+        res["local_numel"] = [q.to_local().numel() for q in model.parameters()]
+        opt = Clipped(torch.optim.SGD(model.parameters(), lr=0.0), None, norm_type=p)
+        _edge_loss(model, rank, 1).backward()
+        opt.step()  # the first step() also checks the settings across ranks (once)
+        opt.zero_grad()
+        _edge_loss(model, rank, 1).backward()
+        counter.active = True
+        opt.step()
+        counter.active = False
+        res["norms"][p] = (float(opt.last_stats.total_norm), _norm64(ref_grads, p))
+        res["collectives"][p] = counter.count
+        counter.count = 0
+    for policy in ("float", "autoclip", "zclip", "agc"):
+        for p in (1.0, 2.0, math.inf):
+            model = _fsdp(base)
+            opt = Clipped(torch.optim.SGD(model.parameters(), lr=0.1), _edge_policy(policy), norm_type=p)
+            one = copy.deepcopy(base)
+            ref = Clipped(torch.optim.SGD(one.parameters(), lr=0.1), _edge_policy(policy), norm_type=p)
+            norms, ref_norms = [], []
+            for i in range(1, 5):
+                _edge_loss(model, rank, i).backward()
+                opt.step()
+                opt.zero_grad()
+                for r in range(world):
+                    (_edge_loss(one, r, i) / world).backward()
+                ref.step()
+                ref.zero_grad()
+                norms.append(float(opt.last_stats.total_norm))
+                ref_norms.append(float(ref.last_stats.total_norm))
+            res["policies"][f"{policy}-{p}"] = {
+                "norms": norms,
+                "ref_norms": ref_norms,
+                "skipped": [s.skipped for s in opt.stats],
+                "ref_skipped": [s.skipped for s in ref.stats],
+                "clipped": [s.clipped for s in opt.stats],
+                "ref_clipped": [s.clipped for s in ref.stats],
+                "params": _full(model),
+                "ref_params": [q.detach().clone() for q in one.parameters()],
+            }
+    counter.restore()
+    torch.save(res, os.path.join(out_dir, f"edge{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _catch(fn: Any) -> str | None:
+    """Run ``fn``; the message of the error it raised, or None."""
+    try:
+        fn()
+    except (RuntimeError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def _params_same_on_every_rank(module: nn.Module) -> bool:
+    mine = [p.detach().clone() for p in module.parameters()]
+    every = _gather_n(mine)
+    return all(torch.equal(a, b) for other in every for a, b in zip(mine, other, strict=True))
+
+
+def _divergence_case(rank: int, kind: str, k: int, snaps: str | None, corrupt: str) -> dict[str, Any]:
+    """One window in which rank 1 changes its first gradient after DDP's all-reduce (``corrupt``:
+    "scale" multiplies it by 1.001, "nan" writes a nan); fused optimizers get an applied window first."""
+    import warnings
+
+    base = _model()
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    inner = torch.optim.AdamW(ddp.parameters(), lr=LR, **{kind: True})
+    named = {"param_names": ddp.module.named_parameters()} if snaps else {}
+    opt = ClippedOptimizer(inner, MAX_NORM, accumulation_steps=k, snapshot_dir=snaps, **named)
+    seen: list[str] = []
+    reads: list[str] = []
+    counter = _Collectives()
+
+    def window(index: int, bad: bool) -> None:
+        from .hostreads import count_host_reads
+
+        for i in range(k):
+            with opt.no_sync(ddp):
+                _loss(ddp, rank, 10 * index + i).backward()
+            if bad and rank == 1 and i == k - 1:
+                grad = next(iter(ddp.module.parameters())).grad
+                if corrupt == "nan":
+                    grad.view(-1)[0] = math.nan
+                else:
+                    grad.mul_(1.001)
+            counter.active = True
+            with count_host_reads() as r:
+                opt.step()
+            counter.active = False
+            reads.extend(r.ours)
+            opt.zero_grad()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        window(0, False)  # fused: state exists, so the next windows take the sync-free path
+        counter.count, reads[:] = 0, []
+        window(1, True)
+        bad_stats = opt.last_stats
+        window(2, False)  # the fused path reports the divergence at the next window's close
+        seen = [str(w.message) for w in caught if "differ" in str(w.message)]
+    counter.restore()
+    return {
+        "skipped": [s.skipped for s in opt.stats],
+        "reason": bad_stats.reason,
+        "same": _params_same_on_every_rank(ddp.module),
+        "warnings": seen,
+        "snapshot": opt.last_snapshot,
+        "collectives": counter.count,
+        "reads": reads,
+        "consecutive": int(opt._counters.consecutive),
+    }
+
+
+def _policy_case(rank: int) -> dict[str, Any]:
+    """ZClip with spike skips under DDP (fused AdamW), rank 1's gradient scaled by 3 after the all-reduce
+    in window 4: every window's decision and ZClip's statistics stay identical on every rank."""
+    import warnings
+
+    from clipopt import ZClip
+
+    ddp = nn.parallel.DistributedDataParallel(_model())
+    policy = ZClip(warmup_steps=2, z_thresh=1.0, skip_spikes=True)
+    opt = ClippedOptimizer(torch.optim.AdamW(ddp.parameters(), lr=LR, fused=True), policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(6):
+            _loss(ddp, rank, i).backward()
+            if rank == 1 and i == 3:
+                next(iter(ddp.module.parameters())).grad.mul_(3.0)
+            opt.step()
+            opt.zero_grad()
+    return {
+        "decisions": _gather_n([(s.skipped, s.reason, s.max_norm) for s in opt.stats]),
+        "stats": _gather_n(policy.state_dict()["stats"].clone()),
+        "same": _params_same_on_every_rank(ddp.module),
+    }
+
+
+def _pipeline_case(rank: int, p: float, nan: bool) -> dict[str, Any]:
+    """Rank r holds pipeline stage r (layer 2r of the model) and optimizes only its parameters;
+    ``norm_group`` combines the stages' partial norms.  Activations would travel between the stages
+    in a real pipeline; here every rank runs the whole model on the same data, so each stage's
+    gradients are exactly those a pipeline computes."""
+    base = _model()
+    model = copy.deepcopy(base)
+    stage = model[2 * rank]
+    opt = ClippedOptimizer(
+        torch.optim.AdamW(stage.parameters(), lr=LR, foreach=True), MAX_NORM, norm_type=p,
+        norm_group=dist.group.WORLD,
+    )
+    plain = copy.deepcopy(base)
+    ref = torch.optim.AdamW(plain.parameters(), lr=LR, foreach=True)
+    norms, ref_norms = [], []
+    before = [q.detach().clone() for q in stage.parameters()]
+    for i in (1, 2):
+        _loss(model, 0, i).backward()
+        if nan and rank == 1:
+            next(iter(stage.parameters())).grad.view(-1)[0] = math.nan
+        opt.step()
+        opt.zero_grad()
+        model.zero_grad()
+        for s in range(2):  # what the pipeline's activations would carry: the other stage's new weights
+            for q in model[2 * s].parameters():
+                dist.broadcast(q.data, src=s)
+        _loss(plain, 0, i).backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(plain.parameters(), MAX_NORM, p)))
+        ref.step()
+        ref.zero_grad()
+        norms.append(float(opt.last_stats.total_norm))
+    return {
+        "norms": norms,
+        "ref_norms": ref_norms,
+        "skipped": [s.skipped for s in opt.stats],
+        "unchanged": all(torch.equal(a, b) for a, b in zip(before, stage.parameters(), strict=True)),
+        "params": [q.detach().clone() for q in stage.parameters()],
+        "ref_params": [q.detach().clone() for q in plain[2 * rank].parameters()],
+    }
+
+
+def _loggers_case(rank: int, out_dir: str) -> dict[str, Any]:
+    from clipopt import CSVLogger, TensorBoardLogger
+
+    ddp = nn.parallel.DistributedDataParallel(_model())
+    shared = os.path.join(out_dir, "grads.csv")  # the same path on every rank
+    per_rank = os.path.join(out_dir, "each.csv")
+    tb = os.path.join(out_dir, "tb")
+    loggers = [CSVLogger(shared), CSVLogger(per_rank, ranks="all"), TensorBoardLogger(tb)]
+    opt = _clipped(ddp, 1, loggers=loggers)
+    for i in range(3):
+        _loss(ddp, rank, i).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    dist.barrier()
+    return {"files": sorted(os.listdir(out_dir)), "tb": sorted(os.listdir(tb)) if os.path.isdir(tb) else []}
+
+
+def ddp_hardening_job(rank: int, port: int, out_dir: str, world: int) -> None:
+    """DDP: divergence and post-sync nan agreed across ranks, collectives per window, no_sync misuse,
+    loggers, pipeline norm_group, independent ranks; misuse that used to hang comes last."""
+    import warnings
+
+    _init_world(rank, port, world)
+    res: dict[str, Any] = {}
+    for kind, k in (("foreach", 1), ("foreach", 3), ("fused", 1), ("fused", 3)):
+        res[f"diverge-{kind}-{k}"] = _divergence_case(rank, kind, k, None, "scale")
+        res[f"nan-{kind}-{k}"] = _divergence_case(rank, kind, k, None, "nan")
+    res["snapshot"] = _divergence_case(rank, "foreach", 1, os.path.join(out_dir, "snaps"), "scale")
+    res["policy"] = _policy_case(rank)
+    for p in (2.0, math.inf):
+        res[f"pipeline-{p}"] = _pipeline_case(rank, p, False)
+    res["pipeline-nan"] = _pipeline_case(rank, 2.0, True)
+    res["loggers"] = _loggers_case(rank, os.path.join(out_dir, "logs"))
+    res["logs_dir"] = os.path.join(out_dir, "logs")
+
+    # no_sync given the module inside DDP (it has nothing to suppress) warns once
+    ddp = nn.parallel.DistributedDataParallel(_model())
+    opt = _clipped(ddp, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in (1, 2):
+            with opt.no_sync(ddp.module):
+                _loss(ddp, rank, i).backward()
+            opt.step()
+    res["no_sync_warnings"] = [str(w.message) for w in caught]
+
+    # ranks training independent models (no DDP): replica_group=None keeps decisions local
+    for option in (None, "auto"):
+        torch.manual_seed(rank)
+        own = nn.Sequential(nn.Linear(6, 3))
+        counter = _Collectives()
+        counter.active = True
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = ClippedOptimizer(torch.optim.SGD(own.parameters(), lr=0.1), MAX_NORM, replica_group=option)
+            for i in (1, 2):
+                _loss(own, rank, i).backward()
+                opt.step()
+                opt.zero_grad()
+        counter.restore()
+        res[f"independent-{option}"] = {
+            "skipped": [s.skipped for s in opt.stats],
+            "reasons": [s.reason for s in opt.stats],
+            "collectives": counter.count,
+            "warnings": [str(w.message) for w in caught],
+        }
+
+    # misuse: different accumulation_steps per rank (raised at the first no_sync, on every rank)
+    ddp = nn.parallel.DistributedDataParallel(_model())
+    opt = _clipped(ddp, 2 + rank)
+
+    def first_micro_batch() -> None:
+        with opt.no_sync(ddp):
+            _loss(ddp, rank, 1).backward()
+        opt.step()
+
+    res["settings_error"] = _catch(first_micro_batch)
+
+    # misuse: uneven data at the end of an epoch (rank 0 has one micro-batch more), then flush()
+    ddp = nn.parallel.DistributedDataParallel(_model())
+    opt = _clipped(ddp, 2)
+
+    def uneven() -> None:
+        for i in range(5 if rank == 0 else 4):
+            with opt.no_sync(ddp):
+                _loss(ddp, rank, i).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.flush()
+
+    res["flush_error"] = _catch(uneven)
+
+    # replicas kept identical without DDP (every rank sees the same data), so clipopt's collectives
+    # are the only ones: a flush() on rank 0 only meets rank 1's window; then accumulation_steps
+    # changed on one rank after the first window
+    for case in ("flush-one-rank", "changed-k"):
+        model = _model()
+        opt = _clipped(model, 2)
+
+        def run(model: nn.Module = model, opt: ClippedOptimizer = opt, case: str = case) -> None:
+            for i in range(2):  # one normal window
+                _loss(model, 0, i).backward()
+                opt.step()
+            opt.zero_grad()
+            if case == "changed-k":
+                opt.accumulation_steps = 1 + rank
+                for i in range(opt.accumulation_steps):  # rank 0 closes a window after 1, rank 1 after 2
+                    _loss(model, 0, 3 + i).backward()
+                    opt.step()
+                return
+            _loss(model, 0, 3).backward()
+            opt.step()
+            if case == "flush-one-rank":
+                if rank == 0:
+                    opt.flush()
+                else:
+                    _loss(model, 0, 4).backward()
+                    opt.step()
+
+        res[case] = {"error": _catch(run), "skipped": [s.skipped for s in opt.stats],
+                     "reasons": [s.reason for s in opt.stats]}
+    torch.save(res, os.path.join(out_dir, f"hard{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def tp_job(rank: int, port: int, out_dir: str, world: int) -> None:
+    """4 processes, a 2 x 2 DeviceMesh ("dp", "tp"): tensor parallel (colwise then rowwise Linear)
+    inside FSDP2.  Parameters are sharded over both dimensions or sharded over "dp" and replicated
+    over "tp" (the rowwise bias); the global norm must count replicated shards once."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    _init_world(rank, port, world)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    res: dict[str, Any] = {"norms": {}, "placements": set()}
+
+    def build() -> nn.Module:
+        model = _model()
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+        return model
+
+    plain = _model()
+    for r in range(2):  # each dp rank's batch, averaged by FSDP over "dp"; the tp ranks share theirs
+        (_loss(plain, r, 1) / 2).backward()
+    ref_grads = [p.grad.detach().double() for p in plain.parameters()]
+    for p in (1.0, 2.0, math.inf):
+        model = build()
+        res["placements"] |= {str(q.placements) for q in model.parameters()}
+        opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), None, norm_type=p)
+        _loss(model, dp_rank, 1).backward()
+        opt.step()
+        res["norms"][p] = (float(opt.last_stats.total_norm), _norm64(ref_grads, p))
+    # clipping (2-norm) and AGC on the 2-D mesh give the one-process update
+    for case in ("clip", "agc"):
+        model = build()
+        bound: Any = MAX_NORM if case == "clip" else AGC(clip_factor=0.01)
+        opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bound)
+        _loss(model, dp_rank, 1).backward()
+        opt.step()
+        one = _model()
+        ref_bound: Any = MAX_NORM if case == "clip" else AGC(clip_factor=0.01)
+        ref = ClippedOptimizer(torch.optim.SGD(one.parameters(), lr=0.1), ref_bound)
+        for r in range(2):
+            (_loss(one, r, 1) / 2).backward()
+        ref.step()
+        res[case] = {"params": _full(model), "ref_params": [q.detach().clone() for q in one.parameters()]}
+    torch.save(res, os.path.join(out_dir, f"tp{rank}.pt"))
     dist.destroy_process_group()

@@ -36,8 +36,18 @@ def _free_port() -> int:
 
 
 def _run(job: Any, name: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Run ``job`` on every rank; a job still running after 240 s is killed and fails (hang guard)."""
+    import time
+
     out = tmp_path_factory.mktemp(name)
-    mp.spawn(job, args=(_free_port(), str(out)), nprocs=jobs.WORLD, join=True)
+    ctx = mp.spawn(job, args=(_free_port(), str(out)), nprocs=jobs.WORLD, join=False)
+    deadline = time.monotonic() + 240
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+            pytest.fail(f"the {name} job did not finish within 240 s (ranks wait for each other)")
     return [torch.load(out / f"{name}{rank}.pt", weights_only=True) for rank in range(jobs.WORLD)]
 
 
@@ -328,15 +338,22 @@ def test_partial_gradient_is_refused_before_the_scaler_is_touched() -> None:
 
 
 @pytest.mark.parametrize("flag", ["", "--fsdp"])
-def test_data_parallel_example_runs(flag: str) -> None:
+def test_data_parallel_example_runs(flag: str, tmp_path: Path) -> None:
     """examples/data_parallel.py (2 gloo processes): the nan on one rank skips exactly one update on
-    both; the rest are applied."""
+    both; the rest are applied; the CSVLogger given on both ranks writes each row once (rank 0)."""
+    import csv
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, str(root / "examples" / "data_parallel.py"), "--steps", "8"]
+    log = tmp_path / "grads.csv"
+    cmd = [sys.executable, str(root / "examples" / "data_parallel.py"), "--steps", "8", "--csv", str(log)]
     cmd += [flag] if flag else []
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root, check=True).stdout
     name = "FSDP2" if flag else "DDP"
     assert f"{name}: 7 updates applied, 1 skipped;" in out
+    with log.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == [str(i) for i in range(1, 9)]
+    assert [r["reason"] for r in rows].count("nonfinite") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grads.csv"]

@@ -1,0 +1,313 @@
+"""One skip decision on every data-parallel replica; replica divergence; settings agreement.
+
+Under DDP (or any data parallelism that leaves every rank a full, synchronised
+copy of the gradients) each rank measures the norm of its own copy.  Should
+one rank's copy change after the all-reduce (a buggy hook, silent data
+corruption), the ranks would take different decisions and their replicas
+drift apart.  :class:`ReplicaDecision` makes the decision common:
+
+* **per window, one collective**: an ``all_reduce(MAX)`` of nine float64
+  values — the non-finite indicator, ``norm`` and ``-norm`` (the largest and
+  the smallest norm over the replicas), the micro-batch count, the window
+  index and the packet kind (each with its negation).  Every rank then skips when any rank is
+  non-finite, and skips with reason ``"divergence"`` when the replicas' norms
+  differ by more than :data:`DIVERGENCE_RTOL` (relative) or when the ranks
+  closed different windows (``flush()`` on some ranks only).  Every rank
+  continues with the same norm (the largest), so adaptive policies keep the
+  same state everywhere.  Nothing is read to the host for this: the agreed
+  flag feeds the fused optimizers' ``found_inf``.  The warning (divergence)
+  and the error (ranks out of step) need the host value: it is read where the
+  window reads the device anyway (the non-fused path, snapshots), otherwise at
+  the next window's close, once the value is on the host (a CUDA event is
+  queried, never waited for).
+* **once, at the first** ``step()`` **or** ``no_sync()``: an ``all_reduce(MAX)``
+  of the window settings and their negations (accumulation_steps, reduction,
+  norm_type, max_norm, clip_value, ...), read to the host once; ranks built
+  differently raise on every rank instead of hanging in a later collective.
+* **per** ``flush()`` **call, one collective** (also when nothing is pending):
+  the same packet with kind "flush", read to the host; ranks with different
+  partial windows (uneven data at the end of an epoch) raise on every rank.
+  A ``flush()`` on some ranks only is detected when the others' next
+  collective is clipopt's; when it is the model's own gradient all-reduce
+  the backend reports a collective mismatch (gloo aborts) or waits for its
+  timeout (NCCL) — call ``flush()`` on every rank.
+
+Under FSDP2 / tensor parallelism (DTensor parameters) the norm is already
+reduced across the shard groups, so every rank holds the same norm and flag
+and no per-window collective is added; the settings check still runs once.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["DIVERGENCE_RTOL", "ReplicaDecision", "check_norm_group", "check_replica_group"]
+
+#: Replicas whose synchronised gradient norms differ by more than this (relative to the
+#: largest) have diverged.  Identical gradients give bit-identical norms on identical
+#: hardware; the margin leaves room for different kernels on mixed hardware.
+DIVERGENCE_RTOL = 1e-5
+
+#: Agreed windows whose host copy may still be in flight before the oldest is waited for.
+MAX_PENDING = 8
+
+_PACKET = 9  # flag, norm, -norm, n, -n, window, -window, kind, -kind (0: window, 1: flush check)
+
+
+def check_replica_group(value: Any) -> Any:
+    """``replica_group``: ``"auto"``, None, or a ``torch.distributed`` process group."""
+    if value is None or value == "auto":
+        return value
+    dist = torch.distributed
+    if dist.is_available() and isinstance(value, dist.ProcessGroup):
+        return value
+    raise TypeError(
+        f"replica_group must be 'auto', None or a torch.distributed ProcessGroup, got "
+        f"{value!r:.80} ({type(value).__name__}); pass replica_group='auto' (every rank of the default "
+        "group holds a replica), a group from dist.new_group(...), or None (rank-local decisions)"
+    )
+
+
+def check_norm_group(value: Any) -> Any:
+    """``norm_group``: None or a ``torch.distributed`` process group (pipeline stages)."""
+    dist = torch.distributed
+    if value is None or (dist.is_available() and isinstance(value, dist.ProcessGroup)):
+        return value
+    raise TypeError(
+        f"norm_group must be a torch.distributed ProcessGroup or None, got {value!r:.80} "
+        f"({type(value).__name__}); pass the group of the ranks holding the other parameters "
+        "(pipeline stages), e.g. norm_group=dist.new_group(stage_ranks)"
+    )
+
+
+def _group_world(group: Any) -> int:
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return int(dist.get_world_size(group))
+
+
+class ReplicaDecision:
+    """The agreement of the skip decision across the replicas of ``replica_group`` (see module doc)."""
+
+    def __init__(self, option: Any) -> None:
+        self.option = option
+        self._resolved = False
+        self._group: Any = None
+        self.active = False  # a group of more than one rank: settings check, and (plain tensors) agreement
+        self._checked = False
+        # agreed windows not checked on the host yet: (host copy, event or None, n, window), oldest first
+        self._pending: collections.deque[tuple[Tensor, Any, int, int]] = collections.deque()
+        self._current: Tensor | None = None  # this window's packet, reduced, on the device
+        self.divergence: Tensor | None = None  # this window's divergence indicator (1.0/0.0)
+        self.warned_no_sync = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles resolve their group again (groups do not travel)."""
+        option = self.option if self.option is None or isinstance(self.option, str) else "auto"
+        return {"option": option}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state.get("option", "auto"))  # type: ignore[misc]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ReplicaDecision:
+        return ReplicaDecision(self.option)  # same group object; resolved again on first use
+
+    # ------------------------------------------------------------------ group
+
+    def resolve(self) -> bool:
+        """Decide once (at the first step() or no_sync()) whether this optimizer has replicas."""
+        if not self._resolved:
+            self._resolved = True
+            dist = torch.distributed
+            if self.option is None or not (dist.is_available() and dist.is_initialized()):
+                self.active = False
+            else:
+                self._group = None if self.option == "auto" else self.option
+                self.active = _group_world(self._group) > 1
+        return self.active
+
+    # ------------------------------------------------------------------ settings, once
+
+    def check_settings(self, settings: list[tuple[str, float]], device: torch.device) -> None:
+        """Raise on every rank when the ranks' window settings differ (once; one collective, one read)."""
+        if self._checked:
+            return
+        self._checked = True  # also without replicas: step() then never asks again
+        if not self.resolve():
+            return
+        dist = torch.distributed
+        values = torch.tensor([v for _, v in settings], dtype=torch.float64)
+        packet = torch.cat([values, -values, torch.ones(1, dtype=torch.float64)]).to(device)
+        dist.all_reduce(packet, op=dist.ReduceOp.MAX, group=self._group)
+        k = len(settings)
+        high, low = packet[:k].tolist(), (-packet[k : 2 * k]).tolist()
+        bad = [
+            f"{name} (from {_fmt(lo)} to {_fmt(hi)}; this rank: {_fmt(v)})"
+            for (name, v), hi, lo in zip(settings, high, low, strict=True)
+            if hi != lo
+        ]
+        if bad:
+            raise RuntimeError(
+                "ClippedOptimizer settings differ across the ranks of the replica group: "
+                + ", ".join(bad)
+                + "; build the optimizer with the same settings on every rank (and resume every rank "
+                "from the same checkpoint step), or pass replica_group=None if the ranks train "
+                "independent models"
+            )
+
+    # ------------------------------------------------------------------ per window
+
+    def agree(self, total_norm: Tensor, flag: Tensor, n: int, window: int) -> tuple[Tensor, Tensor]:
+        """One collective: the common ``(norm, flag)`` of this window; sets :attr:`divergence`."""
+        self.settle(wait=False)
+        dist = torch.distributed
+        norm64 = total_norm.detach().to(torch.float64)
+        finite = torch.nan_to_num(norm64, nan=0.0, posinf=0.0, neginf=0.0)
+        packet = torch.empty(_PACKET, dtype=torch.float64, device=total_norm.device)
+        packet[:3] = torch.stack([flag.to(torch.float64), finite, -finite])
+        for i, v in enumerate((n, -n, window, -window, 0, 0)):  # fills on the device: no host-to-device copy
+            packet[3 + i].fill_(float(v))
+        dist.all_reduce(packet, op=dist.ReduceOp.MAX, group=self._group)
+        any_bad = packet[0] > 0
+        high, low = packet[1], -packet[2]
+        out_of_step = (packet[3] != -packet[4]) | (packet[5] != -packet[6]) | (packet[7] != -packet[8])
+        spread = (high - low) > DIVERGENCE_RTOL * high
+        self.divergence = ((spread & ~any_bad) | out_of_step).to(torch.float32)
+        self._current = packet
+        nan = torch.full_like(total_norm, math.nan)
+        common = torch.where(any_bad, nan, high.to(total_norm.dtype))
+        norm = torch.where(flag > 0, total_norm, common)  # a non-finite rank keeps its own nan/inf
+        self._pending.append((*self._to_host(packet), n, window))
+        return norm, any_bad.to(torch.float32)
+
+    def skip_with_divergence(self, skip: Tensor | None) -> Tensor | None:
+        """The window's skip flag with divergence added (None stays None without agreement)."""
+        if self.divergence is None:
+            return skip
+        return self.divergence if skip is None else torch.maximum(skip, self.divergence)
+
+    def end_window(self, host_read: bool) -> None:
+        """Forget this window's device values; check its outcome now when the window read the host."""
+        self.divergence = None
+        self._current = None
+        if host_read:
+            self.settle(wait=True)
+
+    def diverged_now(self) -> bool:
+        """Whether this window diverged (host read; used where the window reads the host anyway)."""
+        if self.divergence is None:
+            return False
+        return bool(self.divergence.item())
+
+    def settle(self, wait: bool) -> None:
+        """Warn about divergence / raise on ranks out of step, for the agreed windows not checked yet.
+
+        ``wait=False`` reads only values already on the host (no device sync): a
+        window whose copy is still in flight stays pending (at most
+        :data:`MAX_PENDING` do; beyond that the oldest is waited for).
+        """
+        while self._pending:
+            host, event, n, window = self._pending[0]
+            in_flight = event is not None and not event.query()
+            if in_flight and not wait and len(self._pending) < MAX_PENDING:
+                return
+            if event is not None:
+                event.synchronize()
+            self._pending.popleft()
+            self._check(host, n, window)
+
+    def _check(self, host: Tensor, n: int, window: int) -> None:
+        bad, high, neg_low, n_hi, n_lo, w_hi, w_lo, k_hi, k_lo = host.tolist()
+        if k_hi != -k_lo:
+            raise RuntimeError(_FLUSH_ON_SOME)
+        if n_hi != -n_lo or w_hi != -w_lo:
+            raise RuntimeError(
+                f"the ranks of the replica group closed different accumulation windows: this rank "
+                f"closed window {window} after {n} micro-batches, the ranks windows "
+                f"{_fmt(-w_lo)} to {_fmt(w_hi)} after {_fmt(-n_lo)} to {_fmt(n_hi)} micro-batches; "
+                "call flush() on every rank (it is collective under data parallelism) and give every "
+                "rank the same accumulation_steps; the window was skipped on every rank"
+            )
+        low = -neg_low
+        if bad == 0 and high - low > DIVERGENCE_RTOL * high:
+            warnings.warn(
+                f"clipopt: the data-parallel replicas' synchronised gradient norms differ at window "
+                f"{window} (from {low:.9g} to {high:.9g}): a rank's gradients changed after the gradient "
+                "all-reduce (a buggy hook or silent data corruption); the update was skipped on every "
+                "rank (reason 'divergence'). If the ranks train independent models, pass "
+                "replica_group=None",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def check_flush(self, n: int, window: int, device: torch.device) -> None:
+        """At every ``flush()``: raise on every rank when the ranks' partial windows differ.
+
+        One collective and one host read per ``flush()`` call (not per window).
+        """
+        if not self.resolve():
+            return
+        self.settle(wait=True)
+        dist = torch.distributed
+        values = [0.0, 0.0, 0.0, n, -n, window, -window, 1.0, -1.0]
+        packet = torch.tensor(values, dtype=torch.float64).to(device)
+        dist.all_reduce(packet, op=dist.ReduceOp.MAX, group=self._group)
+        _, _, _, n_hi, n_lo, w_hi, w_lo, k_hi, k_lo = packet.tolist()
+        if k_hi != -k_lo:
+            raise RuntimeError(_FLUSH_ON_SOME)
+        if n_hi != -n_lo or w_hi != -w_lo:
+            raise RuntimeError(
+                f"flush() found different partial windows on the ranks of the replica group: this rank "
+                f"has {n} micro-batches pending in window {window}, the ranks from {_fmt(-n_lo)} to "
+                f"{_fmt(n_hi)} (windows {_fmt(-w_lo)} to {_fmt(w_hi)}); give every rank the same number "
+                "of micro-batches (e.g. DistributedSampler(drop_last=True)) and call flush() on every rank"
+            )
+
+    @staticmethod
+    def _to_host(packet: Tensor) -> tuple[Tensor, Any]:
+        if packet.device.type == "cpu":
+            return packet, None
+        if packet.device.type == "cuda":
+            host = torch.empty(packet.shape, dtype=packet.dtype, pin_memory=True)
+            host.copy_(packet, non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            return host, event
+        return packet, None  # other devices: read (and so waited for) when settled
+
+
+_FLUSH_ON_SOME = (
+    "flush() was called on some ranks of the replica group only: one rank's flush() met another "
+    "rank's window; call flush() on every rank (it is collective under data parallelism)"
+)
+
+
+def _fmt(v: float) -> str:
+    return f"{v + 0.0:g}"  # no "-0"
+
+
+def settings_of(opt: Any) -> list[tuple[str, float]]:
+    """The window settings every replica must share, as numbers (``-1``: off/None)."""
+    policy = opt._policy
+    if policy is not None:
+        max_norm = -2.0 - float(sum(map(ord, type(policy).__name__)))  # a code per policy type
+    else:
+        max_norm = -1.0 if opt._bound is None else float(opt._bound)
+    return [
+        ("accumulation_steps", float(opt.accumulation_steps)),
+        ("reduction", 0.0 if opt.reduction == "mean" else 1.0),
+        ("norm_type", float(opt.norm_type)),
+        ("max_norm", max_norm),
+        ("clip_value", -1.0 if opt.clip_value is None else float(opt.clip_value)),
+        ("skip_nonfinite", float(opt.skip_nonfinite)),
+        ("scaler", float(opt.scaler is not None)),
+        ("windows closed", float(opt._counters.windows)),
+        ("micro_batches pending", float(opt._counters.micro_batches)),
+    ]

@@ -1,0 +1,336 @@
+"""Distributed hardening (SPEC §4): edge shapes under FSDP2, one decision on every rank, misuse that
+fails fast instead of hanging, loggers on rank 0, tensor-parallel and pipeline-parallel norms.
+
+Each job in ``tests/distributed_jobs.py`` runs in 2, 3 or 4 gloo processes (CPU) with a 30 s
+process-group timeout, and the spawn itself is bounded: a regression that makes ranks wait for each
+other fails here instead of blocking CI.  The jobs save what each rank saw next to an independent
+reference (one process, torch's own functions or the formula written out).
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from . import distributed_jobs as jobs
+
+pytestmark = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="this torch build has no torch.distributed with the gloo backend",
+)
+
+#: a job that has not finished by then is stuck: fail instead of waiting for CI's own timeout
+JOB_TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn(job: Any, name: str, world: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Run ``job`` in ``world`` processes; fail (killing them) if they do not finish in time."""
+    out = tmp_path_factory.mktemp(name)
+    ctx = mp.spawn(job, args=(_free_port(), str(out), world), nprocs=world, join=False)
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+            pytest.fail(f"the {name} job did not finish within {JOB_TIMEOUT_S} s (ranks wait for each other)")
+    return [torch.load(out / f"{name}{rank}.pt", weights_only=False) for rank in range(world)]
+
+
+def _close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- FSDP2 edge shapes
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _spawn(jobs.fsdp_edge_job, "edge", request.param, tmp_path_factory)
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, math.inf])
+def test_fsdp2_norm_with_empty_and_size1_shards(edge: list[dict[str, Any]], p: float) -> None:
+    """Parameters whose first dimension is below the world size leave some ranks an empty shard (and
+    the size-1 bias); every rank records the full gradient's norm (float64 in one process) for every p,
+    including the inf-norm that used to raise on an empty shard, with one collective per window."""
+    assert 0 in edge[-1]["local_numel"] and 1 in edge[0]["local_numel"]  # the edge cases are exercised
+    for rank in edge:
+        got, want = rank["norms"][p]
+        assert got == pytest.approx(want, rel=1e-5)
+        assert rank["collectives"][p] == 1
+
+
+@pytest.mark.parametrize("policy", ["float", "autoclip", "zclip", "agc"])
+@pytest.mark.parametrize("p", [1.0, 2.0, math.inf])
+def test_fsdp2_every_policy_with_empty_and_size1_shards_equals_one_process(
+    edge: list[dict[str, Any]], policy: str, p: float
+) -> None:
+    """Four windows of each policy (a float bound, AutoClip, ZClip with spike skips, AGC — whose
+    size-1 bias used to raise 'in-place operations that require placement changes') under FSDP2 give
+    the norms, clip/skip decisions and full parameters of the same optimizer in one process."""
+    for rank in edge:
+        res = rank["policies"][f"{policy}-{p}"]
+        assert res["norms"] == pytest.approx(res["ref_norms"], rel=1e-5)
+        assert res["skipped"] == res["ref_skipped"]
+        assert res["clipped"] == res["ref_clipped"]
+        _close(res["params"], res["ref_params"])
+
+
+# ---------------------------------------------------------------------------- DDP: one decision
+
+
+@pytest.fixture(scope="module")
+def hard(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _spawn(jobs.ddp_hardening_job, "hard", 2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _spawn(jobs.tp_job, "tp", 4, tmp_path_factory)
+
+
+@pytest.mark.parametrize("case", ["foreach-1", "foreach-3", "fused-1", "fused-3"])
+def test_ddp_gradient_changed_after_all_reduce_skips_on_every_rank(
+    hard: list[dict[str, Any]], case: str
+) -> None:
+    """Rank 1 scales one gradient by 1.001 after DDP's all-reduce (a buggy hook): every rank skips that
+    window with reason 'divergence', the replicas stay bit-identical, every rank warns, the skip does
+    not count as non-finite, and the decision costs one collective per window (k = 1 and 3, foreach
+    AdamW and fused AdamW)."""
+    for rank in hard:
+        res = rank[f"diverge-{case}"]
+        assert res["skipped"] == [False, True, False]
+        assert res["reason"] == "divergence"
+        assert res["same"]
+        assert len(res["warnings"]) == 1
+        assert "synchronised gradient norms differ at window 2" in res["warnings"][0]
+        assert res["consecutive"] == 0
+        assert res["collectives"] == 2  # windows 2 and 3: one each, none on the other micro-batches
+
+
+@pytest.mark.parametrize("case", ["foreach-1", "foreach-3", "fused-1", "fused-3"])
+def test_ddp_nan_written_after_all_reduce_skips_on_every_rank(hard: list[dict[str, Any]], case: str) -> None:
+    """A nan written into rank 1's gradient after the all-reduce: rank 0's gradients are finite, yet
+    both ranks skip with reason 'nonfinite' and the replicas stay bit-identical."""
+    for rank in hard:
+        res = rank[f"nan-{case}"]
+        assert res["skipped"] == [False, True, False]
+        assert res["reason"] == "nonfinite"
+        assert res["same"]
+        assert res["warnings"] == []
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_ddp_fused_decision_reads_nothing_of_its_window(hard: list[dict[str, Any]], k: int) -> None:
+    """Fused AdamW under DDP: the agreed flag reaches the kernel as found_inf; the only host read clipopt
+    makes in a window is the deferred check of the previous window's agreed values (on CPU the copy
+    is already on the host; on CUDA a pinned copy is read once its event has completed)."""
+    for rank in hard:
+        for corrupt in ("diverge", "nan"):
+            reads = rank[f"{corrupt}-fused-{k}"]["reads"]
+            assert reads and all(r.startswith("_distributed_decision.py") and "tolist" in r for r in reads)
+            assert len(reads) <= 2  # at most one per window (windows 2 and 3)
+
+
+def test_ddp_divergence_writes_a_snapshot_on_every_rank(hard: list[dict[str, Any]]) -> None:
+    """With snapshot_dir, each rank saves its own snapshot of the diverged window, reason 'divergence'."""
+    import clipopt
+
+    for r, rank in enumerate(hard):
+        path = rank["snapshot"]["snapshot"]
+        assert Path(path).name == f"anomaly-step00000002-divergence-rank{r}.pt"
+        assert clipopt.load_snapshot(path)["reason"] == "divergence"
+
+
+@pytest.mark.parametrize("p", [2.0, math.inf])
+def test_pipeline_norm_group_gives_every_stage_the_global_norm(hard: list[dict[str, Any]], p: float) -> None:
+    """Two pipeline stages, each optimizing its own layer with norm_group=WORLD: both record the norm of
+    the whole model's gradient and update as clip_grad_norm_ + AdamW on the whole model in one process."""
+    for rank in hard:
+        res = rank[f"pipeline-{p}"]
+        assert res["norms"] == pytest.approx(res["ref_norms"], rel=1e-5)
+        _close(res["params"], res["ref_params"])
+
+
+def test_pipeline_nan_in_one_stage_skips_every_stage(hard: list[dict[str, Any]]) -> None:
+    """A nan in stage 1's gradient: both stages see a non-finite norm and skip, parameters untouched."""
+    for rank in hard:
+        res = rank["pipeline-nan"]
+        assert res["skipped"] == [True, True]
+        assert res["unchanged"]
+        assert all(math.isnan(n) for n in res["norms"])
+
+
+def test_loggers_write_on_rank_zero_unless_told(hard: list[dict[str, Any]], tmp_path: Path) -> None:
+    """CSVLogger with one path on every rank: one file with each row once (3 windows, 3 rows);
+    ranks='all': one file per rank; TensorBoardLogger: one event file, rank 0's."""
+    import csv
+
+    files = hard[0]["loggers"]["files"]
+    assert files == ["each-rank0.csv", "each-rank1.csv", "grads.csv", "tb"]
+    assert len(hard[0]["loggers"]["tb"]) == 1
+    logs = Path(hard[0]["logs_dir"])
+    for name in files[:3]:
+        with (logs / name).open() as f:
+            rows = list(csv.DictReader(f))
+        assert [row["step"] for row in rows] == ["1", "2", "3"]
+
+
+def test_no_sync_with_the_unwrapped_module_warns(hard: list[dict[str, Any]]) -> None:
+    """opt.no_sync(ddp.module) suppresses nothing: it warns once, naming the fix."""
+    for rank in hard:
+        assert rank["no_sync_warnings"] == [
+            "opt.no_sync(model) got a Sequential, which has no gradient sync to skip, so every micro-batch "
+            "still synchronises (or none does); pass the DistributedDataParallel (or fully_shard) wrapper "
+            "itself, e.g. opt.no_sync(ddp_model), not ddp_model.module"
+        ]
+
+
+def test_independent_models_per_rank(hard: list[dict[str, Any]]) -> None:
+    """Ranks training their own models: replica_group=None adds no collective and skips nothing; the
+    default ('auto') treats them as replicas, skips with reason 'divergence' and says to pass None."""
+    for rank in hard:
+        off, auto = rank["independent-None"], rank["independent-auto"]
+        assert off == {"skipped": [False, False], "reasons": [None, None], "collectives": 0, "warnings": []}
+        assert auto["reasons"] == ["divergence", "divergence"]
+        assert all(w.endswith("If the ranks train independent models, pass replica_group=None")
+                   for w in auto["warnings"])
+
+
+def test_different_accumulation_steps_fail_fast(hard: list[dict[str, Any]]) -> None:
+    """accumulation_steps=2 on rank 0 and 3 on rank 1 used to hang at the first mismatched collective;
+    now the first no_sync() raises on every rank, naming the setting."""
+    for r, rank in enumerate(hard):
+        assert rank["settings_error"] == (
+            "ClippedOptimizer settings differ across the ranks of the replica group: accumulation_steps "
+            f"(from 2 to 3; this rank: {2 + r}); build the optimizer with the same settings on every rank "
+            "(and resume every rank from the same checkpoint step), or pass replica_group=None if the "
+            "ranks train independent models"
+        )
+
+
+def test_flush_with_uneven_partial_windows_fails_fast(hard: list[dict[str, Any]]) -> None:
+    """Rank 0 has one micro-batch more than rank 1 at the end of the data: its flush() used to wait
+    forever in the gradient all-reduce; now flush() raises on every rank."""
+    for r, rank in enumerate(hard):
+        assert rank["flush_error"] == (
+            f"flush() found different partial windows on the ranks of the replica group: this rank has "
+            f"{1 - r} micro-batches pending in window 3, the ranks from 0 to 1 (windows 3 to 3); give every "
+            "rank the same number of micro-batches (e.g. DistributedSampler(drop_last=True)) and call "
+            "flush() on every rank"
+        )
+
+
+# ---------------------------------------------------------------------------- 2-D mesh
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0, math.inf])
+def test_tensor_parallel_inside_fsdp2_gives_the_global_norm(tp: list[dict[str, Any]], p: float) -> None:
+    """4 ranks, mesh ("dp", "tp") = (2, 2): placements sharded over both dimensions (FSDP2's
+    _StridedShard included) and sharded over dp but replicated over tp; every rank records the norm of
+    the full gradient (replicated shards counted once)."""
+    assert "(Shard(dim=0), Replicate())" in tp[0]["placements"]
+    assert any("_StridedShard" in pl for pl in tp[0]["placements"])
+    for rank in tp:
+        got, want = rank["norms"][p]
+        assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("case", ["clip", "agc"])
+def test_tensor_parallel_clipping_equals_one_process(tp: list[dict[str, Any]], case: str) -> None:
+    """Norm clipping and AGC (row norms split over tp) on the 2-D mesh give the one-process update."""
+    for rank in tp:
+        _close(rank[case]["params"], rank[case]["ref_params"])
+
+
+# ---------------------------------------------------------------------------- one process
+
+
+def test_distributed_arguments_are_checked() -> None:
+    """replica_group, norm_group and the loggers' ranks get errors naming the value and the fix."""
+    from clipopt import ClippedOptimizer, CSVLogger
+
+    params = [torch.nn.Parameter(torch.ones(2))]
+    with pytest.raises(TypeError, match=r"^replica_group must be 'auto', None or a torch.distributed "
+                                        r"ProcessGroup, got 'all' \(str\); pass replica_group='auto'"):
+        ClippedOptimizer(torch.optim.SGD(params, lr=0.1), replica_group="all")
+    with pytest.raises(TypeError, match=r"^norm_group must be a torch.distributed ProcessGroup or None, "
+                                        r"got 'auto' \(str\); pass the group of the ranks holding the other "
+                                        r"parameters \(pipeline stages\)"):
+        ClippedOptimizer(torch.optim.SGD(params, lr=0.1), norm_group="auto")
+    with pytest.raises(TypeError, match=r"^norm_group must be .* got 3 \(int\)"):
+        ClippedOptimizer(torch.optim.SGD(params, lr=0.1), norm_group=3)
+    with pytest.raises(ValueError, match=r"^ranks must be 'zero' or 'all', got 'first'; pass ranks='zero'"):
+        CSVLogger("grads.csv", ranks="first")
+
+
+def test_one_process_adds_no_collective_and_no_divergence_reason(tmp_path: Path) -> None:
+    """Without torch.distributed nothing is agreed: a non-finite window is skipped with reason
+    'nonfinite' as before, and CSVLogger writes its own path (no -rank suffix)."""
+    from clipopt import ClippedOptimizer, CSVLogger
+
+    w = torch.nn.Parameter(torch.ones(3))
+    path = tmp_path / "grads.csv"
+    opt = ClippedOptimizer(torch.optim.SGD([w], lr=0.1), 1.0, loggers=[CSVLogger(path, ranks="all")])
+    w.grad = torch.tensor([1.0, math.nan, 0.0])
+    opt.step()
+    opt.close()
+    assert opt.last_stats is not None and opt.last_stats.reason == "nonfinite"
+    assert opt._replicas.divergence is None and not opt._replicas.active
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grads.csv"]
+
+
+def test_flush_on_one_rank_meeting_a_window_fails_on_every_rank(hard: list[dict[str, Any]]) -> None:
+    """rank 0 calls flush() mid-window while rank 1 closes the window: the flush's check meets the
+    window's agreement; both ranks raise (rank 1 after skipping that window) instead of hanging."""
+    message = (
+        "flush() was called on some ranks of the replica group only: one rank's flush() met another "
+        "rank's window; call flush() on every rank (it is collective under data parallelism)"
+    )
+    for r, rank in enumerate(hard):
+        res = rank["flush-one-rank"]
+        assert res["error"] == message
+        assert res["skipped"] == ([False] if r == 0 else [False, True])
+        assert res["reasons"][1:] == ([] if r == 0 else ["divergence"])
+
+
+def test_windows_out_of_step_fail_on_every_rank(hard: list[dict[str, Any]]) -> None:
+    """accumulation_steps changed on one rank after the settings check: rank 0 closes a window after 1
+    micro-batch while rank 1 closes one after 2; the agreement sees it, both skip and raise."""
+    for r, rank in enumerate(hard):
+        res = rank["changed-k"]
+        assert res["error"] == (
+            f"the ranks of the replica group closed different accumulation windows: this rank closed "
+            f"window 2 after {1 + r} micro-batches, the ranks windows 2 to 2 after 1 to 2 micro-batches; "
+            "call flush() on every rank (it is collective under data parallelism) and give every rank the "
+            "same accumulation_steps; the window was skipped on every rank"
+        )
+        assert res["skipped"] == [False, True] and res["reasons"] == [None, "divergence"]
+
+
+def test_ddp_policy_state_and_spike_decisions_stay_identical(hard: list[dict[str, Any]]) -> None:
+    """ZClip (spike skips) under DDP with fused AdamW and one rank's gradient changed after the
+    all-reduce: every rank records the same decisions and bounds in every window (the corrupted one
+    skipped as 'divergence'), ZClip's statistics are bit-identical and so are the replicas."""
+    res = hard[0]["policy"]
+    first = res["decisions"][0]
+    assert all(d == first for d in res["decisions"])
+    assert first[3][1] == "divergence"
+    assert all(torch.equal(s, res["stats"][0]) for s in res["stats"])
+    assert res["same"]
