@@ -79,7 +79,7 @@ def test_resumed_csv_never_continues_a_torn_row(tmp_path: Path, torn: str) -> No
     assert [r[0] for r in rows] == ["step", "1", "2", "1", "2"]
     assert len({len(r) for r in rows}) == 1
     log = read_log(path)
-    assert log.steps == [1, 2, 1, 2] and not log.notes
+    assert list(log.steps) == [1, 2, 1, 2] and not log.notes
 
 
 def test_csv_with_a_torn_header_is_started_again(tmp_path: Path) -> None:
