@@ -1061,12 +1061,17 @@ class ClippedOptimizer(Optimizer):
     def layer_names(self) -> list[str]:
         """The name of every parameter, in parameter-group order (see ``param_names``)."""
         names = self._names
-        out = []
+        out: list[str] = []
+        seen: set[str] = set()
         for gi, group in enumerate(self.param_groups):
             own = group.get("param_names")
             for i, p in enumerate(group["params"]):
                 name = names.get(p) or (own[i] if own is not None and i < len(own) else None)
-                out.append(name or f"group{gi}.{i}")
+                name = name or f"group{gi}.{i}"
+                if name in seen:  # a group added later repeats a name: qualified, so no tensor is lost
+                    name = f"group{gi}.{name}" if f"group{gi}.{name}" not in seen else f"group{gi}.{i}"
+                seen.add(name)
+                out.append(name)
         return out
 
     def attach(self, **tensors: Any) -> None:

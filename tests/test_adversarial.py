@@ -206,6 +206,27 @@ def test_named_groups_that_repeat_a_name_are_accepted_and_qualified() -> None:
     assert opt.layer_names() == ["group0.weight", "group0.bias", "group1.weight", "group1.bias"]
 
 
+def test_group_added_later_with_a_repeated_name_loses_no_tensor(tmp_path: Any) -> None:
+    """Review of #11: add_param_group with named parameters repeating a name ("weight") gave two
+    parameters the same layer name, and a snapshot kept two of the four tensors; now the later
+    ones are qualified with their group and every tensor is saved."""
+    enc, dec = nn.Linear(2, 2), nn.Linear(2, 2)
+    opt = ClippedOptimizer(
+        torch.optim.SGD(enc.named_parameters(), lr=0.1), max_norm=1.0, snapshot_dir=tmp_path
+    )
+    opt.add_param_group({"params": list(dec.named_parameters())})
+    assert opt.layer_names() == ["weight", "bias", "group1.weight", "group1.bias"]
+    (dec(enc(torch.ones(1, 2))).sum() * math.nan).backward()
+    opt.step()
+    assert opt.last_snapshot is not None
+    assert sorted(clipopt.load_snapshot(opt.last_snapshot)["params"]) == [
+        "bias",
+        "group1.bias",
+        "group1.weight",
+        "weight",
+    ]
+
+
 def test_param_names_of_a_larger_model_are_accepted() -> None:
     """Naming a superset (the whole model, the optimizer holding part of it) still works."""
     model = make_model()
