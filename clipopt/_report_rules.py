@@ -28,6 +28,13 @@ Rules, most severe verdict first
   loss that stays an order of magnitude above where it started is a run that
   is lost, even when its gradient norm comes down again (the plain run of
   ``clipopt demo`` blows up at update 5 and then sits at 10x its start loss).
+  Likewise from the level the loss had reached: a loss above
+  :data:`LOSS_BLOWUP` times the median of the :func:`block` losses before it,
+  after which the median of the next block (at least :data:`BLOCK_MIN` rows)
+  and that of the last block stay above :data:`LOSS_STAY` times that median.
+  Why: a classifier that learned to a tenth of its start loss and then
+  diverges back to chance never goes above its start loss, yet it is lost; a
+  bad batch's loss spike that the run recovers from by its end is not.
 - *fast growth of the norm*: the median of the last :func:`block` finite norms
   is at least :data:`GROWTH_RATIO` times the start's, or some norm reaches
   :data:`GROWTH_RATIO` times the start and the median of the next block stays
@@ -319,19 +326,22 @@ def _loss_blowup(log: GradLog, loss: Tensor, first_bad: int) -> dict[str, Any] |
     keep = ~torch.isnan(values)
     rows, values = rows[keep], values[keep]
     peak = (values > LOSS_BLOWUP * start) | torch.isinf(values)
-    if not peak.any():
-        return None
     k = block(int(rows.numel()))
-    j = _sustained_onset(values, LOSS_STAY * start, k)
+    j = _sustained_onset(values, LOSS_STAY * start, k) if peak.any() else None
+    ref, ref_text = start, f"its start {_num(start)}"
     if j is None:
-        return None
+        found = _blowup_from_level(values, k)
+        if found is None:
+            return None
+        j, ref = found
+        ref_text = f"the level {_num(ref)} it had reached (median of the {k} logged losses before)"
     row = int(rows[j])
     top = float(values[torch.isfinite(values)].max()) if torch.isfinite(values).any() else math.nan
     after = _median(torch.where(torch.isfinite(values[j : j + k]), values[j : j + k], math.inf))
     evidence = (
-        f"the loss left its start {_num(start)} for good at step {log.steps[row]} "
+        f"the loss left {ref_text} for good at step {log.steps[row]} "
         f"(loss {_num(float(values[j]))}; median of the next {k} logged losses {_num(after)}, above "
-        f"{LOSS_STAY:g}x the start; highest finite loss {_num(top)}, blow-up at > {LOSS_BLOWUP:g}x)"
+        f"{LOSS_STAY:g}x that; highest finite loss {_num(top)}, blow-up at > {LOSS_BLOWUP:g}x)"
     )
     return {
         "kind": "blowup",
@@ -347,6 +357,28 @@ def _loss_blowup(log: GradLog, loss: Tensor, first_bad: int) -> dict[str, Any] |
             "block": k,
         },
     }
+
+
+def _blowup_from_level(values: Tensor, k: int) -> tuple[int, float] | None:
+    """A blow-up from the level the loss had reached: the first ``j`` with ``values[j]`` above
+    LOSS_BLOWUP x the median of the ``k`` losses before it and the median of ``values[j:j+k]``
+    (at least BLOCK_MIN of them) and of the last ``k`` losses above LOSS_STAY x that median;
+    ``(j, that median)``."""
+    n = int(values.numel())
+    if n < k + BLOCK_MIN:
+        return None
+    finite = torch.isfinite(values)
+    mean, _, count = _rolling(torch.where(finite, values, 0.0), k)  # a cheap filter; medians decide
+    hit = (count >= k) & (mean > 0) & ((values > LOSS_BLOWUP * mean) | ~finite)
+    hit[n - BLOCK_MIN + 1 :] = False
+    tail = _median(values[-k:])  # "for good": the last block too stays above the level's LOSS_STAY x
+    for j in hit.nonzero().flatten()[:_MAX_CANDIDATES].tolist():
+        level = _median(values[j - k : j])
+        if not (0 < level < math.inf) or not values[j] > LOSS_BLOWUP * level:
+            continue
+        if _median(values[j : j + k]) > LOSS_STAY * level and tail > LOSS_STAY * level:
+            return int(j), level
+    return None
 
 
 def _growth(
