@@ -483,7 +483,7 @@ def _from_records(
     records: dict[int, dict[str, float]],
     layers: dict[str, dict[int, dict[str, float]]],
 ) -> GradLog:
-    """A GradLog from step -> {"norm", "loss", "lr", "max_norm", "clipped", "skipped"}."""
+    """A GradLog from step -> {"norm", "loss", "lr", "max_norm", "clipped", "skipped", "overflow"}."""
     log = GradLog(name, source)
     index: dict[int, int] = {}
     for step in sorted(records):
@@ -501,7 +501,7 @@ def _from_records(
         skipped = rec.get("skipped", 0.0) > 0.5
         log.skipped.append(1 if skipped else 0)
         if skipped:
-            log.reason[len(log.steps) - 1] = "nonfinite"
+            log.reason[len(log.steps) - 1] = "overflow" if rec.get("overflow", 0.0) > 0.5 else "nonfinite"
     rows = sorted({s for per in layers.values() for s in per if s in index})
     log.layer_rows.extend(index[s] for s in rows)
     for lname, per in layers.items():
@@ -574,6 +574,7 @@ def _read_tensorboard(name: str) -> GradLog:
         "max_norm": _tag(scalars, ("clipopt/max_norm",), ()),
         "clipped": _tag(scalars, ("clipopt/clipped",), ()),
         "skipped": _tag(scalars, ("clipopt/skipped",), ()),
+        "overflow": _tag(scalars, ("clipopt/overflow",), ()),
     }
     records: dict[int, dict[str, float]] = {}
     for key, tag in wanted.items():

@@ -202,4 +202,33 @@ def test_tensorboard_from_clipopt_logger_and_csv_agree(tmp_path: Path) -> None:
     csv_report, tb_report = analyze(from_csv), analyze(from_tb)
     assert csv_report["verdict"] == tb_report["verdict"] == "nonfinite"
     assert csv_report["findings"][0]["step"] == tb_report["findings"][0]["step"] == 12
-    assert csv_report["findings"][0]["layer"] == "0.weight"
+    assert csv_report["findings"][0]["layer"] == tb_report["findings"][0]["layer"] == "0.weight"
+
+
+def test_tensorboard_gradscaler_overflows_are_not_nonfinite(tmp_path: Path) -> None:
+    """An fp16 run under a GradScaler logged by TensorBoardLogger: the scaler's overflow updates (skipped,
+    reason 'overflow' in the CSV of the same run) are calibration, so both logs give ``healthy``."""
+    pytest.importorskip("tensorboard")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=20)
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        scaler=scaler,
+        max_norm=1.0,
+        loggers=[CSVLogger(tmp_path / "g.csv"), TensorBoardLogger(tmp_path / "tb")],
+    )
+    x, y = _xy()
+    for step in range(120):
+        i = (step * 8) % len(x)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x[i : i + 8]).float(), y[i : i + 8])
+        scaler.scale(loss).backward()
+        opt.step(loss=loss)
+        opt.zero_grad()
+    opt.close()
+    from_csv, from_tb = read_log(tmp_path / "g.csv"), read_log(tmp_path / "tb")
+    overflows = [i for i, r in from_csv.reason.items() if r == "overflow"]
+    assert len(overflows) >= 3  # the label is true: the scaler overflowed
+    assert sorted(from_tb.reason.items()) == sorted(from_csv.reason.items())
+    assert analyze(from_csv)["verdict"] == analyze(from_tb)["verdict"] == "healthy"
