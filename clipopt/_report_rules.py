@@ -53,7 +53,9 @@ explosion: clipopt skips it (``skip_nonfinite``) and the run goes on.  Step:
 the first such row.  Layer: in that row's own per-layer statistics (clipopt
 writes them for every non-finite window, whatever the ``layer_stats``
 period) the first parameter, in parameter order, with non-finite elements or a
-non-finite gradient norm; in logs without that row, the first per-layer row
+non-finite gradient norm (a ``nan`` norm with no non-finite element counted is a
+parameter without a gradient, e.g. a frozen one; in logs that count none,
+Lightning's, a ``nan`` norm is non-finite); in logs without that row, the first per-layer row
 after it, and the evidence says it was taken from a later row.
 
 ``spikes`` -- isolated large updates:
@@ -482,10 +484,11 @@ def _nonfinite(log: GradLog, bad_rows: Tensor, onset: int) -> dict[str, Any]:
         layer_step = log.steps[log.layer_rows[pos]]
         for name, cols in log.layers.items():
             count, g = cols["nonfinite"][pos], cols["grad_norm"][pos]
-            if (math.isfinite(count) and count > 0) or (not math.isnan(g) and not math.isfinite(g)):
+            # a nan norm is a non-finite gradient where the log counts no non-finite elements (Lightning);
+            # where it counts them (clipopt), a nan norm with no count > 0 is a parameter without a gradient
+            counted = bool((~torch.isnan(_t(cols["nonfinite"]))).any())
+            if (math.isfinite(count) and count > 0) or math.isinf(g) or (math.isnan(g) and not counted):
                 bad_layers[name] = int(count) if math.isfinite(count) else -1
-            elif math.isnan(g) and not math.isnan(count):
-                bad_layers[name] = int(count) if math.isfinite(count) and count > 0 else -1
         own = layer_step == step
         where = (
             "in its own per-layer row" if own else f"in the next per-layer row (step {layer_step}), a guess"

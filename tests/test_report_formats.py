@@ -232,3 +232,49 @@ def test_tensorboard_gradscaler_overflows_are_not_nonfinite(tmp_path: Path) -> N
     assert len(overflows) >= 3  # the label is true: the scaler overflowed
     assert sorted(from_tb.reason.items()) == sorted(from_csv.reason.items())
     assert analyze(from_csv)["verdict"] == analyze(from_tb)["verdict"] == "healthy"
+
+
+def test_lightning_nonfinite_gradient_names_its_layer(tmp_path: Path) -> None:
+    """A Lightning run whose lin.bias gradient goes nan at step 6 (logged by grad_norm(), which writes
+    no non-finite count): the nonfinite finding names lin.bias, from the nan in its own norm column."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.loggers import CSVLogger as LightningCSV
+    from lightning.pytorch.utilities import grad_norm
+
+    class Module(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch: list[torch.Tensor], i: int) -> torch.Tensor:
+            loss = torch.nn.functional.mse_loss(self.lin(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            if self.global_step == 6:
+                self.lin.bias.grad.fill_(math.nan)
+            self.log_dict(grad_norm(self, norm_type=2))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    x, y = _xy()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    trainer = pl.Trainer(
+        max_steps=16,
+        logger=LightningCSV(str(tmp_path)),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+    )
+    trainer.fit(Module(), loader)
+    path = next(tmp_path.rglob("metrics.csv"))
+    with path.open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["grad_2.0_norm_total"]]
+    first_bad = next(r for r in rows if not math.isfinite(float(r["grad_2.0_norm_total"])))
+    assert first_bad["step"] == "6" and math.isfinite(float(first_bad["grad_2.0_norm/lin.weight"]))
+    finding = next(f for f in analyze(read_log(path))["findings"] if f["kind"] == "nonfinite")
+    assert (finding["step"], finding["layer"]) == (6, "lin.bias")
