@@ -80,6 +80,8 @@ class GradLog:
     is aligned with ``layer_rows``.  ``source`` names the format;
     ``has_clipping`` is True when the log records clipping (clipopt's
     ``clipped``/``max_norm`` columns); ``notes`` says what reading skipped.
+    ``counted`` names the layers whose non-finite element count the log has a
+    column (or tag) for: clipopt's, not Lightning's.
     """
 
     path: str
@@ -94,6 +96,7 @@ class GradLog:
     reason: dict[int, str] = field(default_factory=dict)
     layer_rows: array[int] = field(default_factory=lambda: array("q"))
     layers: dict[str, dict[str, array[float]]] = field(default_factory=dict)
+    counted: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
     norm_column: str = "total_norm"
     loss_column: str | None = None
@@ -294,6 +297,7 @@ class _Parser:
         self.layer_first = sorted(i for _, _, i in self.layer_cells)
         for n in self.layer_names:
             log.layers[n] = {f: array("d") for f in LAYER_FIELDS}
+        log.counted = {n for n, fields in cols.layers.items() if "nonfinite" in fields}
         self.pending_loss: dict[int, float] = {}  # losses of sparse rows whose norm row is not read yet
         self.flat = [cols.layers[n].get(f, -1) for n in self.layer_names for f in LAYER_FIELDS]
 
@@ -504,6 +508,7 @@ def _from_records(
             log.reason[len(log.steps) - 1] = "overflow" if rec.get("overflow", 0.0) > 0.5 else "nonfinite"
     rows = sorted({s for per in layers.values() for s in per if s in index})
     log.layer_rows.extend(index[s] for s in rows)
+    log.counted = {n for n, per in layers.items() if any("nonfinite" in v for v in per.values())}
     for lname, per in layers.items():
         log.layers[lname] = {f: array("d", (per.get(s, {}).get(f, _NAN) for s in rows)) for f in LAYER_FIELDS}
     return log

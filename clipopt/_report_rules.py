@@ -486,7 +486,7 @@ def _nonfinite(log: GradLog, bad_rows: Tensor, onset: int) -> dict[str, Any]:
             count, g = cols["nonfinite"][pos], cols["grad_norm"][pos]
             # a nan norm is a non-finite gradient where the log counts no non-finite elements (Lightning);
             # where it counts them (clipopt), a nan norm with no count > 0 is a parameter without a gradient
-            counted = bool((~torch.isnan(_t(cols["nonfinite"]))).any())
+            counted = name in log.counted
             if (math.isfinite(count) and count > 0) or math.isinf(g) or (math.isnan(g) and not counted):
                 bad_layers[name] = int(count) if math.isfinite(count) else -1
         own = layer_step == step
