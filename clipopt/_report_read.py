@@ -13,8 +13,9 @@ Formats (SPEC §3):
   ``step``, ``grad_norm``, ``loss``, ``learning_rate``), or a folder holding
   one (the latest ``checkpoint-*`` one when only those do);
 - a TensorBoard log folder (needs the ``tensorboard`` package): the scalar
-  tags ending in ``total_norm`` or ``grad_norm``, ``loss`` and ``lr`` or
-  ``learning_rate``; clipopt's own tags (``clipopt/clipped``, per-layer
+  tags ending in ``total_norm`` or ``grad_norm`` (or Lightning's
+  ``grad_2.0_norm_total`` and per-layer ``grad_2.0_norm/<name>``), ``loss`` and
+  ``lr`` or ``learning_rate``; clipopt's own tags (``clipopt/clipped``, per-layer
   ``clipopt/layers/<name>/<field>``) too.
 
 Every failure is a :class:`ValueError` (or :class:`OSError`) with one line that
@@ -566,6 +567,8 @@ def _read_tensorboard(name: str) -> GradLog:
         for tag in tags.get("scalars", []):
             scalars.setdefault(tag, []).extend((e.step, float(e.value)) for e in mux.Scalars(run, tag))
     norm_tag = _tag(scalars, ("clipopt/total_norm", *NORM_NAMES), ("total_norm", "grad_norm"))
+    if norm_tag is None:  # Lightning's TensorBoardLogger with its grad_norm() utility
+        norm_tag = next((t for t in sorted(scalars) if _LIGHTNING_TOTAL.fullmatch(t)), None)
     if norm_tag is None:
         shown = ", ".join(sorted(scalars)[:12]) or "none"
         raise ValueError(
@@ -592,6 +595,10 @@ def _read_tensorboard(name: str) -> GradLog:
             per = layers.setdefault("/".join(parts[2:-1]), {})
             for step, value in events:
                 per.setdefault(step, {})[parts[-1]] = value
+        elif (m := _LIGHTNING_LAYER.fullmatch(tag)) is not None:
+            per = layers.setdefault(m.group(1), {})
+            for step, value in events:
+                per.setdefault(step, {})["grad_norm"] = value
     log = _from_records(name, "TensorBoard", records, layers)
     log.norm_column, log.loss_column = norm_tag, wanted["loss"]
     log.has_clipping = wanted["clipped"] is not None

@@ -278,3 +278,55 @@ def test_lightning_nonfinite_gradient_names_its_layer(tmp_path: Path) -> None:
     assert first_bad["step"] == "6" and math.isfinite(float(first_bad["grad_2.0_norm/lin.weight"]))
     finding = next(f for f in analyze(read_log(path))["findings"] if f["kind"] == "nonfinite")
     assert (finding["step"], finding["layer"]) == (6, "lin.bias")
+
+
+def test_lightning_tensorboard_logger(tmp_path: Path) -> None:
+    """A Lightning run with its TensorBoardLogger (Lightning's default) and grad_norm(): the tags
+    grad_2.0_norm_total, grad_2.0_norm/<name> and train_loss are read."""
+    pl = pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("tensorboard")
+    from lightning.pytorch.loggers import TensorBoardLogger as LightningTB
+    from lightning.pytorch.utilities import grad_norm
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    class Module(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch: list[torch.Tensor], i: int) -> torch.Tensor:
+            loss = torch.nn.functional.mse_loss(self.lin(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            self.log_dict(grad_norm(self, norm_type=2))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    x, y = _xy()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    trainer = pl.Trainer(
+        max_steps=16,
+        logger=LightningTB(str(tmp_path)),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+    )
+    trainer.fit(Module(), loader)
+    events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents*")).parent))
+    events.Reload()
+    total = events.Scalars("grad_2.0_norm_total")
+    log = read_log(tmp_path)
+    assert log.source == "TensorBoard" and log.norm_column == "grad_2.0_norm_total"
+    assert list(log.steps) == [e.step for e in total]
+    assert list(log.total_norm) == pytest.approx([e.value for e in total])
+    assert list(log.loss) == pytest.approx([e.value for e in events.Scalars("train_loss")])
+    assert set(log.layers) == {"lin.weight", "lin.bias"}
+    assert list(log.layers["lin.bias"]["grad_norm"]) == pytest.approx(
+        [e.value for e in events.Scalars("grad_2.0_norm/lin.bias")]
+    )
+    assert analyze(log)["verdict"] == "healthy"
