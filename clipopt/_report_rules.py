@@ -29,9 +29,10 @@ Rules, most severe verdict first
   is lost, even when its gradient norm comes down again (the plain run of
   ``clipopt demo`` blows up at update 5 and then sits at 10x its start loss).
   Likewise from the level the loss had reached: a loss above
-  :data:`LOSS_BLOWUP` times the median of the :func:`block` losses before it,
-  after which the median of the next block (at least :data:`BLOCK_MIN` rows)
-  and that of the last block stay above :data:`LOSS_STAY` times that median.
+  :data:`LOSS_BLOWUP` times the median of the previous whole :func:`block`
+  (blocks aligned at the first row), after which the median of the next block
+  (at least :data:`BLOCK_MIN` rows) and that of the last block stay above
+  :data:`LOSS_STAY` times that median.
   Why: a classifier that learned to a tenth of its start loss and then
   diverges back to chance never goes above its start loss, yet it is lost; a
   bad batch's loss spike that the run recovers from by its end is not.
@@ -176,6 +177,7 @@ ZCLIP_Z = 2.5
 
 _MAX_LISTED_STEPS = 100
 _MAX_CANDIDATES = 10_000
+_MAX_LEVEL_CHECKS = 1_000
 
 
 def block(n: int) -> int:
@@ -336,7 +338,7 @@ def _loss_blowup(log: GradLog, loss: Tensor, first_bad: int) -> dict[str, Any] |
         if found is None:
             return None
         j, ref = found
-        ref_text = f"the level {_num(ref)} it had reached (median of the {k} logged losses before)"
+        ref_text = f"the level {_num(ref)} it had reached (median of the previous {k} logged losses)"
     row = int(rows[j])
     top = float(values[torch.isfinite(values)].max()) if torch.isfinite(values).any() else math.nan
     after = _median(torch.where(torch.isfinite(values[j : j + k]), values[j : j + k], math.inf))
@@ -363,23 +365,37 @@ def _loss_blowup(log: GradLog, loss: Tensor, first_bad: int) -> dict[str, Any] |
 
 def _blowup_from_level(values: Tensor, k: int) -> tuple[int, float] | None:
     """A blow-up from the level the loss had reached: the first ``j`` with ``values[j]`` above
-    LOSS_BLOWUP x the median of the ``k`` losses before it and the median of ``values[j:j+k]``
-    (at least BLOCK_MIN of them) and of the last ``k`` losses above LOSS_STAY x that median;
-    ``(j, that median)``."""
+    LOSS_BLOWUP x the level -- the median of the previous whole block of ``k`` rows (blocks aligned
+    at row 0) -- and the median of ``values[j:j+k]`` (at least BLOCK_MIN of them) and of the last
+    ``k`` losses above LOSS_STAY x the level; ``(j, level)``.  Vectorised but for the candidates
+    left by a necessary condition (half the next rows above LOSS_STAY x the level), so a heavy-tailed
+    or spiky loss of a million rows does not take a median per row."""
     n = int(values.numel())
-    if n < k + BLOCK_MIN:
+    m = n // k
+    if m < 1 or n < k + BLOCK_MIN:
         return None
-    finite = torch.isfinite(values)
-    mean, _, count = _rolling(torch.where(finite, values, 0.0), k)  # a cheap filter; medians decide
-    hit = (count >= k) & (mean > 0) & ((values > LOSS_BLOWUP * mean) | ~finite)
+    block_level = values[: m * k].view(m, k).median(dim=1).values  # the lower median of each block
+    prev = torch.arange(n) // k - 1
+    level = block_level[prev.clamp(0, m - 1)]
+    tail = _median(values[-k:])  # "for good": the last block too stays above LOSS_STAY x the level
+    hit = (prev >= 0) & (level > 0) & torch.isfinite(level) & (tail > LOSS_STAY * level)
+    hit &= (values > LOSS_BLOWUP * level) | ~torch.isfinite(values)
     hit[n - BLOCK_MIN + 1 :] = False
-    tail = _median(values[-k:])  # "for good": the last block too stays above the level's LOSS_STAY x
-    for j in hit.nonzero().flatten()[:_MAX_CANDIDATES].tolist():
-        level = _median(values[j - k : j])
-        if not (0 < level < math.inf) or not values[j] > LOSS_BLOWUP * level:
-            continue
-        if _median(values[j : j + k]) > LOSS_STAY * level and tail > LOSS_STAY * level:
-            return int(j), level
+    rows = hit.nonzero().flatten()
+    if rows.numel() == 0:
+        return None
+    ends = (rows + k).clamp(max=n)
+    need = (ends - rows) // 2
+    keep = torch.zeros(rows.numel(), dtype=torch.bool)
+    for c in sorted(set(prev[rows].tolist())):  # at most n / k levels: one count per level
+        over = (values > LOSS_STAY * block_level[c]).cumsum(0)
+        above = torch.cat([torch.zeros(1, dtype=torch.int64), over])
+        mine = prev[rows] == c
+        keep |= mine & (above[ends] - above[rows] >= need)
+    for j in rows[keep][:_MAX_LEVEL_CHECKS].tolist():
+        lv = float(level[j])
+        if _median(values[j : j + k]) > LOSS_STAY * lv:
+            return int(j), lv
     return None
 
 
