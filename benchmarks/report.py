@@ -24,7 +24,8 @@ from clipopt._report import analyze, format_report, read_log
 HEADER = "step,micro_batches,total_norm,clip_coef,clipped,skipped,reason,max_norm,lr,loss"
 
 
-def write(path: Path, rows: int) -> None:
+def write(path: Path, rows: int, sigma: float = 0.4) -> None:
+    """``sigma``: the spread of log-norms (and, above 0.4, of the loss's noise): 2.0 is a heavy-tailed run."""
     rng = random.Random(0)
     layers = ["0.weight", "0.bias", "2.weight", "2.bias"]
     fields = ["grad_norm", "grad_max", "grad_min", "nonfinite", "param_norm"]
@@ -32,9 +33,11 @@ def write(path: Path, rows: int) -> None:
         f.write(HEADER + "," + ",".join(f"{n}.{x}" for n in layers for x in fields) + "\n")
         empty = "," * (len(layers) * len(fields))
         for i in range(1, rows + 1):
-            norm = math.exp(rng.gauss(0.0, 0.4))
+            norm = math.exp(rng.gauss(0.0, sigma))
             coef = min(1.0, 2.0 / (norm + 1e-6))
             loss = 3.0 * math.exp(-i / rows) + rng.random() * 0.1
+            if sigma > 0.4:
+                loss *= math.exp(rng.gauss(0.0, sigma))
             base = f"{i},1,{norm!r},{coef!r},{int(coef < 1)},0,,2.0,0.001,{loss!r}"
             if i % 100 == 0:
                 f.write(base + "," + ",".join("0.5,0.1,0.0,0,3.0" for _ in layers) + "\n")
@@ -45,11 +48,12 @@ def write(path: Path, rows: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--sigma", type=float, default=0.4, help="log-norm spread; 2.0: heavy-tailed")
     args = parser.parse_args()
     torch.set_num_threads(1)  # as `clipopt report` does
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "grads.csv"
-        write(path, args.rows)
+        write(path, args.rows, args.sigma)
         size = path.stat().st_size / 1e6
         times, read_times = [], []
         for _ in range(3):

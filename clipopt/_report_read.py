@@ -13,8 +13,9 @@ Formats (SPEC §3):
   ``step``, ``grad_norm``, ``loss``, ``learning_rate``), or a folder holding
   one (the latest ``checkpoint-*`` one when only those do);
 - a TensorBoard log folder (needs the ``tensorboard`` package): the scalar
-  tags ending in ``total_norm`` or ``grad_norm``, ``loss`` and ``lr`` or
-  ``learning_rate``; clipopt's own tags (``clipopt/clipped``, per-layer
+  tags ending in ``total_norm`` or ``grad_norm`` (or Lightning's
+  ``grad_2.0_norm_total`` and per-layer ``grad_2.0_norm/<name>``), ``loss`` and
+  ``lr`` or ``learning_rate``; clipopt's own tags (``clipopt/clipped``, per-layer
   ``clipopt/layers/<name>/<field>``) too.
 
 Every failure is a :class:`ValueError` (or :class:`OSError`) with one line that
@@ -80,6 +81,8 @@ class GradLog:
     is aligned with ``layer_rows``.  ``source`` names the format;
     ``has_clipping`` is True when the log records clipping (clipopt's
     ``clipped``/``max_norm`` columns); ``notes`` says what reading skipped.
+    ``counted`` names the layers whose non-finite element count the log has a
+    column (or tag) for: clipopt's, not Lightning's.
     """
 
     path: str
@@ -94,6 +97,7 @@ class GradLog:
     reason: dict[int, str] = field(default_factory=dict)
     layer_rows: array[int] = field(default_factory=lambda: array("q"))
     layers: dict[str, dict[str, array[float]]] = field(default_factory=dict)
+    counted: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
     norm_column: str = "total_norm"
     loss_column: str | None = None
@@ -294,6 +298,7 @@ class _Parser:
         self.layer_first = sorted(i for _, _, i in self.layer_cells)
         for n in self.layer_names:
             log.layers[n] = {f: array("d") for f in LAYER_FIELDS}
+        log.counted = {n for n, fields in cols.layers.items() if "nonfinite" in fields}
         self.pending_loss: dict[int, float] = {}  # losses of sparse rows whose norm row is not read yet
         self.flat = [cols.layers[n].get(f, -1) for n in self.layer_names for f in LAYER_FIELDS]
 
@@ -483,7 +488,7 @@ def _from_records(
     records: dict[int, dict[str, float]],
     layers: dict[str, dict[int, dict[str, float]]],
 ) -> GradLog:
-    """A GradLog from step -> {"norm", "loss", "lr", "max_norm", "clipped", "skipped"}."""
+    """A GradLog from step -> {"norm", "loss", "lr", "max_norm", "clipped", "skipped", "overflow"}."""
     log = GradLog(name, source)
     index: dict[int, int] = {}
     for step in sorted(records):
@@ -501,9 +506,10 @@ def _from_records(
         skipped = rec.get("skipped", 0.0) > 0.5
         log.skipped.append(1 if skipped else 0)
         if skipped:
-            log.reason[len(log.steps) - 1] = "nonfinite"
+            log.reason[len(log.steps) - 1] = "overflow" if rec.get("overflow", 0.0) > 0.5 else "nonfinite"
     rows = sorted({s for per in layers.values() for s in per if s in index})
     log.layer_rows.extend(index[s] for s in rows)
+    log.counted = {n for n, per in layers.items() if any("nonfinite" in v for v in per.values())}
     for lname, per in layers.items():
         log.layers[lname] = {f: array("d", (per.get(s, {}).get(f, _NAN) for s in rows)) for f in LAYER_FIELDS}
     return log
@@ -561,6 +567,8 @@ def _read_tensorboard(name: str) -> GradLog:
         for tag in tags.get("scalars", []):
             scalars.setdefault(tag, []).extend((e.step, float(e.value)) for e in mux.Scalars(run, tag))
     norm_tag = _tag(scalars, ("clipopt/total_norm", *NORM_NAMES), ("total_norm", "grad_norm"))
+    if norm_tag is None:  # Lightning's TensorBoardLogger with its grad_norm() utility
+        norm_tag = next((t for t in sorted(scalars) if _LIGHTNING_TOTAL.fullmatch(t)), None)
     if norm_tag is None:
         shown = ", ".join(sorted(scalars)[:12]) or "none"
         raise ValueError(
@@ -574,6 +582,7 @@ def _read_tensorboard(name: str) -> GradLog:
         "max_norm": _tag(scalars, ("clipopt/max_norm",), ()),
         "clipped": _tag(scalars, ("clipopt/clipped",), ()),
         "skipped": _tag(scalars, ("clipopt/skipped",), ()),
+        "overflow": _tag(scalars, ("clipopt/overflow",), ()),
     }
     records: dict[int, dict[str, float]] = {}
     for key, tag in wanted.items():
@@ -586,6 +595,10 @@ def _read_tensorboard(name: str) -> GradLog:
             per = layers.setdefault("/".join(parts[2:-1]), {})
             for step, value in events:
                 per.setdefault(step, {})[parts[-1]] = value
+        elif (m := _LIGHTNING_LAYER.fullmatch(tag)) is not None:
+            per = layers.setdefault(m.group(1), {})
+            for step, value in events:
+                per.setdefault(step, {})["grad_norm"] = value
     log = _from_records(name, "TensorBoard", records, layers)
     log.norm_column, log.loss_column = norm_tag, wanted["loss"]
     log.has_clipping = wanted["clipped"] is not None

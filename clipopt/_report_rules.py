@@ -28,6 +28,14 @@ Rules, most severe verdict first
   loss that stays an order of magnitude above where it started is a run that
   is lost, even when its gradient norm comes down again (the plain run of
   ``clipopt demo`` blows up at update 5 and then sits at 10x its start loss).
+  Likewise from the level the loss had reached: a loss above
+  :data:`LOSS_BLOWUP` times the median of the previous whole :func:`block`
+  (blocks aligned at the first row), after which the median of the next block
+  (at least :data:`BLOCK_MIN` rows) and that of the last block stay above
+  :data:`LOSS_STAY` times that median.
+  Why: a classifier that learned to a tenth of its start loss and then
+  diverges back to chance never goes above its start loss, yet it is lost; a
+  bad batch's loss spike that the run recovers from by its end is not.
 - *fast growth of the norm*: the median of the last :func:`block` finite norms
   is at least :data:`GROWTH_RATIO` times the start's, or some norm reaches
   :data:`GROWTH_RATIO` times the start and the median of the next block stays
@@ -46,7 +54,9 @@ explosion: clipopt skips it (``skip_nonfinite``) and the run goes on.  Step:
 the first such row.  Layer: in that row's own per-layer statistics (clipopt
 writes them for every non-finite window, whatever the ``layer_stats``
 period) the first parameter, in parameter order, with non-finite elements or a
-non-finite gradient norm; in logs without that row, the first per-layer row
+non-finite gradient norm (a ``nan`` norm with no non-finite element counted is a
+parameter without a gradient, e.g. a frozen one; in logs that count none,
+Lightning's, a ``nan`` norm is non-finite); in logs without that row, the first per-layer row
 after it, and the evidence says it was taken from a later row.
 
 ``spikes`` -- isolated large updates:
@@ -167,6 +177,7 @@ ZCLIP_Z = 2.5
 
 _MAX_LISTED_STEPS = 100
 _MAX_CANDIDATES = 10_000
+_MAX_LEVEL_CHECKS = 1_000
 
 
 def block(n: int) -> int:
@@ -293,7 +304,14 @@ def _steps_text(steps: list[int]) -> str:
 def _sustained_onset(x: Tensor, threshold: float, k: int) -> int | None:
     """The first index j with ``x[j] > threshold`` and median of ``x[j:j+k]`` > threshold (nan/inf: above)."""
     above = (x > threshold) | ~torch.isfinite(x)
-    candidates = above.nonzero().flatten()[:_MAX_CANDIDATES].tolist()
+    # a median above the threshold needs at least half of x[j:j+k] above it: one count filters the
+    # candidates, so heavy-tailed norms do not take a median per candidate (1M rows: 20 s before)
+    n = int(x.numel())
+    count = torch.cat([torch.zeros(1, dtype=torch.int64), above.cumsum(0)])
+    rows = above.nonzero().flatten()
+    ends = (rows + k).clamp(max=n)
+    rows = rows[count[ends] - count[rows] >= (ends - rows) // 2]
+    candidates = rows[:_MAX_CANDIDATES].tolist()
     y = torch.where(torch.isfinite(x), x, torch.full_like(x, math.inf))
     for j in candidates:
         if _median(y[j : j + k]) > threshold:
@@ -319,19 +337,22 @@ def _loss_blowup(log: GradLog, loss: Tensor, first_bad: int) -> dict[str, Any] |
     keep = ~torch.isnan(values)
     rows, values = rows[keep], values[keep]
     peak = (values > LOSS_BLOWUP * start) | torch.isinf(values)
-    if not peak.any():
-        return None
     k = block(int(rows.numel()))
-    j = _sustained_onset(values, LOSS_STAY * start, k)
+    j = _sustained_onset(values, LOSS_STAY * start, k) if peak.any() else None
+    ref, ref_text = start, f"its start {_num(start)}"
     if j is None:
-        return None
+        found = _blowup_from_level(values, k)
+        if found is None:
+            return None
+        j, ref = found
+        ref_text = f"the level {_num(ref)} it had reached (median of the previous {k} logged losses)"
     row = int(rows[j])
     top = float(values[torch.isfinite(values)].max()) if torch.isfinite(values).any() else math.nan
     after = _median(torch.where(torch.isfinite(values[j : j + k]), values[j : j + k], math.inf))
     evidence = (
-        f"the loss left its start {_num(start)} for good at step {log.steps[row]} "
+        f"the loss left {ref_text} for good at step {log.steps[row]} "
         f"(loss {_num(float(values[j]))}; median of the next {k} logged losses {_num(after)}, above "
-        f"{LOSS_STAY:g}x the start; highest finite loss {_num(top)}, blow-up at > {LOSS_BLOWUP:g}x)"
+        f"{LOSS_STAY:g}x that; highest finite loss {_num(top)}, blow-up at > {LOSS_BLOWUP:g}x)"
     )
     return {
         "kind": "blowup",
@@ -347,6 +368,42 @@ def _loss_blowup(log: GradLog, loss: Tensor, first_bad: int) -> dict[str, Any] |
             "block": k,
         },
     }
+
+
+def _blowup_from_level(values: Tensor, k: int) -> tuple[int, float] | None:
+    """A blow-up from the level the loss had reached: the first ``j`` with ``values[j]`` above
+    LOSS_BLOWUP x the level -- the median of the previous whole block of ``k`` rows (blocks aligned
+    at row 0) -- and the median of ``values[j:j+k]`` (at least BLOCK_MIN of them) and of the last
+    ``k`` losses above LOSS_STAY x the level; ``(j, level)``.  Vectorised but for the candidates
+    left by a necessary condition (half the next rows above LOSS_STAY x the level), so a heavy-tailed
+    or spiky loss of a million rows does not take a median per row."""
+    n = int(values.numel())
+    m = n // k
+    if m < 1 or n < k + BLOCK_MIN:
+        return None
+    block_level = values[: m * k].view(m, k).median(dim=1).values  # the lower median of each block
+    prev = torch.arange(n) // k - 1
+    level = block_level[prev.clamp(0, m - 1)]
+    tail = _median(values[-k:])  # "for good": the last block too stays above LOSS_STAY x the level
+    hit = (prev >= 0) & (level > 0) & torch.isfinite(level) & (tail > LOSS_STAY * level)
+    hit &= (values > LOSS_BLOWUP * level) | ~torch.isfinite(values)
+    hit[n - BLOCK_MIN + 1 :] = False
+    rows = hit.nonzero().flatten()
+    if rows.numel() == 0:
+        return None
+    ends = (rows + k).clamp(max=n)
+    need = (ends - rows) // 2
+    keep = torch.zeros(rows.numel(), dtype=torch.bool)
+    for c in sorted(set(prev[rows].tolist())):  # at most n / k levels: one count per level
+        over = (values > LOSS_STAY * block_level[c]).cumsum(0)
+        above = torch.cat([torch.zeros(1, dtype=torch.int64), over])
+        mine = prev[rows] == c
+        keep |= mine & (above[ends] - above[rows] >= need)
+    for j in rows[keep][:_MAX_LEVEL_CHECKS].tolist():
+        lv = float(level[j])
+        if _median(values[j : j + k]) > LOSS_STAY * lv:
+            return int(j), lv
+    return None
 
 
 def _growth(
@@ -450,10 +507,11 @@ def _nonfinite(log: GradLog, bad_rows: Tensor, onset: int) -> dict[str, Any]:
         layer_step = log.steps[log.layer_rows[pos]]
         for name, cols in log.layers.items():
             count, g = cols["nonfinite"][pos], cols["grad_norm"][pos]
-            if (math.isfinite(count) and count > 0) or (not math.isnan(g) and not math.isfinite(g)):
+            # a nan norm is a non-finite gradient where the log counts no non-finite elements (Lightning);
+            # where it counts them (clipopt), a nan norm with no count > 0 is a parameter without a gradient
+            counted = name in log.counted
+            if (math.isfinite(count) and count > 0) or math.isinf(g) or (math.isnan(g) and not counted):
                 bad_layers[name] = int(count) if math.isfinite(count) else -1
-            elif math.isnan(g) and not math.isnan(count):
-                bad_layers[name] = int(count) if math.isfinite(count) and count > 0 else -1
         own = layer_step == step
         where = (
             "in its own per-layer row" if own else f"in the next per-layer row (step {layer_step}), a guess"

@@ -36,10 +36,12 @@ class TensorBoardLogger:
     Scalars, at ``global_step = stats.step`` (the window index), the same as
     the :class:`~clipopt.CSVLogger` columns: ``clipopt/total_norm`` (pre-clip),
     ``clipopt/clip_coef``, ``clipopt/clipped`` (0/1), ``clipopt/skipped``
-    (0/1), ``clipopt/micro_batches``, ``clipopt/max_norm`` (only when norm
+    (0/1), ``clipopt/overflow`` (1, only in windows skipped for a GradScaler
+    overflow), ``clipopt/micro_batches``, ``clipopt/max_norm`` (only when norm
     clipping is on) and ``clipopt/lr`` (group 0), ``clipopt/lr.1``, ... for
     further parameter groups.  On windows with per-layer statistics
-    (``layer_stats=k``): ``clipopt/layers/<name>/<field>`` for each field of
+    (``layer_stats=k``, and a non-finite window's own row, as in the CSV):
+    ``clipopt/layers/<name>/<field>`` for each field of
     :data:`~clipopt.LAYER_FIELDS` (statistics of the pre-clip gradient).
 
     Scalars are buffered and written every ``flush_every`` windows, on
@@ -147,14 +149,17 @@ class TensorBoardLogger:
         add("clipped", float(s.clipped))
         add("skipped", float(s.skipped))
         add("micro_batches", float(s.micro_batches))
+        if s.reason == "overflow":  # only then: a GradScaler overflow, not a non-finite gradient
+            add("overflow", 1.0)
         if s.max_norm is not None:
             add("max_norm", float(s.max_norm))
         if s.has_loss:
             add("loss", s.loss)
         for g, lr in enumerate(s.lr):
             add("lr" if g == 0 else f"lr.{g}", float(lr))
-        if s.layers is not None:
-            for name, row in zip(s.layers.names, s.layers.rows(), strict=True):
+        layers = s.logged_layers()  # also a non-finite window's own row, as CSVLogger writes it
+        if layers is not None:
+            for name, row in zip(layers.names, layers.rows(), strict=True):
                 for field, value in zip(LAYER_FIELDS, row, strict=True):
                     add(f"layers/{name}/{field}", value)
 

@@ -308,3 +308,69 @@ def test_plot_has_the_loss_panel(corpus: dict[str, tuple[Path, list[float]]], tm
     heat, bar = axes[2].get_position(), colorbar.get_position()
     assert bar.x0 >= heat.x1 and axes[0].get_position().x1 == pytest.approx(heat.x1)
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _classifier_diverging_to_chance(path: Path, jump_at: int, steps: int) -> list[float]:
+    """Adam on a 10-class problem (cross-entropy) that learns, then its lr jumps 500x (a bad
+    schedule) and the run falls back to chance, where it stays; losses returned."""
+    torch.manual_seed(0)
+    w = torch.randn(20, 10)
+    lin, relu = torch.nn.Linear, torch.nn.ReLU
+    net = torch.nn.Sequential(lin(20, 64), relu(), lin(64, 64), relu(), lin(64, 10))
+    inner = torch.optim.Adam(net.parameters(), lr=1e-3)
+    opt = ClippedOptimizer(inner, loggers=[CSVLogger(path)])
+    losses = []
+    for step in range(steps):
+        if step == jump_at:
+            for group in inner.param_groups:
+                group["lr"] = 0.5
+        x = torch.randn(64, 20, generator=torch.Generator().manual_seed(step))
+        loss = torch.nn.functional.cross_entropy(net(x), (x @ w).argmax(1))
+        loss.backward()
+        opt.step(loss=loss)
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    opt.close()
+    return losses
+
+
+def test_divergence_back_to_chance_is_exploding(tmp_path: Path) -> None:
+    """A classifier that learned to a fraction of its start loss and then diverged back to chance for
+    the rest of the run (its loss never above its start's) is ``exploding`` from the divergence."""
+    path = tmp_path / "diverged.csv"
+    losses = _classifier_diverging_to_chance(path, jump_at=600, steps=900)
+    chance = math.log(10)
+    before, after = sorted(losses[550:600])[25], sorted(losses[-100:])[50]
+    assert before < 0.5 and abs(after - chance) < 0.1  # the label is true: learned, then back to chance
+    report = analyze(read_log(path))
+    assert report["verdict"] == "exploding", report["findings"]
+    head = report["findings"][0]
+    assert head["kind"] == "blowup" and 600 < head["step"] <= 610
+
+
+@pytest.mark.parametrize(("layer_stats", "nan_step"), [(10, 60), (1000, 57)])
+def test_nonfinite_layer_with_a_frozen_layer_in_the_optimizer(
+    tmp_path: Path, layer_stats: int, nan_step: int
+) -> None:
+    """Fine-tuning with the first layer frozen but still given to the optimizer: its per-layer cells
+    have no gradient norm (nan), so the layer named for a non-finite update -- on a due per-layer row
+    (step 60, layer_stats=10) or on the bad window's own row (step 57) -- is the parameter that went
+    bad, not the frozen one."""
+    model = _mlp()
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    train(
+        tmp_path / "frozen.csv",
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+        model=model,
+        layer_stats=layer_stats,
+        nan_at=(nan_step, "4.bias"),
+    )
+    log = read_log(tmp_path / "frozen.csv")
+    pos = list(log.layer_rows).index(nan_step - 1)
+    assert math.isnan(log.layers["0.weight"]["grad_norm"][pos])  # the label is true: no gradient there
+    report = analyze(log)
+    assert report["verdict"] == "nonfinite"
+    head = report["findings"][0]
+    assert (head["step"], head["layer"]) == (nan_step, "4.bias")
+    assert list(head["values"]["nonfinite_layers"]) == ["4.bias"]

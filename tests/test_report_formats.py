@@ -202,4 +202,131 @@ def test_tensorboard_from_clipopt_logger_and_csv_agree(tmp_path: Path) -> None:
     csv_report, tb_report = analyze(from_csv), analyze(from_tb)
     assert csv_report["verdict"] == tb_report["verdict"] == "nonfinite"
     assert csv_report["findings"][0]["step"] == tb_report["findings"][0]["step"] == 12
-    assert csv_report["findings"][0]["layer"] == "0.weight"
+    assert csv_report["findings"][0]["layer"] == tb_report["findings"][0]["layer"] == "0.weight"
+
+
+def test_tensorboard_gradscaler_overflows_are_not_nonfinite(tmp_path: Path) -> None:
+    """An fp16 run under a GradScaler logged by TensorBoardLogger: the scaler's overflow updates (skipped,
+    reason 'overflow' in the CSV of the same run) are calibration, so both logs give ``healthy``."""
+    pytest.importorskip("tensorboard")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=20)
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        scaler=scaler,
+        max_norm=1.0,
+        loggers=[CSVLogger(tmp_path / "g.csv"), TensorBoardLogger(tmp_path / "tb")],
+    )
+    x, y = _xy()
+    for step in range(120):
+        i = (step * 8) % len(x)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x[i : i + 8]).float(), y[i : i + 8])
+        scaler.scale(loss).backward()
+        opt.step(loss=loss)
+        opt.zero_grad()
+    opt.close()
+    from_csv, from_tb = read_log(tmp_path / "g.csv"), read_log(tmp_path / "tb")
+    overflows = [i for i, r in from_csv.reason.items() if r == "overflow"]
+    assert len(overflows) >= 3  # the label is true: the scaler overflowed
+    assert sorted(from_tb.reason.items()) == sorted(from_csv.reason.items())
+    assert analyze(from_csv)["verdict"] == analyze(from_tb)["verdict"] == "healthy"
+
+
+def test_lightning_nonfinite_gradient_names_its_layer(tmp_path: Path) -> None:
+    """A Lightning run whose lin.bias gradient goes nan at step 6 (logged by grad_norm(), which writes
+    no non-finite count): the nonfinite finding names lin.bias, from the nan in its own norm column."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.loggers import CSVLogger as LightningCSV
+    from lightning.pytorch.utilities import grad_norm
+
+    class Module(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch: list[torch.Tensor], i: int) -> torch.Tensor:
+            loss = torch.nn.functional.mse_loss(self.lin(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            if self.global_step == 6:
+                self.lin.bias.grad.fill_(math.nan)
+            self.log_dict(grad_norm(self, norm_type=2))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    x, y = _xy()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    trainer = pl.Trainer(
+        max_steps=16,
+        logger=LightningCSV(str(tmp_path)),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+    )
+    trainer.fit(Module(), loader)
+    path = next(tmp_path.rglob("metrics.csv"))
+    with path.open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["grad_2.0_norm_total"]]
+    first_bad = next(r for r in rows if not math.isfinite(float(r["grad_2.0_norm_total"])))
+    assert first_bad["step"] == "6" and math.isfinite(float(first_bad["grad_2.0_norm/lin.weight"]))
+    finding = next(f for f in analyze(read_log(path))["findings"] if f["kind"] == "nonfinite")
+    assert (finding["step"], finding["layer"]) == (6, "lin.bias")
+
+
+def test_lightning_tensorboard_logger(tmp_path: Path) -> None:
+    """A Lightning run with its TensorBoardLogger (Lightning's default) and grad_norm(): the tags
+    grad_2.0_norm_total, grad_2.0_norm/<name> and train_loss are read."""
+    pl = pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("tensorboard")
+    from lightning.pytorch.loggers import TensorBoardLogger as LightningTB
+    from lightning.pytorch.utilities import grad_norm
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    class Module(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch: list[torch.Tensor], i: int) -> torch.Tensor:
+            loss = torch.nn.functional.mse_loss(self.lin(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            self.log_dict(grad_norm(self, norm_type=2))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    x, y = _xy()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    trainer = pl.Trainer(
+        max_steps=16,
+        logger=LightningTB(str(tmp_path)),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+    )
+    trainer.fit(Module(), loader)
+    events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents*")).parent))
+    events.Reload()
+    total = events.Scalars("grad_2.0_norm_total")
+    log = read_log(tmp_path)
+    assert log.source == "TensorBoard" and log.norm_column == "grad_2.0_norm_total"
+    assert list(log.steps) == [e.step for e in total]
+    assert list(log.total_norm) == pytest.approx([e.value for e in total])
+    assert list(log.loss) == pytest.approx([e.value for e in events.Scalars("train_loss")])
+    assert set(log.layers) == {"lin.weight", "lin.bias"}
+    assert list(log.layers["lin.bias"]["grad_norm"]) == pytest.approx(
+        [e.value for e in events.Scalars("grad_2.0_norm/lin.bias")]
+    )
+    assert analyze(log)["verdict"] == "healthy"
