@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling
 from torch.optim import Optimizer
 from torch.optim import optimizer as _optim_module
 
@@ -47,6 +48,7 @@ from ._state import (
     validate_inner_state,
 )
 from ._stats import StepStats
+from ._window_guard import WindowGuard
 
 __all__ = ["ClippedOptimizer"]
 
@@ -160,6 +162,12 @@ class ClippedOptimizer(Optimizer):
             Deciding reads one flag from the device per update.
         max_snapshots: at most this many snapshots are written per run and reason
             (non-finite, spike), so spikes never crowd out a later non-finite one.
+        backward_passes_per_step: backward passes expected per :meth:`step` call
+            while accumulating (``accumulation_steps > 1``).  More is reported as
+            an accumulation stacked on the wrapper's (``RuntimeError``); raise it
+            when a micro-batch legitimately runs several (two losses backwarded
+            separately).  Gradients of an open window cleared or replaced from
+            outside (``model.zero_grad()``) raise ``RuntimeError`` as well.
     """
 
     _policy: ClipPolicy | None
@@ -184,6 +192,7 @@ class ClippedOptimizer(Optimizer):
         loggers: Sequence[Logger] = (),
         snapshot_dir: str | os.PathLike[str] | None = None,
         max_snapshots: int = 10,
+        backward_passes_per_step: int = 1,
     ) -> None:
         if isinstance(optimizer, ClippedOptimizer):
             raise TypeError(
@@ -226,6 +235,7 @@ class ClippedOptimizer(Optimizer):
                 "pass e.g. snapshot_dir='anomalies/'"
             )
         self.max_snapshots = check_positive_int("max_snapshots", max_snapshots)
+        self.backward_passes_per_step = check_positive_int("backward_passes_per_step", backward_passes_per_step)
         names = resolve_param_names(optimizer, param_names)
         if snapshot_dir is not None and has_dtensor(list(names)):
             raise ValueError(_DTENSOR_DIAGNOSTICS)
@@ -262,6 +272,7 @@ class ClippedOptimizer(Optimizer):
         #: Path of the latest anomaly snapshot written, or None.
         self.last_snapshot: str | None = None
         self._last_nonfinite_snapshot: str | None = None  # what NonFiniteGradientError names
+        self._window_guard = WindowGuard()  # outside clearing and stacked accumulation, see _window_guard
 
     # ------------------------------------------------------------------ delegation
 
@@ -318,6 +329,8 @@ class ClippedOptimizer(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         pending = state.pop("_pending_grads", None)
+        state.setdefault("backward_passes_per_step", 1)  # pickled before these existed
+        state.setdefault("_window_guard", WindowGuard())
         self.__dict__.update(state)
         self._init_hooks()
         if pending is not None:
@@ -419,6 +432,11 @@ class ClippedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.accumulation_steps > 1 and not self._has_dtensor and not is_compiling():
+            # host bookkeeping only (see _window_guard); FSDP2 writes .grad outside autograd
+            self._window_guard.step(
+                self._counters.micro_batches, self.accumulation_steps, self.backward_passes_per_step, self._params
+            )
         self._counters.micro_batches += 1
         if self._counters.micro_batches < self.accumulation_steps:
             self._update_applied = False
@@ -578,6 +596,7 @@ class ClippedOptimizer(Optimizer):
                 loss = self._step_host(w, loss, closure, params)
         finally:  # also after an error: an unscaled scaler without update() would refuse every later window
             self._shards = None  # views of the gradients: do not keep them past the window
+            self._window_guard.reset()
             if self.scaler is not None:
                 self.scaler.update()
         stats = self._record(w, n, layers)
@@ -930,6 +949,7 @@ class ClippedOptimizer(Optimizer):
         with restore_on_failure(self.optimizer), keep_group_keys(self.optimizer):
             self.optimizer.load_state_dict(inner_sd)
         self._ready_state = None
+        self._window_guard.reset()  # loaded gradients are new tensors
         if wrapper is None:
             self._counters = WrapperState()
         else:
