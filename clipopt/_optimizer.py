@@ -235,7 +235,9 @@ class ClippedOptimizer(Optimizer):
                 "pass e.g. snapshot_dir='anomalies/'"
             )
         self.max_snapshots = check_positive_int("max_snapshots", max_snapshots)
-        self.backward_passes_per_step = check_positive_int("backward_passes_per_step", backward_passes_per_step)
+        self.backward_passes_per_step = check_positive_int(
+            "backward_passes_per_step", backward_passes_per_step
+        )
         names = resolve_param_names(optimizer, param_names)
         if snapshot_dir is not None and has_dtensor(list(names)):
             raise ValueError(_DTENSOR_DIAGNOSTICS)
@@ -408,6 +410,8 @@ class ClippedOptimizer(Optimizer):
         gradients clipped the same way.  Step hooks registered on the wrapper
         (and global optimizer hooks) run around every call.
         """
+        if is_compiling():  # torch.compile traces the step itself; hooks and profiler checks are host-only
+            return self._step(closure)
         if (
             self._optimizer_step_pre_hooks
             or self._optimizer_step_post_hooks
@@ -434,9 +438,8 @@ class ClippedOptimizer(Optimizer):
                 loss = closure()
         if self.accumulation_steps > 1 and not self._has_dtensor and not is_compiling():
             # host bookkeeping only (see _window_guard); FSDP2 writes .grad outside autograd
-            self._window_guard.step(
-                self._counters.micro_batches, self.accumulation_steps, self.backward_passes_per_step, self._params
-            )
+            guard, allowed = self._window_guard, self.backward_passes_per_step
+            guard.step(self._counters.micro_batches, self.accumulation_steps, allowed, self._params)
         self._counters.micro_batches += 1
         if self._counters.micro_batches < self.accumulation_steps:
             self._update_applied = False
@@ -552,17 +555,6 @@ class ClippedOptimizer(Optimizer):
                 f"{marker.model_type} keeps its unsynchronised gradients internally, so they cannot "
                 "be saved; checkpoint at a window boundary (opt.micro_batches == 0)"
             )
-
-    @contextmanager
-    def _fused_args(self, grad_scale: Tensor | None, found_inf: Tensor | None) -> Iterator[None]:
-        inner = self.optimizer
-        inner.grad_scale = grad_scale  # type: ignore[attr-defined]
-        inner.found_inf = found_inf  # type: ignore[attr-defined]
-        try:
-            yield
-        finally:
-            del inner.grad_scale  # type: ignore[attr-defined]
-            del inner.found_inf  # type: ignore[attr-defined]
 
     def _params(self) -> list[Tensor]:
         """All parameters, in group order; cached until the groups change."""
@@ -781,8 +773,14 @@ class ClippedOptimizer(Optimizer):
         elif w.scale != 1.0:
             grad_scale = torch.tensor(1.0 / w.scale, dtype=torch.float32, device=w.total_norm.device)
         found_inf = w.skip
-        with self._fused_args(grad_scale, found_inf):
-            out = self.optimizer.step(self._inner_closure(loss, closure, w.limit))
+        inner = self.optimizer
+        inner.grad_scale = grad_scale  # type: ignore[attr-defined]
+        inner.found_inf = found_inf  # type: ignore[attr-defined]
+        try:  # not a context manager: torch.compile cannot graph-break inside one (torch's step does)
+            out = inner.step(self._inner_closure(loss, closure, w.limit))
+        finally:  # as GradScaler does
+            inner.__dict__.pop("grad_scale", None)
+            inner.__dict__.pop("found_inf", None)
         self._set_outcome(found_inf if found_inf is not None else False, w)
         return out if closure is not None else loss
 

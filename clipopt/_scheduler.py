@@ -48,7 +48,8 @@ class PerUpdateScheduler(LRScheduler):
                 "build the scheduler on the wrapper: per_update(StepLR(clipped_opt, ...))"
             )
         self.scheduler = scheduler
-        self.optimizer = optimizer  # type: ignore[assignment]
+        self.optimizer = optimizer
+        self._clipped = optimizer
         self._step_count = 1  # Accelerate's AcceleratedScheduler adjusts it; torch's own start
         self._seen = optimizer.num_updates
         self._seen_windows = optimizer.num_windows
@@ -61,11 +62,11 @@ class PerUpdateScheduler(LRScheduler):
         read nothing from the device; after a window closed, reading the
         update count may wait for it (fused skips are decided there).
         """
-        windows = self.optimizer.num_windows  # a host int: micro-batch calls read nothing
+        windows = self._clipped.num_windows  # a host int: micro-batch calls read nothing
         if windows == self._seen_windows:
             return False
         self._seen_windows = windows
-        applied = self.optimizer.num_updates
+        applied = self._clipped.num_updates
         if applied == self._seen:
             return False
         self._seen = applied
@@ -80,18 +81,19 @@ class PerUpdateScheduler(LRScheduler):
         """The wrapped scheduler's ``get_lr()`` (its learning rates for the current epoch)."""
         return list(self.scheduler.get_lr())
 
-    @property  # type: ignore[override]
-    def last_epoch(self) -> int:
+    @property
+    def last_epoch(self) -> int:  # type: ignore[override]
         """How many times the wrapped scheduler has advanced (its ``last_epoch``)."""
         return int(self.scheduler.last_epoch)
 
     @property
     def base_lrs(self) -> list[float]:  # type: ignore[override]
         """The wrapped scheduler's initial learning rates."""
-        return list(getattr(self.scheduler, "base_lrs", [g["initial_lr"] for g in self.optimizer.param_groups]))
+        initial = [g["initial_lr"] for g in self.optimizer.param_groups]
+        return list(getattr(self.scheduler, "base_lrs", initial))
 
     @property
-    def _last_lr(self) -> list[float]:  # read by LRScheduler's own helpers (e.g. print_lr)
+    def _last_lr(self) -> list[float]:  # type: ignore[override]  # read by LRScheduler's own helpers (e.g. print_lr)
         return self.get_last_lr()
 
     def state_dict(self) -> dict[str, Any]:
@@ -113,7 +115,7 @@ class PerUpdateScheduler(LRScheduler):
         return f"per_update({self.scheduler!r})"
 
 
-class PerUpdatePlateauScheduler(PerUpdateScheduler, ReduceLROnPlateau):
+class PerUpdatePlateauScheduler(PerUpdateScheduler, ReduceLROnPlateau):  # type: ignore[misc]
     """:class:`PerUpdateScheduler` around a ``ReduceLROnPlateau``: frameworks see a plateau scheduler.
 
     Lightning then asks for a ``monitor`` and passes the metric to ``step``;
@@ -122,9 +124,10 @@ class PerUpdatePlateauScheduler(PerUpdateScheduler, ReduceLROnPlateau):
 
     def __getattr__(self, name: str) -> Any:
         # ReduceLROnPlateau's public settings (mode, patience, best, ...) read from the wrapped one
-        if name.startswith("_") or name in ("scheduler", "optimizer"):
+        wrapped = self.__dict__.get("scheduler")
+        if name.startswith("_") or wrapped is None:
             raise AttributeError(name)
-        return getattr(self.__dict__["scheduler"], name)
+        return getattr(wrapped, name)
 
 
 def per_update(scheduler: Any) -> PerUpdateScheduler:

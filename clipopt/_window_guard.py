@@ -73,6 +73,17 @@ def stacked_message(passes: int, accumulation_steps: int, allowed: int) -> str:
     )
 
 
+def _backward_hook(guard: weakref.ref[WindowGuard]) -> Callable[[Tensor], None]:
+    """The sentinel's tensor hook; it holds the guard weakly (the parameter outlives the optimizer)."""
+
+    def on_backward(grad: Tensor) -> None:
+        me = guard()
+        if me is not None:
+            me._on_backward()
+
+    return on_backward
+
+
 class WindowGuard:
     """Watches one sentinel parameter between ``step()`` calls of an accumulating wrapper.
 
@@ -85,7 +96,7 @@ class WindowGuard:
     def __init__(self) -> None:
         self._param: Tensor | None = None  # the optimizer holds it anyway
         self._handle: RemovableHandle | None = None
-        self._grad: Tensor | None = None  # the sentinel's gradient after the latest step(); dropped by reset()
+        self._grad: Tensor | None = None  # the sentinel's gradient at the latest step(); reset() drops it
         self._no_grad = False  # the sentinel had no gradient after the latest step()
         self._version = 0
         self._armed_window = False  # remember() ran since the latest reset()
@@ -120,14 +131,7 @@ class WindowGuard:
             return
         for p in params:
             if p.grad is not None and p.requires_grad and not p.grad.is_sparse:
-                guard = weakref.ref(self)
-
-                def on_backward(grad: Tensor) -> None:
-                    me = guard()
-                    if me is not None:
-                        me._on_backward()
-
-                self._handle = p.register_hook(on_backward)
+                self._handle = p.register_hook(_backward_hook(weakref.ref(self)))  # type: ignore[no-untyped-call]
                 self._param = p
                 return
 

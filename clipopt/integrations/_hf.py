@@ -11,7 +11,7 @@ from ._stats import StatsReader, find_clipped
 __all__ = ["ClipoptTrainerCallback"]
 
 
-class ClipoptTrainerCallback(TrainerCallback):  # type: ignore[misc]
+class ClipoptTrainerCallback(TrainerCallback):
     """Add clipopt's statistics (see :data:`clipopt.integrations.STAT_KEYS`) to every training log.
 
     At each of the Trainer's logging steps (``logging_steps``) the statistics of

@@ -13,7 +13,7 @@ __all__ = ["ClipoptLightningCallback"]
 
 
 class ClipoptLightningCallback(Callback):
-    """Log clipopt's statistics (see :data:`clipopt.integrations.STAT_KEYS`) with ``LightningModule.log_dict``.
+    """Log clipopt's statistics (:data:`~clipopt.integrations.STAT_KEYS`) with ``LightningModule.log_dict``.
 
     At every step where Lightning writes to its loggers (``log_every_n_steps``)
     the statistics of the updates closed since the previous write are read
@@ -47,7 +47,7 @@ class ClipoptLightningCallback(Callback):
         if not any(r.pending() for r in self._readers):
             return
         connector = getattr(trainer, "_logger_connector", None)
-        due = getattr(connector, "should_update_logs", True) or bool(trainer.fast_dev_run)
+        due = getattr(connector, "should_update_logs", True) or bool(getattr(trainer, "fast_dev_run", False))
         if not due:
             return
         values: dict[str, float] = {}
