@@ -77,6 +77,25 @@ def _is_fused(inner: Optimizer) -> bool:
     return all(bool(g.get("fused")) for g in inner.param_groups)
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _fused_inner_step(
+    inner: Optimizer, closure: Callable[[], Any] | None, grad_scale: Tensor | None, found_inf: Tensor | None
+) -> Any:
+    """The fused inner ``step()`` with ``grad_scale``/``found_inf`` set on it, as GradScaler does.
+
+    Run eagerly under ``torch.compile(opt.step)``: torch never compiles its fused
+    kernels either (``_fused_adamw`` is ``torch.compiler.disable``-d), and
+    attributes set on the optimizer inside a traced frame do not reach them.
+    """
+    inner.grad_scale = grad_scale  # type: ignore[attr-defined]
+    inner.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        return inner.step(closure)
+    finally:
+        del inner.grad_scale  # type: ignore[attr-defined]
+        del inner.found_inf  # type: ignore[attr-defined]
+
+
 def _lr_value(lr: Any) -> float | Tensor:
     """A group's lr for the record: tensor learning rates are copied, not read (no host sync)."""
     return lr.detach().clone() if isinstance(lr, Tensor) else float(lr)
@@ -773,14 +792,8 @@ class ClippedOptimizer(Optimizer):
         elif w.scale != 1.0:
             grad_scale = torch.tensor(1.0 / w.scale, dtype=torch.float32, device=w.total_norm.device)
         found_inf = w.skip
-        inner = self.optimizer
-        inner.grad_scale = grad_scale  # type: ignore[attr-defined]
-        inner.found_inf = found_inf  # type: ignore[attr-defined]
-        try:  # not a context manager: torch.compile cannot graph-break inside one (torch's step does)
-            out = inner.step(self._inner_closure(loss, closure, w.limit))
-        finally:  # as GradScaler does
-            inner.__dict__.pop("grad_scale", None)
-            inner.__dict__.pop("found_inf", None)
+        inner_closure = self._inner_closure(loss, closure, w.limit)
+        out = _fused_inner_step(self.optimizer, inner_closure, grad_scale, found_inf)
         self._set_outcome(found_inf if found_inf is not None else False, w)
         return out if closure is not None else loss
 

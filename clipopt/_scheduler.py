@@ -38,9 +38,7 @@ class PerUpdateScheduler(LRScheduler):
                 f"{type(scheduler).__name__}; pass e.g. per_update(StepLR(opt, step_size=10))"
             )
         if isinstance(scheduler, PerUpdateScheduler):
-            raise TypeError(
-                "scheduler is already a per_update(...) scheduler; wrap the plain scheduler once"
-            )
+            raise TypeError("scheduler is already a per_update(...) scheduler; wrap the plain scheduler once")
         if not isinstance(optimizer, ClippedOptimizer):
             raise TypeError(
                 f"per_update needs a scheduler built on a ClippedOptimizer, but "

@@ -7,14 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from torch import nn
 
 import clipopt
 from clipopt import ClippedOptimizer
+from clipopt.integrations import ClipoptTrainerCallback
 from tests.readme_snippets import run_snippet
-
-transformers = pytest.importorskip("transformers")
-from clipopt.integrations import ClipoptTrainerCallback  # noqa: E402
 
 LR = 1e-2
 
@@ -117,7 +116,7 @@ def test_nan_batch_does_not_advance_the_schedule(tmp_path: Path) -> None:
     assert opt.param_groups[0]["lr"] == pytest.approx(LR * 0.5**9)
     assert trainer.state.global_step == 10  # the Trainer counts its optimizer steps, the skipped one too
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    bad = [e for e in trainer.state.log_history if e.get("step") == bad_step][0]
+    bad = next(e for e in trainer.state.log_history if e.get("step") == bad_step)
     assert bad["clipopt/skipped"] == 1.0 and bad["clipopt/skipped_nonfinite"] == 1.0
     assert [e["learning_rate"] for e in trainer.state.log_history[bad_step - 1 : bad_step + 1]] == [
         pytest.approx(LR * 0.5 ** (bad_step - 1))

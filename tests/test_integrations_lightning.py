@@ -8,6 +8,7 @@ import math
 import warnings
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
@@ -15,10 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import clipopt
 from clipopt import ClippedOptimizer
+from clipopt.integrations import ClipoptLightningCallback
 from tests.readme_snippets import run_snippet
-
-L = pytest.importorskip("lightning")
-from clipopt.integrations import ClipoptLightningCallback  # noqa: E402
 
 LR = 1e-2
 
@@ -54,13 +53,19 @@ class Regressor(L.LightningModule):
 
     def configure_optimizers(self):
         opt = ClippedOptimizer(
-            torch.optim.AdamW(self.parameters(), lr=LR), max_norm=0.5, accumulation_steps=self.accumulation_steps
+            torch.optim.AdamW(self.parameters(), lr=LR),
+            max_norm=0.5,
+            accumulation_steps=self.accumulation_steps,
         )
         if self.sched == "plateau":
             plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
             return {
                 "optimizer": opt,
-                "lr_scheduler": {"scheduler": clipopt.per_update(plateau), "interval": "step", "monitor": "const"},
+                "lr_scheduler": {
+                    "scheduler": clipopt.per_update(plateau),
+                    "interval": "step",
+                    "monitor": "const",
+                },
             }
         sched = clipopt.per_update(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
