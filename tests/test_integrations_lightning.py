@@ -203,3 +203,16 @@ def test_checkpoint_resume_is_bit_identical(tmp_path: Path) -> None:
     assert opt.param_groups[0]["lr"] == pytest.approx(LR * 0.5**6)
     assert not math.isnan(opt.param_groups[0]["lr"])
     assert copy.deepcopy(sched.state_dict())["seen_updates"] == 6
+
+
+def test_wrapper_accumulation_under_lightning_counts_micro_batches(tmp_path: Path) -> None:
+    """What the README documents for the wrapper's own accumulation under Lightning: Lightning clears
+    through the wrapper's zero_grad (no false alarm), per_update advances once per update, and
+    global_step counts micro-batches (16), not updates (4)."""
+    model = Regressor(accumulation_steps=4)
+    trainer = _trainer(tmp_path, accumulate_grad_batches=1)
+    trainer.fit(model, DataLoader(_data(64), batch_size=4))
+    opt = trainer.optimizers[0]
+    sched = trainer.lr_scheduler_configs[0].scheduler
+    assert (opt.num_updates, sched.last_epoch, trainer.global_step) == (4, 4, 16)
+    assert opt.param_groups[0]["lr"] == pytest.approx(LR * 0.5**4)
