@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._compile import _disable_dynamo
 from torch.compiler import is_compiling
 from torch.optim import Optimizer
 from torch.optim import optimizer as _optim_module
@@ -77,15 +78,15 @@ def _is_fused(inner: Optimizer) -> bool:
     return all(bool(g.get("fused")) for g in inner.param_groups)
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]
 def _fused_inner_step(
     inner: Optimizer, closure: Callable[[], Any] | None, grad_scale: Tensor | None, found_inf: Tensor | None
 ) -> Any:
     """The fused inner ``step()`` with ``grad_scale``/``found_inf`` set on it, as GradScaler does.
 
-    Run eagerly under ``torch.compile(opt.step)``: torch never compiles its fused
-    kernels either (``_fused_adamw`` is ``torch.compiler.disable``-d), and
-    attributes set on the optimizer inside a traced frame do not reach them.
+    Under ``torch.compile(opt.step)`` it runs eagerly (:data:`_fused_inner_step_eager`):
+    torch never compiles its fused kernels either (``_fused_adamw`` is
+    ``torch.compiler.disable``-d), and attributes set on the optimizer inside a
+    traced frame do not reach them.
     """
     inner.grad_scale = grad_scale  # type: ignore[attr-defined]
     inner.found_inf = found_inf  # type: ignore[attr-defined]
@@ -94,6 +95,11 @@ def _fused_inner_step(
     finally:
         del inner.grad_scale  # type: ignore[attr-defined]
         del inner.found_inf  # type: ignore[attr-defined]
+
+
+#: ``_fused_inner_step`` hidden from torch.compile; torch's lazy wrapper imports
+#: ``torch._dynamo`` at the first call (while compiling), not when clipopt is imported.
+_fused_inner_step_eager = _disable_dynamo(_fused_inner_step)
 
 
 def _lr_value(lr: Any) -> float | Tensor:
@@ -793,7 +799,8 @@ class ClippedOptimizer(Optimizer):
             grad_scale = torch.tensor(1.0 / w.scale, dtype=torch.float32, device=w.total_norm.device)
         found_inf = w.skip
         inner_closure = self._inner_closure(loss, closure, w.limit)
-        out = _fused_inner_step(self.optimizer, inner_closure, grad_scale, found_inf)
+        fused_step = _fused_inner_step_eager if is_compiling() else _fused_inner_step
+        out = fused_step(self.optimizer, inner_closure, grad_scale, found_inf)
         self._set_outcome(found_inf if found_inf is not None else False, w)
         return out if closure is not None else loss
 

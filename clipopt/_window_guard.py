@@ -104,7 +104,7 @@ class WindowGuard:
         self.cleared = False  # the first pass after remember() found the gradient changed
 
     def __del__(self) -> None:
-        if self._handle is not None:
+        if self._handle is not None:  # the parameter outlives the optimizer: do not leave the hook
             self._handle.remove()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -141,14 +141,24 @@ class WindowGuard:
             self.cleared = True
 
     def _unchanged(self) -> bool:
-        """The sentinel's gradient is what :meth:`remember` saw (same tensor, same version)."""
+        """The sentinel's gradient is what the latest ``step()`` saw: same tensor, same version.
+
+        A gradient that is a view of a larger buffer (DDP's ``gradient_as_bucket_view``,
+        flat gradient buffers) shares that buffer's version counter, which other
+        parameters' accumulation bumps, and DDP may swap a gradient for a view
+        holding the same values: for views only ``None`` counts as cleared.
+        """
         p = self._param
         if p is None:
             return True
         grad = p.grad
         if self._no_grad:
             return grad is None
-        return grad is not None and grad is self._grad and grad._version == self._version
+        if grad is None:
+            return False
+        if grad._base is not None:
+            return True
+        return grad is self._grad and grad._version == self._version
 
     # ---------------------------------------------------------------- wrapper calls
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import io
+import os
 import pickle
 import warnings
 
@@ -274,3 +276,49 @@ def test_backward_passes_per_step_is_validated(value, exc, match) -> None:
     """backward_passes_per_step: an int >= 1, else an error naming it, the value and the fix."""
     with pytest.raises(exc, match=match):
         _opt(_model(), backward_passes_per_step=value)
+
+
+def _ddp_job(rank: int, port: int, out: str) -> None:
+    """2 gloo processes: DDP with and without gradient_as_bucket_view, synchronising every micro-batch
+    or through opt.no_sync; 3 windows of 3 must train, then model.zero_grad() mid-window must raise."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    results = {}
+    for bucket_view in (False, True):
+        for mode in ("sync", "no_sync"):
+            ddp = nn.parallel.DistributedDataParallel(_model(), gradient_as_bucket_view=bucket_view)
+            opt = _opt(ddp, k=3)
+            for i in range(9):
+                context = opt.no_sync(ddp) if mode == "no_sync" else contextlib.nullcontext()
+                with context:
+                    _loss(ddp, 10 * rank + i).backward()
+                opt.step()
+                opt.zero_grad()
+            _loss(ddp, 100).backward()
+            opt.step()
+            ddp.zero_grad()
+            _loss(ddp, 101).backward()
+            try:
+                opt.step()
+                caught = False
+            except RuntimeError as exc:
+                caught = "cleared or replaced from outside" in str(exc)
+            results[f"{bucket_view}-{mode}"] = (opt.num_updates, caught)
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_ddp_gradients_and_bucket_views_are_not_mistaken_for_clearing(tmp_path) -> None:
+    """DDP writes gradients during backward (and, with gradient_as_bucket_view, keeps them as views of
+    a bucket whose version counter other parameters bump): no false alarm in any combination, and
+    model.zero_grad() inside a window is still caught on every rank."""
+    import torch.multiprocessing as mp
+
+    from .test_distributed import _free_port
+
+    mp.spawn(_ddp_job, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        keys = ("False-sync", "False-no_sync", "True-sync", "True-no_sync")
+        assert results == {key: (3, True) for key in keys}
