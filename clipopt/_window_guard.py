@@ -97,7 +97,6 @@ class WindowGuard:
         self._param: Tensor | None = None  # the optimizer holds it anyway
         self._handle: RemovableHandle | None = None
         self._grad: Tensor | None = None  # the sentinel's gradient at the latest step(); reset() drops it
-        self._no_grad = False  # the sentinel had no gradient after the latest step()
         self._version = 0
         self._armed_window = False  # remember() ran since the latest reset()
         self.backward_passes = 0  # passes reaching the sentinel since the latest step()
@@ -152,7 +151,7 @@ class WindowGuard:
         if p is None:
             return True
         grad = p.grad
-        if self._no_grad:
+        if self._grad is None:  # no gradient at the latest step()
             return grad is None
         if grad is None:
             return False
@@ -188,11 +187,9 @@ class WindowGuard:
                 return
         grad = p.grad
         self._grad = grad
-        self._no_grad = grad is None
         if grad is not None:
             self._version = grad._version
-        self._armed_window = True
-        self.cleared = False
+        self._armed_window = True  # (cleared is False here: it was checked above)
 
     def reset(self) -> None:
         """The window closed (or its gradients were loaded): nothing to compare with until the next step()."""
