@@ -435,14 +435,13 @@ class ClippedOptimizer(Optimizer):
         gradients clipped the same way.  Step hooks registered on the wrapper
         (and global optimizer hooks) run around every call.
         """
-        if is_compiling():  # torch.compile traces the step itself; hooks and profiler checks are host-only
-            return self._step(closure)
         if (
             self._optimizer_step_pre_hooks
             or self._optimizer_step_post_hooks
             or _optim_module._global_optimizer_pre_hooks
             or _optim_module._global_optimizer_post_hooks
-            or torch.autograd._profiler_enabled()  # type: ignore[attr-defined]
+            # a host-only query torch.compile cannot trace (a graph break); compiled code has no profiler hook
+            or (not is_compiling() and torch.autograd._profiler_enabled())  # type: ignore[attr-defined]
         ):
             return self._profiled_step(closure)
         return self._step(closure)
