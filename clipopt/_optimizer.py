@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._compile import _disable_dynamo
+from torch.compiler import is_compiling
 from torch.optim import Optimizer
 from torch.optim import optimizer as _optim_module
 
@@ -52,6 +54,7 @@ from ._state import (
     validate_inner_state,
 )
 from ._stats import StepStats
+from ._window_guard import WindowGuard
 
 __all__ = ["ClippedOptimizer"]
 
@@ -78,6 +81,30 @@ def _is_fused(inner: Optimizer) -> bool:
     if not (getattr(inner, "_step_supports_amp_scaling", False) or isinstance(inner, _FUSED_CAPABLE)):
         return False
     return all(bool(g.get("fused")) for g in inner.param_groups)
+
+
+def _fused_inner_step(
+    inner: Optimizer, closure: Callable[[], Any] | None, grad_scale: Tensor | None, found_inf: Tensor | None
+) -> Any:
+    """The fused inner ``step()`` with ``grad_scale``/``found_inf`` set on it, as GradScaler does.
+
+    Under ``torch.compile(opt.step)`` it runs eagerly (:data:`_fused_inner_step_eager`):
+    torch never compiles its fused kernels either (``_fused_adamw`` is
+    ``torch.compiler.disable``-d), and attributes set on the optimizer inside a
+    traced frame do not reach them.
+    """
+    inner.grad_scale = grad_scale  # type: ignore[attr-defined]
+    inner.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        return inner.step(closure)
+    finally:
+        del inner.grad_scale  # type: ignore[attr-defined]
+        del inner.found_inf  # type: ignore[attr-defined]
+
+
+#: ``_fused_inner_step`` hidden from torch.compile; torch's lazy wrapper imports
+#: ``torch._dynamo`` at the first call (while compiling), not when clipopt is imported.
+_fused_inner_step_eager = _disable_dynamo(_fused_inner_step)
 
 
 def _lr_value(lr: Any) -> float | Tensor:
@@ -189,6 +216,12 @@ class ClippedOptimizer(Optimizer):
             Costs one scalar collective per window with plain-tensor parameters
             (none added for DTensor ones) and one settings check at the first
             ``step()``; see ``clipopt/_distributed_decision.py``.
+        backward_passes_per_step: backward passes expected per :meth:`step` call
+            while accumulating (``accumulation_steps > 1``).  More is reported as
+            an accumulation stacked on the wrapper's (``RuntimeError``); raise it
+            when a micro-batch legitimately runs several (two losses backwarded
+            separately).  Gradients of an open window cleared or replaced from
+            outside (``model.zero_grad()``) raise ``RuntimeError`` as well.
     """
 
     _policy: ClipPolicy | None
@@ -215,6 +248,7 @@ class ClippedOptimizer(Optimizer):
         max_snapshots: int = 10,
         norm_group: Any = None,
         replica_group: Any = "auto",
+        backward_passes_per_step: int = 1,
     ) -> None:
         if isinstance(optimizer, ClippedOptimizer):
             raise TypeError(
@@ -259,6 +293,9 @@ class ClippedOptimizer(Optimizer):
         self.max_snapshots = check_positive_int("max_snapshots", max_snapshots)
         self.norm_group = check_norm_group(norm_group)
         self._replicas = ReplicaDecision(check_replica_group(replica_group))
+        self.backward_passes_per_step = check_positive_int(
+            "backward_passes_per_step", backward_passes_per_step
+        )
         names = resolve_param_names(optimizer, param_names)
         if self.clip_value is not None and any(p.is_complex() for p in names):
             raise ValueError(
@@ -302,6 +339,7 @@ class ClippedOptimizer(Optimizer):
         #: Path of the latest anomaly snapshot written, or None.
         self.last_snapshot: str | None = None
         self._last_nonfinite_snapshot: str | None = None  # what NonFiniteGradientError names
+        self._window_guard = WindowGuard()  # outside clearing and stacked accumulation, see _window_guard
 
     # ------------------------------------------------------------------ delegation
 
@@ -360,6 +398,8 @@ class ClippedOptimizer(Optimizer):
         pending = state.pop("_pending_grads", None)
         state.setdefault("norm_group", None)  # pickled before these existed
         state.setdefault("_replicas", ReplicaDecision("auto"))
+        state.setdefault("backward_passes_per_step", 1)  # pickled before these existed
+        state.setdefault("_window_guard", WindowGuard())
         self.__dict__.update(state)
         self.__dict__.setdefault("_loss", LossSum())  # pickled by a clipopt without the loss
         self._init_hooks()
@@ -447,7 +487,8 @@ class ClippedOptimizer(Optimizer):
             or self._optimizer_step_post_hooks
             or _optim_module._global_optimizer_pre_hooks
             or _optim_module._global_optimizer_post_hooks
-            or torch.autograd._profiler_enabled()  # type: ignore[attr-defined]
+            # a host-only query torch.compile cannot trace (a graph break); compiled code has no profiler hook
+            or (not is_compiling() and torch.autograd._profiler_enabled())  # type: ignore[attr-defined]
         ):
             return self._profiled_step(closure, loss=loss)
         return self._step(closure, loss=loss)
@@ -474,6 +515,10 @@ class ClippedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 out = closure()
+        if self.accumulation_steps > 1 and not self._has_dtensor and not is_compiling():
+            # host bookkeeping only (see _window_guard); FSDP2 writes .grad outside autograd
+            guard, allowed = self._window_guard, self.backward_passes_per_step
+            guard.step(self._counters.micro_batches, self.accumulation_steps, allowed, self._params)
         loss_before = self._loss.total, self._loss.count  # add() replaces, never writes into, the sum
         self._loss.add(given if given is not None else loss_of_closure(out))
         self._counters.micro_batches += 1
@@ -627,17 +672,6 @@ class ClippedOptimizer(Optimizer):
                 "be saved; checkpoint at a window boundary (opt.micro_batches == 0)"
             )
 
-    @contextmanager
-    def _fused_args(self, grad_scale: Tensor | None, found_inf: Tensor | None) -> Iterator[None]:
-        inner = self.optimizer
-        inner.grad_scale = grad_scale  # type: ignore[attr-defined]
-        inner.found_inf = found_inf  # type: ignore[attr-defined]
-        try:
-            yield
-        finally:
-            del inner.grad_scale  # type: ignore[attr-defined]
-            del inner.found_inf  # type: ignore[attr-defined]
-
     def _params(self) -> list[Tensor]:
         """All parameters, in group order; cached until the groups change."""
         groups = self.param_groups
@@ -716,6 +750,7 @@ class ClippedOptimizer(Optimizer):
             undo.committed = True
         finally:  # also after an error: an unscaled scaler without update() would refuse every later window
             self._shards = None  # views of the gradients: do not keep them past the window
+            self._window_guard.reset()
             if self.scaler is not None:
                 self.scaler.update()
         stats = self._record(w, n, layers, window_loss)
@@ -943,8 +978,9 @@ class ClippedOptimizer(Optimizer):
         elif w.scale != 1.0:
             grad_scale = torch.tensor(1.0 / w.scale, dtype=torch.float32, device=w.total_norm.device)
         found_inf = w.skip
-        with self._fused_args(grad_scale, found_inf):
-            out = self.optimizer.step(self._inner_closure(loss, closure, w.limit))
+        inner_closure = self._inner_closure(loss, closure, w.limit)
+        fused_step = _fused_inner_step_eager if is_compiling() else _fused_inner_step
+        out = fused_step(self.optimizer, inner_closure, grad_scale, found_inf)
         self._set_outcome(found_inf if found_inf is not None else False, w)
         return out if closure is not None else loss
 
@@ -1149,6 +1185,7 @@ class ClippedOptimizer(Optimizer):
         with restore_on_failure(self.optimizer), keep_group_keys(self.optimizer):
             self.optimizer.load_state_dict(inner_sd)
         self._ready_state = None
+        self._window_guard.reset()  # loaded gradients are new tensors
         if wrapper is None:
             self._counters = WrapperState()
         else:

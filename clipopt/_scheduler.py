@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
 from ._optimizer import ClippedOptimizer
 
 __all__ = ["PerUpdateScheduler", "per_update"]
 
 
-class PerUpdateScheduler:
+class PerUpdateScheduler(LRScheduler):
     """A scheduler proxy whose :meth:`step` advances only after an applied update.
 
     ``step()`` may be called after every micro-batch: it advances the wrapped
@@ -17,18 +19,26 @@ class PerUpdateScheduler:
     and does nothing otherwise (micro-batch calls, skipped updates).  Deciding
     reads the applied-update counter, which may wait for the device.
 
+    It is an instance of ``torch.optim.lr_scheduler.LRScheduler`` (and of
+    ``ReduceLROnPlateau`` when it wraps one), so training frameworks that check
+    the scheduler's type (Lightning, Accelerate, Hugging Face Trainer) accept it;
+    everything is delegated to the wrapped scheduler, whose own ``__init__`` has
+    already set the learning rates (this proxy's base ``__init__`` is not run).
+
     Attributes:
         scheduler: the wrapped scheduler.
         optimizer: the :class:`ClippedOptimizer` it schedules.
     """
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any) -> None:  # LRScheduler.__init__ is deliberately not called
         optimizer = getattr(scheduler, "optimizer", None)
         if not hasattr(scheduler, "step"):
             raise TypeError(
                 f"scheduler must be an LR scheduler with a step() method, got "
                 f"{type(scheduler).__name__}; pass e.g. per_update(StepLR(opt, step_size=10))"
             )
+        if isinstance(scheduler, PerUpdateScheduler):
+            raise TypeError("scheduler is already a per_update(...) scheduler; wrap the plain scheduler once")
         if not isinstance(optimizer, ClippedOptimizer):
             raise TypeError(
                 f"per_update needs a scheduler built on a ClippedOptimizer, but "
@@ -37,10 +47,12 @@ class PerUpdateScheduler:
             )
         self.scheduler = scheduler
         self.optimizer = optimizer
+        self._clipped = optimizer
+        self._step_count = 1  # Accelerate's AcceleratedScheduler adjusts it; torch's own start
         self._seen = optimizer.num_updates
         self._seen_windows = optimizer.num_windows
 
-    def step(self, *args: Any, **kwargs: Any) -> bool:
+    def step(self, *args: Any, **kwargs: Any) -> bool:  # type: ignore[override]
         """Advance the scheduler if an update was applied since the last call.
 
         Arguments (e.g. ``ReduceLROnPlateau``'s metric) are passed through.
@@ -48,25 +60,39 @@ class PerUpdateScheduler:
         read nothing from the device; after a window closed, reading the
         update count may wait for it (fused skips are decided there).
         """
-        windows = self.optimizer.num_windows  # a host int: micro-batch calls read nothing
+        windows = self._clipped.num_windows  # a host int: micro-batch calls read nothing
         if windows == self._seen_windows:
             return False
         self._seen_windows = windows
-        applied = self.optimizer.num_updates
+        applied = self._clipped.num_updates
         if applied == self._seen:
             return False
         self._seen = applied
         self.scheduler.step(*args, **kwargs)
         return True
 
-    def get_last_lr(self) -> list[float]:
+    def get_last_lr(self) -> list[float]:  # type: ignore[override]
         """The wrapped scheduler's ``get_last_lr()``."""
         return list(self.scheduler.get_last_lr())
 
+    def get_lr(self) -> list[float]:  # type: ignore[override]
+        """The wrapped scheduler's ``get_lr()`` (its learning rates for the current epoch)."""
+        return list(self.scheduler.get_lr())
+
     @property
-    def last_epoch(self) -> int:
+    def last_epoch(self) -> int:  # type: ignore[override]
         """How many times the wrapped scheduler has advanced (its ``last_epoch``)."""
         return int(self.scheduler.last_epoch)
+
+    @property
+    def base_lrs(self) -> list[float]:  # type: ignore[override]
+        """The wrapped scheduler's initial learning rates."""
+        initial = [g["initial_lr"] for g in self.optimizer.param_groups]
+        return list(getattr(self.scheduler, "base_lrs", initial))
+
+    @property
+    def _last_lr(self) -> list[float]:  # type: ignore[override]  # read by LRScheduler's own helpers (e.g. print_lr)
+        return self.get_last_lr()
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped scheduler's state dict plus the update count last seen."""
@@ -87,6 +113,21 @@ class PerUpdateScheduler:
         return f"per_update({self.scheduler!r})"
 
 
+class PerUpdatePlateauScheduler(PerUpdateScheduler, ReduceLROnPlateau):  # type: ignore[misc]
+    """:class:`PerUpdateScheduler` around a ``ReduceLROnPlateau``: frameworks see a plateau scheduler.
+
+    Lightning then asks for a ``monitor`` and passes the metric to ``step``;
+    Hugging Face Trainer steps it after evaluation with the metric.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        # ReduceLROnPlateau's public settings (mode, patience, best, ...) read from the wrapped one
+        wrapped = self.__dict__.get("scheduler")
+        if name.startswith("_") or wrapped is None:
+            raise AttributeError(name)
+        return getattr(wrapped, name)
+
+
 def per_update(scheduler: Any) -> PerUpdateScheduler:
     """Return a scheduler whose ``step()`` advances only after applied updates.
 
@@ -99,5 +140,11 @@ def per_update(scheduler: Any) -> PerUpdateScheduler:
             opt.step()
             sched.step()      # advances once per applied update
             opt.zero_grad()
+
+    The result is a ``torch.optim.lr_scheduler.LRScheduler`` (a
+    ``ReduceLROnPlateau`` for one), so Lightning, Accelerate and Hugging Face
+    Trainer accept it as their scheduler.
     """
+    if isinstance(scheduler, ReduceLROnPlateau):
+        return PerUpdatePlateauScheduler(scheduler)
     return PerUpdateScheduler(scheduler)

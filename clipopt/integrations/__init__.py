@@ -1,0 +1,37 @@
+"""Training-framework integrations: Lightning, Hugging Face Trainer, Accelerate.
+
+Nothing here is imported until used, and nothing new is required at runtime:
+
+* :class:`StatsReader` (no framework) — the statistics of the updates closed
+  since its previous read, as a flat ``{"clipopt/...": float}`` dict for any
+  logger (``accelerator.log(reader.read(), step=...)`` with Accelerate);
+* :class:`ClipoptLightningCallback` — a ``lightning.pytorch.Callback`` that
+  logs them through ``LightningModule.log_dict`` (needs ``lightning``);
+* :class:`ClipoptTrainerCallback` — a ``transformers.TrainerCallback`` that
+  adds them to the Trainer's logs and ``trainer_state.json`` (needs
+  ``transformers``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._stats import STAT_KEYS, StatsReader, find_clipped
+
+if TYPE_CHECKING:
+    from ._hf import ClipoptTrainerCallback
+    from ._lightning import ClipoptLightningCallback
+
+__all__ = ["STAT_KEYS", "ClipoptLightningCallback", "ClipoptTrainerCallback", "StatsReader", "find_clipped"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ClipoptLightningCallback":
+        from ._lightning import ClipoptLightningCallback
+
+        return ClipoptLightningCallback
+    if name == "ClipoptTrainerCallback":
+        from ._hf import ClipoptTrainerCallback
+
+        return ClipoptTrainerCallback
+    raise AttributeError(f"module 'clipopt.integrations' has no attribute {name!r}")
