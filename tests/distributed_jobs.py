@@ -25,6 +25,25 @@ MAX_NORM = 0.05  # well below the gradient norms here, so clipping is active
 LR = 1e-2
 
 
+
+def leave_process_group() -> None:
+    """End a spawned rank: wait for every rank, destroy the group, and exit without finalization.
+
+    On CPU, gloo's teardown races at interpreter exit: about one run in four (more on a
+    loaded machine) a rank aborted with "terminate called without an active exception"
+    after its work and its results were complete (seen on torch 2.13, also in
+    examples/data_parallel.py; torch's own note: pytorch/pytorch#179291).  A barrier and
+    ``os._exit(0)`` after ``destroy_process_group()`` measured 0 aborts in 16 runs against
+    3 in 10 without.  Results must be saved (and loggers closed) before calling this.
+    """
+    import sys
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -250,7 +269,7 @@ def ddp_job(rank: int, port: int, out_dir: str) -> None:
         "state_empty": len(opt.state) == 0,
     }
     torch.save(res, os.path.join(out_dir, f"ddp{rank}.pt"))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 # ---------------------------------------------------------------------------- FSDP2
@@ -454,7 +473,7 @@ def fsdp_job(rank: int, port: int, out_dir: str) -> None:
             "ref_params": [p.detach().clone() for p in plain.parameters()],
         }
     torch.save(res, os.path.join(out_dir, f"fsdp{rank}.pt"))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 # ============================================================================ hardening (issue #17)
@@ -587,7 +606,7 @@ def fsdp_edge_job(rank: int, port: int, out_dir: str, world: int) -> None:
             }
     counter.restore()
     torch.save(res, os.path.join(out_dir, f"edge{rank}.pt"))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def _catch(fn: Any) -> str | None:
@@ -848,7 +867,7 @@ def ddp_hardening_job(rank: int, port: int, out_dir: str, world: int) -> None:
         res[case] = {"error": _catch(run), "skipped": [s.skipped for s in opt.stats],
                      "reasons": [s.reason for s in opt.stats]}
     torch.save(res, os.path.join(out_dir, f"hard{rank}.pt"))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def tp_job(rank: int, port: int, out_dir: str, world: int) -> None:
@@ -896,4 +915,4 @@ def tp_job(rank: int, port: int, out_dir: str, world: int) -> None:
         ref.step()
         res[case] = {"params": _full(model), "ref_params": [q.detach().clone() for q in one.parameters()]}
     torch.save(res, os.path.join(out_dir, f"tp{rank}.pt"))
-    dist.destroy_process_group()
+    leave_process_group()
