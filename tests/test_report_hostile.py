@@ -164,3 +164,17 @@ def test_cli_report_leaves_the_thread_count_alone(tmp_path: Path, capsys: pytest
     assert main(["report", str(path)]) == 0
     capsys.readouterr()
     assert torch.get_num_threads() == before
+
+
+def test_constant_columns_read_like_varying_ones(tmp_path: Path) -> None:
+    """Columns whose cells are all the same (lr, max_norm; an empty or an 'inf' loss) are read as that
+    value on every row (converted once), and a constant text cell is still one error line."""
+    head = "step,total_norm,lr,max_norm,loss\n"
+    path = tmp_path / "const.csv"
+    path.write_text(head + "".join(f"{i},{0.5 + i},0.001,1.0,inf\n" for i in range(1, 40)))
+    log = read_log(path)
+    assert list(log.lr) == [0.001] * 39 and list(log.max_norm) == [1.0] * 39
+    assert list(log.loss) == [math.inf] * 39
+    path.write_text(head + "".join(f"{i},{0.5 + i},fast,1.0,\n" for i in range(1, 40)))
+    with pytest.raises(ValueError, match=r"line 2: column lr holds 'fast', not a number"):
+        read_log(path)
