@@ -275,9 +275,8 @@ def _read_csv_rows(name: str, rows: Iterator[list[str]]) -> GradLog:
 
 def _floats(cells: tuple[str, ...], recorded_inf: bool = False) -> array[float]:
     """Cells as floats, empty ones ``nan`` (``recorded_inf``: a written non-finite value is inf)."""
-    if len(cells) > 1 and cells.count(cells[0]) == len(cells):  # a constant column (lr, max_norm): convert once
-        one = _floats(cells[:1], recorded_inf)
-        return one * len(cells)
+    if len(cells) > 1 and cells.count(cells[0]) == len(cells):  # constant (lr, max_norm): convert once
+        return _floats(cells[:1], recorded_inf) * len(cells)
     try:
         out = array("d", map(float, cells))
     except ValueError:
