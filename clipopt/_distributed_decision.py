@@ -101,7 +101,7 @@ class ReplicaDecision:
         self._resolved = False
         self._group: Any = None
         self.active = False  # a group of more than one rank: settings check, and (plain tensors) agreement
-        self._checked = False
+        self.checked = False  # the settings check ran (or was not needed): step() asks no more
         # agreed windows not checked on the host yet: (host copy, event or None, n, window), oldest first
         self._pending: collections.deque[tuple[Tensor, Any, int, int]] = collections.deque()
         self._current: Tensor | None = None  # this window's packet, reduced, on the device
@@ -137,9 +137,9 @@ class ReplicaDecision:
 
     def check_settings(self, settings: list[tuple[str, float]], device: torch.device) -> None:
         """Raise on every rank when the ranks' window settings differ (once; one collective, one read)."""
-        if self._checked:
+        if self.checked:
             return
-        self._checked = True  # also without replicas: step() then never asks again
+        self.checked = True  # also without replicas: step() then never asks again
         if not self.resolve():
             return
         dist = torch.distributed

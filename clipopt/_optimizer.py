@@ -498,7 +498,7 @@ class ClippedOptimizer(Optimizer):
     step.hooked = True  # type: ignore[attr-defined]
 
     def _step(self, closure: Callable[[], Any] | None = None, *, loss: Tensor | float | None = None) -> Any:
-        if not self._replicas._checked:
+        if not self._replicas.checked:
             self._check_replicas()
         given = check_loss(loss)
         if closure is not None and not callable(closure):
@@ -541,7 +541,7 @@ class ClippedOptimizer(Optimizer):
         A no-op when no micro-batch is pending.  Under data parallelism it is
         collective: call it on every rank (ranks with different partial windows raise).
         """
-        if not self._replicas._checked:
+        if not self._replicas.checked:
             self._check_replicas()
         params = self._params()
         if self._replicas.active and params:
@@ -596,7 +596,7 @@ class ClippedOptimizer(Optimizer):
             )
         if sync is not None:
             check_flag("sync", sync)
-        if not self._replicas._checked:
+        if not self._replicas.checked:
             self._check_replicas()
         index = self._counters.micro_batches + 1  # this micro-batch's place in the window
         if sync is None:
