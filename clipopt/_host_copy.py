@@ -1,0 +1,173 @@
+"""Copies of the training state in host memory, for :class:`~clipopt.Rewind`.
+
+A :class:`HostCopy` holds the parameters, the inner optimizer's per-parameter
+state, the buffers of a module and a small dict of wrapper state (policy and
+guard), all as CPU tensors.  Taking one from an accelerator enqueues
+``non_blocking`` copies into pinned memory and records an event: the host does
+not wait and the device is not stalled (later kernels on the same stream run
+after the copies, so the values are those of the moment of the capture).  A
+new copy reuses the host buffers of the one it replaces when the shapes match.
+Restoring is exact, bit for bit: parameters and buffers are written in place
+(their identity is kept), the optimizer state gets new tensors of the captured
+dtypes on the captured devices.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = ["HostCopy", "TrainingState", "capture", "restore"]
+
+
+@dataclasses.dataclass
+class TrainingState:
+    """What a copy is taken of (live objects, not copied)."""
+
+    params: list[Tensor]  #: the optimizer's parameters, in group order
+    buffers: list[Tensor]  #: the module's buffers (empty without a module)
+    optimizer: Optimizer  #: the inner optimizer, whose ``state`` is copied per parameter
+
+
+@dataclasses.dataclass
+class HostCopy:
+    """One copy of the training state in host memory."""
+
+    step: int  #: windows closed when the copy was taken
+    applied: int  #: updates applied when the copy was taken
+    spec: Any  #: the nested structure of the state, tensors replaced by ``("t", index)``
+    leaves: list[Tensor]  #: the host tensors (pinned when copied from an accelerator)
+    devices: list[torch.device]  #: where each leaf came from
+    event: Any = None  #: a CUDA event recorded after the copies, or None (CPU: already done)
+
+    def wait(self) -> None:
+        """Block until the copies have landed in host memory (a no-op on CPU)."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held by the copy's tensors."""
+        return sum(t.numel() * t.element_size() for t in self.leaves)
+
+
+def _flatten(obj: Any, out: list[Tensor]) -> Any:
+    """``obj`` with every tensor replaced by ``("t", i)``, the tensors appended to ``out``."""
+    if isinstance(obj, Tensor):
+        out.append(obj)
+        return ("t", len(out) - 1)
+    if isinstance(obj, dict):
+        return ("d", [(k, _flatten(v, out)) for k, v in obj.items()])
+    if isinstance(obj, list):
+        return ("l", [_flatten(v, out) for v in obj])
+    if isinstance(obj, tuple):
+        return ("u", [_flatten(v, out) for v in obj])
+    return ("v", copy.deepcopy(obj))
+
+
+def _unflatten(spec: Any, leaf: Any) -> Any:
+    kind, body = spec
+    if kind == "t":
+        return leaf(body)
+    if kind == "d":
+        return {k: _unflatten(v, leaf) for k, v in body}
+    if kind == "l":
+        return [_unflatten(v, leaf) for v in body]
+    if kind == "u":
+        return tuple(_unflatten(v, leaf) for v in body)
+    return copy.deepcopy(body)
+
+
+def _host_buffer(src: Tensor, old: Tensor | None) -> Tensor:
+    """A host tensor for ``src``: ``old`` when it fits, else a new one (pinned for accelerator sources)."""
+    if old is not None and old.shape == src.shape and old.dtype == src.dtype:
+        return old
+    pin = src.device.type == "cuda"
+    return torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+
+
+def _check_plain(tensors: Sequence[Tensor]) -> None:
+    for t in tensors:
+        if t.is_sparse or t.layout != torch.strided or type(t) not in (Tensor, torch.nn.Parameter):
+            raise TypeError(
+                f"Rewind copies dense tensors only, got a {type(t).__name__} with layout {t.layout}; "
+                "pass rewind=None for sparse or distributed (DTensor) state"
+            )
+
+
+def capture(
+    source: TrainingState, extra: Any, step: int, applied: int, reuse: HostCopy | None = None
+) -> HostCopy:
+    """A copy of ``source`` and of ``extra`` (nested dicts/lists of tensors and numbers).
+
+    ``reuse``: a copy whose host buffers may be overwritten (it is waited for first).
+    """
+    state = source.optimizer.state
+    per_param = [(i, state[p]) for i, p in enumerate(source.params) if p in state]
+    tensors: list[Tensor] = []
+    spec = _flatten(
+        {"params": source.params, "buffers": source.buffers, "state": per_param, "extra": extra}, tensors
+    )
+    _check_plain(tensors)
+    old: list[Tensor] = []
+    if reuse is not None:
+        reuse.wait()
+        old = reuse.leaves
+    leaves = []
+    event = None
+    with torch.no_grad():
+        for i, src in enumerate(tensors):
+            dst = _host_buffer(src, old[i] if i < len(old) else None)
+            dst.copy_(src.detach(), non_blocking=src.device.type == "cuda")
+            leaves.append(dst)
+    if any(t.device.type == "cuda" for t in tensors):
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+    return HostCopy(step, applied, spec, leaves, [t.device for t in tensors], event)
+
+
+def restore(copy_: HostCopy, target: TrainingState) -> Any:
+    """Put ``copy_`` back into ``target`` bit for bit; returns the copy's ``extra`` (CPU tensors, cloned).
+
+    The parameters' gradients are cleared.  Raises ``ValueError`` (touching
+    nothing) when the parameters or buffers no longer match the copy.
+    """
+    copy_.wait()
+    leaves, devices = copy_.leaves, copy_.devices
+
+    def fresh(i: int) -> Tensor:
+        return leaves[i].to(devices[i], copy=True)
+
+    def host(i: int) -> Any:
+        return ("t", i)
+
+    tree = _unflatten(copy_.spec, host)
+    params, buffers = tree["params"], tree["buffers"]
+    for name, live, saved in (("parameters", target.params, params), ("buffers", target.buffers, buffers)):
+        if len(live) != len(saved) or any(
+            t.shape != leaves[s[1]].shape or t.dtype != leaves[s[1]].dtype
+            for t, s in zip(live, saved, strict=True)
+        ):
+            raise ValueError(
+                f"cannot rewind: the {name} changed since the copy was taken (count, shape or dtype); "
+                "a Rewind needs the same model and parameter groups throughout training"
+            )
+    with torch.no_grad():
+        for t, s in zip(target.params, params, strict=True):
+            t.copy_(leaves[s[1]])
+            t.grad = None
+        for t, s in zip(target.buffers, buffers, strict=True):
+            t.copy_(leaves[s[1]])
+        state = target.optimizer.state
+        per_param = _unflatten(dict(copy_.spec[1])["state"], fresh)
+        state.clear()
+        for i, entry in per_param:
+            state[target.params[i]] = entry
+    return _unflatten(dict(copy_.spec[1])["extra"], lambda i: leaves[i].clone())

@@ -1,0 +1,369 @@
+"""``Rewind``: go back to an earlier copy of the training state after repeated spikes.
+
+Large-model practice (PaLM, Chowdhery et al. 2022): when loss spikes repeat,
+restart from a state from before the first of them and skip the batches that
+follow, since the same weights on different data usually pass the spike.
+
+The optimizer reports every closed window to :meth:`Rewind.observe` as two
+device flags (spike skip, applied); every ``check_every`` windows
+:meth:`Rewind.check` reads the flags gathered since the last check in one host
+read, and then either
+
+* restores the newest copy taken before the first spike when ``spikes`` spike
+  skips fell within ``within`` windows, or
+* takes a new copy (into host memory, see :mod:`clipopt._host_copy`) when
+  ``every`` updates were applied since the newest one (or there is none yet).
+
+A rewind may therefore happen up to ``check_every - 1`` windows after the
+spike that triggers it; those windows are undone by the rewind as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from numbers import Integral
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ._checks import check_positive_int
+from ._host_copy import HostCopy, TrainingState, capture, restore
+
+__all__ = ["Rewind", "RewindEvent", "rewind_target"]
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewindEvent:
+    """One rewind, as logged."""
+
+    step: int  #: the window at whose check the rewind happened
+    restored: int  #: the window count of the copy that was restored
+    first_spike: int  #: the first spike skip of the group that triggered it
+    spikes: int  #: spike skips in that group
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+def rewind_target(
+    spike_steps: list[int], copies: list[int], spikes: int, within: int
+) -> tuple[int, int] | None:
+    """``(first spike, copy step)`` when the rule fires, else None.  Pure: host integers only.
+
+    The group is every spike skip within ``within`` windows up to the newest one
+    (``step > newest - within``); it fires with at least ``spikes`` of them.
+    The copy is the newest one taken before the group's first spike
+    (``copy step < first``); none qualifying: ``(first, -1)``.
+    """
+    if not spike_steps:
+        return None
+    newest = spike_steps[-1]
+    group = [s for s in spike_steps if s > newest - within]
+    if len(group) < spikes:
+        return None
+    first = group[0]
+    older = [c for c in copies if c < first]
+    return first, (max(older) if older else -1)
+
+
+def _check_count(name: str, value: Any, example: int) -> int:
+    if not isinstance(value, Integral) or isinstance(value, bool):
+        raise TypeError(
+            f"{name} must be an int >= 0, got {value!r} ({type(value).__name__}); pass e.g. {name}={example}"
+        )
+    if value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}; pass e.g. {name}={example}")
+    return int(value)
+
+
+class Rewind:
+    """Keep copies of the training state; after repeated spike skips, restore one.
+
+    Args:
+        every: take a copy every ``every`` applied updates (at the next check).
+        keep: how many copies are kept (the oldest is replaced, its host buffers reused).
+        spikes: spike skips that trigger a rewind ...
+        within: ... when they fall within this many windows.
+        skip_batches: batches :meth:`batches` drops after each rewind.
+        module: a ``torch.nn.Module`` whose buffers (batch-norm statistics, ...)
+            are copied and restored too; parameters come from the optimizer.
+        check_every: windows between the checks (one host read each).
+    """
+
+    def __init__(
+        self,
+        every: int = 100,
+        keep: int = 2,
+        spikes: int = 3,
+        within: int = 50,
+        skip_batches: int = 200,
+        module: torch.nn.Module | None = None,
+        *,
+        check_every: int = 10,
+    ) -> None:
+        self.every = check_positive_int("every", every, 100)
+        self.keep = check_positive_int("keep", keep, 2)
+        self.spikes = check_positive_int("spikes", spikes, 3)
+        self.within = check_positive_int("within", within, 50)
+        self.skip_batches = _check_count("skip_batches", skip_batches, 200)
+        if module is not None and not isinstance(module, torch.nn.Module):
+            raise TypeError(
+                f"module must be a torch.nn.Module or None, got {type(module).__name__}; "
+                "pass e.g. module=model to copy its buffers too"
+            )
+        self.module = module
+        self.check_every = check_positive_int("check_every", check_every, 10)
+        self.rewinds = 0  #: rewinds so far
+        self.pending_skip = 0  #: batches :meth:`batches` still drops
+        self.batches_dropped = 0  #: batches dropped so far
+        self.copies_taken = 0  #: copies taken so far
+        self.spike_steps: list[int] = []  #: recent spike skips (window numbers), since the latest rewind
+        self.log: list[RewindEvent] = []  #: every rewind
+        self.applied = 0  #: updates applied to the current training state, as of the latest check
+        self._copies: list[HostCopy] = []  # oldest first
+        self._flags: list[tuple[int, Tensor]] = []  # (window, [spike, applied]) not yet checked
+        self._target: TrainingState | None = None
+        self._warned = False
+
+    def bind(self, params: list[Tensor], optimizer: Optimizer) -> None:
+        """Called by the optimizer: the parameters and inner optimizer to copy."""
+        buffers = [] if self.module is None else list(self.module.buffers())
+        self._target = TrainingState(list(params), buffers, optimizer)
+
+    @property
+    def copies(self) -> list[tuple[int, int]]:
+        """``(window, applied updates)`` of every copy held, oldest first."""
+        return [(c.step, c.applied) for c in self._copies]
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held by the copies."""
+        return sum(c.nbytes for c in self._copies)
+
+    def observe(self, step: int, spike: Tensor | float, applied: Tensor | float) -> bool:
+        """Record window ``step``'s flags (not read); True when a :meth:`check` is due now."""
+        flags = torch.stack(
+            [torch.as_tensor(spike, dtype=torch.float32), torch.as_tensor(applied, dtype=torch.float32)]
+        )
+        self._flags.append((step, flags))
+        return step % self.check_every == 0
+
+    def _read_flags(self) -> None:
+        """Fold the pending flags into the spike log and the applied count (one host read)."""
+        if not self._flags:
+            return
+        values = torch.stack([f.to("cpu") if f.device.type != "cpu" else f for _, f in self._flags]).tolist()
+        for (step, _), (spike, applied) in zip(self._flags, values, strict=True):
+            if spike > 0:
+                self.spike_steps.append(step)
+            self.applied += int(applied > 0)
+        self._flags = []
+        newest = self.spike_steps[-1] if self.spike_steps else 0
+        self.spike_steps = [s for s in self.spike_steps if s > newest - self.within]
+
+    def check(self, step: int, wrapper_state: Callable[[], Any]) -> tuple[RewindEvent, Any] | None:
+        """Read the pending flags; rewind, or take a copy when one is due.
+
+        ``wrapper_state()`` gives the wrapper's state to copy along (policy,
+        guard).  After a rewind returns the event and the restored wrapper state
+        (CPU tensors) for the optimizer to load; else None.
+        """
+        target = self._bound_target()
+        self._read_flags()
+        hit = rewind_target(self.spike_steps, [c.step for c in self._copies], self.spikes, self.within)
+        if hit is not None and hit[1] >= 0:
+            return self._rewind(target, step, hit[0], hit[1])
+        if hit is not None and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"Rewind: {len(self.spike_steps)} spike skips by window {step} but no copy older than the "
+                f"first of them (window {hit[0]}); nothing was restored. Take copies more often "
+                f"(every={self.every} applied updates now)",
+                UserWarning,
+                stacklevel=3,
+            )
+        newest = self._copies[-1].applied if self._copies else None
+        if newest is None or self.applied - newest >= self.every:
+            self.capture(step, wrapper_state())
+        return None
+
+    def _bound_target(self) -> TrainingState:
+        if self._target is None:
+            raise RuntimeError(
+                "this Rewind is not attached to an optimizer; "
+                "pass it as ClippedOptimizer(..., rewind=Rewind(...))"
+            )
+        return self._target
+
+    def capture(self, step: int, extra: Any) -> None:
+        """Take a copy now (window ``step``), replacing the oldest when ``keep`` are held."""
+        target = self._bound_target()
+        reuse = self._copies.pop(0) if len(self._copies) >= self.keep else None
+        self._copies.append(capture(target, extra, step, self.applied, reuse))
+        self.copies_taken += 1
+
+    def _rewind(
+        self, target: TrainingState, step: int, first: int, copy_step: int
+    ) -> tuple[RewindEvent, Any]:
+        index = [c.step for c in self._copies].index(copy_step)
+        chosen = self._copies[index]
+        restored = restore(chosen, target)
+        self._copies = self._copies[: index + 1]  # newer copies belong to the abandoned run
+        event = RewindEvent(step, copy_step, first, len(self.spike_steps))
+        self.log.append(event)
+        self.rewinds += 1
+        self.applied = chosen.applied
+        self.spike_steps = []
+        self.pending_skip = self.skip_batches
+        return event, restored
+
+    def batches(self, iterable: Iterable[T]) -> Iterator[T]:
+        """Yield from ``iterable``, dropping ``skip_batches`` batches after each rewind."""
+        for item in iterable:
+            if self.pending_skip > 0:
+                self.pending_skip -= 1
+                self.batches_dropped += 1
+                continue
+            yield item
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, pending skips, the spike log, unchecked flags, the rewind log and the copies.
+
+        The copies are included (cloned CPU tensors): without them a run resumed
+        from a checkpoint would have nothing to rewind to until its next copy,
+        and would not train like the run that never stopped.  They make the
+        checkpoint up to ``keep`` times the size of parameters + optimizer state
+        larger.  Only tensors, numbers, strings, lists, tuples and dicts:
+        loadable with ``torch.load(..., weights_only=True)``.
+        """
+        copies = []
+        for c in self._copies:
+            c.wait()
+            copies.append(
+                {
+                    "step": c.step,
+                    "applied": c.applied,
+                    "spec": c.spec,
+                    "leaves": [t.clone() for t in c.leaves],
+                    "devices": [str(d) for d in c.devices],
+                }
+            )
+        return {
+            "format": 1,
+            "rewinds": self.rewinds,
+            "pending_skip": self.pending_skip,
+            "batches_dropped": self.batches_dropped,
+            "copies_taken": self.copies_taken,
+            "applied": self.applied,
+            "spike_steps": list(self.spike_steps),
+            "flags": [[step, f.detach().to("cpu", copy=True)] for step, f in self._flags],
+            "log": [e.to_dict() for e in self.log],
+            "copies": copies,
+        }
+
+    def load_state_dict(self, state: Any) -> None:
+        """Load a state from :meth:`state_dict`; everything is checked before anything changes."""
+        parsed = _parse_state(state, self._target)
+        (
+            self.rewinds,
+            self.pending_skip,
+            self.batches_dropped,
+            self.copies_taken,
+            self.applied,
+            self.spike_steps,
+            self._flags,
+            self.log,
+            copies,
+        ) = parsed
+        self._copies = copies[-self.keep :]
+
+    def __repr__(self) -> str:
+        return (
+            f"Rewind(every={self.every}, keep={self.keep}, spikes={self.spikes}, within={self.within}, "
+            f"skip_batches={self.skip_batches}, check_every={self.check_every})"
+        )
+
+
+_BAD_STATE = (
+    "invalid Rewind state: {}; pass the state saved by Rewind.state_dict() (opt.state_dict()['clipopt'])"
+)
+
+
+def _bad(why: str) -> ValueError:
+    return ValueError(_BAD_STATE.format(why))
+
+
+def _int_field(state: dict[str, Any], key: str) -> int:
+    value = state.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise _bad(f"{key!r} must be an int >= 0, got {value!r}")
+    return value
+
+
+def _parse_copy(entry: Any, target: TrainingState | None) -> HostCopy:
+    if not isinstance(entry, dict):
+        raise _bad(f"a copy must be a dict, got {type(entry).__name__}")
+    leaves, devices, spec = entry.get("leaves"), entry.get("devices"), entry.get("spec")
+    if not isinstance(leaves, list) or not all(isinstance(t, Tensor) for t in leaves):
+        raise _bad("a copy's 'leaves' must be a list of tensors")
+    if not isinstance(devices, list) or len(devices) != len(leaves):
+        raise _bad("a copy's 'devices' must name one device per leaf")
+    if not (isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "d"):
+        raise _bad("a copy's 'spec' is not a structure saved by Rewind")
+    body = dict(spec[1])
+    if set(body) != {"params", "buffers", "state", "extra"}:
+        raise _bad("a copy's 'spec' must hold params, buffers, state and extra")
+    if target is not None:
+        params = [s[1] for s in body["params"][1]]
+        if len(params) != len(target.params) or any(
+            not (0 <= i < len(leaves)) or leaves[i].shape != p.shape or leaves[i].dtype != p.dtype
+            for i, p in zip(params, target.params, strict=True)
+        ):
+            raise _bad("its copies hold parameters of other shapes or dtypes than this optimizer's")
+    step, applied = _int_field(entry, "step"), _int_field(entry, "applied")
+    pin = torch.cuda.is_available()
+    host = [t.detach().to("cpu", copy=True) for t in leaves]
+    if pin:
+        host = [t.pin_memory() for t in host]
+    return HostCopy(step, applied, spec, host, [torch.device(str(d)) for d in devices])
+
+
+def _parse_state(state: Any, target: TrainingState | None) -> tuple[Any, ...]:
+    if not isinstance(state, dict) or state.get("format") != 1:
+        raise _bad(f"expected a dict with format 1, got {type(state).__name__}")
+    ints = [
+        _int_field(state, k)
+        for k in ("rewinds", "pending_skip", "batches_dropped", "copies_taken", "applied")
+    ]
+    spikes = state.get("spike_steps")
+    if not isinstance(spikes, list) or not all(isinstance(s, int) for s in spikes):
+        raise _bad("'spike_steps' must be a list of window numbers")
+    flags = state.get("flags")
+    if not isinstance(flags, list) or not all(
+        isinstance(f, list)
+        and len(f) == 2
+        and isinstance(f[0], int)
+        and isinstance(f[1], Tensor)
+        and f[1].shape == (2,)
+        for f in flags
+    ):
+        raise _bad("'flags' must be a list of [window, tensor of 2 flags]")
+    log = state.get("log")
+    try:
+        events = [RewindEvent(**e) for e in log]  # type: ignore[union-attr]
+    except TypeError as exc:
+        raise _bad(f"'log' must be a list of rewind records ({exc})") from None
+    copies = state.get("copies")
+    if not isinstance(copies, list):
+        raise _bad("'copies' must be a list")
+    parsed = [_parse_copy(c, target) for c in copies]
+    pending = [(step, f.detach().to(torch.float32, copy=True)) for step, f in flags]
+    return (*ints, list(spikes), pending, events, parsed)
