@@ -1,0 +1,350 @@
+"""Rewind on its own: host copies restore bit-identically, the rule, batches(), checkpoints."""
+
+from __future__ import annotations
+
+import io
+import re
+from typing import Any
+
+import pytest
+import torch
+
+from clipopt._host_copy import TrainingState, capture, restore
+from clipopt._rewind import Rewind, RewindEvent, rewind_target
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Tanh(), torch.nn.Linear(6, 2)
+    )
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(8, 4, generator=gen)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Independent clones of everything a rewind must bring back."""
+    state = {
+        i: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state[p].items()}
+        for i, p in enumerate(model.parameters())
+        if p in opt.state
+    }
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "buffers": [b.clone() for b in model.buffers()],
+        "state": state,
+    }
+
+
+def _assert_same(model: torch.nn.Module, opt: torch.optim.Optimizer, snap: dict[str, Any]) -> None:
+    for p, q in zip(model.parameters(), snap["params"], strict=True):
+        assert p.dtype == q.dtype and torch.equal(p.detach(), q)
+    for b, c in zip(model.buffers(), snap["buffers"], strict=True):
+        assert b.dtype == c.dtype and torch.equal(b, c)
+    params = list(model.parameters())
+    index = {id(p): i for i, p in enumerate(params)}
+    assert {index[id(p)] for p in opt.state} == set(snap["state"])
+    for i, entry in snap["state"].items():
+        live = opt.state[params[i]]
+        assert set(live) == set(entry)
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor):
+                assert live[k].dtype == v.dtype and torch.equal(live[k], v), k
+            else:
+                assert live[k] == v, k
+
+
+OPTIMIZERS = [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+    lambda ps: torch.optim.RMSprop(ps, lr=1e-3, centered=True),
+]
+
+
+@pytest.mark.parametrize("make", OPTIMIZERS, ids=["adamw", "adamw-single", "sgd", "adagrad", "rmsprop"])
+def test_capture_restore_is_bit_identical(make: Any) -> None:
+    """After more training, restore() gives back parameters, buffers and optimizer state bit for bit."""
+    model = _model()
+    opt = make(model.parameters())
+    _train(model, opt, 3, seed=1)
+    target = TrainingState(list(model.parameters()), list(model.buffers()), opt)
+    saved = _snapshot(model, opt)
+    copy = capture(target, {"note": torch.tensor([1.5])}, step=3, applied=3)
+    _train(model, opt, 4, seed=2)
+    extra = restore(copy, target)
+    _assert_same(model, opt, saved)
+    assert torch.equal(extra["note"], torch.tensor([1.5]))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_restore_does_not_alias_the_copy() -> None:
+    """Training after a restore leaves the copy intact: restoring it twice gives the same state."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # CPU: a restore must not share the host tensors
+    _train(model, opt, 2, seed=1)
+    target = TrainingState(list(model.parameters()), list(model.buffers()), opt)
+    saved = _snapshot(model, opt)
+    copy = capture(target, None, 2, 2)
+    for seed in (5, 6):
+        _train(model, opt, 3, seed=seed)
+        restore(copy, target)
+        _assert_same(model, opt, saved)
+
+
+def test_restore_of_a_copy_without_state_clears_it() -> None:
+    """A copy taken before the first update restores an empty optimizer state (Adam's lazy state)."""
+    model = _model()
+    opt = torch.optim.Adam(model.parameters())
+    target = TrainingState(list(model.parameters()), list(model.buffers()), opt)
+    saved = _snapshot(model, opt)
+    copy = capture(target, None, 0, 0)
+    _train(model, opt, 2, seed=3)
+    assert len(opt.state) > 0
+    restore(copy, target)
+    assert len(opt.state) == 0
+    _assert_same(model, opt, saved)
+
+
+def test_capture_reuses_host_buffers() -> None:
+    """A capture that replaces a copy writes into its host tensors (same storage) and holds the new values."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(model, opt, 1, seed=1)
+    target = TrainingState(list(model.parameters()), list(model.buffers()), opt)
+    first = capture(target, None, 1, 1)
+    pointers = [t.data_ptr() for t in first.leaves]
+    _train(model, opt, 2, seed=2)
+    saved = _snapshot(model, opt)
+    second = capture(target, None, 3, 3, reuse=first)
+    assert [t.data_ptr() for t in second.leaves] == pointers
+    _train(model, opt, 2, seed=3)
+    restore(second, target)
+    _assert_same(model, opt, saved)
+
+
+def test_restore_refuses_changed_parameters() -> None:
+    """A copy whose parameter shapes no longer match raises ValueError and leaves the parameters alone."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    target = TrainingState(list(model.parameters()), [], opt)
+    copy = capture(target, None, 0, 0)
+    other = torch.nn.Linear(3, 3)
+    wrong = TrainingState(list(other.parameters()), [], torch.optim.SGD(other.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in other.parameters()]
+    message = (
+        "cannot rewind: the parameters changed since the copy was taken (count, shape or dtype); "
+        "a Rewind needs the same model and parameter groups throughout training"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        restore(copy, wrong)
+    assert all(torch.equal(p, q) for p, q in zip(other.parameters(), before, strict=True))
+
+
+def test_rewind_target_rule() -> None:
+    """spikes within `within` windows fire; the copy is the newest taken strictly before the first spike."""
+    assert rewind_target([], [0, 100], 3, 50) is None
+    assert rewind_target([110, 120], [0, 100], 3, 50) is None  # two spikes only
+    assert rewind_target([110, 120, 130], [0, 100], 3, 50) == (110, 100)
+    assert rewind_target([60, 120, 130, 140], [0, 100], 3, 50) == (120, 100)  # 60 is too old
+    assert rewind_target([100, 120, 130], [0, 100], 3, 50) == (100, 0)  # copy 100 is not before 100
+    assert rewind_target([111, 159, 160], [0, 100], 3, 50) == (111, 100)  # 111..160: 50 windows
+    assert rewind_target([110, 159, 160], [0, 100], 3, 50) is None  # 110..160: 51 windows
+    assert rewind_target([5, 6, 7], [10], 3, 50) == (5, -1)  # no copy older than the first spike
+
+
+def _bound(rewind: Rewind, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Rewind:
+    rewind.bind(list(model.parameters()), opt)
+    return rewind
+
+
+def _drive(
+    rewind: Rewind,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    spikes: set[int],
+    start: int,
+    stop: int,
+) -> list[tuple[int, RewindEvent]]:
+    """Windows start..stop-1: a spike window is skipped (no update), others train; checks when due."""
+    events = []
+    for step in range(start, stop):
+        spike = step in spikes
+        if not spike:
+            _train(model, opt, 1, seed=step)
+        if rewind.observe(step, float(spike), float(not spike)):
+            hit = rewind.check(step, lambda s=step: {"guard": torch.tensor([float(s)])})
+            if hit is not None:
+                events.append((step, hit[0]))
+    return events
+
+
+def test_rewind_restores_copy_before_first_spike_and_drops_batches() -> None:
+    """Three spikes in 50 windows rewind to the newest copy before the first; batches() then drops 7."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rewind = _bound(
+        Rewind(every=20, keep=2, spikes=3, within=50, skip_batches=7, module=model, check_every=5), model, opt
+    )
+    _drive(rewind, model, opt, set(), 1, 41)  # copies at windows 5 (first check), 25
+    assert rewind.copies == [(5, 5), (25, 25)]
+    _drive(rewind, model, opt, set(), 41, 46)  # check at 45: 20 applied since 25, a copy replaces 5
+    assert rewind.copies == [(25, 25), (45, 45)]
+    saved = _snapshot(model, opt)
+    events = _drive(rewind, model, opt, {47, 52, 58}, 46, 61)
+    assert [(s, e.restored, e.first_spike, e.spikes) for s, e in events] == [(60, 45, 47, 3)]
+    _assert_same(model, opt, saved)
+    assert rewind.rewinds == 1 and rewind.pending_skip == 7 and rewind.spike_steps == []
+    assert rewind.copies == [(25, 25), (45, 45)] and rewind.applied == 45
+    assert list(rewind.batches(range(10))) == [7, 8, 9]
+    assert rewind.batches_dropped == 7 and rewind.pending_skip == 0
+
+
+def test_rewind_drops_copies_newer_than_the_restored_one() -> None:
+    """Copies taken after the first spike belong to the abandoned run and are dropped by the rewind."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    rewind = _bound(Rewind(every=5, keep=3, spikes=2, within=30, skip_batches=0, check_every=5), model, opt)
+    events = _drive(rewind, model, opt, {12, 28}, 1, 31)
+    assert [(s, e.restored) for s, e in events] == [(30, 10)]
+    assert rewind.copies == [(10, 10)]
+
+
+def test_rewind_without_older_copy_warns_once_and_keeps_training() -> None:
+    """Spikes before any usable copy: no restore, one UserWarning naming the windows."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rewind = _bound(Rewind(every=100, spikes=2, within=10, check_every=5), model, opt)
+    with pytest.warns(UserWarning, match=re.escape("no copy older than the first of them (window 2)")):
+        events = _drive(rewind, model, opt, {2, 3}, 1, 11)
+    assert events == [] and rewind.rewinds == 0
+
+
+def test_check_reads_the_device_once() -> None:
+    """observe() reads nothing; check() reads the pending flags in one host read."""
+    from .hostreads import count_host_reads
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rewind = _bound(Rewind(every=100, check_every=4), model, opt)
+    with count_host_reads() as reads:
+        due = [rewind.observe(s, torch.tensor(0.0), torch.tensor(1.0)) for s in range(1, 5)]
+    assert len(reads) == 0 and due == [False, False, False, True]
+    with count_host_reads() as reads:
+        rewind.check(4, lambda: None)
+    assert len(reads) == 1, reads.ours
+    assert rewind.applied == 4
+
+
+def _save_load(state: dict[str, Any]) -> dict[str, Any]:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def test_state_dict_round_trip_resumes_exactly() -> None:
+    """A Rewind loaded (weights_only) mid-run, with model and optimizer, rewinds and trains identically."""
+    runs = []
+    for resume in (False, True):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        rewind = _bound(
+            Rewind(every=10, keep=2, spikes=2, within=20, skip_batches=3, check_every=5), model, opt
+        )
+        _drive(rewind, model, opt, {22}, 1, 24)  # copies at 5 and 15; spike 22 saved unchecked
+        if resume:
+            ckpt = _save_load({"m": model.state_dict(), "o": opt.state_dict(), "r": rewind.state_dict()})
+            model = _model()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            rewind = _bound(
+                Rewind(every=10, keep=2, spikes=2, within=20, skip_batches=3, check_every=5), model, opt
+            )
+            model.load_state_dict(ckpt["m"])
+            opt.load_state_dict(ckpt["o"])
+            rewind.load_state_dict(ckpt["r"])
+        events = _drive(rewind, model, opt, {27}, 24, 40)
+        runs.append((events, _snapshot(model, opt), rewind.state_dict()))
+    (ev_a, snap_a, sd_a), (ev_b, snap_b, sd_b) = runs
+    assert [e for _, e in ev_a] == [e for _, e in ev_b] and len(ev_a) == 1
+    for p, q in zip(snap_a["params"], snap_b["params"], strict=True):
+        assert torch.equal(p, q)
+    for key in ("rewinds", "pending_skip", "applied", "spike_steps", "log"):
+        assert sd_a[key] == sd_b[key], key
+    assert [c["step"] for c in sd_a["copies"]] == [c["step"] for c in sd_b["copies"]]
+    for ca, cb in zip(sd_a["copies"], sd_b["copies"], strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(ca["leaves"], cb["leaves"], strict=True))
+
+
+def test_load_state_dict_rejects_bad_state_and_keeps_own() -> None:
+    """A corrupt or mismatched Rewind state raises ValueError with the cause; nothing changes."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rewind = _bound(Rewind(every=5, check_every=5), model, opt)
+    _drive(rewind, model, opt, set(), 1, 6)
+    good = rewind.state_dict()
+    tail = "; pass the state saved by Rewind.state_dict() (opt.state_dict()['clipopt'])"
+    cases = [
+        ([], "invalid Rewind state: expected a dict with format 1, got list"),
+        (dict(good, rewinds=-1), "invalid Rewind state: 'rewinds' must be an int >= 0, got -1"),
+        (
+            dict(good, spike_steps=[1.5]),
+            "invalid Rewind state: 'spike_steps' must be a list of window numbers",
+        ),
+    ]
+    other = torch.nn.Linear(2, 2)
+    foreign = Rewind()
+    foreign.bind(list(other.parameters()), torch.optim.SGD(other.parameters(), lr=0.1))
+    foreign.capture(0, None)
+    cases.append(
+        (
+            dict(good, copies=foreign.state_dict()["copies"]),
+            "invalid Rewind state: its copies hold parameters of other shapes or dtypes "
+            "than this optimizer's",
+        )
+    )
+    for state, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message + tail)):
+            rewind.load_state_dict(state)
+    assert rewind.copies == [(5, 5)] and rewind.applied == 5
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "message"),
+    [
+        ({"every": 0}, ValueError, "every must be an int >= 1, got 0; pass e.g. every=100"),
+        ({"keep": 1.5}, TypeError, "keep must be an int >= 1, got 1.5 (float); pass e.g. keep=2"),
+        ({"spikes": 0}, ValueError, "spikes must be an int >= 1, got 0; pass e.g. spikes=3"),
+        ({"within": -1}, ValueError, "within must be an int >= 1, got -1; pass e.g. within=50"),
+        (
+            {"skip_batches": -1},
+            ValueError,
+            "skip_batches must be an int >= 0, got -1; pass e.g. skip_batches=200",
+        ),
+        (
+            {"module": "model"},
+            TypeError,
+            "module must be a torch.nn.Module or None, got str; "
+            "pass e.g. module=model to copy its buffers too",
+        ),
+        ({"check_every": 0}, ValueError, "check_every must be an int >= 1, got 0; pass e.g. check_every=10"),
+    ],
+)
+def test_argument_validation(kwargs: dict[str, Any], exc: type, message: str) -> None:
+    """Each bad argument raises its exact message naming the argument, value and fix."""
+    with pytest.raises(exc, match=re.escape(message)):
+        Rewind(**kwargs)
+
+
+def test_unbound_rewind_says_how_to_attach() -> None:
+    """check() before the optimizer bound the Rewind raises a RuntimeError that says how to pass it."""
+    with pytest.raises(RuntimeError, match=re.escape("pass it as ClippedOptimizer(..., rewind=Rewind(...))")):
+        Rewind().check(1, lambda: None)
