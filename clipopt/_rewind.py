@@ -46,6 +46,7 @@ class RewindEvent:
     restored: int  #: the window count of the copy that was restored
     first_spike: int  #: the first spike skip of the group that triggered it
     spikes: int  #: spike skips in that group
+    undone: int  #: applied updates the rewind took back
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -215,7 +216,7 @@ class Rewind:
         chosen = self._copies[index]
         restored = restore(chosen, target)
         self._copies = self._copies[: index + 1]  # newer copies belong to the abandoned run
-        event = RewindEvent(step, copy_step, first, len(self.spike_steps))
+        event = RewindEvent(step, copy_step, first, len(self.spike_steps), self.applied - chosen.applied)
         self.log.append(event)
         self.rewinds += 1
         self.applied = chosen.applied

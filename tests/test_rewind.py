@@ -200,7 +200,7 @@ def test_rewind_restores_copy_before_first_spike_and_drops_batches() -> None:
     assert rewind.copies == [(25, 25), (45, 45)]
     saved = _snapshot(model, opt)
     events = _drive(rewind, model, opt, {47, 52, 58}, 46, 61)
-    assert [(s, e.restored, e.first_spike, e.spikes) for s, e in events] == [(60, 45, 47, 3)]
+    assert [(s, e.restored, e.first_spike, e.spikes, e.undone) for s, e in events] == [(60, 45, 47, 3, 12)]
     _assert_same(model, opt, saved)
     assert rewind.rewinds == 1 and rewind.pending_skip == 7 and rewind.spike_steps == []
     assert rewind.copies == [(25, 25), (45, 45)] and rewind.applied == 45
