@@ -270,9 +270,20 @@ class Rewind:
             "copies": copies,
         }
 
-    def load_state_dict(self, state: Any) -> None:
-        """Load a state from :meth:`state_dict`; everything is checked before anything changes."""
-        parsed = _parse_state(state, self._target)
+    def validate_state(self, state: Any) -> tuple[Any, ...]:
+        """Check a state from :meth:`state_dict` (``ValueError`` naming the cause); changes nothing.
+
+        Returns what :meth:`load_state_dict` loads (its parsed form).
+        """
+        return _parse_state(state, self._target)
+
+    def load_state_dict(self, state: Any, parsed: tuple[Any, ...] | None = None) -> None:
+        """Load a state from :meth:`state_dict`; everything is checked before anything changes.
+
+        ``parsed``: the result of :meth:`validate_state` for this ``state`` (not checked twice).
+        """
+        if parsed is None:
+            parsed = _parse_state(state, self._target)
         (
             self.rewinds,
             self.pending_skip,
@@ -285,6 +296,12 @@ class Rewind:
             copies,
         ) = parsed
         self._copies = copies[-self.keep :]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling / deep copies: the copies' pending events are waited for (events do not travel)."""
+        for c in self._copies:
+            c.wait()
+        return self.__dict__.copy()
 
     def __repr__(self) -> str:
         return (

@@ -348,3 +348,21 @@ def test_unbound_rewind_says_how_to_attach() -> None:
     """check() before the optimizer bound the Rewind raises a RuntimeError that says how to pass it."""
     with pytest.raises(RuntimeError, match=re.escape("pass it as ClippedOptimizer(..., rewind=Rewind(...))")):
         Rewind().check(1, lambda: None)
+
+
+def test_deepcopy_and_pickle_keep_copies() -> None:
+    """A Rewind (with its model and optimizer) survives pickling; the copy restores the same state."""
+    import pickle
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    rewind = _bound(Rewind(every=5, check_every=5, module=model), model, opt)
+    _drive(rewind, model, opt, set(), 1, 6)
+    saved = _snapshot(model, opt)
+    bundle = pickle.loads(pickle.dumps((model, opt, rewind)))
+    m2, o2, r2 = bundle
+    _train(m2, o2, 2, seed=9)
+    r2.spike_steps = [6, 7, 8]
+    hit = r2.check(10, lambda: None)
+    assert hit is not None and hit[0].restored == 5
+    _assert_same(m2, o2, saved)
