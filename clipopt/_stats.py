@@ -9,8 +9,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ._layers import LAYER_FIELDS
-
 if TYPE_CHECKING:
     from ._layers import LayerStats
 
@@ -208,26 +206,28 @@ _LAZY = (
     "_divergence",
 )
 
+_FLAGS = ("_clipped", "_skipped", "_nonfinite", "_divergence")
+
 
 def materialize(stats: Sequence[StepStats]) -> None:
     """Turn the device values of many :class:`StepStats` (and their layer statistics) into
     Python values with one host read."""
     pending = [(s, name) for s in stats for name in _LAZY if isinstance(getattr(s, name), Tensor)]
-    layers = [s.layers for s in stats if s.layers is not None and s.layers._values is not None]
+    layers: list[tuple[LayerStats, Tensor]] = []
+    for lay in (s.layers for s in stats):
+        values = None if lay is None else lay.device_values()
+        if lay is not None and values is not None:
+            layers.append((lay, values))
     if not pending and not layers:
         return
     parts = [getattr(s, name).reshape(1) for s, name in pending]
-    parts += [lay._values.reshape(-1) for lay in layers if lay._values is not None]
+    parts += [values.reshape(-1) for _, values in layers]
     device = parts[0].device
     flat = torch.cat([t.to(device, torch.float64, non_blocking=True) for t in parts]).tolist()
     for i, (s, name) in enumerate(pending):
-        flags = ("_clipped", "_skipped", "_nonfinite", "_divergence")
-        setattr(s, name, bool(flat[i]) if name in flags else flat[i])
+        setattr(s, name, bool(flat[i]) if name in _FLAGS else flat[i])
     offset = len(pending)
-    for lay in layers:
-        k = len(LAYER_FIELDS)
-        width = len(lay.names) * k
-        chunk = flat[offset : offset + width]
-        lay._rows = [chunk[r * k : r * k + k] for r in range(len(lay.names))]
-        lay._values = None
+    for lay, values in layers:
+        width = values.numel()
+        lay.fill_rows(flat[offset : offset + width])
         offset += width
