@@ -29,6 +29,18 @@ from ._checks import (
     check_optional_positive_int,
     check_positive_int,
 )
+from ._decision import (
+    DIVERGENCE,
+    NONFINITE,
+    OVERFLOW,
+    SPIKE,
+    SkipSignal,
+    WindowDecision,
+    clip_,
+    decide_skip,
+    policy_spike,
+    read_anomaly,
+)
 from ._distributed import (
     ShardedGrads,
     Unsynced,
@@ -734,26 +746,31 @@ class ClippedOptimizer(Optimizer):
             self.scaler.unscale_(self.optimizer)
         try:
             with torch.no_grad():
-                total_norm, flag = self._measure(grads, n, params)
+                d = self._measure(grads, n, params)
                 if self._replicas.active and not self._has_dtensor:  # DDP: one decision on every rank
-                    total_norm, flag = self._replicas.agree(total_norm, flag, n, self._counters.windows + 1)
-                layers = self._diagnose(params, total_norm, flag, n)
+                    window = self._counters.windows + 1
+                    norm, nonfinite = self._replicas.agree(d.total_norm, d.nonfinite, n, window)
+                    d = WindowDecision(norm, nonfinite, self._replicas.divergence)
+                layers = self._diagnose(params, d, n)
                 unitwise = self._policy is not None and self._policy.unitwise  # AGC clips in place
                 undo.touched |= self.clip_value is not None or unitwise
-                w = self._clip(params, grads, total_norm, flag, n)
+                self._clip(d, params, grads, n)
             undo.touched = True  # scaling and the inner step change the gradients
             self._counters.micro_batches = 0
             self._counters.windows += 1
-            window_loss = self._loss.take(self.reduction)
+            d.loss = self._loss.take(self.reduction)
             fused = _is_fused(self.optimizer) and self._inner_state_ready()
-            loss = self._step_fused(w, loss, closure) if fused else self._step_host(w, loss, closure, params)
+            if fused:
+                loss = self._step_fused(d, loss, closure)
+            else:
+                loss = self._step_host(d, grads, loss, closure, params)
             undo.committed = True
         finally:  # also after an error: an unscaled scaler without update() would refuse every later window
             self._shards = None  # views of the gradients: do not keep them past the window
             self._window_guard.reset()
             if self.scaler is not None:
                 self.scaler.update()
-        stats = self._record(w, n, layers, window_loss)
+        stats = self._record(d, n, layers)
         log_window(self.loggers, stats, self)  # I/O failures warn; the window is complete either way
         self._attached.clear()
         self._replicas.end_window(host_read=not fused)  # may warn (divergence) or raise (out of step)
@@ -764,13 +781,13 @@ class ClippedOptimizer(Optimizer):
         """A window in which no parameter has a gradient: nothing to apply, so the inner step is not
         called; it is recorded as skipped with reason ``"nograd"`` (not a non-finite skip)."""
         params = self._params()
-        zero = torch.zeros((), dtype=torch.float32, device=params[0].device if params else None)
-        w = _Window([], zero, zero, None, 1.0, 1.0, False, self._bound)
+        d = WindowDecision.empty(params[0].device if params else None, self._bound)
+        d.loss = self._loss.take(self.reduction)
         self._counters.micro_batches = 0
         self._counters.windows += 1
         self._last_skipped, self._update_applied = True, False
         self._counters.record(True, False)
-        stats = self._record(w, n, None, self._loss.take(self.reduction), reason="nograd")
+        stats = self._record(d, n, None)
         log_window(self.loggers, stats, self)
         self._attached.clear()
         return loss
@@ -804,7 +821,7 @@ class ClippedOptimizer(Optimizer):
 
     def _measure(
         self, grads: list[Tensor], n: int, params: list[Tensor] | None = None
-    ) -> tuple[Tensor, Tensor]:
+    ) -> WindowDecision:
         """Steps 1-2: the pre-clip norm of the combined gradient and its non-finite flag.
 
         Given ``params`` while per-layer statistics are on and a logger writes them,
@@ -824,9 +841,9 @@ class ClippedOptimizer(Optimizer):
         else:
             raw_norm = self._total_norm(grads)
         total_norm = raw_norm / divisor if divisor != 1.0 else raw_norm
-        return total_norm, F.nonfinite_flag(total_norm)
+        return WindowDecision(total_norm, F.nonfinite_flag(total_norm))
 
-    def _diagnose(self, params: list[Tensor], total_norm: Tensor, flag: Tensor, n: int) -> LayerStats | None:
+    def _diagnose(self, params: list[Tensor], d: WindowDecision, n: int) -> LayerStats | None:
         """Per-layer statistics when due, and an anomaly snapshot of a non-finite or spiking window.
 
         Both see the pre-clip gradients.  Either one reads the flag (and the
@@ -837,27 +854,18 @@ class ClippedOptimizer(Optimizer):
             self._bad_row = None  # the full statistics are this window's row
         if not due and self._snapshots is None:
             return None
-        spike = None
-        if self._snapshots is not None and self._policy is not None:
-            spike = self._policy.is_spike(total_norm)
-        if spike is None:
-            bad, spiking = bool(flag.item()), False
-        else:
-            bad, spiking = (v > 0 for v in torch.stack([flag, spike.to(flag.dtype)]).tolist())
+        snapshots = self._snapshots is not None
+        bad, reason = read_anomaly(d, self._policy if snapshots else None, snapshots, self.scaler is not None)
         inv = 1.0 / self._divisor(n)
         stats_of = sharded_layer_stats if self._has_dtensor else compute_layer_stats  # the former: collective
         layers = stats_of(params, self.layer_names(), inv, bad) if due else None
-        # with a scaler, a non-finite window is an overflow: GradScaler's normal operation
-        reason = "nonfinite" if bad and self.scaler is None else "spike" if spiking and not bad else None
-        if not bad and self._snapshots is not None and self._replicas.diverged_now():
-            reason = "divergence"
         if reason is not None and self._snapshots is not None:
             if layers is None:
                 snap_layers = compute_layer_stats(params, self.layer_names(), inv, bad)
                 self._bad_row = snap_layers if self.layer_stats else None  # the full row, computed anyway
             else:
                 snap_layers = layers
-            path = self._snapshots.save(self._snapshot_payload(params, total_norm, n, snap_layers, reason))
+            path = self._snapshots.save(self._snapshot_payload(params, d.total_norm, n, snap_layers, reason))
             self.last_snapshot = path or self.last_snapshot
             if path is not None and reason == "nonfinite":
                 self._last_nonfinite_snapshot = path
@@ -896,48 +904,38 @@ class ClippedOptimizer(Optimizer):
 
     def _clip(
         self,
+        d: WindowDecision,
         params: list[Tensor],
         grads: list[Tensor],
-        total_norm: Tensor,
-        flag: Tensor,
         n: int,
-        fixed: tuple[float | Tensor | None] | None = None,
-    ) -> _Window:
-        """Steps 3-4: value clipping, then the norm bound (or a policy's); all on the device.
+        reevaluated: tuple[float | Tensor | None] | None = None,
+    ) -> None:
+        """Steps 3-4 and the skip decision, all on the device (see :mod:`clipopt._decision`).
 
-        ``fixed=(bound,)`` uses that bound instead of ``max_norm`` (closure re-evaluations).
+        ``reevaluated=(max_norm,)``: a closure's re-evaluation, clipped with the window's own
+        bound; a global-norm policy and the window-level skip signals saw the window once already.
         """
-        divisor = self._divisor(n)
-        inv = 1.0 / divisor
-        norm = total_norm
-        clipped: bool | Tensor = False
-        if self.clip_value is not None:
-            # clamp(g / n, ±c) == clamp(g, ±c·n) / n: the division folds into the final scale.
-            F.clip_grads_value_(grads, self.clip_value * divisor, foreach=self.foreach)
-            norm = self._total_norm(grads) * inv
-            clipped = norm < total_norm
-        # a unit-wise policy is stateless: re-evaluations get it again
         unitwise = self._policy is not None and self._policy.unitwise
-        policy = self._policy if fixed is None or unitwise else None
-        skip = flag if self._skip_enabled() else None
-        if fixed is None:
-            skip = self._replicas.skip_with_divergence(skip)
-        coef: float | Tensor = 1.0
-        bound = self._bound if fixed is None else fixed[0]
-        if policy is not None and policy.unitwise:
-            unit_clipped = policy.clip_(params, inv)  # applies the 1/n as well
-            clipped = unit_clipped | clipped if isinstance(clipped, Tensor) else unit_clipped
-            return _Window(grads, total_norm, flag, skip, 1.0, 1.0, clipped, None)
-        if policy is not None:
-            bound = policy.threshold(total_norm)
-            spike = policy.spike()
-            if spike is not None:
-                skip = spike if skip is None else torch.maximum(skip, spike)
-        if bound is not None:
-            coef = F.clip_coef(norm, bound)
-            clipped = (coef < 1.0) | clipped if isinstance(clipped, Tensor) else coef < 1.0
-        scale = coef * inv if divisor != 1.0 else coef
-        return _Window(grads, total_norm, flag, skip, coef, scale, clipped, bound)
+        policy = self._policy if reevaluated is None or unitwise else None  # unit-wise: stateless
+        max_norm = self._bound if reevaluated is None else reevaluated[0]
+        clip_(
+            d,
+            grads,
+            params,
+            clip_value=self.clip_value,
+            divisor=self._divisor(n),
+            foreach=self.foreach,
+            norm_of=self._total_norm,
+            policy=policy,
+            max_norm=max_norm,
+        )
+        enabled = self._skip_enabled()
+        code = OVERFLOW if self.scaler is not None else NONFINITE
+        signals = [SkipSignal(code, d.nonfinite if enabled else None)]
+        if reevaluated is None:
+            signals.insert(0, SkipSignal(DIVERGENCE, d.divergence))
+            signals.append(SkipSignal(SPIKE, policy_spike(None if unitwise else policy)))
+        decide_skip(d, signals)
 
     def _skip_enabled(self) -> bool:
         return self.skip_nonfinite or self.scaler is not None
@@ -970,7 +968,7 @@ class ClippedOptimizer(Optimizer):
             self._ready_state, self._ready_size = state, (len(state), len(params))
         return True
 
-    def _step_fused(self, w: _Window, loss: Any, closure: Callable[[], Any] | None) -> Any:
+    def _step_fused(self, w: WindowDecision, loss: Any, closure: Callable[[], Any] | None) -> Any:
         """Fold the scale into the fused kernel as ``grad_scale``; skip through ``found_inf``."""
         grad_scale: Tensor | None = None  # the kernel divides the gradients by grad_scale
         if isinstance(w.scale, Tensor):
@@ -978,18 +976,23 @@ class ClippedOptimizer(Optimizer):
         elif w.scale != 1.0:
             grad_scale = torch.tensor(1.0 / w.scale, dtype=torch.float32, device=w.total_norm.device)
         found_inf = w.skip
-        inner_closure = self._inner_closure(loss, closure, w.limit)
+        inner_closure = self._inner_closure(loss, closure, w.max_norm)
         fused_step = _fused_inner_step_eager if is_compiling() else _fused_inner_step
         out = fused_step(self.optimizer, inner_closure, grad_scale, found_inf)
         self._set_outcome(found_inf if found_inf is not None else False, w)
         return out if closure is not None else loss
 
     def _step_host(
-        self, w: _Window, loss: Any, closure: Callable[[], Any] | None, params: list[Tensor]
+        self,
+        w: WindowDecision,
+        grads: list[Tensor],
+        loss: Any,
+        closure: Callable[[], Any] | None,
+        params: list[Tensor],
     ) -> Any:
         """Scale the gradients, read the skip flag once, then step or discard."""
         if isinstance(w.scale, Tensor) or w.scale != 1.0:
-            F.scale_grads_(w.grads, w.scale, foreach=self.foreach)
+            F.scale_grads_(grads, w.scale, foreach=self.foreach)
         skipped = w.skip is not None and bool(w.skip.item())
         if skipped:
             for p in params:
@@ -999,12 +1002,13 @@ class ClippedOptimizer(Optimizer):
             # an optimizer that re-evaluates the closure (LBFGS) moves the parameters first: keep a copy
             guard = closure is not None and self._skip_enabled() and reevaluates(self.optimizer)
             backup, bad = (InnerBackup(self.optimizer, params), [False]) if guard else (None, None)
-            out = self.optimizer.step(self._inner_closure(loss, closure, w.limit, bad))
+            out = self.optimizer.step(self._inner_closure(loss, closure, w.max_norm, bad))
             if closure is None:
                 out = loss
             if backup is not None and bad is not None and bad[0]:  # a non-finite re-evaluation: skip
                 backup.restore()
-                skipped, w.flag = True, torch.ones_like(w.flag)
+                skipped = True
+                w.skipped_as_nonfinite(NONFINITE)
         self._set_outcome(skipped, w)
         return out
 
@@ -1012,12 +1016,12 @@ class ClippedOptimizer(Optimizer):
         self,
         loss: Any,
         closure: Callable[[], Any] | None,
-        limit: float | Tensor | None,
+        max_norm: float | Tensor | None,
         bad: list[bool] | None = None,
     ) -> Callable[[], Any] | None:
         """First call returns the loss already computed; later calls re-evaluate and clip.
 
-        Re-evaluated gradients are clipped with the window's own bound ``limit``
+        Re-evaluated gradients are clipped with the window's own bound ``max_norm``
         (a policy sees each window once, not each evaluation).  With ``bad``
         (a one-element list) each re-evaluation is checked on the host: a
         non-finite loss or gradient sets ``bad[0]`` and zeroes the gradients,
@@ -1036,12 +1040,12 @@ class ClippedOptimizer(Optimizer):
             with torch.no_grad():
                 params = self._params()
                 grads = self._window_grads(params)
-                total_norm, flag = self._measure(grads, 1)
-                w = self._clip(params, grads, total_norm, flag, 1, fixed=(limit,))
-                if isinstance(w.scale, Tensor) or w.scale != 1.0:
-                    F.scale_grads_(grads, w.scale, foreach=self.foreach)
+                d = self._measure(grads, 1)
+                self._clip(d, params, grads, 1, reevaluated=(max_norm,))
+                if isinstance(d.scale, Tensor) or d.scale != 1.0:
+                    F.scale_grads_(grads, d.scale, foreach=self.foreach)
                 self._shards = None
-                if bad is not None and (bad[0] or bool(flag.item()) or nonfinite_loss(out)):
+                if bad is not None and (bad[0] or bool(d.nonfinite.item()) or nonfinite_loss(out)):
                     bad[0] = True
                     for g in grads:
                         g.zero_()
@@ -1050,42 +1054,20 @@ class ClippedOptimizer(Optimizer):
 
         return reevaluate
 
-    def _set_outcome(self, skipped: bool | Tensor, w: _Window) -> None:
+    def _set_outcome(self, skipped: bool | Tensor, d: WindowDecision) -> None:
         """Count the window; ``skipped`` is a bool, or a 0/1 float tensor decided on the device."""
         self._last_skipped = skipped
         self._update_applied = not skipped if isinstance(skipped, bool) else None
-        nonfinite: bool | Tensor = skipped
-        spikes = self._policy is not None and self._policy.spike() is not None
-        if spikes or self._replicas.divergence is not None:  # a skip may be a spike or a divergence
-            enabled = self._skip_enabled()
-            if isinstance(skipped, bool):
-                nonfinite = skipped and enabled and bool(w.flag.item())  # only read after a skip
-            else:
-                nonfinite = w.flag if enabled else torch.zeros_like(w.flag)
-        self._counters.record(skipped, nonfinite)
+        self._counters.record(skipped, d.counted_nonfinite(skipped, self._skip_enabled()))
 
-    def _record(
-        self,
-        w: _Window,
-        n: int,
-        layers: LayerStats | None,
-        loss: Tensor | float | None,
-        reason: str | None = None,
-    ) -> StepStats:
+    def _record(self, d: WindowDecision, n: int, layers: LayerStats | None) -> StepStats:
         stats = StepStats(
             step=self._counters.windows,
             micro_batches=n,
-            total_norm=w.total_norm,
-            clip_coef=w.coef,
-            clipped=w.clipped,
+            decision=d,
             skipped=self._last_skipped,
-            reason_if_skipped=reason or ("overflow" if self.scaler is not None else "nonfinite"),
-            max_norm=w.limit,
-            nonfinite=w.flag if self._policy is not None and self._policy.spike() is not None else None,
-            divergence=self._replicas.divergence,
             lr=[_lr_value(g["lr"]) for g in self.param_groups],
             layers=layers,
-            loss=loss,
             bad_row=self._bad_row,
         )
         self.last_stats = stats
@@ -1247,28 +1229,3 @@ _DTENSOR_DIAGNOSTICS = (
     "shards; pass snapshot_dir=None (norms, clipping, skipping, layer_stats and loggers work)"
 )
 
-
-class _Window:
-    """The device-side results of steps 1-4 for one window."""
-
-    __slots__ = ("clipped", "coef", "flag", "grads", "limit", "scale", "skip", "total_norm")
-
-    def __init__(
-        self,
-        grads: list[Tensor],
-        total_norm: Tensor,
-        flag: Tensor,
-        skip: Tensor | None,
-        coef: float | Tensor,
-        scale: float | Tensor,
-        clipped: bool | Tensor,
-        limit: float | Tensor | None,
-    ) -> None:
-        self.grads = grads  #: the gradients, clipped in place by now except for ``scale``
-        self.total_norm = total_norm  #: pre-clip norm of the combined gradient
-        self.flag = flag  #: 1.0 when total_norm is not finite, else 0.0
-        self.skip = skip  #: 1.0 when the window is skipped (non-finite or spike); None: never skip
-        self.coef = coef  #: norm-clipping coefficient (1.0 when off)
-        self.scale = scale  #: coef / micro-batches (mean) — what still multiplies the gradients
-        self.clipped = clipped  #: whether clipping changed the gradient
-        self.limit = limit  #: the norm bound of this window (a policy's threshold), or None
