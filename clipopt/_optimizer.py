@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch._compile import _disable_dynamo
 from torch.compiler import is_compiling
 from torch.optim import Optimizer
 from torch.optim import optimizer as _optim_module
 
 from . import functional as F
+from ._apply import StateReadiness, is_fused, reevaluating_closure, step_fused, step_host
 from ._badrow import candidate_row
 from ._checks import (
     check_choice,
@@ -56,7 +56,7 @@ from ._layers import LayerStats, compute_layer_stats, resolve_param_names
 from ._logging import Logger, log_window
 from ._loss import LossSum, check_loss, loss_of_closure
 from ._policies import ClipPolicy
-from ._rollback import InnerBackup, UndoPoint, nonfinite_loss, reevaluates
+from ._rollback import UndoPoint
 from ._snapshot import SnapshotWriter, check_saveable, now, process_rank, to_saveable, versions
 from ._state import (
     WrapperState,
@@ -78,45 +78,6 @@ _HOOK_DICTS = (
     "_optimizer_load_state_dict_pre_hooks",
     "_optimizer_load_state_dict_post_hooks",
 )
-
-
-#: torch optimizers whose fused implementation takes ``grad_scale`` and ``found_inf``.
-_FUSED_CAPABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
-
-
-def _is_fused(inner: Optimizer) -> bool:
-    """True when ``inner.step()`` takes ``grad_scale``/``found_inf`` (fused Adam, AdamW, SGD, Adagrad).
-
-    ``_step_supports_amp_scaling`` marks them (and third-party fused optimizers),
-    but pickling drops that instance attribute, so the type counts as well.
-    """
-    if not (getattr(inner, "_step_supports_amp_scaling", False) or isinstance(inner, _FUSED_CAPABLE)):
-        return False
-    return all(bool(g.get("fused")) for g in inner.param_groups)
-
-
-def _fused_inner_step(
-    inner: Optimizer, closure: Callable[[], Any] | None, grad_scale: Tensor | None, found_inf: Tensor | None
-) -> Any:
-    """The fused inner ``step()`` with ``grad_scale``/``found_inf`` set on it, as GradScaler does.
-
-    Under ``torch.compile(opt.step)`` it runs eagerly (:data:`_fused_inner_step_eager`):
-    torch never compiles its fused kernels either (``_fused_adamw`` is
-    ``torch.compiler.disable``-d), and attributes set on the optimizer inside a
-    traced frame do not reach them.
-    """
-    inner.grad_scale = grad_scale  # type: ignore[attr-defined]
-    inner.found_inf = found_inf  # type: ignore[attr-defined]
-    try:
-        return inner.step(closure)
-    finally:
-        del inner.grad_scale  # type: ignore[attr-defined]
-        del inner.found_inf  # type: ignore[attr-defined]
-
-
-#: ``_fused_inner_step`` hidden from torch.compile; torch's lazy wrapper imports
-#: ``torch._dynamo`` at the first call (while compiling), not when clipopt is imported.
-_fused_inner_step_eager = _disable_dynamo(_fused_inner_step)
 
 
 def _lr_value(lr: Any) -> float | Tensor:
@@ -337,8 +298,7 @@ class ClippedOptimizer(Optimizer):
         self._loss = LossSum()  # the open window's micro-batch losses
         self._update_applied: bool | None = False  # None: read _last_skipped
         self._last_skipped: bool | Tensor = False
-        self._ready_state: Any = None  # the state object known to hold state for every parameter
-        self._ready_size: tuple[int, int] = (0, 0)
+        self._readiness = StateReadiness()  # whether the fused path may skip (see _apply)
         self._params_key: tuple[int, ...] = ()
         self._params_cache: list[Tensor] = []
         self._has_dtensor = False  # some parameter is a DTensor (FSDP2): norms are reduced across ranks
@@ -412,6 +372,9 @@ class ClippedOptimizer(Optimizer):
         state.setdefault("_replicas", ReplicaDecision("auto"))
         state.setdefault("backward_passes_per_step", 1)  # pickled before these existed
         state.setdefault("_window_guard", WindowGuard())
+        state.pop("_ready_state", None)  # pickled before StateReadiness
+        state.pop("_ready_size", None)
+        state.setdefault("_readiness", StateReadiness())
         self.__dict__.update(state)
         self.__dict__.setdefault("_loss", LossSum())  # pickled by a clipopt without the loss
         self._init_hooks()
@@ -759,11 +722,7 @@ class ClippedOptimizer(Optimizer):
             self._counters.micro_batches = 0
             self._counters.windows += 1
             d.loss = self._loss.take(self.reduction)
-            fused = _is_fused(self.optimizer) and self._inner_state_ready()
-            if fused:
-                loss = self._step_fused(d, loss, closure)
-            else:
-                loss = self._step_host(d, grads, loss, closure, params)
+            loss, fused = self._apply(d, grads, params, loss, closure)
             undo.committed = True
         finally:  # also after an error: an unscaled scaler without update() would refuse every later window
             self._shards = None  # views of the gradients: do not keep them past the window
@@ -940,119 +899,43 @@ class ClippedOptimizer(Optimizer):
     def _skip_enabled(self) -> bool:
         return self.skip_nonfinite or self.scaler is not None
 
-    def _inner_state_ready(self) -> bool:
-        """Whether every parameter with a gradient already has inner state.
+    def _apply(
+        self, d: WindowDecision, grads: list[Tensor], params: list[Tensor], loss: Any, closure: Any
+    ) -> tuple[Any, bool]:
+        """Step 5: the inner step or the skip (see :mod:`clipopt._apply`); returns ``step()``'s result
+        and whether the fused (host-read-free) path ran."""
+        fused = is_fused(self.optimizer) and self._readiness.ready(self.optimizer, params)
 
-        Before a parameter's first update a fused kernel that is told to skip can
-        leave freshly allocated state uninitialised (fused SGD's momentum buffers),
-        and a skipped first update must leave no state behind, so such windows
-        take the host path.  SGD without momentum keeps no state at all.  Once
-        every parameter has state, that is remembered for this state object.
-        """
-        state = self.state
-        params = self._params()
-        if self._ready_state is state and self._ready_size == (len(state), len(params)):
-            return True
-        sgd = isinstance(self.optimizer, torch.optim.SGD)
-        all_ready = True
-        for group in self.param_groups:
-            if sgd and group.get("momentum", 0) == 0:
-                continue
-            for p in group["params"]:
-                s = state.get(p)
-                if not s or any(v is None for v in s.values()):
-                    if p.grad is not None:
-                        return False
-                    all_ready = False
-        if all_ready:
-            self._ready_state, self._ready_size = state, (len(state), len(params))
-        return True
+        def make_closure(bad: list[bool] | None = None) -> Any:
+            return reevaluating_closure(loss, closure, lambda: self._reclip(d.max_norm), bad)
 
-    def _step_fused(self, w: WindowDecision, loss: Any, closure: Callable[[], Any] | None) -> Any:
-        """Fold the scale into the fused kernel as ``grad_scale``; skip through ``found_inf``."""
-        grad_scale: Tensor | None = None  # the kernel divides the gradients by grad_scale
-        if isinstance(w.scale, Tensor):
-            grad_scale = w.scale.to(torch.float32).reciprocal()
-        elif w.scale != 1.0:
-            grad_scale = torch.tensor(1.0 / w.scale, dtype=torch.float32, device=w.total_norm.device)
-        found_inf = w.skip
-        inner_closure = self._inner_closure(loss, closure, w.max_norm)
-        fused_step = _fused_inner_step_eager if is_compiling() else _fused_inner_step
-        out = fused_step(self.optimizer, inner_closure, grad_scale, found_inf)
-        self._set_outcome(found_inf if found_inf is not None else False, w)
-        return out if closure is not None else loss
-
-    def _step_host(
-        self,
-        w: WindowDecision,
-        grads: list[Tensor],
-        loss: Any,
-        closure: Callable[[], Any] | None,
-        params: list[Tensor],
-    ) -> Any:
-        """Scale the gradients, read the skip flag once, then step or discard."""
-        if isinstance(w.scale, Tensor) or w.scale != 1.0:
-            F.scale_grads_(grads, w.scale, foreach=self.foreach)
-        skipped = w.skip is not None and bool(w.skip.item())
-        if skipped:
-            for p in params:
-                p.grad = None
-            out = loss
+        if fused:
+            out, skipped = step_fused(self.optimizer, d, make_closure())
+            out = out if closure is not None else loss
         else:
-            # an optimizer that re-evaluates the closure (LBFGS) moves the parameters first: keep a copy
-            guard = closure is not None and self._skip_enabled() and reevaluates(self.optimizer)
-            backup, bad = (InnerBackup(self.optimizer, params), [False]) if guard else (None, None)
-            out = self.optimizer.step(self._inner_closure(loss, closure, w.max_norm, bad))
-            if closure is None:
-                out = loss
-            if backup is not None and bad is not None and bad[0]:  # a non-finite re-evaluation: skip
-                backup.restore()
-                skipped = True
-                w.skipped_as_nonfinite(NONFINITE)
-        self._set_outcome(skipped, w)
-        return out
+            out, skipped = step_host(
+                self.optimizer,
+                d,
+                grads,
+                params,
+                loss,
+                None if closure is None else make_closure,
+                guard=self._skip_enabled(),
+                foreach=self.foreach,
+            )
+        self._set_outcome(skipped, d)
+        return out, fused
 
-    def _inner_closure(
-        self,
-        loss: Any,
-        closure: Callable[[], Any] | None,
-        max_norm: float | Tensor | None,
-        bad: list[bool] | None = None,
-    ) -> Callable[[], Any] | None:
-        """First call returns the loss already computed; later calls re-evaluate and clip.
-
-        Re-evaluated gradients are clipped with the window's own bound ``max_norm``
-        (a policy sees each window once, not each evaluation).  With ``bad``
-        (a one-element list) each re-evaluation is checked on the host: a
-        non-finite loss or gradient sets ``bad[0]`` and zeroes the gradients,
-        which ends LBFGS's iterations; the caller then restores the window.
-        """
-        if closure is None:
-            return None
-        calls = [0]
-
-        def reevaluate() -> Any:
-            calls[0] += 1
-            if calls[0] == 1:
-                return loss
-            with torch.enable_grad():
-                out = closure()
-            with torch.no_grad():
-                params = self._params()
-                grads = self._window_grads(params)
-                d = self._measure(grads, 1)
-                self._clip(d, params, grads, 1, reevaluated=(max_norm,))
-                if isinstance(d.scale, Tensor) or d.scale != 1.0:
-                    F.scale_grads_(grads, d.scale, foreach=self.foreach)
-                self._shards = None
-                if bad is not None and (bad[0] or bool(d.nonfinite.item()) or nonfinite_loss(out)):
-                    bad[0] = True
-                    for g in grads:
-                        g.zero_()
-                    out = torch.zeros(()) if isinstance(out, Tensor) else 0.0
-            return out
-
-        return reevaluate
+    def _reclip(self, max_norm: float | Tensor | None) -> tuple[Tensor, list[Tensor]]:
+        """A closure's re-evaluation: measured and clipped with the window's bound ``max_norm``."""
+        params = self._params()
+        grads = self._window_grads(params)
+        d = self._measure(grads, 1)
+        self._clip(d, params, grads, 1, reevaluated=(max_norm,))
+        if isinstance(d.scale, Tensor) or d.scale != 1.0:
+            F.scale_grads_(grads, d.scale, foreach=self.foreach)
+        self._shards = None
+        return d.nonfinite, grads
 
     def _set_outcome(self, skipped: bool | Tensor, d: WindowDecision) -> None:
         """Count the window; ``skipped`` is a bool, or a 0/1 float tensor decided on the device."""
@@ -1166,7 +1049,7 @@ class ClippedOptimizer(Optimizer):
         inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
         with restore_on_failure(self.optimizer), keep_group_keys(self.optimizer):
             self.optimizer.load_state_dict(inner_sd)
-        self._ready_state = None
+        self._readiness.reset()
         self._window_guard.reset()  # loaded gradients are new tensors
         if wrapper is None:
             self._counters = WrapperState()
