@@ -9,7 +9,6 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from numbers import Real
 from typing import Any
 
 import torch
@@ -21,14 +20,11 @@ from torch.optim import optimizer as _optim_module
 from . import functional as F
 from ._apply import StateReadiness, is_fused, reevaluating_closure, step_fused, step_host
 from ._badrow import candidate_row
+from ._checkpoint import read_checkpoint, wrapper_entry
 from ._checks import (
-    check_choice,
     check_flag,
-    check_norm_type,
-    check_optional_positive_float,
-    check_optional_positive_int,
-    check_positive_int,
 )
+from ._config import DTENSOR_DIAGNOSTICS, check_max_norm, configure
 from ._decision import (
     DIVERGENCE,
     NONFINITE,
@@ -50,9 +46,9 @@ from ._distributed import (
     sharded_layer_stats,
     suppress_sync,
 )
-from ._distributed_decision import ReplicaDecision, check_norm_group, check_replica_group, settings_of
+from ._distributed_decision import ReplicaDecision, settings_of
 from ._errors import NonFiniteGradientError
-from ._layers import LayerStats, compute_layer_stats, resolve_param_names
+from ._layers import LayerStats, compute_layer_stats
 from ._logging import Logger, log_window
 from ._loss import LossSum, check_loss, loss_of_closure
 from ._policies import ClipPolicy
@@ -61,9 +57,7 @@ from ._snapshot import SnapshotWriter, check_saveable, now, process_rank, to_sav
 from ._state import (
     WrapperState,
     keep_group_keys,
-    read_wrapper_state,
     restore_on_failure,
-    validate_inner_state,
 )
 from ._stats import StepStats
 from ._window_guard import WindowGuard
@@ -83,34 +77,6 @@ _HOOK_DICTS = (
 def _lr_value(lr: Any) -> float | Tensor:
     """A group's lr for the record: tensor learning rates are copied, not read (no host sync)."""
     return lr.detach().clone() if isinstance(lr, Tensor) else float(lr)
-
-
-def _check_layer_stats(value: Any) -> int:
-    """``layer_stats``: False -> 0 (off), True -> 1, k -> every k windows."""
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int) and value >= 1:
-        return value
-    raise (TypeError if not isinstance(value, int) else ValueError)(
-        f"layer_stats must be True, False or an int >= 1, got {value!r}; "
-        "pass e.g. layer_stats=10 for statistics every 10 updates"
-    )
-
-
-def _check_loggers(loggers: Any) -> list[Logger]:
-    if isinstance(loggers, (str, bytes)) or not hasattr(loggers, "__iter__"):
-        raise TypeError(
-            f"loggers must be a list of loggers, got {type(loggers).__name__}; "
-            "pass e.g. loggers=[CSVLogger('grads.csv')]"
-        )
-    out = list(loggers)
-    for logger in out:
-        if not isinstance(logger, Logger):
-            raise TypeError(
-                f"loggers must hold objects with log(stats, optimizer) and close() methods, "
-                f"got {type(logger).__name__}; pass e.g. loggers=[CSVLogger('grads.csv')]"
-            )
-    return out
 
 
 class ClippedOptimizer(Optimizer):
@@ -223,71 +189,18 @@ class ClippedOptimizer(Optimizer):
         replica_group: Any = "auto",
         backward_passes_per_step: int = 1,
     ) -> None:
-        if isinstance(optimizer, ClippedOptimizer):
-            raise TypeError(
-                "optimizer is already a ClippedOptimizer; wrap its inner optimizer "
-                "(opt.optimizer) once, with all the options you need"
-            )
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
-                "pass e.g. torch.optim.AdamW(model.parameters())"
-            )
-        self.max_norm = max_norm
-        self.norm_type = check_norm_type(norm_type)
-        self.clip_value = check_optional_positive_float("clip_value", clip_value, "0.5")
-        self.accumulation_steps = check_positive_int("accumulation_steps", accumulation_steps)
-        self.reduction = check_choice("reduction", reduction, ("mean", "sum"))
-        self.skip_nonfinite = check_flag("skip_nonfinite", skip_nonfinite)
-        self.max_consecutive_nonfinite = check_optional_positive_int(
-            "max_consecutive_nonfinite", max_consecutive_nonfinite
-        )
-        if self.max_consecutive_nonfinite is not None and not skip_nonfinite:
-            raise ValueError(
-                f"max_consecutive_nonfinite={max_consecutive_nonfinite!r} counts skipped updates "
-                "but skip_nonfinite=False skips none; set skip_nonfinite=True or "
-                "max_consecutive_nonfinite=None"
-            )
-        if scaler is not None and not (hasattr(scaler, "unscale_") and hasattr(scaler, "update")):
-            raise TypeError(
-                f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}; "
-                "pass scaler=torch.amp.GradScaler()"
-            )
-        if foreach is not None:
-            check_flag("foreach", foreach)
-        self.stats_history = check_positive_int("stats_history", stats_history)
-        self.layer_stats = _check_layer_stats(layer_stats)
-        self.loggers = _check_loggers(loggers)
-        if snapshot_dir is not None and not isinstance(snapshot_dir, (str, os.PathLike)):
-            raise TypeError(
-                f"snapshot_dir must be a path or None, got {type(snapshot_dir).__name__}; "
-                "pass e.g. snapshot_dir='anomalies/'"
-            )
-        self.max_snapshots = check_positive_int("max_snapshots", max_snapshots)
-        self.norm_group = check_norm_group(norm_group)
-        self._replicas = ReplicaDecision(check_replica_group(replica_group))
-        self.backward_passes_per_step = check_positive_int(
-            "backward_passes_per_step", backward_passes_per_step
-        )
-        names = resolve_param_names(optimizer, param_names)
-        if self.clip_value is not None and any(p.is_complex() for p in names):
-            raise ValueError(
-                f"clip_value={clip_value!r} cannot clip complex parameters (a complex number has no order "
-                "to clamp by); pass clip_value=None and bound complex gradients with max_norm"
-            )
-        if snapshot_dir is not None and has_dtensor(list(names)):
-            raise ValueError(_DTENSOR_DIAGNOSTICS)
-        if snapshot_dir is not None and param_names is None and not any(
-            g.get("param_names") for g in optimizer.param_groups
-        ):
-            warnings.warn(
-                "snapshot_dir is set but the parameters have no names, so snapshots name them "
-                "group0.0, group0.1, ... and model.load_state_dict(snap['params'], strict=False) "
-                "matches nothing; pass param_names=model.named_parameters()",
-                UserWarning,
-                stacklevel=2,
-            )
-
+        options = dict(locals())  # the arguments by name (and self, unused)
+        cfg = configure(optimizer, ClippedOptimizer, options)  # raises before any state exists
+        self._policy, self._bound = cfg.policy, cfg.bound  # what the max_norm property returns
+        self.norm_type, self.clip_value = cfg.norm_type, cfg.clip_value
+        self.accumulation_steps, self.reduction = cfg.accumulation_steps, cfg.reduction
+        self.skip_nonfinite = cfg.skip_nonfinite
+        self.max_consecutive_nonfinite = cfg.max_consecutive_nonfinite
+        self.stats_history, self.layer_stats, self.loggers = cfg.stats_history, cfg.layer_stats, cfg.loggers
+        self.max_snapshots, self.norm_group = cfg.max_snapshots, cfg.norm_group
+        self._replicas = ReplicaDecision(cfg.replica_group)
+        self.backward_passes_per_step = cfg.backward_passes_per_step
+        names = cfg.names
         self.optimizer = optimizer
         self.scaler = scaler
         self.foreach = foreach
@@ -398,16 +311,7 @@ class ClippedOptimizer(Optimizer):
 
     @max_norm.setter
     def max_norm(self, value: float | ClipPolicy | None) -> None:
-        if isinstance(value, ClipPolicy):
-            self._policy, self._bound = value, None
-            return
-        if value is not None and (isinstance(value, bool) or not isinstance(value, Real)):
-            raise TypeError(
-                f"max_norm must be a float, a ClipPolicy (AutoClip, ZClip, AGC) or None, got {value!r} "
-                f"({type(value).__name__}); pass e.g. max_norm=1.0 or max_norm=AutoClip()"
-            )
-        self._bound = check_optional_positive_float("max_norm", value, "1.0")
-        self._policy = None
+        self._policy, self._bound = check_max_norm(value)
 
     # ------------------------------------------------------------------ signals
 
@@ -696,7 +600,7 @@ class ClippedOptimizer(Optimizer):
         n = self._counters.micro_batches
         params = self._params()
         if self._has_dtensor and self._snapshots is not None:
-            raise ValueError(_DTENSOR_DIAGNOSTICS)
+            raise ValueError(DTENSOR_DIAGNOSTICS)
         self._sync_unsynced()
         grads = self._window_grads(params)  # may raise: before the scaler is unscaled
         if self.clip_value is not None:
@@ -1007,17 +911,14 @@ class ClippedOptimizer(Optimizer):
             pre_hook(self)
         self._check_checkpointable()
         sd = dict(self.optimizer.state_dict())
-        pending = None
-        if self._counters.micro_batches > 0:
-            pending = [None if p.grad is None else p.grad.detach().clone() for p in self._params()]
-        sd["clipopt"] = self._counters.to_dict(
-            pending_grads=pending,
-            scaler=self.scaler.state_dict() if self.scaler is not None else None,
+        sd["clipopt"] = wrapper_entry(
+            self._counters,
+            self._params(),
+            scaler=self.scaler,
+            loss_sum=self._loss,
+            policy=self._policy,
+            unsynced=self._pending_unsynced(),
         )
-        sd["clipopt"].update(self._loss.to_dict())  # the open window's loss sum
-        sd["clipopt"]["policy"] = self._policy.state_dict() if self._policy is not None else None
-        marker = self._pending_unsynced()  # DDP: the saved gradients are this rank's, not yet averaged
-        sd["clipopt"]["unsynced"] = None if marker is None else marker.to_dict()
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, sd)
             if result is not None:
@@ -1035,66 +936,32 @@ class ClippedOptimizer(Optimizer):
             if result is not None:
                 state_dict = result
         params = self._params()
-        wrapper = read_wrapper_state(state_dict, params, self.accumulation_steps)
-        validate_inner_state(state_dict, self.optimizer)
-        policy_state = self._check_policy_state(state_dict)
-        self._check_scaler_state(wrapper)
-        ext = state_dict.get("clipopt")
-        unsynced = Unsynced.from_dict(
-            ext.get("unsynced") if isinstance(ext, dict) else None, wrapper[0].micro_batches if wrapper else 0
+        ckpt = read_checkpoint(
+            state_dict,
+            params,
+            accumulation_steps=self.accumulation_steps,
+            inner=self.optimizer,
+            policy=self._policy,
+            scaler=self.scaler,
         )
-        loss_sum = LossSum()
-        if wrapper is not None and isinstance(ext, dict):  # older state dicts have no loss: an empty sum
-            loss_sum = LossSum.from_dict(ext, wrapper[0].micro_batches)
-        inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
         with restore_on_failure(self.optimizer), keep_group_keys(self.optimizer):
-            self.optimizer.load_state_dict(inner_sd)
+            self.optimizer.load_state_dict(ckpt.inner)
         self._readiness.reset()
         self._window_guard.reset()  # loaded gradients are new tensors
-        if wrapper is None:
-            self._counters = WrapperState()
-        else:
-            counters, pending, scaler_state = wrapper
-            self._counters = counters
-            if pending is not None:
-                for p, g in zip(params, pending, strict=True):
-                    p.grad = None if g is None else g.detach().to(p.device, p.dtype, copy=True)
-            if scaler_state is not None and self.scaler is not None:
-                self.scaler.load_state_dict(scaler_state)
-            if policy_state is not None and self._policy is not None:
-                self._policy.load_state_dict(policy_state)
-        self._loss = loss_sum
+        self._counters = ckpt.counters if ckpt.counters is not None else WrapperState()
+        if ckpt.pending_grads is not None:
+            for p, g in zip(params, ckpt.pending_grads, strict=True):
+                p.grad = None if g is None else g.detach().to(p.device, p.dtype, copy=True)
+        if ckpt.counters is not None and ckpt.scaler_state is not None and self.scaler is not None:
+            self.scaler.load_state_dict(ckpt.scaler_state)
+        if ckpt.counters is not None and ckpt.policy_state is not None and self._policy is not None:
+            self._policy.load_state_dict(ckpt.policy_state)
+        self._loss = ckpt.loss_sum
         self._update_applied = False
         self._last_skipped = False
-        self._unsynced = unsynced
+        self._unsynced = ckpt.unsynced
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
-
-    def _check_scaler_state(self, wrapper: Any) -> None:
-        """Load the saved scaler state into a copy of the scaler first: it may refuse it."""
-        if wrapper is None or wrapper[2] is None or self.scaler is None:
-            return
-        try:
-            copy.deepcopy(self.scaler).load_state_dict(wrapper[2])
-        except (RuntimeError, KeyError, TypeError, ValueError) as exc:
-            raise ValueError(
-                f"invalid state_dict: the GradScaler rejected 'clipopt.scaler' ({exc}); "
-                "pass a state dict saved with a scaler configured like this one"
-            ) from exc
-
-    def _check_policy_state(self, state_dict: dict[str, Any]) -> dict[str, Any] | None:
-        """The policy's saved state, checked by loading it into a copy of the policy first."""
-        ext = state_dict.get("clipopt")
-        state = ext.get("policy") if isinstance(ext, dict) else None
-        if state is None or self._policy is None:
-            return None
-        if not isinstance(state, dict):
-            raise ValueError(
-                f"invalid state_dict: 'clipopt.policy' must be a dict, got {type(state).__name__}; "
-                "pass the dict returned by opt.state_dict()"
-            )
-        copy.deepcopy(self._policy).load_state_dict(state)  # raises ValueError, touching nothing
-        return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ClippedOptimizer:
         new = type(self).__new__(type(self))
@@ -1107,8 +974,4 @@ class ClippedOptimizer(Optimizer):
         return new
 
 
-_DTENSOR_DIAGNOSTICS = (
-    "snapshot_dir does not support DTensor (FSDP2) parameters yet: each rank holds only "
-    "shards; pass snapshot_dir=None (norms, clipping, skipping, layer_stats and loggers work)"
-)
 
