@@ -19,7 +19,6 @@ from torch.optim import optimizer as _optim_module
 
 from . import functional as F
 from ._apply import StateReadiness, is_fused, reevaluating_closure, step_fused, step_host
-from ._badrow import candidate_row
 from ._checkpoint import read_checkpoint, wrapper_entry
 from ._checks import (
     check_flag,
@@ -37,6 +36,7 @@ from ._decision import (
     policy_spike,
     read_anomaly,
 )
+from ._diagnostics import layer_names, norm_with_row, snapshot_payload
 from ._distributed import (
     ShardedGrads,
     Unsynced,
@@ -53,7 +53,7 @@ from ._logging import Logger, log_window
 from ._loss import LossSum, check_loss, loss_of_closure
 from ._policies import ClipPolicy
 from ._rollback import UndoPoint
-from ._snapshot import SnapshotWriter, check_saveable, now, process_rank, to_saveable, versions
+from ._snapshot import SnapshotWriter, check_saveable
 from ._state import (
     WrapperState,
     keep_group_keys,
@@ -695,11 +695,9 @@ class ClippedOptimizer(Optimizer):
         if params is not None:
             self._bad_row = None
         if params is not None and self.layer_stats and self.loggers and self._shards is None:
-            norms = F.get_norms(grads, self.norm_type, foreach=self.foreach)
-            raw_norm = torch.linalg.vector_norm(norms, self.norm_type)
-            with_grad = [i for i, p in enumerate(params) if p.grad is not None]
-            self._bad_row = candidate_row(
-                self.layer_names(), with_grad, norms, 1.0 / divisor, self.norm_type == 2.0
+            names, inv = self.layer_names(), 1.0 / divisor
+            raw_norm, self._bad_row = norm_with_row(
+                grads, params, names, norm_type=self.norm_type, foreach=self.foreach, inv=inv
             )
         else:
             raw_norm = self._total_norm(grads)
@@ -723,47 +721,44 @@ class ClippedOptimizer(Optimizer):
         stats_of = sharded_layer_stats if self._has_dtensor else compute_layer_stats  # the former: collective
         layers = stats_of(params, self.layer_names(), inv, bad) if due else None
         if reason is not None and self._snapshots is not None:
-            if layers is None:
-                snap_layers = compute_layer_stats(params, self.layer_names(), inv, bad)
-                self._bad_row = snap_layers if self.layer_stats else None  # the full row, computed anyway
-            else:
-                snap_layers = layers
-            path = self._snapshots.save(self._snapshot_payload(params, d.total_norm, n, snap_layers, reason))
-            self.last_snapshot = path or self.last_snapshot
-            if path is not None and reason == "nonfinite":
-                self._last_nonfinite_snapshot = path
+            self._save_snapshot(self._snapshots, params, d, n, (layers, bad), reason)
         return layers
 
-    def _snapshot_payload(
-        self, params: list[Tensor], total_norm: Tensor, n: int, layers: LayerStats, reason: str
-    ) -> dict[str, Any]:
+    def _save_snapshot(
+        self,
+        writer: SnapshotWriter,
+        params: list[Tensor],
+        d: WindowDecision,
+        n: int,
+        due: tuple[LayerStats | None, bool],
+        reason: str,
+    ) -> None:
+        """Write this window's anomaly snapshot (``reason``), with its full per-layer statistics
+        (``due``: the statistics computed already, or None, and whether the window is non-finite)."""
+        layers, bad = due
         inv = 1.0 / self._divisor(n)
-        names = self.layer_names()
-        return {
-            "format": 1,
-            "step": self._counters.windows + 1,
-            "reason": reason,
-            "micro_batches": n,
-            "total_norm": float(total_norm.item()),
-            "params": {name: p.detach().to("cpu", copy=True) for name, p in zip(names, params, strict=True)},
-            "grads": {
-                name: (p.grad.detach() * inv).to("cpu")
-                for name, p in zip(names, params, strict=True)
-                if p.grad is not None
-            },
-            "optimizer": {
+        if layers is None:
+            layers = compute_layer_stats(params, self.layer_names(), inv, bad)
+            self._bad_row = layers if self.layer_stats else None  # the full row, computed anyway
+        payload = snapshot_payload(
+            step=self._counters.windows + 1,
+            reason=reason,
+            micro_batches=n,
+            total_norm=d.total_norm,
+            names=self.layer_names(),
+            params=params,
+            inv=inv,
+            optimizer_state={
                 **self.optimizer.state_dict(),
                 "clipopt": self._counters.to_dict(pending_grads=None, scaler=None),
             },
-            "layer_stats": layers.as_dict(),
-            "attached": {
-                name: to_saveable(values[0] if len(values) == 1 else values, name)
-                for name, values in self._attached.items()
-            },
-            "versions": versions(),
-            "time": now(),
-            "rank": process_rank(),
-        }
+            layers=layers,
+            attached=self._attached,
+        )
+        path = writer.save(payload)
+        self.last_snapshot = path or self.last_snapshot
+        if path is not None and reason == "nonfinite":
+            self._last_nonfinite_snapshot = path
 
     def _clip(
         self,
@@ -865,19 +860,7 @@ class ClippedOptimizer(Optimizer):
 
     def layer_names(self) -> list[str]:
         """The name of every parameter, in parameter-group order (see ``param_names``)."""
-        names = self._names
-        out: list[str] = []
-        seen: set[str] = set()
-        for gi, group in enumerate(self.param_groups):
-            own = group.get("param_names")
-            for i, p in enumerate(group["params"]):
-                name = names.get(p) or (own[i] if own is not None and i < len(own) else None)
-                name = name or f"group{gi}.{i}"
-                if name in seen:  # a group added later repeats a name: qualified, so no tensor is lost
-                    name = f"group{gi}.{name}" if f"group{gi}.{name}" not in seen else f"group{gi}.{i}"
-                seen.add(name)
-                out.append(name)
-        return out
+        return layer_names(self.param_groups, self._names)
 
     def attach(self, **tensors: Any) -> None:
         """Register tensors (the current batch) to save if this window goes bad.
