@@ -6,7 +6,6 @@ import collections
 import copy
 import os
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -61,17 +60,10 @@ from ._state import (
 )
 from ._stats import StepStats
 from ._window_guard import WindowGuard
+from ._wrapping import InnerOptimizerView
 
 __all__ = ["ClippedOptimizer"]
 
-_HOOK_DICTS = (
-    "_optimizer_step_pre_hooks",
-    "_optimizer_step_post_hooks",
-    "_optimizer_state_dict_pre_hooks",
-    "_optimizer_state_dict_post_hooks",
-    "_optimizer_load_state_dict_pre_hooks",
-    "_optimizer_load_state_dict_post_hooks",
-)
 
 
 def _lr_value(lr: Any) -> float | Tensor:
@@ -79,7 +71,7 @@ def _lr_value(lr: Any) -> float | Tensor:
     return lr.detach().clone() if isinstance(lr, Tensor) else float(lr)
 
 
-class ClippedOptimizer(Optimizer):
+class ClippedOptimizer(InnerOptimizerView):
     r"""Wrap ``optimizer`` to clip, accumulate and skip non-finite updates.
 
     Call :meth:`step` after every ``backward()``; every ``accumulation_steps``-th
@@ -228,50 +220,14 @@ class ClippedOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ delegation
 
-    def _init_hooks(self) -> None:
-        for name in _HOOK_DICTS:
-            if name not in self.__dict__:
-                setattr(self, name, OrderedDict())
-        self._patch_step_function()
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> collections.defaultdict[Tensor, Any]:
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: collections.defaultdict[Tensor, Any]) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a parameter group to the inner optimizer."""
-        self.optimizer.add_param_group(param_group)
-
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the hooks (as torch does); mid-window also the gradients.
 
         Pickling a parameter does not carry its ``.grad``, so the gradients of a
         half-accumulated window travel with the wrapper.
         """
-        state = self.__dict__.copy()
-        for name in _HOOK_DICTS:
-            state.pop(name, None)
         self._check_checkpointable()
+        state = super().__getstate__()
         if self._unsynced is not None:  # the model and its process group do not travel; the fact does
             state["_unsynced"] = self._unsynced.detached()
         state["_shards"] = None
@@ -288,9 +244,8 @@ class ClippedOptimizer(Optimizer):
         state.pop("_ready_state", None)  # pickled before StateReadiness
         state.pop("_ready_size", None)
         state.setdefault("_readiness", StateReadiness())
-        self.__dict__.update(state)
-        self.__dict__.setdefault("_loss", LossSum())  # pickled by a clipopt without the loss
-        self._init_hooks()
+        state.setdefault("_loss", LossSum())  # pickled by a clipopt without the loss
+        super().__setstate__(state)
         if pending is not None:
             for p, g in zip(self._params(), pending, strict=True):
                 p.grad = g
