@@ -13,8 +13,10 @@ from ._layers import LAYER_FIELDS, LayerStats
 from ._logging import CSVLogger, Logger
 from ._optimizer import ClippedOptimizer
 from ._policies import AGC, AutoClip, ClipPolicy, ZClip
+from ._rewind import Rewind, RewindEvent
 from ._scheduler import PerUpdateScheduler, per_update
 from ._snapshot import load_snapshot
+from ._spike_guard import SpikeGuard
 from ._stats import StepStats, materialize
 from ._tensorboard import TensorBoardLogger
 
@@ -31,6 +33,9 @@ __all__ = [
     "Logger",
     "NonFiniteGradientError",
     "PerUpdateScheduler",
+    "Rewind",
+    "RewindEvent",
+    "SpikeGuard",
     "StepStats",
     "TensorBoardLogger",
     "ZClip",

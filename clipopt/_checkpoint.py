@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from ._distributed import Unsynced
 from ._loss import LossSum
+from ._recovery import SpikeRecovery
 from ._state import WrapperState, read_wrapper_state, validate_inner_state
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ def wrapper_entry(
     loss_sum: LossSum,
     policy: ClipPolicy | None,
     unsynced: Unsynced | None,
+    recovery: SpikeRecovery | None = None,
 ) -> dict[str, Any]:
     """The ``"clipopt"`` entry; mid-window it holds a copy of the gradients accumulated so far."""
     pending = None
@@ -45,6 +47,8 @@ def wrapper_entry(
     entry["policy"] = policy.state_dict() if policy is not None else None
     # DDP: the saved gradients are this rank's, not yet averaged
     entry["unsynced"] = None if unsynced is None else unsynced.to_dict()
+    if recovery is not None:  # "spike_guard" and "rewind" (the Rewind's copies included)
+        entry.update(recovery.state_dict())
     return entry
 
 
@@ -61,6 +65,8 @@ class Checkpoint(NamedTuple):
     policy_state: dict[str, Any] | None
     loss_sum: LossSum
     unsynced: Unsynced | None
+    #: The SpikeGuard's and Rewind's checked state (see ``SpikeRecovery.validate``).
+    recovery: tuple[Any, Any] = (None, None)
 
 
 def read_checkpoint(
@@ -71,6 +77,7 @@ def read_checkpoint(
     inner: Optimizer,
     policy: ClipPolicy | None,
     scaler: torch.amp.GradScaler | None,
+    recovery: SpikeRecovery | None = None,
 ) -> Checkpoint:
     """Validate ``state_dict`` completely (``ValueError``, touching nothing) and return its parts."""
     wrapper = read_wrapper_state(state_dict, params, accumulation_steps)
@@ -84,9 +91,12 @@ def read_checkpoint(
     loss_sum = LossSum()
     if wrapper is not None and isinstance(ext, dict):  # older state dicts have no loss: an empty sum
         loss_sum = LossSum.from_dict(ext, wrapper[0].micro_batches)
+    checked: tuple[Any, Any] = (None, None)
+    if wrapper is not None and isinstance(ext, dict) and recovery is not None:
+        checked = recovery.validate(ext)
     inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
     counters, pending, scaler_state = wrapper if wrapper is not None else (None, None, None)
-    return Checkpoint(inner_sd, counters, pending, scaler_state, policy_state, loss_sum, unsynced)
+    return Checkpoint(inner_sd, counters, pending, scaler_state, policy_state, loss_sum, unsynced, checked)
 
 
 def _check_scaler_state(wrapper: Any, scaler: torch.amp.GradScaler | None) -> None:

@@ -37,6 +37,7 @@ __all__ = [
     "NO_REASON",
     "OVERFLOW",
     "REASONS",
+    "REWIND",
     "SPIKE",
     "SkipSignal",
     "WindowDecision",
@@ -49,8 +50,8 @@ __all__ = [
 ]
 
 #: Reason codes (int64 on the device).  ``REASONS[code]`` is what ``StepStats.reason`` returns.
-NO_REASON, NONFINITE, OVERFLOW, SPIKE, DIVERGENCE, NOGRAD = range(6)
-REASONS: tuple[str | None, ...] = (None, "nonfinite", "overflow", "spike", "divergence", "nograd")
+NO_REASON, NONFINITE, OVERFLOW, SPIKE, DIVERGENCE, NOGRAD, REWIND = range(7)
+REASONS: tuple[str | None, ...] = (None, "nonfinite", "overflow", "spike", "divergence", "nograd", "rewind")
 
 
 def reason_name(code: int) -> str | None:
@@ -112,11 +113,14 @@ class WindowDecision:
         self.group_coefs: tuple[Tensor, ...] = ()
 
     @classmethod
-    def empty(cls, device: torch.device | None, max_norm: float | None) -> WindowDecision:
-        """A window in which no parameter has a gradient: skipped on the host, reason ``"nograd"``."""
+    def empty(
+        cls, device: torch.device | None, max_norm: float | None, reason: int = NOGRAD
+    ) -> WindowDecision:
+        """A window skipped on the host before it was measured: no parameter has a gradient
+        (reason ``"nograd"``), or a rewind discarded it (``"rewind"``)."""
         zero = torch.zeros((), dtype=torch.float32, device=device)
         d = cls(zero, zero)
-        d.max_norm, d.reason, d.nonfinite_only = max_norm, NOGRAD, False
+        d.max_norm, d.reason, d.nonfinite_only = max_norm, reason, False
         return d
 
     def skipped_as_nonfinite(self, code: int) -> None:

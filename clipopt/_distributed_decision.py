@@ -57,7 +57,8 @@ DIVERGENCE_RTOL = 1e-5
 #: Agreed windows whose host copy may still be in flight before the oldest is waited for.
 MAX_PENDING = 8
 
-_PACKET = 9  # flag, norm, -norm, n, -n, window, -window, kind, -kind (0: window, 1: flush check)
+#: flag, norm, -norm, n, -n, window, -window, kind, -kind (0: window, 1: flush check), loss
+_PACKET = 10
 
 
 def check_replica_group(value: Any) -> Any:
@@ -106,6 +107,8 @@ class ReplicaDecision:
         self._pending: collections.deque[tuple[Tensor, Any, int, int]] = collections.deque()
         self._current: Tensor | None = None  # this window's packet, reduced, on the device
         self.divergence: Tensor | None = None  # this window's divergence indicator (1.0/0.0)
+        #: The largest window loss over the ranks (``nan``: none given), set by agree(loss=...).
+        self.agreed_loss: Tensor | None = None
         self.warned_no_sync = False
 
     def __getstate__(self) -> dict[str, Any]:
@@ -164,8 +167,15 @@ class ReplicaDecision:
 
     # ------------------------------------------------------------------ per window
 
-    def agree(self, total_norm: Tensor, flag: Tensor, n: int, window: int) -> tuple[Tensor, Tensor]:
-        """One collective: the common ``(norm, flag)`` of this window; sets :attr:`divergence`."""
+    def agree(
+        self, total_norm: Tensor, flag: Tensor, n: int, window: int, loss: Tensor | float | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """One collective: the common ``(norm, flag)`` of this window; sets :attr:`divergence`.
+
+        With ``loss`` (a SpikeGuard watching the loss) the same collective also
+        finds the largest window loss over the ranks: :attr:`agreed_loss`
+        (``nan`` when no rank gave one).
+        """
         self.settle(wait=False)
         dist = torch.distributed
         norm64 = total_norm.detach().to(torch.float64)
@@ -174,7 +184,9 @@ class ReplicaDecision:
         packet[:3] = torch.stack([flag.to(torch.float64), finite, -finite])
         for i, v in enumerate((n, -n, window, -window, 0, 0)):  # fills on the device: no host-to-device copy
             packet[3 + i].fill_(float(v))
+        packet[9] = _loss_slot(loss, packet)
         dist.all_reduce(packet, op=dist.ReduceOp.MAX, group=self._group)
+        self.agreed_loss = torch.where(packet[9] == -math.inf, math.nan, packet[9])
         any_bad = packet[0] > 0
         high, low = packet[1], -packet[2]
         out_of_step = (packet[3] != -packet[4]) | (packet[5] != -packet[6]) | (packet[7] != -packet[8])
@@ -196,6 +208,7 @@ class ReplicaDecision:
     def end_window(self, host_read: bool) -> None:
         """Forget this window's device values; check its outcome now when the window read the host."""
         self.divergence = None
+        self.agreed_loss = None
         self._current = None
         if host_read:
             self.settle(wait=True)
@@ -224,7 +237,7 @@ class ReplicaDecision:
             self._check(host, n, window)
 
     def _check(self, host: Tensor, n: int, window: int) -> None:
-        bad, high, neg_low, n_hi, n_lo, w_hi, w_lo, k_hi, k_lo = host.tolist()
+        bad, high, neg_low, n_hi, n_lo, w_hi, w_lo, k_hi, k_lo, _ = host.tolist()
         if k_hi != -k_lo:
             raise RuntimeError(_FLUSH_ON_SOME)
         if n_hi != -n_lo or w_hi != -w_lo:
@@ -256,10 +269,10 @@ class ReplicaDecision:
             return
         self.settle(wait=True)
         dist = torch.distributed
-        values = [0.0, 0.0, 0.0, n, -n, window, -window, 1.0, -1.0]
+        values = [0.0, 0.0, 0.0, n, -n, window, -window, 1.0, -1.0, 0.0]
         packet = torch.tensor(values, dtype=torch.float64).to(device)
         dist.all_reduce(packet, op=dist.ReduceOp.MAX, group=self._group)
-        _, _, _, n_hi, n_lo, w_hi, w_lo, k_hi, k_lo = packet.tolist()
+        _, _, _, n_hi, n_lo, w_hi, w_lo, k_hi, k_lo, _ = packet.tolist()
         if k_hi != -k_lo:
             raise RuntimeError(_FLUSH_ON_SOME)
         if n_hi != -n_lo or w_hi != -w_lo:
@@ -289,6 +302,14 @@ _FLUSH_ON_SOME = (
 )
 
 
+def _loss_slot(loss: Tensor | float | None, packet: Tensor) -> Tensor:
+    """The packet's loss entry: the loss as float64, ``-inf`` when absent or ``nan`` (MAX ignores it)."""
+    if loss is None:
+        return torch.full((), -math.inf, dtype=torch.float64, device=packet.device)
+    value = torch.as_tensor(loss, dtype=torch.float64).to(packet.device).reshape(())
+    return torch.where(torch.isnan(value), -math.inf, value)
+
+
 def _fmt(v: float) -> str:
     return f"{v + 0.0:g}"  # no "-0"
 
@@ -310,4 +331,21 @@ def settings_of(opt: Any) -> list[tuple[str, float]]:
         ("scaler", float(opt.scaler is not None)),
         ("windows closed", float(opt._counters.windows)),
         ("micro_batches pending", float(opt._counters.micro_batches)),
+        *_recovery_settings(opt.spike_guard, opt.rewind),
+    ]
+
+
+def _recovery_settings(guard: Any, rewind: Any) -> list[tuple[str, float]]:
+    """SpikeGuard and Rewind settings (``-1``: off): replicas that decide differently would drift."""
+    signals = -1.0 if guard is None else float(("loss" in guard.signals) + 2 * ("grad_norm" in guard.signals))
+    return [
+        ("spike_guard.z_thresh", -1.0 if guard is None else float(guard.z_thresh)),
+        ("spike_guard.window", -1.0 if guard is None else float(guard.window)),
+        ("spike_guard.warmup", -1.0 if guard is None else float(guard.warmup)),
+        ("spike_guard.signals", signals),
+        ("rewind.every", -1.0 if rewind is None else float(rewind.every)),
+        ("rewind.spikes", -1.0 if rewind is None else float(rewind.spikes)),
+        ("rewind.within", -1.0 if rewind is None else float(rewind.within)),
+        ("rewind.check_every", -1.0 if rewind is None else float(rewind.check_every)),
+        ("rewind.rewinds", -1.0 if rewind is None else float(rewind.rewinds)),
     ]

@@ -25,8 +25,10 @@ from ._checks import (
 from ._config import DTENSOR_DIAGNOSTICS, check_max_norm, configure
 from ._decision import (
     DIVERGENCE,
+    NOGRAD,
     NONFINITE,
     OVERFLOW,
+    REWIND,
     SPIKE,
     SkipSignal,
     WindowDecision,
@@ -51,8 +53,11 @@ from ._layers import LayerStats, compute_layer_stats
 from ._logging import Logger, log_window
 from ._loss import LossSum, check_loss, loss_of_closure
 from ._policies import ClipPolicy
+from ._recovery import SpikeRecovery, check_recovery
+from ._rewind import Rewind, RewindEvent
 from ._rollback import UndoPoint
 from ._snapshot import SnapshotWriter, check_saveable
+from ._spike_guard import SpikeGuard
 from ._state import (
     WrapperState,
     keep_group_keys,
@@ -180,9 +185,13 @@ class ClippedOptimizer(InnerOptimizerView):
         norm_group: Any = None,
         replica_group: Any = "auto",
         backward_passes_per_step: int = 1,
+        spike_guard: SpikeGuard | None = None,
+        rewind: Rewind | None = None,
     ) -> None:
         options = dict(locals())  # the arguments by name (and self, unused)
         cfg = configure(optimizer, ClippedOptimizer, options)  # raises before any state exists
+        skips_spikes = cfg.policy is not None and getattr(cfg.policy, "skip_spikes", False)
+        check_recovery(spike_guard, rewind, skips_spikes)
         self._policy, self._bound = cfg.policy, cfg.bound  # what the max_norm property returns
         self.norm_type, self.clip_value = cfg.norm_type, cfg.clip_value
         self.accumulation_steps, self.reduction = cfg.accumulation_steps, cfg.reduction
@@ -217,6 +226,14 @@ class ClippedOptimizer(InnerOptimizerView):
         self.last_snapshot: str | None = None
         self._last_nonfinite_snapshot: str | None = None  # what NonFiniteGradientError names
         self._window_guard = WindowGuard()  # outside clearing and stacked accumulation, see _window_guard
+        self._recovery = SpikeRecovery(spike_guard, rewind)  # see _recovery
+        if rewind is not None:
+            if has_dtensor(self._params()):
+                raise ValueError(
+                    "rewind=Rewind(...) does not support DTensor (FSDP2, tensor-parallel) parameters yet; "
+                    "pass rewind=None (spike_guard works)"
+                )
+            rewind.bind(self._params(), optimizer)
 
     # ------------------------------------------------------------------ delegation
 
@@ -245,6 +262,7 @@ class ClippedOptimizer(InnerOptimizerView):
         state.pop("_ready_size", None)
         state.setdefault("_readiness", StateReadiness())
         state.setdefault("_loss", LossSum())  # pickled by a clipopt without the loss
+        state.setdefault("_recovery", SpikeRecovery(None, None))  # pickled before SpikeGuard / Rewind
         super().__setstate__(state)
         if pending is not None:
             for p, g in zip(self._params(), pending, strict=True):
@@ -296,6 +314,21 @@ class ClippedOptimizer(InnerOptimizerView):
         if self._update_applied is None:  # a window decided on the device: applied unless skipped
             return not bool(self._last_skipped)
         return self._update_applied
+
+    @property
+    def spike_guard(self) -> SpikeGuard | None:
+        """The :class:`SpikeGuard` given as ``spike_guard``, or None."""
+        return self._recovery.guard
+
+    @property
+    def rewind(self) -> Rewind | None:
+        """The :class:`Rewind` given as ``rewind`` (``opt.rewind.batches(loader)``), or None."""
+        return self._recovery.rewind
+
+    @property
+    def rewinds(self) -> int:
+        """Rewinds so far (0 without a ``rewind``)."""
+        return 0 if self._recovery.rewind is None else self._recovery.rewind.rewinds
 
     @property
     def step_was_skipped(self) -> bool:
@@ -563,16 +596,24 @@ class ClippedOptimizer(InnerOptimizerView):
         if not grads:
             undo.committed = True
             return self._close_empty(n, loss)
+        if self._recovery.due(self._counters.windows):  # Rewind: a copy, or back to one
+            hit = self._recovery.check(self._counters.windows, params, self.optimizer, self._copied_state)
+            if hit is not None:
+                undo.committed = True  # the training state was restored: this window is discarded
+                return self._close_rewound(n, loss, *hit)
         if self.scaler is not None:
             undo.touched = True
             self.scaler.unscale_(self.optimizer)
         try:
             with torch.no_grad():
                 d = self._measure(grads, n, params)
+                window_loss = self._loss.take(self.reduction)  # _step() puts the sum back on an error
                 if self._replicas.active and not self._has_dtensor:  # DDP: one decision on every rank
                     window = self._counters.windows + 1
-                    norm, nonfinite = self._replicas.agree(d.total_norm, d.nonfinite, n, window)
+                    shared = window_loss if self._recovery.watches_loss() else None  # SpikeGuard: common loss
+                    norm, nonfinite = self._replicas.agree(d.total_norm, d.nonfinite, n, window, shared)
                     d = WindowDecision(norm, nonfinite, self._replicas.divergence)
+                d.loss = window_loss
                 layers = self._diagnose(params, d, n)
                 unitwise = self._policy is not None and self._policy.unitwise  # AGC clips in place
                 undo.touched |= self.clip_value is not None or unitwise
@@ -580,9 +621,9 @@ class ClippedOptimizer(InnerOptimizerView):
             undo.touched = True  # scaling and the inner step change the gradients
             self._counters.micro_batches = 0
             self._counters.windows += 1
-            d.loss = self._loss.take(self.reduction)
             loss, fused = self._apply(d, grads, params, loss, closure)
             undo.committed = True
+            self._recovery.commit(d, self._counters.windows, self._last_skipped)
         finally:  # also after an error: an unscaled scaler without update() would refuse every later window
             self._shards = None  # views of the gradients: do not keep them past the window
             self._window_guard.reset()
@@ -595,11 +636,37 @@ class ClippedOptimizer(InnerOptimizerView):
         self._check_consecutive_nonfinite()
         return loss
 
-    def _close_empty(self, n: int, loss: Any) -> Any:
+    def _close_rewound(self, n: int, loss: Any, event: RewindEvent, restored: dict[str, Any]) -> Any:
+        """The Rewind restored an earlier copy: load its wrapper state; this window (computed on the
+        abandoned state) is discarded and recorded as skipped with reason ``"rewind"``."""
+        if restored.get("policy") is not None and self._policy is not None:
+            self._policy.load_state_dict(restored["policy"])
+        if restored.get("spike_guard") is not None and self._recovery.guard is not None:
+            self._recovery.guard.load_state_dict(restored["spike_guard"])
+        if restored.get("scaler") is not None and self.scaler is not None:
+            self.scaler.load_state_dict(restored["scaler"])
+        self._readiness.reset()  # the inner state holds new tensors
+        self._window_guard.reset()
+        self._attached.clear()
+        return self._close_empty(n, loss, REWIND)
+
+    def _copied_state(self) -> dict[str, Any]:
+        """The wrapper state a Rewind copy holds: policy, SpikeGuard and scaler (device tensors)."""
+        guard = self._recovery.guard
+        return {
+            "policy": None if self._policy is None else self._policy.state_dict(),
+            "spike_guard": None if guard is None else guard.state_dict(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+        }
+
+    def _close_empty(self, n: int, loss: Any, reason: int = NOGRAD) -> Any:
         """A window in which no parameter has a gradient: nothing to apply, so the inner step is not
-        called; it is recorded as skipped with reason ``"nograd"`` (not a non-finite skip)."""
+        called; it is recorded as skipped with reason ``"nograd"`` (not a non-finite skip).
+        ``reason=REWIND``: a window a rewind discarded (its gradients are gone)."""
         params = self._params()
-        d = WindowDecision.empty(params[0].device if params else None, self._bound)
+        for p in params:
+            p.grad = None
+        d = WindowDecision.empty(params[0].device if params else None, self._bound, reason)
         d.loss = self._loss.take(self.reduction)
         self._counters.micro_batches = 0
         self._counters.windows += 1
@@ -748,6 +815,7 @@ class ClippedOptimizer(InnerOptimizerView):
         if reevaluated is None:
             signals.insert(0, SkipSignal(DIVERGENCE, d.divergence))
             signals.append(SkipSignal(SPIKE, policy_spike(None if unitwise else policy)))
+            signals.append(SkipSignal(SPIKE, self._recovery.signal(d, self._replicas.agreed_loss)))
         decide_skip(d, signals)
 
     def _skip_enabled(self) -> bool:
@@ -856,6 +924,7 @@ class ClippedOptimizer(InnerOptimizerView):
             loss_sum=self._loss,
             policy=self._policy,
             unsynced=self._pending_unsynced(),
+            recovery=self._recovery,
         )
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, sd)
@@ -881,6 +950,7 @@ class ClippedOptimizer(InnerOptimizerView):
             inner=self.optimizer,
             policy=self._policy,
             scaler=self.scaler,
+            recovery=self._recovery,
         )
         with restore_on_failure(self.optimizer), keep_group_keys(self.optimizer):
             self.optimizer.load_state_dict(ckpt.inner)
@@ -894,6 +964,8 @@ class ClippedOptimizer(InnerOptimizerView):
             self.scaler.load_state_dict(ckpt.scaler_state)
         if ckpt.counters is not None and ckpt.policy_state is not None and self._policy is not None:
             self._policy.load_state_dict(ckpt.policy_state)
+        if ckpt.counters is not None:
+            self._recovery.load(ckpt.recovery)
         self._loss = ckpt.loss_sum
         self._update_applied = False
         self._last_skipped = False

@@ -47,11 +47,11 @@ def nonfinite_loss(loss: Any) -> bool:
 class UndoPoint:
     """The wrapper's state before a window closes; :meth:`restore` puts it back.
 
-    Policies replace their tensors rather than writing into them, so a shallow
-    copy of their attributes is a snapshot of their state.
+    Policies and the SpikeGuard replace their tensors rather than writing into
+    them, so a shallow copy of their attributes is a snapshot of their state.
     """
 
-    __slots__ = ("_fields", "_policy", "_stats_len", "committed", "touched")
+    __slots__ = ("_fields", "_guard", "_policy", "_stats_len", "committed", "touched")
 
     _NAMES = (
         "_counters",
@@ -68,6 +68,8 @@ class UndoPoint:
         fields["_counters"] = dataclasses.replace(opt._counters)
         self._fields = fields
         self._policy = None if opt._policy is None else dict(vars(opt._policy))
+        guard = opt.spike_guard  # replaces its tensors too: a shallow copy is a snapshot
+        self._guard = None if guard is None else dict(vars(guard))
         self._stats_len = len(opt.stats)
         #: Set once the window's update has been applied or skipped: from then on it stands.
         self.committed = False
@@ -80,6 +82,10 @@ class UndoPoint:
         if self._policy is not None and opt._policy is not None:
             vars(opt._policy).clear()
             vars(opt._policy).update(self._policy)
+        guard = opt.spike_guard
+        if self._guard is not None and guard is not None:
+            vars(guard).clear()
+            vars(guard).update(self._guard)
         while len(opt.stats) > self._stats_len:
             opt.stats.pop()
 

@@ -196,12 +196,13 @@ class SpikeGuard:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """The history: ``signals``, ``window``, ``buffer`` and ``count`` (tensors copied to the CPU)."""
+        """The history: ``signals``, ``window``, ``buffer`` and ``count`` (cloned on their device:
+        taking it reads nothing back to the host)."""
         return {
             "signals": list(self.signals),
             "window": self.window,
-            "buffer": self._buffer.detach().to("cpu", copy=True),
-            "count": self._count.detach().to("cpu", copy=True),
+            "buffer": self._buffer.detach().clone(),
+            "count": self._count.detach().clone(),
         }
 
     def load_state_dict(self, state: Any) -> None:

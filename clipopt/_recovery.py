@@ -1,0 +1,134 @@
+"""The optimizer's spike recovery: its :class:`SpikeGuard` and :class:`Rewind`, as one part.
+
+:class:`SpikeRecovery` is what :class:`~clipopt.ClippedOptimizer` talks to:
+
+* :meth:`SpikeRecovery.signal`: the guard's spike flag for a window's skip
+  decision (on the device);
+* :meth:`SpikeRecovery.commit`: once the window is decided, its values enter
+  the guard's history unless it was skipped, and the Rewind sees its flags;
+* :meth:`SpikeRecovery.check`: at the start of a window's close, every
+  ``check_every`` windows: the Rewind reads its flags (one host read), takes a
+  copy or rewinds; a rewound window is discarded (reason ``"rewind"``);
+* the ``"spike_guard"`` and ``"rewind"`` entries of the state dict.
+
+Options are checked by :func:`check_recovery` before the optimizer exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ._decision import SPIKE, WindowDecision
+from ._rewind import Rewind, RewindEvent
+from ._spike_guard import SpikeGuard
+
+__all__ = ["SpikeRecovery", "check_recovery"]
+
+
+def check_recovery(spike_guard: Any, rewind: Any, spikes_skipped_by_policy: bool) -> None:
+    """``spike_guard``/``rewind`` must be a SpikeGuard/Rewind or None; a Rewind needs spike skips."""
+    if spike_guard is not None and not isinstance(spike_guard, SpikeGuard):
+        raise TypeError(
+            f"spike_guard must be a SpikeGuard or None, got {type(spike_guard).__name__}; "
+            "pass e.g. spike_guard=SpikeGuard(z_thresh=6.0, window=128)"
+        )
+    if rewind is not None and not isinstance(rewind, Rewind):
+        raise TypeError(
+            f"rewind must be a Rewind or None, got {type(rewind).__name__}; "
+            "pass e.g. rewind=Rewind(every=100, keep=2, spikes=3, within=50)"
+        )
+    if rewind is not None and spike_guard is None and not spikes_skipped_by_policy:
+        raise ValueError(
+            "rewind=Rewind(...) rewinds after spike skips, but nothing skips spikes here; "
+            "pass spike_guard=SpikeGuard() (or max_norm=ZClip(skip_spikes=True))"
+        )
+
+
+class SpikeRecovery:
+    """A guard and/or a rewind attached to one optimizer."""
+
+    def __init__(self, guard: SpikeGuard | None, rewind: Rewind | None) -> None:
+        self.guard = guard  #: the SpikeGuard, or None
+        self.rewind = rewind  #: the Rewind, or None
+
+    def watches_loss(self) -> bool:
+        """Whether the guard scores the loss (under data parallelism the ranks then agree on it)."""
+        return self.guard is not None and "loss" in self.guard.signals
+
+    def signal(self, d: WindowDecision, agreed_loss: Tensor | None = None) -> Tensor | None:
+        """The guard's 0/1 spike flag for the window, or None without a guard.
+
+        The loss is ``agreed_loss`` (data parallelism: the largest over the
+        ranks, the same on each) or else the window's own ``d.loss``.
+        """
+        if self.guard is None:
+            return None
+        loss = agreed_loss if agreed_loss is not None else d.loss
+        return self.guard.decide(loss, d.total_norm)
+
+    def is_spike(self, d: WindowDecision, agreed_loss: Tensor | None = None) -> Tensor | None:
+        """The guard's spike rule for the window, remembering nothing (for snapshots), or None."""
+        if self.guard is None:
+            return None
+        return self.guard.is_spike(agreed_loss if agreed_loss is not None else d.loss, d.total_norm)
+
+    def commit(self, d: WindowDecision, step: int, skipped: bool | Tensor) -> None:
+        """The decided window ``step`` (``skipped``: its outcome, a bool or a 0/1 device flag): its
+        values enter the history unless skipped; the Rewind sees its flags.  No host read."""
+        skip = torch.as_tensor(skipped, dtype=torch.float32, device=d.total_norm.device)
+        if self.guard is not None:
+            self.guard.commit(skip)
+        if self.rewind is not None:
+            spike = (torch.as_tensor(d.reason, device=skip.device) == SPIKE).to(torch.float32)
+            self.rewind.observe(step, spike * (skip > 0), 1.0 - skip.to(torch.float32))
+
+    def due(self, closed: int) -> bool:
+        """Whether the close of the next window starts with a :meth:`check` (``closed`` windows so far)."""
+        return self.rewind is not None and closed > 0 and closed % self.rewind.check_every == 0
+
+    def check(
+        self, closed: int, params: list[Tensor], optimizer: Optimizer, wrapper_state: Callable[[], Any]
+    ) -> tuple[RewindEvent, Any] | None:
+        """The Rewind's check after ``closed`` windows: a copy or a rewind (then the event and the
+        restored wrapper state, which the optimizer loads)."""
+        if self.rewind is None:
+            return None
+        self.rewind.bind(params, optimizer)  # parameter groups may have been added since
+        return self.rewind.check(closed, wrapper_state)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"spike_guard": ..., "rewind": ...}`` (None for a part that is off)."""
+        return {
+            "spike_guard": None if self.guard is None else self.guard.state_dict(),
+            "rewind": None if self.rewind is None else self.rewind.state_dict(),
+        }
+
+    def validate(self, entry: dict[str, Any]) -> tuple[Any, Any]:
+        """Check the saved parts (``ValueError``, changing nothing); returns what :meth:`load` takes.
+
+        A part saved without one here (or missing from an older state dict) is ignored.
+        """
+        guard_state, rewind_state = entry.get("spike_guard"), entry.get("rewind")
+        guard_ok = None
+        if self.guard is not None and guard_state is not None:
+            probe = SpikeGuard(window=self.guard.window, signals=self.guard.signals, warmup=2)
+            probe.load_state_dict(guard_state)  # raises ValueError, touching nothing of ours
+            guard_ok = guard_state
+        rewind_ok = None
+        if self.rewind is not None and rewind_state is not None:
+            rewind_ok = (rewind_state, self.rewind.validate_state(rewind_state))
+        return guard_ok, rewind_ok
+
+    def load(self, checked: tuple[Any, Any]) -> None:
+        guard_state, rewind_state = checked
+        if self.guard is not None and guard_state is not None:
+            self.guard.load_state_dict(guard_state)
+        if self.rewind is not None and rewind_state is not None:
+            self.rewind.load_state_dict(*rewind_state)
