@@ -1,0 +1,332 @@
+"""SpikeGuard and Rewind inside ClippedOptimizer: exact skips, rewinds, checkpoints, host reads."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn, optim
+
+from clipopt import AutoClip, ClippedOptimizer, CSVLogger, Rewind, SpikeGuard, ZClip
+
+from .hostreads import count_host_reads
+
+# ----------------------------------------------------------------------------- the optimizer table
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    make: Callable[[Iterable[nn.Parameter]], optim.Optimizer]
+    closure: bool = False
+    sparse: bool = False
+    max_norm: float | None = 1.0
+
+
+def _impls(name: str, factory: Callable[..., optim.Optimizer], fused: bool, **kw: Any) -> list[Case]:
+    impls: list[tuple[str, dict[str, Any]]] = [
+        ("foreach", {"foreach": True}),
+        ("forloop", {"foreach": False}),
+    ]
+    if fused:
+        impls.append(("fused", {"fused": True}))
+    return [Case(f"{name}-{i}", lambda ps, e=e: factory(ps, **kw, **e)) for i, e in impls]
+
+
+CASES = [
+    *_impls("Adam", optim.Adam, True, lr=0.05),
+    *_impls("AdamW", optim.AdamW, True, lr=0.05, weight_decay=0.1),
+    *_impls("SGD-momentum", optim.SGD, True, lr=0.1, momentum=0.9),
+    *_impls("Adagrad", optim.Adagrad, True, lr=0.1),
+    *_impls("Adadelta", optim.Adadelta, False, lr=1.0),
+    *_impls("Adamax", optim.Adamax, False, lr=0.05),
+    *_impls("ASGD", optim.ASGD, False, lr=0.05, t0=1.0),
+    *_impls("NAdam", optim.NAdam, False, lr=0.05),
+    *_impls("RAdam", optim.RAdam, False, lr=0.05),
+    *_impls("RMSprop", optim.RMSprop, False, lr=0.01, centered=True, momentum=0.9),
+    *_impls("Rprop", optim.Rprop, False, lr=0.01),
+    Case("Adafactor", lambda ps: optim.Adafactor(ps, lr=0.05)),
+    Case("SGD-plain", lambda ps: optim.SGD(ps, lr=0.1)),
+    Case("LBFGS-closure", lambda ps: optim.LBFGS(ps, lr=0.1, max_iter=4, history_size=3), closure=True),
+    Case("SparseAdam", lambda ps: optim.SparseAdam(ps, lr=0.05), sparse=True, max_norm=None),
+]
+
+
+def _model(sparse: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    if sparse:
+        return nn.Embedding(10, 4, sparse=True)
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+
+
+def _batches(n: int, seed: int, sparse: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    if sparse:
+        return [(torch.randint(0, 10, (6,), generator=g), torch.randn(6, 4, generator=g)) for _ in range(n)]
+    return [(torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)) for _ in range(n)]
+
+
+def _spike(batch: tuple[torch.Tensor, torch.Tensor], sparse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same batch with targets 1000 times larger: loss and gradient norm far above their history."""
+    return batch[0], batch[1] * 1000
+
+
+def _window(
+    case: Case, opt: ClippedOptimizer, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    x, y = batch
+    if case.closure:
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        return
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    opt.step(loss=loss)
+    opt.zero_grad()
+
+
+def _state(opt: ClippedOptimizer, model: nn.Module) -> dict[str, Any]:
+    params = list(model.parameters())
+    return {
+        "params": [p.detach().clone() for p in params],
+        "state": {i: copy.deepcopy(dict(opt.state[p])) for i, p in enumerate(params) if p in opt.state},
+    }
+
+
+def _assert_identical(a: Any, b: Any, path: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(
+            a.detach().reshape(-1).contiguous().view(torch.uint8),
+            b.detach().reshape(-1).contiguous().view(torch.uint8),
+        ), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), path
+        for k in a:
+            _assert_identical(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_identical(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} vs {b!r}"
+
+
+def _guard() -> SpikeGuard:
+    return SpikeGuard(z_thresh=50.0, window=8, warmup=4)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_spike_is_skipped_as_if_it_never_happened(case: Case) -> None:
+    """A spike window is skipped (reason 'spike') bit-exactly; the run then equals one that never saw it."""
+    model, ref_model = _model(case.sparse), _model(case.sparse)
+    opt = ClippedOptimizer(case.make(model.parameters()), max_norm=case.max_norm, spike_guard=_guard())
+    ref = ClippedOptimizer(case.make(ref_model.parameters()), max_norm=case.max_norm)
+    good = _batches(9, seed=1, sparse=case.sparse)
+    for i, b in enumerate(good):
+        if i == 6:
+            before = _state(opt, model)
+            _window(case, opt, model, _spike(b, case.sparse))
+            assert opt.step_was_skipped and opt.last_stats is not None and opt.last_stats.reason == "spike"
+            _assert_identical(_state(opt, model), before)
+        _window(case, opt, model, b)
+        _window(case, ref, ref_model, b)
+        assert not opt.step_was_skipped, (i, opt.last_stats and opt.last_stats.reason)
+    _assert_identical(_state(opt, model), _state(ref, ref_model))
+    assert (opt.num_windows, opt.num_skipped) == (10, 1)
+    assert all(v < 50 for v in opt.spike_guard.history["grad_norm"])  # the spike never entered it
+
+
+FUSED = [c for c in CASES if c.id.endswith("-fused")]
+
+
+@pytest.mark.parametrize("case", FUSED, ids=[c.id for c in FUSED])
+def test_fused_windows_with_guard_and_rewind_read_the_host_only_at_checks(case: Case) -> None:
+    """Fused optimizers: no host read per window with a SpikeGuard; a Rewind adds one read per check."""
+    model = _model()
+    rewind = Rewind(every=4, spikes=2, within=4, skip_batches=0, check_every=4)
+    opt = ClippedOptimizer(case.make(model.parameters()), max_norm=1.0, spike_guard=_guard(), rewind=rewind)
+    batches = _batches(14, seed=2)
+    reads = []
+    for b in batches:
+        with count_host_reads() as r:
+            _window(case, opt, model, b)
+        reads.append(len(r))
+    # window 1 creates the inner state (host path); checks run at the start of windows 5, 9 and 13
+    assert reads[1:] == [0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0], reads
+    m2 = _model()
+    guard_only = ClippedOptimizer(case.make(m2.parameters()), max_norm=1.0, spike_guard=_guard())
+    counts = []
+    for b in batches:
+        with count_host_reads() as r:
+            _window(case, guard_only, m2, b)
+        counts.append(len(r))
+    assert counts[1:] == [0] * 13, counts
+
+
+def test_nonfinite_has_priority_and_neither_enters_the_history() -> None:
+    """A non-finite window is skipped with reason 'nonfinite'; only applied windows enter the history."""
+    model = _model()
+    opt = ClippedOptimizer(optim.SGD(model.parameters(), lr=0.1), spike_guard=_guard())
+    good = _batches(8, seed=3)
+    for i, (x, y) in enumerate(good):
+        if i == 5:
+            bad = x.clone()
+            bad[0, 0] = float("nan")
+            _window(CASES[0], opt, model, (bad, y))
+            assert opt.last_stats is not None and opt.last_stats.reason == "nonfinite"
+            _window(CASES[0], opt, model, _spike((x, y), False))
+            assert opt.last_stats is not None and opt.last_stats.reason == "spike"
+        _window(CASES[0], opt, model, (x, y))
+    history = opt.spike_guard.history
+    assert len(history["grad_norm"]) == 8 and len(history["loss"]) == 8
+
+
+@pytest.mark.parametrize(
+    "policy", [lambda: ZClip(warmup_steps=3), lambda: AutoClip(10)], ids=["zclip", "autoclip"]
+)
+def test_guard_composes_with_clipping_policies(policy: Callable[[], Any]) -> None:
+    """With an adaptive max_norm the guard changes no clipping and skips the spike bit-exactly; the
+    policy sees the spike's norm as it does without a guard (it is a finite window)."""
+    model, ref_model = _model(), _model()
+    opt = ClippedOptimizer(optim.SGD(model.parameters(), lr=0.1), max_norm=policy(), spike_guard=_guard())
+    ref = ClippedOptimizer(optim.SGD(ref_model.parameters(), lr=0.1), max_norm=policy())
+    for i, b in enumerate(_batches(7, seed=4)):
+        if i == 6:
+            before = _state(opt, model)
+            b = _spike(b, False)
+        _window(CASES[0], opt, model, b)
+        _window(CASES[0], ref, ref_model, b)
+        assert opt.last_stats is not None and ref.last_stats is not None
+        assert (opt.last_stats.clip_coef, opt.last_stats.max_norm) == (
+            ref.last_stats.clip_coef,
+            ref.last_stats.max_norm,
+        )
+    assert opt.last_stats.reason == "spike" and not ref.step_was_skipped
+    _assert_identical(_state(opt, model), before)
+    _assert_identical(opt.state_dict()["clipopt"]["policy"], ref.state_dict()["clipopt"]["policy"])
+
+
+# ----------------------------------------------------------------------------- rewind
+
+
+def _rewind_run(
+    opt: ClippedOptimizer, model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], start: int = 0
+) -> tuple[list[str | None], dict[int, list[torch.Tensor]]]:
+    """Train on ``opt.rewind.batches(batches)``; the reasons per window and the params after each."""
+    reasons, after = [], {}
+    assert opt.rewind is not None
+    for b in opt.rewind.batches(batches):
+        _window(CASES[0], opt, model, b)
+        assert opt.last_stats is not None
+        reasons.append(opt.last_stats.reason)
+        after[opt.num_windows] = [p.detach().clone() for p in model.parameters()]
+    return reasons, after
+
+
+def _spiky(n: int, spikes: set[int], seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [_spike(b, False) if i in spikes else b for i, b in enumerate(_batches(n, seed))]
+
+
+def test_rewind_restores_the_copy_before_the_first_spike(tmp_path: Path) -> None:
+    """2 spikes within 5 windows: back to the copy before the first (bit-identical), 3 batches dropped,
+    the rewinding window recorded with reason 'rewind' in StepStats and the CSV log."""
+    model = _model()
+    rewind = Rewind(every=5, keep=2, spikes=2, within=5, skip_batches=3, module=model, check_every=1)
+    log = tmp_path / "log.csv"
+    opt = ClippedOptimizer(
+        optim.AdamW(model.parameters(), lr=0.01),
+        spike_guard=_guard(),
+        rewind=rewind,
+        loggers=[CSVLogger(log)],
+    )
+    reasons, after = _rewind_run(opt, model, _spiky(30, {12, 14}))
+    opt.close()
+    # batches 12 and 14 are windows 13 and 15; the check at the start of window 16 rewinds
+    assert reasons[12] == "spike" and reasons[14] == "spike" and reasons[15] == "rewind"
+    assert opt.rewinds == 1 and opt.num_skipped == 3
+    (event,) = rewind.log
+    # copies at the start of windows 2, 7, 12 (after 1, 6, 11 windows): the newest before window 13 is 11
+    assert (event.step, event.restored, event.first_spike, event.spikes) == (15, 11, 13, 2)
+    assert event.undone == 2  # windows 12 and 14 were applied after the copy
+    _assert_identical(after[16], after[11])  # bit-identical to the state the copy was taken of
+    assert rewind.batches_dropped == 3 and len(reasons) == 27  # batches 16-18 dropped
+    rows = list(csv.DictReader(log.open()))
+    assert [(r["step"], r["reason"]) for r in rows if r["reason"]] == [
+        ("13", "spike"),
+        ("15", "spike"),
+        ("16", "rewind"),
+    ]
+    assert rows[15]["skipped"] == "1"
+
+
+def test_checkpoint_after_a_rewind_resumes_exactly() -> None:
+    """state_dict() after a rewind, loaded (weights_only) into a fresh run, trains bit-identically on."""
+    batches = _spiky(40, {12, 14, 30, 31})
+
+    def build() -> tuple[nn.Module, ClippedOptimizer]:
+        model = _model()
+        rewind = Rewind(every=5, keep=2, spikes=2, within=5, skip_batches=2, module=model, check_every=2)
+        opt = ClippedOptimizer(optim.AdamW(model.parameters(), lr=0.01), spike_guard=_guard(), rewind=rewind)
+        return model, opt
+
+    model, opt = build()
+    stream = opt.rewind.batches(batches)
+    for _ in range(20):
+        _window(CASES[0], opt, model, next(stream))
+    assert opt.rewinds == 1
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    for b in stream:
+        _window(CASES[0], opt, model, b)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    model2, opt2 = build()
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    assert opt2.rewinds == 1 and opt2.rewind.pending_skip == 0
+    consumed = 20 + opt2.rewind.batches_dropped
+    for b in opt2.rewind.batches(batches[consumed:]):
+        _window(CASES[0], opt2, model2, b)
+    assert opt2.rewinds == opt.rewinds == 2
+    _assert_identical(_state(opt2, model2), _state(opt, model))
+    assert [s.reason for s in list(opt2.stats)[-5:]] == [s.reason for s in list(opt.stats)[-5:]]
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def test_arguments_are_checked() -> None:
+    """spike_guard/rewind of the wrong type, or a Rewind with nothing that skips spikes, raise clearly."""
+    params = _model().parameters()
+    with pytest.raises(TypeError, match=re.escape("spike_guard must be a SpikeGuard or None, got float; ")):
+        ClippedOptimizer(optim.SGD(params, lr=0.1), spike_guard=6.0)  # type: ignore[arg-type]
+    params = _model().parameters()
+    with pytest.raises(TypeError, match=re.escape("rewind must be a Rewind or None, got int; ")):
+        ClippedOptimizer(optim.SGD(params, lr=0.1), spike_guard=SpikeGuard(), rewind=100)  # type: ignore[arg-type]
+    params = _model().parameters()
+    message = (
+        "rewind=Rewind(...) rewinds after spike skips, but nothing skips spikes here; "
+        "pass spike_guard=SpikeGuard() (or max_norm=ZClip(skip_spikes=True))"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ClippedOptimizer(optim.SGD(params, lr=0.1), rewind=Rewind())
+    model = _model()
+    opt = ClippedOptimizer(
+        optim.SGD(model.parameters(), lr=0.1), max_norm=ZClip(skip_spikes=True), rewind=Rewind()
+    )
+    assert opt.rewind is not None and opt.spike_guard is None and opt.rewinds == 0
