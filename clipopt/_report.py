@@ -122,6 +122,7 @@ def format_report(report: Mapping[str, Any]) -> str:
         ["loss", loss],
         ["clipped", f"{s['clipped']} ({100 * s['clipped_fraction']:.1f}%)"],
         ["skipped", f"{s['skipped']}"],
+        *([["rewinds", f"{s['rewinds']}"]] if s.get("rewinds") else []),
         ["non-finite", f"{s['nonfinite']}" + (f" ({s['overflow']} overflow)" if s["overflow"] else "")],
         ["total norm", norms],
         ["max_norm used", _max_norm_text(s)],

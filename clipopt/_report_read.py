@@ -490,7 +490,8 @@ def _from_records(
     records: dict[int, dict[str, float]],
     layers: dict[str, dict[int, dict[str, float]]],
 ) -> GradLog:
-    """A GradLog from step -> {"norm", "loss", "lr", "max_norm", "clipped", "skipped", "overflow"}."""
+    """A GradLog from step -> {"norm", "loss", "lr", "max_norm", "clipped", "skipped", "overflow",
+    "spike", "rewind"}."""
     log = GradLog(name, source)
     index: dict[int, int] = {}
     for step in sorted(records):
@@ -508,7 +509,8 @@ def _from_records(
         skipped = rec.get("skipped", 0.0) > 0.5
         log.skipped.append(1 if skipped else 0)
         if skipped:
-            log.reason[len(log.steps) - 1] = "overflow" if rec.get("overflow", 0.0) > 0.5 else "nonfinite"
+            marked = [r for r in ("overflow", "spike", "rewind") if rec.get(r, 0.0) > 0.5]
+            log.reason[len(log.steps) - 1] = marked[0] if marked else "nonfinite"
     rows = sorted({s for per in layers.values() for s in per if s in index})
     log.layer_rows.extend(index[s] for s in rows)
     log.counted = {n for n, per in layers.items() if any("nonfinite" in v for v in per.values())}
@@ -585,6 +587,8 @@ def _read_tensorboard(name: str) -> GradLog:
         "clipped": _tag(scalars, ("clipopt/clipped",), ()),
         "skipped": _tag(scalars, ("clipopt/skipped",), ()),
         "overflow": _tag(scalars, ("clipopt/overflow",), ()),
+        "spike": _tag(scalars, ("clipopt/spike",), ()),
+        "rewind": _tag(scalars, ("clipopt/rewind",), ()),
     }
     records: dict[int, dict[str, float]] = {}
     for key, tag in wanted.items():

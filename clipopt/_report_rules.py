@@ -267,6 +267,7 @@ def analyze(log: GradLog) -> dict[str, Any]:
             f"{n_overflow} update(s) overflowed under a GradScaler (reason 'overflow'): loss-scale "
             "calibration, not counted as a problem"
         )
+    notes += _recovery_notes(log)
     if handled:
         notes.append(
             f"{len(handled)} large norm(s) (at step(s) {_steps_text(handled)}) were clipped and the loss "
@@ -292,6 +293,22 @@ def analyze(log: GradLog) -> dict[str, Any]:
         "summary": _summary(log, norm, loss, finite, n_overflow, len(handled)),
         "notes": notes,
     }
+
+
+def _recovery_notes(log: GradLog) -> list[str]:
+    """Notes on SpikeGuard skips (reason ``spike``) and Rewind rewinds (reason ``rewind``)."""
+    notes = []
+    spikes = [log.steps[i] for i, r in sorted(log.reason.items()) if r == "spike"]
+    rewinds = [log.steps[i] for i, r in sorted(log.reason.items()) if r == "rewind"]
+    if spikes:
+        steps = _steps_text(spikes)
+        notes.append(f"{len(spikes)} update(s) skipped as spikes (reason 'spike') at step(s) {steps}")
+    if rewinds:
+        notes.append(
+            f"{len(rewinds)} rewind(s) (reason 'rewind') at step(s) {_steps_text(rewinds)}: the training "
+            "state went back to an earlier copy after repeated spikes, and the following batches were dropped"
+        )
+    return notes
 
 
 def _steps_text(steps: list[int]) -> str:
@@ -880,6 +897,8 @@ def _summary(
         "clipped_fraction": sum(log.clipped) / n,
         "handled_spikes": handled,
         "skipped": sum(log.skipped),
+        "spike_skips": sum(1 for r in log.reason.values() if r == "spike"),
+        "rewinds": sum(1 for r in log.reason.values() if r == "rewind"),
         "nonfinite": int((~finite).sum()),
         "overflow": overflow,
         "finite_norms": int(x.numel()),

@@ -148,8 +148,8 @@ class TensorBoardLogger:
         add("clipped", float(s.clipped))
         add("skipped", float(s.skipped))
         add("micro_batches", float(s.micro_batches))
-        if s.reason == "overflow":  # only then: a GradScaler overflow, not a non-finite gradient
-            add("overflow", 1.0)
+        if s.reason in ("overflow", "spike", "rewind"):  # a GradScaler overflow, a spike skip, a rewind
+            add(s.reason, 1.0)
         if s.max_norm is not None:
             add("max_norm", float(s.max_norm))
         if s.has_loss:

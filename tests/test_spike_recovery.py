@@ -16,6 +16,7 @@ import torch
 from torch import nn, optim
 
 from clipopt import AutoClip, ClippedOptimizer, CSVLogger, Rewind, SpikeGuard, ZClip
+from clipopt._report import analyze, format_report, read_log
 
 from .hostreads import count_host_reads
 
@@ -272,6 +273,10 @@ def test_rewind_restores_the_copy_before_the_first_spike(tmp_path: Path) -> None
         ("16", "rewind"),
     ]
     assert rows[15]["skipped"] == "1"
+    report = analyze(read_log(str(log)))
+    assert report["summary"]["rewinds"] == 1 and report["summary"]["spike_skips"] == 2
+    assert any(n.startswith("1 rewind(s) (reason 'rewind') at step(s) 16:") for n in report["notes"])
+    assert "rewinds" in format_report(report)
 
 
 def test_checkpoint_after_a_rewind_resumes_exactly() -> None:

@@ -351,3 +351,34 @@ def test_failing_event_file_neither_piles_up_rows_nor_breaks_close(
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and "could not write the TensorBoard log" in messages[0]
     assert len(tb._buffer) == 0 and tb.rows_dropped == 30
+
+
+def test_spike_and_rewind_reasons_reach_tensorboard_and_the_report(tmp_path: Path) -> None:
+    """Spike skips and rewinds are scalars clipopt/spike and clipopt/rewind; the report reads them back."""
+    from clipopt import Rewind, SpikeGuard
+    from clipopt._report import analyze, read_log
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    rewind = Rewind(every=5, spikes=2, within=5, skip_batches=0, check_every=1)
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        spike_guard=SpikeGuard(z_thresh=50.0, window=8, warmup=4),
+        rewind=rewind,
+        loggers=[TensorBoardLogger(tmp_path / "tb")],
+    )
+    gen = torch.Generator().manual_seed(1)
+    for i in range(20):
+        x, y = torch.randn(8, 5, generator=gen), torch.randn(8, 3, generator=gen)
+        loss = ((model(x) - y * (1000 if i in (12, 14) else 1)) ** 2).mean()
+        loss.backward()
+        opt.step(loss=loss)
+        opt.zero_grad()
+    opt.close()
+    log = read_log(str(tmp_path / "tb"))
+    assert sorted((log.steps[i], r) for i, r in log.reason.items()) == [
+        (13, "spike"),
+        (15, "spike"),
+        (16, "rewind"),
+    ]
+    assert analyze(log)["summary"]["rewinds"] == 1
