@@ -1,0 +1,66 @@
+"""The 2-process gloo job of ``tests/test_spike_distributed.py``: SpikeGuard and Rewind under DDP.
+
+Rank 1 alone gets spiking batches (targets 1000 times larger) at known windows,
+and the guard watches the loss only: without agreement rank 0 (normal loss)
+would apply what rank 1 skips.  Each rank saves what it decided and its final
+state; the test compares the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from clipopt import ClippedOptimizer, Rewind, SpikeGuard
+
+WORLD = 2
+SPIKES = (12, 14)  #: batch indices (0-based) that spike on rank 1
+WINDOWS = 24
+
+
+def spike_job(rank: int, port: int, out_dir: str) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    model = nn.parallel.DistributedDataParallel(plain)
+    rewind = Rewind(every=5, keep=2, spikes=2, within=5, skip_batches=2, module=model, check_every=1)
+    opt = ClippedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.01),
+        spike_guard=SpikeGuard(z_thresh=50.0, window=8, warmup=4, signals=("loss",)),
+        rewind=rewind,
+    )
+    gen = torch.Generator().manual_seed(10 + rank)  # every rank its own data
+    batches = []
+    for i in range(WINDOWS):
+        x, y = torch.randn(8, 5, generator=gen), torch.randn(8, 3, generator=gen)
+        batches.append((x, y * 1000 if rank == 1 and i in SPIKES else y))
+    reasons, losses = [], []
+    for x, y in opt.rewind.batches(batches):
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step(loss=loss)
+        opt.zero_grad()
+        assert opt.last_stats is not None
+        reasons.append(opt.last_stats.reason)
+        losses.append(float(loss))
+    result: dict[str, Any] = {
+        "reasons": reasons,
+        "rewinds": opt.rewinds,
+        "log": [e.to_dict() for e in rewind.log],
+        "params": [p.detach().clone() for p in plain.parameters()],
+        "history": opt.spike_guard.history["loss"] if opt.spike_guard is not None else [],
+        "losses": losses,
+    }
+    torch.save(result, os.path.join(out_dir, f"spike{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # gloo's teardown can abort at interpreter exit (see tests/distributed_jobs.py)

@@ -1,0 +1,58 @@
+"""SpikeGuard and Rewind under DDP: 2 processes on gloo decide, skip and rewind alike."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from . import spike_jobs as jobs
+
+pytestmark = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="this torch build has no torch.distributed with the gloo backend",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out: Path = tmp_path_factory.mktemp("spike")
+    ctx = mp.spawn(jobs.spike_job, args=(_free_port(), str(out)), nprocs=jobs.WORLD, join=False)
+    deadline = time.monotonic() + 240
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+            pytest.fail("the spike job did not finish within 240 s (ranks wait for each other)")
+    return [torch.load(out / f"spike{r}.pt", weights_only=True) for r in range(jobs.WORLD)]
+
+
+def test_every_rank_skips_the_spike_of_one_rank(ranks: list[dict[str, Any]]) -> None:
+    """A loss spike on rank 1 only is skipped on both ranks (the loss is agreed in the window collective)."""
+    a, b = ranks
+    assert a["reasons"] == b["reasons"]
+    assert a["reasons"][12] == "spike" and a["reasons"][14] == "spike"
+    assert a["losses"][12] < 100 < b["losses"][12]  # rank 0's own loss was normal
+    assert a["history"] == b["history"]  # the agreed (largest) loss entered both histories
+
+
+def test_every_rank_rewinds_together_and_stays_identical(ranks: list[dict[str, Any]]) -> None:
+    """Both ranks rewind at the same window to the same copy; their parameters end bit-identical."""
+    a, b = ranks
+    assert a["rewinds"] == b["rewinds"] == 1
+    assert a["log"] == b["log"] and a["log"][0]["restored"] == 11
+    assert a["reasons"][15] == "rewind"
+    for p, q in zip(a["params"], b["params"], strict=True):
+        assert torch.equal(p, q)
