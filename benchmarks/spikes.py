@@ -144,11 +144,11 @@ def make_optimizer(name: str, model: torch.nn.Module, w: Workload) -> ClippedOpt
         return ClippedOptimizer(inner, max_norm=1.0)
     if name == "zclip":
         return ClippedOptimizer(inner, max_norm=ZClip(max_grad_norm=1.0))
-    guard = clipopt.SpikeGuard(z_thresh=6.0, window=128)  # type: ignore[attr-defined]
+    guard = clipopt.SpikeGuard(z_thresh=6.0, window=128)
     if name == "spikeguard":
-        return ClippedOptimizer(inner, max_norm=1.0, spike_guard=guard)  # type: ignore[call-arg]
-    rewind = clipopt.Rewind(every=50, keep=2, spikes=3, within=25, skip_batches=40, module=model)  # type: ignore[attr-defined]
-    return ClippedOptimizer(inner, max_norm=1.0, spike_guard=guard, rewind=rewind)  # type: ignore[call-arg]
+        return ClippedOptimizer(inner, max_norm=1.0, spike_guard=guard)
+    rewind = clipopt.Rewind(every=50, keep=2, spikes=3, within=25, skip_batches=40, module=model)
+    return ClippedOptimizer(inner, max_norm=1.0, spike_guard=guard, rewind=rewind)
 
 
 CONFIGS = ("clip", "zclip", "spikeguard", "spikeguard+rewind")
@@ -204,6 +204,53 @@ def train(
         run.undone = sum(e.undone for e in rewind.log)
         run.copy_bytes = rewind.nbytes
     return run
+
+
+# ----------------------------------------------------------------------------- overhead
+
+
+def overhead(w: Workload, data: tuple[torch.Tensor, torch.Tensor, int], windows: int) -> dict[str, Any]:
+    """Median time of a whole training window (forward, backward, step) per configuration, on clean data.
+
+    The configurations train side by side from the same initialisation on the same batches and are
+    timed interleaved, one window each in turn (A B C A B C ...); ratios are against plain clipping.
+    Rewind here is the SPEC's default schedule: a copy every 100 updates, a check every 10 windows.
+    """
+    train_ids, _, vocab = data
+    clean = Workload(**{**asdict(w), "bad_shard": (0, 0), "poisoned": ()})
+    runs: list[tuple[str, torch.nn.Module, ClippedOptimizer, list[float]]] = []
+    for name in ("clip", "spikeguard", "spikeguard+rewind"):
+        torch.manual_seed(0)
+        model = TinyGPT(vocab, clean)
+        inner = torch.optim.AdamW(model.parameters(), lr=clean.lr, weight_decay=0.01)
+        kwargs: dict[str, Any] = {}
+        if name != "clip":
+            kwargs["spike_guard"] = clipopt.SpikeGuard()
+        if name == "spikeguard+rewind":
+            kwargs["rewind"] = clipopt.Rewind(module=model)
+        runs.append((name, model, ClippedOptimizer(inner, max_norm=1.0, **kwargs), []))
+    batches = stream(train_ids, vocab, clean, seed=0)
+    for _ in range(windows):
+        x, y = next(batches)
+        for _, model, opt, times in runs:
+            t0 = time.perf_counter()
+            loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+            loss.backward()  # type: ignore[no-untyped-call]
+            opt.step(loss=loss)
+            opt.zero_grad()
+            times.append(time.perf_counter() - t0)
+    base, base_mean = statistics.median(runs[0][3]), statistics.fmean(runs[0][3])
+    out: dict[str, Any] = {"windows": windows}
+    for name, _, opt, times in runs:
+        rewind = opt.rewind
+        out[name] = {
+            "ms_per_window": 1e3 * statistics.median(times),
+            "ratio": statistics.median(times) / base,
+            "mean_ratio": statistics.fmean(times) / base_mean,
+            "copies_taken": 0 if rewind is None else rewind.copies_taken,
+            "host_copy_mb": 0.0 if rewind is None else rewind.nbytes / 2**20,
+        }
+    return out
 
 
 # ----------------------------------------------------------------------------- copy cost
@@ -271,7 +318,9 @@ def summarise(runs: list[Run], configs: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def render(rows: list[dict[str, Any]], costs: dict[str, dict[str, float]], meta: dict[str, Any]) -> str:
+def render(
+    rows: list[dict[str, Any]], costs: dict[str, dict[str, float]], meta: dict[str, Any], over: dict[str, Any]
+) -> str:
     lines = [
         f"Workload: {meta['workload']}",
         f"Seeds {meta['seeds']}; unigram baseline {meta['baseline']:.3f} nats/char; torch {meta['torch']}, "
@@ -288,6 +337,21 @@ def render(rows: list[dict[str, Any]], costs: dict[str, dict[str, float]], meta:
             f"| {r['diverged']}/{r['runs']} | {r['lost']} ({r['skipped']} + {r['undone']}) | {r['rewinds']} "
             f"| {r['ms_per_window']:.1f} | {r['time_ratio']:.3f} | {r['copy_mb']:.1f} |"
         )
+    if over:
+        lines += [
+            "",
+            f"Time per window (forward + backward + step) on clean data, {over['windows']} windows per "
+            "configuration, interleaved; Rewind at its defaults (a copy every 100 updates):",
+            "",
+            "| configuration | ms / window (median) | median vs clip | mean vs clip | copies | host MB |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name in ("clip", "spikeguard", "spikeguard+rewind"):
+            o = over[name]
+            lines.append(
+                f"| {name} | {o['ms_per_window']:.1f} | {o['ratio']:.3f} | {o['mean_ratio']:.3f} "
+                f"| {o['copies_taken']} | {o['host_copy_mb']:.1f} |"
+            )
     if costs:
         lines += [
             "",
@@ -321,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     w = Workload()
     seeds = 1 if args.quick else args.seeds
     if args.quick or args.windows:
-        w = Workload(windows=args.windows or 150, bad_shard=(60, 80), poisoned=(40, 110))
+        w = Workload(windows=args.windows or 150, bad_shard=(90, 110), poisoned=(80, 130))
     configs = (
         args.configs.split(",")
         if args.configs
@@ -340,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
     rows = summarise(runs, configs)
+    over = overhead(w, data, windows=60 if args.quick else 300) if has_spike_recovery() else {}
     costs = {}
     torch.manual_seed(0)
     costs["tiny transformer (this workload)"] = copy_cost(TinyGPT(data[2], w), rounds=20)
@@ -359,11 +424,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    table = render(rows, costs, meta)
+    table = render(rows, costs, meta, over)
     (out / "spikes.md").write_text(table)
     (out / "spikes.json").write_text(
         json.dumps(
-            {"meta": meta, "rows": rows, "copy_cost": costs, "runs": [asdict(r) for r in runs]}, indent=1
+            {
+                "meta": meta,
+                "rows": rows,
+                "overhead": over,
+                "copy_cost": costs,
+                "runs": [asdict(r) for r in runs],
+            },
+            indent=1,
         )
     )
     print(table)

@@ -12,7 +12,10 @@ read, and then either
 * restores the newest copy taken before the first spike when ``spikes`` spike
   skips fell within ``within`` windows, or
 * takes a new copy (into host memory, see :mod:`clipopt._host_copy`) when
-  ``every`` updates were applied since the newest one (or there is none yet).
+  ``every`` updates were applied since the newest one (or there is none yet)
+  and no spike skip fell in the last ``within`` windows (a copy in the middle
+  of a spike episode may already hold damage, and could not be restored to
+  for that episode anyway).
 
 A rewind may therefore happen up to ``check_every - 1`` windows after the
 spike that triggers it; those windows are undone by the rewind as well.
@@ -190,7 +193,8 @@ class Rewind:
                 stacklevel=3,
             )
         newest = self._copies[-1].applied if self._copies else None
-        if newest is None or self.applied - newest >= self.every:
+        quiet = not self.spike_steps or self.spike_steps[-1] <= step - self.within
+        if quiet and (newest is None or self.applied - newest >= self.every):
             self.capture(step, wrapper_state())
         return None
 

@@ -209,13 +209,14 @@ def test_rewind_restores_copy_before_first_spike_and_drops_batches() -> None:
 
 
 def test_rewind_drops_copies_newer_than_the_restored_one() -> None:
-    """Copies taken after the first spike belong to the abandoned run and are dropped by the rewind."""
+    """No copy is taken while a spike skip is within `within` windows; the rewind keeps older copies."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     rewind = _bound(Rewind(every=5, keep=3, spikes=2, within=30, skip_batches=0, check_every=5), model, opt)
     events = _drive(rewind, model, opt, {12, 28}, 1, 31)
     assert [(s, e.restored) for s, e in events] == [(30, 10)]
-    assert rewind.copies == [(10, 10)]
+    # no copy during the spike episode (spike 12 is within 30 windows of the checks at 15-25)
+    assert rewind.copies == [(5, 5), (10, 10)] and rewind.copies_taken == 2
 
 
 def test_rewind_without_older_copy_warns_once_and_keeps_training() -> None:
