@@ -158,6 +158,12 @@ class ClippedOptimizer(InnerOptimizerView):
             when a micro-batch legitimately runs several (two losses backwarded
             separately).  Gradients of an open window cleared or replaced from
             outside (``model.zero_grad()``) raise ``RuntimeError`` as well.
+        spike_guard: a :class:`SpikeGuard`: skip (reason ``"spike"``) a window whose
+            loss or pre-clip norm is a z-score outlier against the previous applied
+            updates; decided on the device (see ``clipopt/_spike_guard.py``).
+        rewind: a :class:`Rewind`: copies of the training state in host memory, restored
+            after repeated spike skips (reason ``"rewind"``); ``opt.rewind.batches(loader)``
+            drops the batches that follow a rewind (see ``clipopt/_rewind.py``).
     """
 
     _policy: ClipPolicy | None
@@ -190,8 +196,7 @@ class ClippedOptimizer(InnerOptimizerView):
     ) -> None:
         options = dict(locals())  # the arguments by name (and self, unused)
         cfg = configure(optimizer, ClippedOptimizer, options)  # raises before any state exists
-        skips_spikes = cfg.policy is not None and getattr(cfg.policy, "skip_spikes", False)
-        check_recovery(spike_guard, rewind, skips_spikes)
+        check_recovery(spike_guard, rewind, cfg.policy)
         self._policy, self._bound = cfg.policy, cfg.bound  # what the max_norm property returns
         self.norm_type, self.clip_value = cfg.norm_type, cfg.clip_value
         self.accumulation_steps, self.reduction = cfg.accumulation_steps, cfg.reduction
@@ -226,14 +231,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self.last_snapshot: str | None = None
         self._last_nonfinite_snapshot: str | None = None  # what NonFiniteGradientError names
         self._window_guard = WindowGuard()  # outside clearing and stacked accumulation, see _window_guard
-        self._recovery = SpikeRecovery(spike_guard, rewind)  # see _recovery
-        if rewind is not None:
-            if has_dtensor(self._params()):
-                raise ValueError(
-                    "rewind=Rewind(...) does not support DTensor (FSDP2, tensor-parallel) parameters yet; "
-                    "pass rewind=None (spike_guard works)"
-                )
-            rewind.bind(self._params(), optimizer)
+        self._recovery = SpikeRecovery.attach(spike_guard, rewind, self._params(), optimizer)
 
     # ------------------------------------------------------------------ delegation
 

@@ -24,14 +24,17 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ._decision import SPIKE, WindowDecision
+from ._distributed import has_dtensor
 from ._rewind import Rewind, RewindEvent
 from ._spike_guard import SpikeGuard
 
 __all__ = ["SpikeRecovery", "check_recovery"]
 
 
-def check_recovery(spike_guard: Any, rewind: Any, spikes_skipped_by_policy: bool) -> None:
-    """``spike_guard``/``rewind`` must be a SpikeGuard/Rewind or None; a Rewind needs spike skips."""
+def check_recovery(spike_guard: Any, rewind: Any, policy: Any) -> None:
+    """``spike_guard``/``rewind`` must be a SpikeGuard/Rewind or None; a Rewind needs spike skips
+    (a guard, or a ``policy`` that skips spikes: ``ZClip(skip_spikes=True)``)."""
+    spikes_skipped_by_policy = bool(getattr(policy, "skip_spikes", False))
     if spike_guard is not None and not isinstance(spike_guard, SpikeGuard):
         raise TypeError(
             f"spike_guard must be a SpikeGuard or None, got {type(spike_guard).__name__}; "
@@ -55,6 +58,20 @@ class SpikeRecovery:
     def __init__(self, guard: SpikeGuard | None, rewind: Rewind | None) -> None:
         self.guard = guard  #: the SpikeGuard, or None
         self.rewind = rewind  #: the Rewind, or None
+
+    @classmethod
+    def attach(
+        cls, guard: SpikeGuard | None, rewind: Rewind | None, params: list[Tensor], optimizer: Optimizer
+    ) -> SpikeRecovery:
+        """The recovery of a new optimizer; binds the Rewind to its parameters (DTensors refused)."""
+        if rewind is not None:
+            if has_dtensor(params):
+                raise ValueError(
+                    "rewind=Rewind(...) does not support DTensor (FSDP2, tensor-parallel) parameters yet; "
+                    "pass rewind=None (spike_guard works)"
+                )
+            rewind.bind(params, optimizer)
+        return cls(guard, rewind)
 
     def watches_loss(self) -> bool:
         """Whether the guard scores the loss (under data parallelism the ranks then agree on it)."""
