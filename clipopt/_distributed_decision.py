@@ -304,9 +304,10 @@ _FLUSH_ON_SOME = (
 
 def _loss_slot(loss: Tensor | float | None, packet: Tensor) -> Tensor:
     """The packet's loss entry: the loss as float64, ``-inf`` when absent or ``nan`` (MAX ignores it)."""
-    if loss is None:
-        return torch.full((), -math.inf, dtype=torch.float64, device=packet.device)
-    value = torch.as_tensor(loss, dtype=torch.float64).to(packet.device).reshape(())
+    if not isinstance(loss, Tensor):  # None or a float: a fill on the device, no host-to-device copy
+        v = -math.inf if loss is None or math.isnan(float(loss)) else float(loss)
+        return torch.full((), v, dtype=torch.float64, device=packet.device)
+    value = loss.detach().to(packet.device, torch.float64).reshape(())
     return torch.where(torch.isnan(value), -math.inf, value)
 
 

@@ -97,7 +97,11 @@ class SpikeRecovery:
     def commit(self, d: WindowDecision, step: int, skipped: bool | Tensor) -> None:
         """The decided window ``step`` (``skipped``: its outcome, a bool or a 0/1 device flag): its
         values enter the history unless skipped; the Rewind sees its flags.  No host read."""
-        skip = torch.as_tensor(skipped, dtype=torch.float32, device=d.total_norm.device)
+        device = d.total_norm.device
+        if isinstance(skipped, Tensor):
+            skip = skipped.to(device, torch.float32)
+        else:  # decided on the host: a fill on the device, no host-to-device copy
+            skip = torch.full((), float(skipped), dtype=torch.float32, device=device)
         if self.guard is not None:
             self.guard.commit(skip)
         if self.rewind is not None:

@@ -146,7 +146,7 @@ class SpikeGuard:
                 out.append(loss.detach().reshape(()).to(device, torch.float64))
             else:
                 v = math.nan if loss is None else float(loss)
-                out.append(torch.tensor(v, dtype=torch.float64, device=device))
+                out.append(torch.full((), v, dtype=torch.float64, device=device))  # a fill: no host copy
         return torch.stack(out)
 
     def decide(self, loss: Tensor | float | None, grad_norm: Tensor) -> Tensor:
