@@ -20,7 +20,7 @@ the loggers and the snapshots.  The reason is an int64 code until read
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -39,6 +39,7 @@ __all__ = [
     "REASONS",
     "SPIKE",
     "SkipSignal",
+    "SkipSource",
     "WindowDecision",
     "clip_",
     "decide_skip",
@@ -63,6 +64,20 @@ class SkipSignal(NamedTuple):
 
     code: int
     flag: Tensor | None
+
+
+class SkipSource(Protocol):
+    """An extra skip signal (extension point: ``SpikeGuard``, a rewind; see ARCHITECTURE.md).
+
+    ``flag(d)`` is called once per window, after clipping, with the window's
+    decision so far; it returns a 0/1 float tensor on the device (never read on
+    the host) or None (no opinion).  Its ``code`` is the reason recorded when it
+    is the first signal that skips the window.
+    """
+
+    code: int
+
+    def flag(self, d: WindowDecision) -> Tensor | None: ...
 
 
 class WindowDecision:
