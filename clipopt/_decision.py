@@ -20,7 +20,7 @@ the loggers and the snapshots.  The reason is an int64 code until read
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -40,6 +40,7 @@ __all__ = [
     "REWIND",
     "SPIKE",
     "SkipSignal",
+    "SkipSource",
     "WindowDecision",
     "clip_",
     "decide_skip",
@@ -64,6 +65,20 @@ class SkipSignal(NamedTuple):
 
     code: int
     flag: Tensor | None
+
+
+class SkipSource(Protocol):
+    """An extra skip signal (extension point: ``SpikeGuard``, a rewind; see ARCHITECTURE.md).
+
+    ``flag(d)`` is called once per window, after clipping, with the window's
+    decision so far; it returns a 0/1 float tensor on the device (never read on
+    the host) or None (no opinion).  Its ``code`` is the reason recorded when it
+    is the first signal that skips the window.
+    """
+
+    code: int
+
+    def flag(self, d: WindowDecision) -> Tensor | None: ...
 
 
 class WindowDecision:
@@ -183,10 +198,10 @@ def read_anomaly(
     values = [v > 0 for v in torch.stack(flags).tolist()] if len(flags) > 1 else [bool(d.nonfinite.item())]
     bad = values[0]
     diverged = divergence is not None and values[1]
-    spiking = spike is not None and values[-1]
+    spiked = spike is not None and values[-1]
     if bad:
         return True, None if overflow else "nonfinite"
-    return False, "divergence" if diverged else "spike" if spiking else None
+    return False, "divergence" if diverged else "spike" if spiked else None
 
 
 def clip_(

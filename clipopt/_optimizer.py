@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import os
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -19,9 +19,6 @@ from torch.optim import optimizer as _optim_module
 from . import functional as F
 from ._apply import StateReadiness, is_fused, reevaluating_closure, step_fused, step_host
 from ._checkpoint import read_checkpoint, wrapper_entry
-from ._checks import (
-    check_flag,
-)
 from ._config import DTENSOR_DIAGNOSTICS, check_max_norm, configure
 from ._decision import (
     DIVERGENCE,
@@ -31,6 +28,7 @@ from ._decision import (
     REWIND,
     SPIKE,
     SkipSignal,
+    SkipSource,
     WindowDecision,
     clip_,
     decide_skip,
@@ -45,10 +43,16 @@ from ._distributed import (
     has_dtensor,
     reduce_norm_over,
     sharded_layer_stats,
-    suppress_sync,
 )
 from ._distributed_decision import ReplicaDecision, settings_of
 from ._errors import NonFiniteGradientError
+from ._grad_sync import (
+    check_checkpointable,
+    check_no_sync_args,
+    check_reducible,
+    pending_unsynced,
+    plan_no_sync,
+)
 from ._layers import LayerStats, compute_layer_stats
 from ._logging import Logger, log_window
 from ._loss import LossSum, check_loss, loss_of_closure
@@ -68,6 +72,17 @@ from ._window_guard import WindowGuard
 from ._wrapping import InnerOptimizerView
 
 __all__ = ["ClippedOptimizer"]
+
+#: What closing a window replaces in the wrapper: put back when it fails (see ``_rollback.UndoPoint``).
+_UNDO_FIELDS = (
+    "_counters",
+    "_update_applied",
+    "_last_skipped",
+    "_unsynced",
+    "last_stats",
+    "last_snapshot",
+    "_last_nonfinite_snapshot",
+)
 
 
 
@@ -206,11 +221,18 @@ class ClippedOptimizer(InnerOptimizerView):
         self.max_snapshots, self.norm_group = cfg.max_snapshots, cfg.norm_group
         self._replicas = ReplicaDecision(cfg.replica_group)
         self.backward_passes_per_step = cfg.backward_passes_per_step
-        names = cfg.names
+        self._names = cfg.names
         self.optimizer = optimizer
         self.scaler = scaler
         self.foreach = foreach
         self._init_hooks()
+        self._init_state(snapshot_dir)
+        self._recovery = SpikeRecovery.attach(spike_guard, rewind, self._params(), optimizer)  # _recovery
+        if spike_guard is not None:
+            self._skip_sources.append(self._recovery)  # reason "spike"
+
+    def _init_state(self, snapshot_dir: str | os.PathLike[str] | None) -> None:
+        """What the wrapper records and caches while it runs (beside the configuration)."""
         self.stats: collections.deque[StepStats] = collections.deque(maxlen=self.stats_history)
         self.last_stats: StepStats | None = None
         self._counters = WrapperState()
@@ -223,7 +245,6 @@ class ClippedOptimizer(InnerOptimizerView):
         self._has_dtensor = False  # some parameter is a DTensor (FSDP2): norms are reduced across ranks
         self._shards: ShardedGrads | None = None  # the open window's sharded gradients
         self._unsynced: Unsynced | None = None  # the latest micro-batch that skipped its sync, see no_sync()
-        self._names = names
         self._snapshots = None if snapshot_dir is None else SnapshotWriter(snapshot_dir, self.max_snapshots)
         self._attached: dict[str, list[Any]] = {}
         self._bad_row: LayerStats | None = None  # the window's candidate per-layer row, see _measure
@@ -231,7 +252,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self.last_snapshot: str | None = None
         self._last_nonfinite_snapshot: str | None = None  # what NonFiniteGradientError names
         self._window_guard = WindowGuard()  # outside clearing and stacked accumulation, see _window_guard
-        self._recovery = SpikeRecovery.attach(spike_guard, rewind, self._params(), optimizer)
+        self._skip_sources: list[SkipSource] = []  # extra skip signals after the built-in ones (_decision)
 
     # ------------------------------------------------------------------ delegation
 
@@ -259,6 +280,7 @@ class ClippedOptimizer(InnerOptimizerView):
         state.pop("_ready_state", None)  # pickled before StateReadiness
         state.pop("_ready_size", None)
         state.setdefault("_readiness", StateReadiness())
+        state.setdefault("_skip_sources", [])
         state.setdefault("_loss", LossSum())  # pickled by a clipopt without the loss
         state.setdefault("_recovery", SpikeRecovery(None, None))  # pickled before SpikeGuard / Rewind
         super().__setstate__(state)
@@ -454,35 +476,22 @@ class ClippedOptimizer(InnerOptimizerView):
         checkpoint taken mid-window holds the rank's own unsynchronised gradients
         (save one per rank); under FSDP2 it is refused while they are pending.
         """
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                f"model must be a torch.nn.Module (a DDP- or FSDP2-wrapped model), got "
-                f"{type(model).__name__}; pass e.g. opt.no_sync(ddp_model)"
-            )
-        if sync is not None:
-            check_flag("sync", sync)
+        check_no_sync_args(model, sync)
         if not self._replicas.checked:
             self._check_replicas()
         index = self._counters.micro_batches + 1  # this micro-batch's place in the window
-        if sync is None:
-            sync = index >= self.accumulation_steps
-        if sync:
-            yield
-            return
-        context, kind = suppress_sync(model)
-        if kind is None:
-            self._warn_plain_no_sync(model)
-            with context:
-                yield
-            return
+        context, marker = plan_no_sync(
+            model, index >= self.accumulation_steps if sync is None else sync, index, self._replicas
+        )
         before = self._unsynced
-        # set before the body runs: an opt.step() inside the block may close the window
-        self._unsynced = Unsynced(kind, index, type(model).__name__, getattr(model, "process_group", None))
+        if marker is not None:  # set before the body runs: an opt.step() inside may close the window
+            self._unsynced = marker
         try:
             with context:
                 yield
         except BaseException:
-            self._unsynced = before
+            if marker is not None:
+                self._unsynced = before
             raise
 
     def _check_replicas(self) -> None:
@@ -491,51 +500,19 @@ class ClippedOptimizer(InnerOptimizerView):
         if params:
             self._replicas.check_settings(settings_of(self), params[0].device)
 
-    def _warn_plain_no_sync(self, model: torch.nn.Module) -> None:
-        """no_sync(model) under data parallelism with a module that has no sync to skip: warn once."""
-        if self._replicas.active and not self._replicas.warned_no_sync:
-            self._replicas.warned_no_sync = True
-            warnings.warn(
-                f"opt.no_sync(model) got a {type(model).__name__}, which has no gradient sync to "
-                "skip, so every micro-batch still synchronises (or none does); pass the "
-                "DistributedDataParallel (or fully_shard) wrapper itself, e.g. opt.no_sync(ddp_model), "
-                "not ddp_model.module",
-                UserWarning,
-                stacklevel=4,
-            )
-
     def _pending_unsynced(self) -> Unsynced | None:
-        """The marker when the open window's latest micro-batch skipped its sync, else None."""
-        marker = self._unsynced
-        n = self._counters.micro_batches
-        if marker is None or n == 0 or marker.micro_batch != n:  # a later micro-batch synchronised
-            return None
-        return marker
+        return pending_unsynced(self._unsynced, self._counters.micro_batches)
 
     def _sync_unsynced(self) -> None:
         """Before closing a window whose latest micro-batch skipped its sync: do that sync now."""
         marker = self._pending_unsynced()
-        if marker is None:
-            self._unsynced = None
-            return
-        if marker.kind != "ddp":  # nothing changed: the window stays open and pending
-            raise RuntimeError(
-                f"the latest micro-batch ran inside opt.no_sync(model) without gradient sync, and "
-                f"{marker.model_type} cannot reduce accumulated gradients afterwards; pass "
-                "opt.no_sync(model, sync=True) for the last micro-batch before flush()"
-            )
-        allreduce_mean_([p for p in self._params() if p.requires_grad], marker.group)
+        if marker is not None:
+            check_reducible(marker)
+            allreduce_mean_([p for p in self._params() if p.requires_grad], marker.group)
         self._unsynced = None
 
     def _check_checkpointable(self) -> None:
-        """Refuse to save a window whose gradients are held inside FSDP2 (``p.grad`` is None there)."""
-        marker = self._pending_unsynced()
-        if marker is not None and marker.kind != "ddp":
-            raise RuntimeError(
-                f"the open window's latest micro-batch ran inside opt.no_sync(model) and "
-                f"{marker.model_type} keeps its unsynchronised gradients internally, so they cannot "
-                "be saved; checkpoint at a window boundary (opt.micro_batches == 0)"
-            )
+        check_checkpointable(self._pending_unsynced())
 
     def _params(self) -> list[Tensor]:
         """All parameters, in group order; cached until the groups change."""
@@ -558,12 +535,14 @@ class ClippedOptimizer(InnerOptimizerView):
         recording or logging it, or :class:`NonFiniteGradientError`, comes after
         an update that cannot be taken back, and the window is counted.
         """
-        undo = UndoPoint(self)
+        fields = {name: getattr(self, name) for name in _UNDO_FIELDS}
+        fields["_counters"] = dataclasses.replace(self._counters)  # changed in place: a copy
+        undo = UndoPoint(self, fields, self._policy, self.stats)
         try:
             return self._finish_window(loss, closure, undo)
         except BaseException as exc:
             if not undo.committed:
-                undo.restore(self)
+                undo.restore()
                 if undo.touched:
                     self._discard_window(exc)
             raise
@@ -583,35 +562,22 @@ class ClippedOptimizer(InnerOptimizerView):
             )
 
     def _finish_window(self, loss: Any, closure: Callable[[], Any] | None, undo: UndoPoint) -> Any:
-        n = self._counters.micro_batches
-        params = self._params()
-        if self._has_dtensor and self._snapshots is not None:
-            raise ValueError(DTENSOR_DIAGNOSTICS)
-        self._sync_unsynced()
-        grads = self._window_grads(params)  # may raise: before the scaler is unscaled
-        if self.clip_value is not None:
-            F.check_value_clippable(grads)  # before anything is measured, saved or clamped
-        if not grads:
-            undo.committed = True
-            return self._close_empty(n, loss)
+        """SPEC §1's order: combine -> measure -> diagnose -> clip and decide -> apply -> record."""
+        n, params = self._counters.micro_batches, self._params()
         if self._recovery.due(self._counters.windows):  # Rewind: a copy, or back to one
             hit = self._recovery.check(self._counters.windows, params, self.optimizer, self._copied_state)
             if hit is not None:
                 undo.committed = True  # the training state was restored: this window is discarded
                 return self._close_rewound(n, loss, *hit)
-        if self.scaler is not None:
-            undo.touched = True
-            self.scaler.unscale_(self.optimizer)
+        grads = self._combine(params, undo)
+        if grads is None:
+            undo.committed = True
+            return self._close_empty(n, loss)
         try:
             with torch.no_grad():
-                d = self._measure(grads, n, params)
                 window_loss = self._loss.take(self.reduction)  # _step() puts the sum back on an error
-                if self._replicas.active and not self._has_dtensor:  # DDP: one decision on every rank
-                    window = self._counters.windows + 1
-                    shared = window_loss if self._recovery.watches_loss() else None  # SpikeGuard: common loss
-                    norm, nonfinite = self._replicas.agree(d.total_norm, d.nonfinite, n, window, shared)
-                    d = WindowDecision(norm, nonfinite, self._replicas.divergence)
-                d.loss = window_loss
+                d = self._agree(self._measure(grads, n, params), n, window_loss)
+                d.loss = window_loss  # before the decision: SpikeGuard scores it
                 layers = self._diagnose(params, d, n)
                 unitwise = self._policy is not None and self._policy.unitwise  # AGC clips in place
                 undo.touched |= self.clip_value is not None or unitwise
@@ -627,9 +593,7 @@ class ClippedOptimizer(InnerOptimizerView):
             self._window_guard.reset()
             if self.scaler is not None:
                 self.scaler.update()
-        stats = self._record(d, n, layers)
-        log_window(self.loggers, stats, self)  # I/O failures warn; the window is complete either way
-        self._attached.clear()
+        self._record(d, n, layers)
         self._replicas.end_window(host_read=not fused)  # may warn (divergence) or raise (out of step)
         self._check_consecutive_nonfinite()
         return loss
@@ -657,6 +621,37 @@ class ClippedOptimizer(InnerOptimizerView):
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
         }
 
+    def _combine(self, params: list[Tensor], undo: UndoPoint) -> list[Tensor] | None:
+        """Step 1: the window's gradients, synchronised (``no_sync``) and unscaled (``scaler``);
+        None when no parameter has one.  Raises before anything changed when they cannot be used."""
+        if self._has_dtensor and self._snapshots is not None:
+            raise ValueError(DTENSOR_DIAGNOSTICS)
+        self._sync_unsynced()
+        grads = self._window_grads(params)  # may raise: before the scaler is unscaled
+        if self.clip_value is not None:
+            F.check_value_clippable(grads)  # before anything is measured, saved or clamped
+        if not grads:
+            return None
+        if self.scaler is not None:
+            undo.touched = True
+            self.scaler.unscale_(self.optimizer)
+        return grads
+
+    def _agree(self, d: WindowDecision, n: int, loss: Tensor | float | None) -> WindowDecision:
+        """DDP replicas: one decision on every rank (one scalar collective), with their divergence.
+
+        A SpikeGuard watching the loss gets the largest window ``loss`` over the ranks from the
+        same collective (``SpikeRecovery.shared_loss``), so every rank scores the same value.
+        """
+        self._recovery.shared_loss = None
+        if not self._replicas.active or self._has_dtensor:
+            return d
+        shared = loss if self._recovery.watches_loss() else None
+        window = self._counters.windows + 1
+        norm, nonfinite = self._replicas.agree(d.total_norm, d.nonfinite, n, window, shared)
+        self._recovery.shared_loss = self._replicas.agreed_loss if shared is not None else None
+        return WindowDecision(norm, nonfinite, self._replicas.divergence)
+
     def _close_empty(self, n: int, loss: Any, reason: int = NOGRAD) -> Any:
         """A window in which no parameter has a gradient: nothing to apply, so the inner step is not
         called; it is recorded as skipped with reason ``"nograd"`` (not a non-finite skip).
@@ -670,9 +665,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self._counters.windows += 1
         self._last_skipped, self._update_applied = True, False
         self._counters.record(True, False)
-        stats = self._record(d, n, None)
-        log_window(self.loggers, stats, self)
-        self._attached.clear()
+        self._record(d, n, None)
         return loss
 
     def _window_grads(self, params: list[Tensor]) -> list[Tensor]:
@@ -727,8 +720,8 @@ class ClippedOptimizer(InnerOptimizerView):
     def _diagnose(self, params: list[Tensor], d: WindowDecision, n: int) -> LayerStats | None:
         """Per-layer statistics when due, and an anomaly snapshot of a non-finite or spiking window.
 
-        Both see the pre-clip gradients.  Either one reads the flag (and the
-        policy's spike rule, see :meth:`ClipPolicy.is_spike`) from the device, once.
+        Both see the pre-clip gradients.  Either one reads the decision's ``nonfinite``
+        (and divergence, and the policy's spike rule) from the device, once (``read_anomaly``).
         """
         due = bool(self.layer_stats) and (self._counters.windows + 1) % self.layer_stats == 0
         if due:
@@ -813,7 +806,7 @@ class ClippedOptimizer(InnerOptimizerView):
         if reevaluated is None:
             signals.insert(0, SkipSignal(DIVERGENCE, d.divergence))
             signals.append(SkipSignal(SPIKE, policy_spike(None if unitwise else policy)))
-            signals.append(SkipSignal(SPIKE, self._recovery.signal(d, self._replicas.agreed_loss)))
+            signals += [SkipSignal(source.code, source.flag(d)) for source in self._skip_sources]
         decide_skip(d, signals)
 
     def _skip_enabled(self) -> bool:
@@ -875,6 +868,8 @@ class ClippedOptimizer(InnerOptimizerView):
         )
         self.last_stats = stats
         self.stats.append(stats)
+        log_window(self.loggers, stats, self)  # I/O failures warn; the window is complete either way
+        self._attached.clear()
         return stats
 
     # ------------------------------------------------------------------ diagnostics

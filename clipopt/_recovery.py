@@ -53,11 +53,20 @@ def check_recovery(spike_guard: Any, rewind: Any, policy: Any) -> None:
 
 
 class SpikeRecovery:
-    """A guard and/or a rewind attached to one optimizer."""
+    """A guard and/or a rewind attached to one optimizer.
+
+    With a guard it is one of the optimizer's skip sources (``_decision.SkipSource``):
+    :attr:`code` and :meth:`flag`.
+    """
+
+    #: The reason recorded when the guard skips a window.
+    code = SPIKE
 
     def __init__(self, guard: SpikeGuard | None, rewind: Rewind | None) -> None:
         self.guard = guard  #: the SpikeGuard, or None
         self.rewind = rewind  #: the Rewind, or None
+        #: This window's loss as agreed by the data-parallel ranks (set by the optimizer), or None.
+        self.shared_loss: Tensor | None = None
 
     @classmethod
     def attach(
@@ -76,6 +85,10 @@ class SpikeRecovery:
     def watches_loss(self) -> bool:
         """Whether the guard scores the loss (under data parallelism the ranks then agree on it)."""
         return self.guard is not None and "loss" in self.guard.signals
+
+    def flag(self, d: WindowDecision) -> Tensor | None:
+        """The skip source's flag: :meth:`signal` with the ranks' agreed loss when there is one."""
+        return self.signal(d, self.shared_loss)
 
     def signal(self, d: WindowDecision, agreed_loss: Tensor | None = None) -> Tensor | None:
         """The guard's 0/1 spike flag for the window, or None without a guard.
