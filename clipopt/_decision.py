@@ -185,14 +185,21 @@ def spike_rule(policy: ClipPolicy | None, total_norm: Tensor) -> Tensor | None:
 
 
 def read_anomaly(
-    d: WindowDecision, policy: ClipPolicy | None, with_divergence: bool, overflow: bool
+    d: WindowDecision,
+    policy: ClipPolicy | None,
+    with_divergence: bool,
+    overflow: bool,
+    guard_spike: Tensor | None = None,
 ) -> tuple[bool, str | None]:
     """For diagnostics (one host read): whether the window is non-finite, and what makes it an anomaly
     worth a snapshot: ``"nonfinite"`` (not with a scaler: an overflow is GradScaler's normal
     operation), else ``"divergence"`` (with ``with_divergence``), else ``"spike"`` by the
-    policy's spike rule (:func:`spike_rule`; asked whether or not spikes are skipped), else None.
+    policy's spike rule (:func:`spike_rule`; asked whether or not spikes are skipped) or by
+    ``guard_spike`` (a SpikeGuard's rule, 0/1), else None.
     """
     spike = spike_rule(policy, d.total_norm)
+    if guard_spike is not None:
+        spike = guard_spike if spike is None else torch.maximum(spike.to(guard_spike.dtype), guard_spike)
     divergence = d.divergence if with_divergence else None
     flags = [d.nonfinite] + [t.to(d.nonfinite.dtype) for t in (divergence, spike) if t is not None]
     values = [v > 0 for v in torch.stack(flags).tolist()] if len(flags) > 1 else [bool(d.nonfinite.item())]

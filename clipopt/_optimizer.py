@@ -729,7 +729,9 @@ class ClippedOptimizer(InnerOptimizerView):
         if not due and self._snapshots is None:
             return None
         snapshots = self._snapshots is not None
-        bad, reason = read_anomaly(d, self._policy if snapshots else None, snapshots, self.scaler is not None)
+        guard_spike = self._recovery.is_spike(d, self._recovery.shared_loss) if snapshots else None
+        policy = self._policy if snapshots else None
+        bad, reason = read_anomaly(d, policy, snapshots, self.scaler is not None, guard_spike)
         inv = 1.0 / self._divisor(n)
         stats_of = sharded_layer_stats if self._has_dtensor else compute_layer_stats  # the former: collective
         layers = stats_of(params, self.layer_names(), inv, bad) if due else None

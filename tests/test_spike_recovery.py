@@ -335,3 +335,22 @@ def test_arguments_are_checked() -> None:
         optim.SGD(model.parameters(), lr=0.1), max_norm=ZClip(skip_spikes=True), rewind=Rewind()
     )
     assert opt.rewind is not None and opt.spike_guard is None and opt.rewinds == 0
+
+
+def test_guard_spike_writes_a_snapshot(tmp_path: Path) -> None:
+    """With snapshot_dir, a window the guard skips is saved with reason 'spike' (step, params, grads)."""
+    from clipopt import load_snapshot
+
+    model = _model()
+    opt = ClippedOptimizer(
+        optim.SGD(model.parameters(), lr=0.1),
+        spike_guard=_guard(),
+        snapshot_dir=tmp_path,
+        param_names=model.named_parameters(),
+    )
+    for i, b in enumerate(_batches(8, seed=6)):
+        _window(CASES[0], opt, model, _spike(b, False) if i == 6 else b)
+    assert [s.reason for s in opt.stats].count("spike") == 1
+    assert opt.last_snapshot is not None
+    snap = load_snapshot(opt.last_snapshot)
+    assert snap["reason"] == "spike" and snap["step"] == 7 and set(snap["grads"]) == set(snap["params"])
