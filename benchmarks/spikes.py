@@ -253,6 +253,18 @@ def overhead(w: Workload, data: tuple[torch.Tensor, torch.Tensor, int], windows:
     return out
 
 
+def guard_cost(calls: int = 2000) -> float:
+    """Median seconds of one SpikeGuard decide + commit (both signals, window 128), alone."""
+    guard = clipopt.SpikeGuard()
+    loss, norm = torch.tensor(2.0), torch.tensor(1.0)
+    times = []
+    for i in range(calls + 200):
+        t0 = time.perf_counter()
+        guard.commit(guard.decide(loss + 1e-3 * (i % 7), norm))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[200:])
+
+
 # ----------------------------------------------------------------------------- copy cost
 
 
@@ -352,6 +364,12 @@ def render(
                 f"| {name} | {o['ms_per_window']:.1f} | {o['ratio']:.3f} | {o['mean_ratio']:.3f} "
                 f"| {o['copies_taken']} | {o['host_copy_mb']:.1f} |"
             )
+        base_ms = over["clip"]["ms_per_window"]
+        lines += [
+            "",
+            f"SpikeGuard's own work per window (decide + commit, measured alone): {over['guard_us']:.0f} us "
+            f"= {over['guard_us'] / (10 * base_ms):.2f} % of a clip window here.",
+        ]
     if costs:
         lines += [
             "",
@@ -405,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
             )
     rows = summarise(runs, configs)
     over = overhead(w, data, windows=60 if args.quick else 300) if has_spike_recovery() else {}
+    if over:
+        over["guard_us"] = 1e6 * guard_cost()
     costs = {}
     torch.manual_seed(0)
     costs["tiny transformer (this workload)"] = copy_cost(TinyGPT(data[2], w), rounds=20)
