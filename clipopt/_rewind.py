@@ -56,14 +56,17 @@ class RewindEvent:
 
 
 def rewind_target(
-    spike_steps: list[int], copies: list[int], spikes: int, within: int
+    spike_steps: list[int], copies: list[int], spikes: int, within: int, avoid: int | None = None
 ) -> tuple[int, int] | None:
     """``(first spike, copy step)`` when the rule fires, else None.  Pure: host integers only.
 
     The group is every spike skip within ``within`` windows up to the newest one
     (``step > newest - within``); it fires with at least ``spikes`` of them.
     The copy is the newest one taken before the group's first spike
-    (``copy step < first``); none qualifying: ``(first, -1)``.
+    (``copy step < first``), passing over ``avoid`` (the copy the latest rewind
+    restored, when no copy was taken since: spikes that came back so soon
+    suggest it already held the damage) unless it is the only one; none
+    qualifying: ``(first, -1)``.
     """
     if not spike_steps:
         return None
@@ -73,6 +76,8 @@ def rewind_target(
         return None
     first = group[0]
     older = [c for c in copies if c < first]
+    if avoid is not None and len(older) > 1:
+        older = [c for c in older if c != avoid]
     return first, (max(older) if older else -1)
 
 
@@ -180,7 +185,9 @@ class Rewind:
         """
         target = self._bound_target()
         self._read_flags()
-        hit = rewind_target(self.spike_steps, [c.step for c in self._copies], self.spikes, self.within)
+        steps = [c.step for c in self._copies]
+        avoid = self.log[-1].restored if self.log and steps and steps[-1] == self.log[-1].restored else None
+        hit = rewind_target(self.spike_steps, steps, self.spikes, self.within, avoid)
         if hit is not None and hit[1] >= 0:
             return self._rewind(target, step, hit[0], hit[1])
         if hit is not None and not self._warned:

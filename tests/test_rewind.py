@@ -159,6 +159,9 @@ def test_rewind_target_rule() -> None:
     assert rewind_target([111, 159, 160], [0, 100], 3, 50) == (111, 100)  # 111..160: 50 windows
     assert rewind_target([110, 159, 160], [0, 100], 3, 50) is None  # 110..160: 51 windows
     assert rewind_target([5, 6, 7], [10], 3, 50) == (5, -1)  # no copy older than the first spike
+    # spikes back before a new copy: the copy the last rewind restored is passed over, unless alone
+    assert rewind_target([110, 120, 130], [0, 100], 3, 50, avoid=100) == (110, 0)
+    assert rewind_target([110, 120, 130], [100], 3, 50, avoid=100) == (110, 100)
 
 
 def _bound(rewind: Rewind, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Rewind:
