@@ -167,7 +167,10 @@ class Rewind:
         """Fold the pending flags into the spike log and the applied count (one host read)."""
         if not self._flags:
             return
-        values = torch.stack([f.to("cpu") if f.device.type != "cpu" else f for _, f in self._flags]).tolist()
+        flags = [f for _, f in self._flags]
+        if len({f.device for f in flags}) > 1:  # flags loaded from a checkpoint (CPU) among device ones
+            flags = [f.cpu() for f in flags]
+        values = torch.stack(flags).tolist()  # the one host read: stacked on their device first
         for (step, _), (spike, applied) in zip(self._flags, values, strict=True):
             if spike > 0:
                 self.spike_steps.append(step)
