@@ -354,3 +354,33 @@ def test_guard_spike_writes_a_snapshot(tmp_path: Path) -> None:
     assert opt.last_snapshot is not None
     snap = load_snapshot(opt.last_snapshot)
     assert snap["reason"] == "spike" and snap["step"] == 7 and set(snap["grads"]) == set(snap["params"])
+
+
+def test_rewind_restores_scaler_and_policy_state() -> None:
+    """A rewind puts the GradScaler's scale and the policy's statistics back to those of the copy."""
+    model = _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    policy = ZClip(warmup_steps=3)
+    rewind = Rewind(every=5, spikes=2, within=5, skip_batches=0, check_every=1)
+    opt = ClippedOptimizer(
+        optim.SGD(model.parameters(), lr=0.1),
+        max_norm=policy,
+        scaler=scaler,
+        spike_guard=_guard(),
+        rewind=rewind,
+    )
+    saved: dict[int, tuple[float, torch.Tensor]] = {}
+    for x, y in _spiky(20, {12, 14}):
+        if opt.num_windows == 11:  # the state the copy taken at the start of window 12 holds
+            saved[11] = (scaler.get_scale(), policy.state_dict()["stats"].clone())
+        loss = ((model(x) - y) ** 2).mean()
+        scaler.scale(loss).backward()
+        opt.step(loss=loss)
+        opt.zero_grad()
+        if opt.last_stats is not None and opt.last_stats.reason == "rewind":
+            assert rewind.log[-1].restored == 11
+            assert scaler.get_scale() == saved[11][0]
+            assert torch.equal(policy.state_dict()["stats"], saved[11][1])
+            break
+    assert opt.rewinds == 1
+    assert saved[11][0] != 2.0**10  # the scale had grown, so restoring it is visible
