@@ -10,6 +10,8 @@ from collections import deque
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from clipopt._spike_guard import SpikeGuard
 from clipopt._spike_stats import history_mean_std, push_history, spike_scores
@@ -38,6 +40,28 @@ def test_history_mean_std_matches_numpy(n: int) -> None:
     want_std = last.std(ddof=1) if n >= 2 else 0.0
     assert mean.item() == pytest.approx(want_mean, rel=1e-12, abs=1e-12)
     assert std.item() == pytest.approx(want_std, rel=1e-12, abs=1e-12)
+
+
+@given(
+    st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=0, max_size=40),
+    st.integers(2, 12),
+    st.lists(st.booleans(), min_size=40, max_size=40),
+)
+def test_pushed_history_matches_numpy(values: list[float], window: int, accepted: list[bool]) -> None:
+    """Pushing values (some rejected) then taking mean/std equals NumPy on the accepted ones' last window."""
+    buffer = torch.zeros((1, window), dtype=torch.float64)
+    count = torch.zeros(1, dtype=torch.int64)
+    kept = []
+    for v, ok in zip(values, accepted, strict=False):
+        buffer, count = push_history(buffer, count, torch.tensor([v], dtype=torch.float64), torch.tensor(ok))
+        if ok:
+            kept.append(v)
+    mean, std = history_mean_std(buffer, count)
+    last = np.array(kept[-window:])
+    assert count.item() == len(kept)
+    assert mean.item() == pytest.approx(last.mean() if len(last) else 0.0, rel=1e-9, abs=1e-9)
+    want_std = last.std(ddof=1) if len(last) >= 2 else 0.0
+    assert std.item() == pytest.approx(want_std, rel=1e-9, abs=1e-7)
 
 
 def test_spike_scores_matches_numpy_and_warmup() -> None:

@@ -384,3 +384,27 @@ def test_rewind_restores_scaler_and_policy_state() -> None:
             break
     assert opt.rewinds == 1
     assert saved[11][0] != 2.0**10  # the scale had grown, so restoring it is visible
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_spike_in_one_micro_batch_skips_the_window(fused: bool) -> None:
+    """accumulation_steps=3: a spiking micro-batch skips its whole window; the run then equals one
+    without that window (the guard scores the window's mean loss and combined norm)."""
+    model, ref_model = _model(), _model()
+    make = lambda ps: optim.Adam(ps, lr=0.05, fused=fused) if fused else optim.Adam(ps, lr=0.05)  # noqa: E731
+    opt = ClippedOptimizer(make(model.parameters()), accumulation_steps=3, spike_guard=_guard())
+    ref = ClippedOptimizer(make(ref_model.parameters()), accumulation_steps=3)
+    windows = [_batches(3, seed=20 + w) for w in range(9)]
+    for w, micro in enumerate(windows):
+        runs = [(opt, model)] if w == 6 else [(opt, model), (ref, ref_model)]
+        for o, m in runs:
+            for k, (x, y) in enumerate(micro):
+                if w == 6 and k == 1:
+                    y = y * 1000
+                loss = ((m(x) - y) ** 2).mean()
+                loss.backward()
+                o.step(loss=loss)
+                o.zero_grad()
+        expect = "spike" if w == 6 else None
+        assert opt.last_stats is not None and opt.last_stats.reason == expect, w
+    _assert_identical(_state(opt, model), _state(ref, ref_model))
