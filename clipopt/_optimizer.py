@@ -196,7 +196,7 @@ class ClippedOptimizer(InnerOptimizerView):
         replica_group: Any = "auto",
         backward_passes_per_step: int = 1,
     ) -> None:
-        options = dict(locals())  # the arguments by name (and self, unused)
+        options = {name: value for name, value in locals().items() if name != "self"}  # every argument
         cfg = configure(optimizer, ClippedOptimizer, options)  # raises before any state exists
         self._policy, self._bound = cfg.policy, cfg.bound  # what the max_norm property returns
         self.norm_type, self.clip_value = cfg.norm_type, cfg.clip_value
