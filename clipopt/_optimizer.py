@@ -538,6 +538,7 @@ class ClippedOptimizer(InnerOptimizerView):
         try:
             with torch.no_grad():
                 d = self._agree(self._measure(grads, n, params), n)
+                d.loss = self._loss.combined(self.reduction)  # kept in the sum until the close commits
                 layers = self._diagnose(params, d, n)
                 unitwise = self._policy is not None and self._policy.unitwise  # AGC clips in place
                 undo.touched |= self.clip_value is not None or unitwise
@@ -545,7 +546,7 @@ class ClippedOptimizer(InnerOptimizerView):
             undo.touched = True  # scaling and the inner step change the gradients
             self._counters.micro_batches = 0
             self._counters.windows += 1
-            d.loss = self._loss.take(self.reduction)
+            self._loss.clear()
             loss, fused = self._apply(d, grads, params, loss, closure)
             undo.committed = True
         finally:  # also after an error: an unscaled scaler without update() would refuse every later window
