@@ -209,7 +209,7 @@ class ClippedOptimizer(InnerOptimizerView):
         spike_guard: SpikeGuard | None = None,
         rewind: Rewind | None = None,
     ) -> None:
-        options = dict(locals())  # the arguments by name (and self, unused)
+        options = {name: value for name, value in locals().items() if name != "self"}  # every argument
         cfg = configure(optimizer, ClippedOptimizer, options)  # raises before any state exists
         check_recovery(spike_guard, rewind, cfg.policy)
         self._policy, self._bound = cfg.policy, cfg.bound  # what the max_norm property returns
@@ -575,9 +575,9 @@ class ClippedOptimizer(InnerOptimizerView):
             return self._close_empty(n, loss)
         try:
             with torch.no_grad():
-                window_loss = self._loss.take(self.reduction)  # _step() puts the sum back on an error
-                d = self._agree(self._measure(grads, n, params), n, window_loss)
-                d.loss = window_loss  # before the decision: SpikeGuard scores it
+                window_loss = self._loss.combined(self.reduction)  # kept in the sum until the close commits
+                d = self._agree(self._measure(grads, n, params), n, window_loss)  # DDP: SpikeGuard's loss too
+                d.loss = window_loss
                 layers = self._diagnose(params, d, n)
                 unitwise = self._policy is not None and self._policy.unitwise  # AGC clips in place
                 undo.touched |= self.clip_value is not None or unitwise
@@ -585,6 +585,7 @@ class ClippedOptimizer(InnerOptimizerView):
             undo.touched = True  # scaling and the inner step change the gradients
             self._counters.micro_batches = 0
             self._counters.windows += 1
+            self._loss.clear()
             loss, fused = self._apply(d, grads, params, loss, closure)
             undo.committed = True
             self._recovery.commit(d, self._counters.windows, self._last_skipped)
