@@ -118,8 +118,11 @@ class SpikeRecovery:
         if self.guard is not None:
             self.guard.commit(skip)
         if self.rewind is not None:
-            spike = (torch.as_tensor(d.reason, device=skip.device) == SPIKE).to(torch.float32)
-            self.rewind.observe(step, spike * (skip > 0), 1.0 - skip.to(torch.float32))
+            if isinstance(d.reason, Tensor):
+                spike = (d.reason == SPIKE).to(torch.float32)
+            else:  # decided on the host
+                spike = torch.full((), float(d.reason == SPIKE), dtype=torch.float32, device=device)
+            self.rewind.observe(step, spike * (skip > 0), 1.0 - skip)
 
     def due(self, closed: int) -> bool:
         """Whether the close of the next window starts with a :meth:`check` (``closed`` windows so far)."""
