@@ -199,6 +199,17 @@ class ReplicaDecision:
         self._pending.append((*self._to_host(packet), n, window))
         return norm, any_bad.to(torch.float32)
 
+    def agree_loss(self, loss: Tensor | float | None, device: torch.device) -> Tensor:
+        """The largest window loss over the ranks (``nan``: none given), in one scalar collective.
+
+        For DTensor (FSDP2) parameters, where the norm is already common and no
+        per-window packet runs, but a SpikeGuard scores the (rank-local) loss.
+        """
+        dist = torch.distributed
+        value = _loss_slot(loss, torch.empty((), device=device))
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._group)
+        return torch.where(value == -math.inf, math.nan, value)
+
     def end_window(self, host_read: bool) -> None:
         """Forget this window's device values; check its outcome now when the window read the host."""
         self.divergence = None

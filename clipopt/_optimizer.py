@@ -645,6 +645,8 @@ class ClippedOptimizer(InnerOptimizerView):
         same collective (``SpikeRecovery.shared_loss``), so every rank scores the same value.
         """
         self._recovery.shared_loss = None
+        if self._replicas.active and self._has_dtensor and self._recovery.watches_loss():  # FSDP2
+            self._recovery.shared_loss = self._replicas.agree_loss(loss, d.total_norm.device)
         if not self._replicas.active or self._has_dtensor:
             return d
         shared = loss if self._recovery.watches_loss() else None

@@ -27,10 +27,33 @@ WINDOWS = 24
 def spike_job(rank: int, port: int, out_dir: str) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)
+    for kind in ("ddp", "fsdp"):
+        result = _run(kind, rank)
+        torch.save(result, os.path.join(out_dir, f"{kind}{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # gloo's teardown can abort at interpreter exit (see tests/distributed_jobs.py)
+
+
+def _run(kind: str, rank: int) -> dict[str, Any]:
+    """DDP: SpikeGuard + Rewind; FSDP2 (DTensor parameters, where Rewind is refused): SpikeGuard."""
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
-    model = nn.parallel.DistributedDataParallel(plain)
-    rewind = Rewind(every=5, keep=2, spikes=2, within=5, skip_batches=2, module=model, check_every=1)
+    rewind = None
+    if kind == "ddp":
+        model: nn.Module = nn.parallel.DistributedDataParallel(plain)
+        rewind = Rewind(every=5, keep=2, spikes=2, within=5, skip_batches=2, module=model, check_every=1)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        model = plain
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
     opt = ClippedOptimizer(
         torch.optim.AdamW(model.parameters(), lr=0.01),
         spike_guard=SpikeGuard(z_thresh=50.0, window=8, warmup=4, signals=("loss",)),
@@ -42,7 +65,7 @@ def spike_job(rank: int, port: int, out_dir: str) -> None:
         x, y = torch.randn(8, 5, generator=gen), torch.randn(8, 3, generator=gen)
         batches.append((x, y * 1000 if rank == 1 and i in SPIKES else y))
     reasons, losses = [], []
-    for x, y in opt.rewind.batches(batches):
+    for x, y in opt.rewind.batches(batches) if opt.rewind is not None else batches:
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
         opt.step(loss=loss)
@@ -50,17 +73,12 @@ def spike_job(rank: int, port: int, out_dir: str) -> None:
         assert opt.last_stats is not None
         reasons.append(opt.last_stats.reason)
         losses.append(float(loss))
-    result: dict[str, Any] = {
+    params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in plain.parameters()]
+    return {
         "reasons": reasons,
         "rewinds": opt.rewinds,
-        "log": [e.to_dict() for e in rewind.log],
-        "params": [p.detach().clone() for p in plain.parameters()],
+        "log": [] if rewind is None else [e.to_dict() for e in rewind.log],
+        "params": [p.detach().clone() for p in params],
         "history": opt.spike_guard.history["loss"] if opt.spike_guard is not None else [],
         "losses": losses,
     }
-    torch.save(result, os.path.join(out_dir, f"spike{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # gloo's teardown can abort at interpreter exit (see tests/distributed_jobs.py)

@@ -36,12 +36,16 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
                 if proc.is_alive():
                     proc.kill()
             pytest.fail("the spike job did not finish within 240 s (ranks wait for each other)")
-    return [torch.load(out / f"spike{r}.pt", weights_only=True) for r in range(jobs.WORLD)]
+    return [
+        {kind: torch.load(out / f"{kind}{r}.pt", weights_only=True) for kind in ("ddp", "fsdp")}
+        for r in range(jobs.WORLD)
+    ]
 
 
-def test_every_rank_skips_the_spike_of_one_rank(ranks: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_every_rank_skips_the_spike_of_one_rank(ranks: list[dict[str, Any]], kind: str) -> None:
     """A loss spike on rank 1 only is skipped on both ranks (the loss is agreed in the window collective)."""
-    a, b = ranks
+    a, b = (r[kind] for r in ranks)
     assert a["reasons"] == b["reasons"]
     assert a["reasons"][12] == "spike" and a["reasons"][14] == "spike"
     assert a["losses"][12] < 100 < b["losses"][12]  # rank 0's own loss was normal
@@ -50,7 +54,7 @@ def test_every_rank_skips_the_spike_of_one_rank(ranks: list[dict[str, Any]]) -> 
 
 def test_every_rank_rewinds_together_and_stays_identical(ranks: list[dict[str, Any]]) -> None:
     """Both ranks rewind at the same window to the same copy; their parameters end bit-identical."""
-    a, b = ranks
+    a, b = (r["ddp"] for r in ranks)
     assert a["rewinds"] == b["rewinds"] == 1
     assert a["log"] == b["log"] and a["log"][0]["restored"] == 11
     assert a["reasons"][15] == "rewind"
