@@ -408,3 +408,32 @@ def test_spike_in_one_micro_batch_skips_the_window(fused: bool) -> None:
         expect = "spike" if w == 6 else None
         assert opt.last_stats is not None and opt.last_stats.reason == expect, w
     _assert_identical(_state(opt, model), _state(ref, ref_model))
+
+
+def test_load_state_dict_checks_the_guard_and_rewind_entries_first() -> None:
+    """A corrupt 'spike_guard' or 'rewind' entry raises ValueError and leaves the optimizer as it was."""
+    model = _model()
+    rewind = Rewind(every=2, check_every=1)
+    opt = ClippedOptimizer(optim.Adam(model.parameters(), lr=0.01), spike_guard=_guard(), rewind=rewind)
+    for b in _batches(6, seed=7):
+        _window(CASES[0], opt, model, b)
+    good = opt.state_dict()
+    before = _state(opt, model)
+    bad_guard = copy.deepcopy(good)
+    bad_guard["clipopt"]["spike_guard"]["count"] = torch.tensor([-1, 0])
+    bad_rewind = copy.deepcopy(good)
+    bad_rewind["clipopt"]["rewind"]["pending_skip"] = -3
+    bad_rewind["state"] = {}  # would change the inner state if anything were loaded before the check
+    for sd, message in [
+        (bad_guard, "invalid SpikeGuard state: expected signals ['loss', 'grad_norm'], window 8"),
+        (bad_rewind, "invalid Rewind state: 'pending_skip' must be an int >= 0, got -3"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            opt.load_state_dict(sd)
+        _assert_identical(_state(opt, model), before)
+    assert opt.rewind is not None and opt.rewind.pending_skip == 0
+    older = copy.deepcopy(good)
+    del older["clipopt"]["spike_guard"], older["clipopt"]["rewind"]  # a state dict from before them
+    history = opt.spike_guard.history
+    opt.load_state_dict(older)
+    assert opt.spike_guard.history == history
