@@ -294,6 +294,9 @@ class ClippedOptimizer(InnerOptimizerView):
             f"accumulation_steps={self.accumulation_steps}, reduction={self.reduction!r}, "
             f"skip_nonfinite={self.skip_nonfinite}"
         )
+        for name, part in (("spike_guard", self._recovery.guard), ("rewind", self._recovery.rewind)):
+            if part is not None:
+                opts += f", {name}={part!r}"
         inner = "\n".join("  " + line for line in repr(self.optimizer).splitlines())
         return f"ClippedOptimizer({opts},\n{inner}\n)"
 
