@@ -8,16 +8,17 @@ not wait and the device is not stalled (later kernels on the same stream run
 after the copies, so the values are those of the moment of the capture).  A
 new copy reuses the host buffers of the one it replaces when the shapes match.
 Restoring is exact, bit for bit: parameters and buffers are written in place
-(their identity is kept), the optimizer state gets new tensors of the captured
-dtypes on the captured devices.
+(their identity is kept), and so is every optimizer state tensor whose shape,
+dtype and device still match (no new device memory at a rewind); the others
+get new tensors of the captured dtypes on the captured devices.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -56,6 +57,25 @@ class HostCopy:
     def nbytes(self) -> int:
         """Host memory held by the copy's tensors."""
         return sum(t.numel() * t.element_size() for t in self.leaves)
+
+
+class _Leaf(NamedTuple):
+    """Where a restored structure holds the copy's tensor number ``number`` (before it is placed)."""
+
+    number: int
+
+
+def _place(obj: Any, put: Callable[[_Leaf, Any], Tensor], live: Any = None) -> Any:
+    """``obj`` with each :class:`_Leaf` replaced by ``put(leaf, live value at that place)``."""
+    if isinstance(obj, _Leaf):
+        return put(obj, live)
+    if isinstance(obj, dict):
+        return {k: _place(v, put, live.get(k) if isinstance(live, dict) else None) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_place(v, put) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_place(v, put) for v in obj)
+    return obj
 
 
 def _flatten(obj: Any, out: list[Tensor]) -> Any:
@@ -142,17 +162,18 @@ def restore(copy_: HostCopy, target: TrainingState) -> Any:
     copy_.wait()
     leaves, devices = copy_.leaves, copy_.devices
 
-    def fresh(i: int) -> Tensor:
-        return leaves[i].to(devices[i], copy=True)
+    def put(leaf: _Leaf, live: Any) -> Tensor:
+        """Into the live tensor when it fits (no new device memory), else into a new one."""
+        src, device = leaves[leaf.number], devices[leaf.number]
+        if type(live) is Tensor and (live.shape, live.dtype, live.device) == (src.shape, src.dtype, device):
+            return live.copy_(src)
+        return src.to(device, copy=True)
 
-    def host(i: int) -> Any:
-        return ("t", i)
-
-    tree = _unflatten(copy_.spec, host)
+    tree = _unflatten(copy_.spec, _Leaf)
     params, buffers = tree["params"], tree["buffers"]
     for name, live, saved in (("parameters", target.params, params), ("buffers", target.buffers, buffers)):
         if len(live) != len(saved) or any(
-            t.shape != leaves[s[1]].shape or t.dtype != leaves[s[1]].dtype
+            t.shape != leaves[s.number].shape or t.dtype != leaves[s.number].dtype
             for t, s in zip(live, saved, strict=True)
         ):
             raise ValueError(
@@ -161,13 +182,15 @@ def restore(copy_: HostCopy, target: TrainingState) -> Any:
             )
     with torch.no_grad():
         for t, s in zip(target.params, params, strict=True):
-            t.copy_(leaves[s[1]])
+            t.copy_(leaves[s.number])
             t.grad = None
         for t, s in zip(target.buffers, buffers, strict=True):
-            t.copy_(leaves[s[1]])
+            t.copy_(leaves[s.number])
         state = target.optimizer.state
-        per_param = _unflatten(dict(copy_.spec[1])["state"], fresh)
+        # a state tensor of the same shape, dtype and device is written in place (tensors inside
+        # lists, LBFGS's history, always get new ones: such lists may share them with other copies)
+        per_param = [(i, _place(entry, put, state.get(target.params[i]))) for i, entry in tree["state"]]
         state.clear()
         for i, entry in per_param:
             state[target.params[i]] = entry
-    return _unflatten(dict(copy_.spec[1])["extra"], lambda i: leaves[i].clone())
+    return _place(tree["extra"], lambda leaf, _: leaves[leaf.number].clone())

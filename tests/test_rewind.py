@@ -370,3 +370,18 @@ def test_deepcopy_and_pickle_keep_copies() -> None:
     hit = r2.check(10, lambda: None)
     assert hit is not None and hit[0].restored == 5
     _assert_same(m2, o2, saved)
+
+
+def test_restore_writes_matching_state_tensors_in_place() -> None:
+    """Restoring reuses the live optimizer state tensors (same storage): no new memory at a rewind."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 2, seed=1)
+    target = TrainingState(list(model.parameters()), list(model.buffers()), opt)
+    copy = capture(target, None, 2, 2)
+    saved = _snapshot(model, opt)
+    _train(model, opt, 2, seed=2)
+    pointers = {(id(p), k): v.data_ptr() for p, st in opt.state.items() for k, v in st.items()}
+    restore(copy, target)
+    assert {(id(p), k): v.data_ptr() for p, st in opt.state.items() for k, v in st.items()} == pointers
+    _assert_same(model, opt, saved)
