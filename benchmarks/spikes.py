@@ -305,6 +305,13 @@ def copy_cost(model: torch.nn.Module, rounds: int) -> dict[str, float]:
 # ----------------------------------------------------------------------------- main
 
 
+def _run_record(run: Run) -> dict[str, Any]:
+    """A run for the JSON file: its figures and every 10th training loss (the curve, kept small)."""
+    out = asdict(run)
+    out["losses"] = [round(v, 4) for v in run.losses[::10]]
+    return out
+
+
 def summarise(runs: list[Run], configs: list[str]) -> list[dict[str, Any]]:
     rows = []
     base = {r.seed: r.seconds_per_window for r in runs if r.config == "clip"}
@@ -453,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rows": rows,
                 "overhead": over,
                 "copy_cost": costs,
-                "runs": [asdict(r) for r in runs],
+                "runs": [_run_record(r) for r in runs],
             },
             indent=1,
         )

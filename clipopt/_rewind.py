@@ -64,9 +64,9 @@ def rewind_target(
     (``step > newest - within``); it fires with at least ``spikes`` of them.
     The copy is the newest one taken before the group's first spike
     (``copy step < first``), passing over ``avoid`` (the copy the latest rewind
-    restored, when no copy was taken since: spikes that came back so soon
-    suggest it already held the damage) unless it is the only one; none
-    qualifying: ``(first, -1)``.
+    restored, when the spikes came back within ``within`` windows of it and
+    no copy was taken since: it may already hold the damage) unless it is the
+    only one; none qualifying: ``(first, -1)``.
     """
     if not spike_steps:
         return None
@@ -189,8 +189,16 @@ class Rewind:
         target = self._bound_target()
         self._read_flags()
         steps = [c.step for c in self._copies]
-        avoid = self.log[-1].restored if self.log and steps and steps[-1] == self.log[-1].restored else None
-        hit = rewind_target(self.spike_steps, steps, self.spikes, self.within, avoid)
+        hit = rewind_target(self.spike_steps, steps, self.spikes, self.within)
+        last = self.log[-1] if self.log else None
+        if (
+            hit is not None
+            and last is not None
+            and steps[-1:] == [last.restored]
+            and hit[0] - last.step <= self.within
+        ):
+            # the spikes came back within `within` windows of the latest rewind, before any new copy
+            hit = rewind_target(self.spike_steps, steps, self.spikes, self.within, avoid=last.restored)
         if hit is not None and hit[1] >= 0:
             return self._rewind(target, step, hit[0], hit[1])
         if hit is not None and not self._warned:

@@ -385,3 +385,20 @@ def test_restore_writes_matching_state_tensors_in_place() -> None:
     restore(copy, target)
     assert {(id(p), k): v.data_ptr() for p, st in opt.state.items() for k, v in st.items()} == pointers
     _assert_same(model, opt, saved)
+
+
+@pytest.mark.parametrize(
+    ("spikes_again", "restored"), [((21, 22), 11), ((30, 31), 16)], ids=["soon", "later"]
+)
+def test_spikes_back_soon_after_a_rewind_go_to_an_older_copy(
+    spikes_again: tuple[int, int], restored: int
+) -> None:
+    """Spikes back within `within` windows of a rewind (no copy since) go past its copy; later ones not."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    rewind = _bound(Rewind(every=5, keep=3, spikes=2, within=6, skip_batches=0, check_every=1), model, opt)
+    events = _drive(rewind, model, opt, {18, 19}, 1, 20)
+    assert [(s, e.restored) for s, e in events] == [(19, 16)] and rewind.copies[-1] == (16, 16)
+    rewind.every = 100  # no new copy from here on
+    events = _drive(rewind, model, opt, set(spikes_again), 20, 33)
+    assert [e.restored for _, e in events] == [restored]
