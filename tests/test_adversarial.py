@@ -13,6 +13,7 @@ import math
 import re
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -25,19 +26,13 @@ from torch import Tensor, nn
 import clipopt
 from clipopt import AGC, AutoClip, ClippedOptimizer, CSVLogger, ZClip
 
+from .helpers import mlp
 from .strategies import grad_arrays, norm_types
 
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def make_model(seed: int = 0) -> nn.Sequential:
-    """A small MLP with seeded weights."""
-    g = torch.Generator().manual_seed(seed)
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
-    return model
+make_model = partial(mlp, (3, 4, 2), randn_init=True)  # make_model(seed): weights from a seeded generator
 
 
 def backward(model: nn.Module, seed: int = 0, scale: float = 1.0) -> None:

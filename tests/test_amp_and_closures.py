@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -11,21 +12,18 @@ from torch import nn
 
 from clipopt import ClippedOptimizer
 
+from .helpers import mlp, mse, pairs
+
 INIT_SCALE = 2.0**8
 
 
-def make_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))
+make_model = partial(mlp, (5, 16, 3), act=nn.ReLU)  # make_model(seed)
 
 
-def make_batch(i: int, n: int = 8):
-    gen = torch.Generator().manual_seed(1000 + i)
-    return torch.randn(n, 5, generator=gen) * 3, torch.randn(n, 3, generator=gen)
+def make_batch(i: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    return pairs(1, (n, 5), (n, 3), seed=1000 + i, scale=3)[0]
 
 
-def loss_fn(model, x, y):
-    return ((model(x) - y) ** 2).mean()
 
 
 INNER = {
@@ -71,14 +69,14 @@ def test_scaler_matches_manual_amp_loop(inner_name):
     overflow_at = 3
     for i in range(7):
         x, y = make_batch(i)
-        sc.scale(loss_fn(model, x, y)).backward()
+        sc.scale(mse(model, (x, y))).backward()
         if i == overflow_at:
             poison(model)
         before = [p.detach().clone() for p in model.parameters()]
         opt.step()
         opt.zero_grad()
 
-        ref_sc.scale(loss_fn(ref, x, y)).backward()
+        ref_sc.scale(mse(ref, (x, y))).backward()
         if i == overflow_at:
             poison(ref)
         ref_sc.unscale_(ref_opt)
@@ -116,12 +114,12 @@ def test_scaler_overflow_from_huge_loss(inner_name):
     sc = scaler()
     opt = ClippedOptimizer(INNER[inner_name](model.parameters()), max_norm=1.0, scaler=sc)
     x, y = make_batch(0)
-    sc.scale(loss_fn(model, x, y)).backward()
+    sc.scale(mse(model, (x, y))).backward()
     opt.step()
     opt.zero_grad()
     params = [p.detach().clone() for p in model.parameters()]
     state = copy.deepcopy(opt.optimizer.state_dict()["state"])
-    sc.scale(loss_fn(model, x, y) * 3e38).backward()
+    sc.scale(mse(model, (x, y)) * 3e38).backward()
     opt.step()
     opt.zero_grad()
     assert opt.last_stats.skipped and opt.last_stats.reason == "overflow"
@@ -148,13 +146,13 @@ def test_scaler_with_accumulation_updates_only_at_boundaries(inner_name):
     for w in range(3):
         xs, ys = zip(*(make_batch(10 * w + j, n=4) for j in range(2)), strict=True)
         for j in range(2):
-            sc.scale(loss_fn(model, xs[j], ys[j])).backward()
+            sc.scale(mse(model, (xs[j], ys[j]))).backward()
             opt.step()
             opt.zero_grad()
             if j == 0:
                 assert sc.get_scale() == INIT_SCALE * 2**w, "scaler updated mid-window"
                 assert not opt.update_applied
-        ref_sc.scale(loss_fn(ref, torch.cat(xs), torch.cat(ys))).backward()
+        ref_sc.scale(mse(ref, (torch.cat(xs), torch.cat(ys)))).backward()
         ref_sc.unscale_(ref_opt)
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         ref_sc.step(ref_opt)
@@ -174,7 +172,7 @@ def test_closure_with_scaler_raises():
 
     def closure():
         calls.append(1)
-        return loss_fn(model, *make_batch(0))
+        return mse(model, make_batch(0))
 
     with pytest.raises(TypeError, match="closure"):
         opt.step(closure)
@@ -246,13 +244,13 @@ def test_sgd_closure_returns_loss_and_matches_reference():
 
         def closure(m=model, x=x, y=y):
             opt.zero_grad()
-            loss = loss_fn(m, x, y)
+            loss = mse(m, (x, y))
             loss.backward()
             return loss
 
         got = opt.step(closure)
         ref_opt.zero_grad()
-        ref_loss = loss_fn(ref, x, y)
+        ref_loss = mse(ref, (x, y))
         ref_loss.backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
         ref_opt.step()

@@ -8,6 +8,7 @@ import io
 import pickle
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import pytest
@@ -18,6 +19,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from clipopt import ClippedOptimizer, NonFiniteGradientError
+
+from . import helpers
+from .helpers import mlp, pairs
 
 ACC = 3  # micro-batches per window in most tests
 N_BATCHES = 15  # five windows
@@ -43,37 +47,21 @@ HOOK_DICTS = (
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def make_model(seed: int) -> nn.Module:
-    """A small MLP whose weights come from a seeded generator (no global RNG)."""
-    g = torch.Generator().manual_seed(seed)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
-    return model
+# make_model(seed): a small MLP whose weights come from a seeded generator (no global RNG)
+make_model = partial(mlp, (4, 8, 3), randn_init=True)
 
 
-def make_batches(n: int, seed: int = 0, bad: Iterable[int] = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed list of (x, y) batches; batches listed in ``bad`` give NaN gradients."""
-    g = torch.Generator().manual_seed(seed)
-    bad = set(bad)
-    out = []
-    for i in range(n):
-        x = torch.randn(5, 4, generator=g) * 3
-        y = torch.randn(5, 3, generator=g)
-        if i in bad:
-            x[0, 0] = float("nan")
-        out.append((x, y))
-    return out
+# A fixed list of (x, y) batches; batches listed in ``bad`` give NaN gradients.
+make_batches = partial(pairs, x_shape=(5, 4), y_shape=(5, 3), seed=0, scale=3)
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[Any], scaler: Any = None) -> None:
-    """The user loop: ``loss.backward(); opt.step(); opt.zero_grad()`` per micro-batch."""
-    for x, y in batches:
-        loss = nn.functional.mse_loss(model(x), y) * 10
-        (loss if scaler is None else scaler.scale(loss)).backward()
-        opt.step()
-        opt.zero_grad()
+def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y) * 10
+
+
+# The user loop: ``loss.backward(); opt.step(); opt.zero_grad()`` per micro-batch (scaler= optional).
+train = partial(helpers.train, loss=_loss)
 
 
 def wrap(

@@ -7,6 +7,7 @@ import csv
 import math
 import re
 import threading
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,30 +20,11 @@ import clipopt._layers as clipopt_layers
 from clipopt import LAYER_FIELDS, ClippedOptimizer, CSVLogger, StepStats
 from clipopt import functional as F
 
+from .helpers import inputs, mlp, train
 from .hostreads import count_host_reads
 
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
-
-
-def _batches(n: int, bad: set[int] = frozenset()) -> list[torch.Tensor]:  # type: ignore[assignment]
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for i in range(n):
-        x = torch.randn(5, 4, generator=gen) * 3
-        if i in bad:
-            x[0, 0] = float("nan")
-        out.append(x)
-    return out
-
-
-def _train(model: torch.nn.Module, opt: ClippedOptimizer, batches: list[torch.Tensor]) -> None:
-    for x in batches:
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+_model = partial(mlp, (4, 6, 2))  # Linear(4, 6), Tanh, Linear(6, 2), global seed 0
+_batches = partial(inputs, shape=(5, 4), seed=1, scale=3)  # bad ones hold a NaN
 
 
 # ------------------------------------------------------------------------------ names
@@ -145,7 +127,7 @@ def test_layer_stats_match_numpy(accumulation: int) -> None:
         ref(x).pow(2).mean().backward()
     grads = [p.grad / accumulation for p in ref.parameters() if p.grad is not None]
     expected = _reference_layer_stats(grads, list(ref.parameters()))
-    _train(model, opt, batches)
+    train(model, opt, batches)
     assert opt.last_stats is not None and opt.last_stats.layers is not None
     got = opt.last_stats.layers
     assert got.names == ("0.weight", "0.bias", "2.weight", "2.bias")
@@ -158,10 +140,10 @@ def test_layer_stats_every_k_windows() -> None:
     """layer_stats=3 computes statistics on windows 3, 6, ... only; False never."""
     model = _model()
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), layer_stats=3)
-    _train(model, opt, _batches(7))
+    train(model, opt, _batches(7))
     assert [s.step for s in opt.stats if s.layers is not None] == [3, 6]
     opt2 = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    _train(model, opt2, _batches(3))
+    train(model, opt2, _batches(3))
     assert all(s.layers is None for s in opt2.stats)
 
 
@@ -186,7 +168,7 @@ def test_layer_stats_without_gradient_are_nan() -> None:
     frozen = list(model.parameters())[1]
     frozen.requires_grad_(False)
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), layer_stats=True)
-    _train(model, opt, _batches(1))
+    train(model, opt, _batches(1))
     assert opt.last_stats is not None and opt.last_stats.layers is not None
     row = opt.last_stats.layers.rows()[1]
     assert all(math.isnan(v) for v in row[:3])
@@ -429,7 +411,7 @@ def test_csv_rows_match_stats(tmp_path: Path) -> None:
         layer_stats=2,
         loggers=[logger],
     )
-    _train(model, opt, _batches(7, bad={4}))
+    train(model, opt, _batches(7, bad={4}))
     opt.close()
     rows = _read_csv(path)
     assert list(rows[0])[:10] == list(clipopt._logging.BASE_COLUMNS)
@@ -503,11 +485,11 @@ def test_csv_is_buffered(tmp_path: Path) -> None:
     model = _model()
     logger = CSVLogger(path, flush_every=3)
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), loggers=[logger])
-    _train(model, opt, _batches(2))
+    train(model, opt, _batches(2))
     assert not path.exists()
-    _train(model, opt, _batches(1))
+    train(model, opt, _batches(1))
     assert len(_read_csv(path)) == 3
-    _train(model, opt, _batches(2))
+    train(model, opt, _batches(2))
     assert len(_read_csv(path)) == 3
     logger.close()
     assert [int(r["step"]) for r in _read_csv(path)] == [1, 2, 3, 4, 5]
@@ -533,13 +515,13 @@ def test_csv_resume_appends_without_second_header(tmp_path: Path) -> None:
     path = tmp_path / "grads.csv"
     model = _model()
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), loggers=[CSVLogger(path)])
-    _train(model, opt, _batches(3))
+    train(model, opt, _batches(3))
     opt.close()
     sd = copy.deepcopy(opt.state_dict())
     model2 = copy.deepcopy(model)
     opt2 = ClippedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.05), loggers=[CSVLogger(path)])
     opt2.load_state_dict(sd)
-    _train(model2, opt2, _batches(2))
+    train(model2, opt2, _batches(2))
     opt2.close()
     text = path.read_text()
     assert text.count("step,micro_batches") == 1
@@ -551,13 +533,13 @@ def test_csv_refuses_other_columns(tmp_path: Path) -> None:
     path = tmp_path / "grads.csv"
     model = _model()
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), loggers=[CSVLogger(path)])
-    _train(model, opt, _batches(1))
+    train(model, opt, _batches(1))
     opt.close()
     opt2 = ClippedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05), layer_stats=True, loggers=[CSVLogger(path)]
     )
     with pytest.raises(ValueError, match=re.escape(f"{path} already holds a CSV log with other columns")):
-        _train(model, opt2, _batches(1))
+        train(model, opt2, _batches(1))
 
 
 def test_csv_writes_at_exit(tmp_path: Path) -> None:
@@ -597,7 +579,7 @@ def test_custom_logger_protocol() -> None:
     assert isinstance(rec, clipopt.Logger)
     model = _model()
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2, loggers=[rec])
-    _train(model, opt, _batches(6))
+    train(model, opt, _batches(6))
     opt.close()
     assert rec.steps == [1, 2, 3]
     assert rec.closed == 1
@@ -607,7 +589,7 @@ def test_materialize_reads_once() -> None:
     """clipopt.materialize converts many StepStats, layer statistics included, with a single host read."""
     model = _model()
     opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), fused=True), max_norm=0.1, layer_stats=2)
-    _train(model, opt, _batches(5))
+    train(model, opt, _batches(5))
     stats = list(opt.stats)[1:]
     with_layers = [s.layers for s in stats if s.layers is not None]
     expected = [lay._values.tolist() for lay in with_layers if lay._values is not None]

@@ -28,6 +28,7 @@ from torch import nn, optim
 
 from clipopt import ClippedOptimizer, NonFiniteGradientError
 
+from .helpers import mlp, mse, pairs
 from .strategies import grad_arrays, max_norms, to_tensors
 
 NAN = float("nan")
@@ -107,30 +108,24 @@ def test_matrix_covers_every_optimizer_class_in_torch_optim() -> None:
 
 
 def make_model(kind: str) -> nn.Module:
-    torch.manual_seed(0)
     if kind == "dense":
-        return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+        return mlp((5, 4, 3))
     if kind == "matrix":
-        return nn.Sequential(nn.Linear(5, 4, bias=False), nn.Tanh(), nn.Linear(4, 3, bias=False))
+        return mlp((5, 4, 3), bias=False)
     if kind == "sparse":
+        torch.manual_seed(0)
         return nn.Embedding(10, 4, sparse=True)
     raise AssertionError(kind)
 
 
 def make_batches(kind: str, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if kind != "sparse":
+        return pairs(n, (8, 5), (8, 3), seed=seed)
     g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        if kind == "sparse":
-            out.append((torch.randint(0, 10, (6,), generator=g), torch.randn(6, 4, generator=g)))
-        else:
-            out.append((torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)))
-    return out
+    return [(torch.randint(0, 10, (6,), generator=g), torch.randn(6, 4, generator=g)) for _ in range(n)]
 
 
-def loss_of(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return ((model(x) - y) ** 2).mean()
+loss_of = mse  # ((model(x) - y) ** 2).mean()
 
 
 def poison_grad(model: nn.Module, value: float) -> None:

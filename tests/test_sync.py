@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
 
 from clipopt import ClippedOptimizer
 
+from .helpers import mlp
 from .hostreads import count_host_reads
 
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -37,9 +39,7 @@ OTHERS: dict[str, Factory] = {
 }
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+_model = partial(mlp, (6, 5, 2))  # Linear(6, 5), Tanh, Linear(5, 2), global seed 0
 
 
 def _backward(model: torch.nn.Module, bad: bool = False) -> None:

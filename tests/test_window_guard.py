@@ -9,6 +9,7 @@ import io
 import os
 import pickle
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -16,14 +17,13 @@ from torch import nn
 
 from clipopt import ClippedOptimizer
 
+from .helpers import mlp
 from .hostreads import count_host_reads
 
 CLEARED = r"cleared or replaced from outside the wrapper before this step\(\)"
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
+_model = partial(mlp, (6, 5, 2))  # Linear(6, 5), Tanh, Linear(5, 2), global seed 0
 
 
 def _loss(model: nn.Module, seed: int) -> torch.Tensor:

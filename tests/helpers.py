@@ -1,0 +1,124 @@
+"""Shared test scaffolding: the tiny model, seeded batches, and a short training run.
+
+Every test module builds its model and data here, so that a change of scaffolding is made
+once. Each function reproduces bit for bit what the modules wrote before (same shapes,
+same random draws in the same order), so the values the tests check are unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+Batch = Any  # a tensor of inputs, or an (inputs, targets) pair
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+
+
+def mlp(
+    sizes: tuple[int, int, int] = (4, 6, 2),
+    seed: int | None = 0,
+    *,
+    act: type[nn.Module] = nn.Tanh,
+    dtype: torch.dtype | None = None,
+    bias: bool = True,
+    randn_init: bool = False,
+) -> nn.Sequential:
+    """``Linear(a, b), act(), Linear(b, c)`` for ``sizes == (a, b, c)``.
+
+    By default the global RNG is seeded with ``seed`` first (``seed=None``: not seeded), so
+    the layers get torch's default initialisation. With ``randn_init`` every parameter is
+    overwritten with standard-normal draws from a generator seeded with ``seed``, and the
+    global RNG is not seeded.
+    """
+    a, b, c = sizes
+    if seed is not None and not randn_init:
+        torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(a, b, bias=bias), act(), nn.Linear(b, c, bias=bias))
+    if randn_init:
+        g = torch.Generator().manual_seed(0 if seed is None else seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+    return model if dtype is None else model.to(dtype)
+
+
+def inputs(
+    n: int,
+    shape: tuple[int, ...],
+    *,
+    seed: int,
+    scale: float | Mapping[int, float] = 1.0,
+    bad: Iterable[int] = (),
+    bad_value: float = math.nan,
+) -> list[torch.Tensor]:
+    """``n`` input tensors drawn from one seeded generator, each times ``scale`` (a number,
+    or per index with 1.0 elsewhere); in those listed in ``bad`` element ``[0, 0]`` is ``bad_value``."""
+    gen = torch.Generator().manual_seed(seed)
+    bad = set(bad)
+    out = []
+    for i in range(n):
+        factor = scale.get(i, 1.0) if isinstance(scale, Mapping) else scale
+        x = torch.randn(*shape, generator=gen) * factor
+        if i in bad:
+            x[0, 0] = bad_value
+        out.append(x)
+    return out
+
+
+def pairs(
+    n: int,
+    x_shape: tuple[int, ...],
+    y_shape: tuple[int, ...],
+    *,
+    seed: int,
+    scale: float = 1.0,
+    bad: Iterable[int] = (),
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` (inputs, targets) pairs drawn in turn from one seeded generator, inputs times
+    ``scale``; in the pairs listed in ``bad`` the input's element ``[0, 0]`` is NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    bad = set(bad)
+    out = []
+    for i in range(n):
+        x = torch.randn(*x_shape, generator=gen) * scale
+        y = torch.randn(*y_shape, generator=gen)
+        if i in bad:
+            x[0, 0] = math.nan
+        out.append((x, y))
+    return out
+
+
+def square_mean(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The loss ``model(x).pow(2).mean()``."""
+    return model(x).pow(2).mean()
+
+
+def square_sum(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The loss ``model(x).pow(2).sum()``."""
+    return model(x).pow(2).sum()
+
+
+def mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The loss ``((model(x) - y) ** 2).mean()`` of an (inputs, targets) pair."""
+    x, y = batch
+    return ((model(x) - y) ** 2).mean()
+
+
+def train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batches: Iterable[Batch],
+    loss: LossFn = square_mean,
+    scaler: Any = None,
+) -> None:
+    """The user loop, per micro-batch: ``loss.backward(); opt.step(); opt.zero_grad()``
+    (the loss scaled by ``scaler`` when one is given)."""
+    for batch in batches:
+        value = loss(model, batch)
+        (value if scaler is None else scaler.scale(value)).backward()
+        opt.step()
+        opt.zero_grad()
