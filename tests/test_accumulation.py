@@ -17,13 +17,11 @@ from torch import nn
 from clipopt import ClippedOptimizer
 
 from .helpers import mlp, mse
+from .optim_db import params, pick
 from .strategies import clip_values, max_norms, norm_types
 
-OPTIMIZERS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
-    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
-    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
-}
+# Plain SGD, SGD with nesterov momentum, and Adam (for-loop implementations).
+OPTIMIZERS = pick("SGD-forloop", "SGD-nesterov-forloop", "Adam-forloop")
 
 
 # make_model(seed): Linear(4, 8), Tanh, Linear(8, 2) in float64
@@ -58,7 +56,7 @@ class RecordingSGD(torch.optim.SGD):
 # ---------------------------------------------------------------- mean == one large batch
 
 
-@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("info", params(OPTIMIZERS))
 @settings(deadline=None)
 @given(
     k=st.integers(1, 4),
@@ -67,12 +65,12 @@ class RecordingSGD(torch.optim.SGD):
     max_norm=st.sampled_from([None, 1e-3, 0.05, 1e3]),
     seed=st.integers(0, 2**16),
 )
-def test_mean_accumulation_equals_large_batch(opt_name, k, batch, windows, max_norm, seed):
+def test_mean_accumulation_equals_large_batch(info, k, batch, windows, max_norm, seed):
     """k equal micro-batches with reduction='mean' give the same parameters as one concatenated batch."""
     model = make_model(seed % 7)
     ref = copy.deepcopy(model)
-    opt = ClippedOptimizer(OPTIMIZERS[opt_name](model.parameters()), max_norm=max_norm, accumulation_steps=k)
-    ref_opt = OPTIMIZERS[opt_name](ref.parameters())
+    opt = ClippedOptimizer(info.make(model.parameters()), max_norm=max_norm, accumulation_steps=k)
+    ref_opt = info.make(ref.parameters())
     gen = torch.Generator().manual_seed(seed)
     for _ in range(windows):
         micro = [make_batch(batch, gen) for _ in range(k)]
@@ -95,22 +93,22 @@ def test_mean_accumulation_equals_large_batch(opt_name, k, batch, windows, max_n
     assert opt.num_updates == windows
 
 
-@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("info", params(OPTIMIZERS))
 @settings(deadline=None)
 @given(
     sizes=st.lists(st.integers(1, 5), min_size=1, max_size=4),
     max_norm=st.sampled_from([None, 0.02, 1e3]),
     seed=st.integers(0, 2**16),
 )
-def test_sum_reduction_keeps_sum_of_gradients(opt_name, sizes, max_norm, seed):
+def test_sum_reduction_keeps_sum_of_gradients(info, sizes, max_norm, seed):
     """reduction='sum' equals backward of the sum of the micro-batch losses (micro-batches of any size)."""
     k = len(sizes)
     model = make_model(seed % 5)
     ref = copy.deepcopy(model)
     opt = ClippedOptimizer(
-        OPTIMIZERS[opt_name](model.parameters()), max_norm=max_norm, accumulation_steps=k, reduction="sum"
+        info.make(model.parameters()), max_norm=max_norm, accumulation_steps=k, reduction="sum"
     )
-    ref_opt = OPTIMIZERS[opt_name](ref.parameters())
+    ref_opt = info.make(ref.parameters())
     gen = torch.Generator().manual_seed(seed)
     for _ in range(2):
         micro = [make_batch(n, gen) for n in sizes]

@@ -27,6 +27,7 @@ import clipopt
 from clipopt import AGC, AutoClip, ClippedOptimizer, CSVLogger, ZClip
 
 from .helpers import mlp
+from .optim_db import OptimInfo, get, select
 from .strategies import grad_arrays, norm_types
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -355,24 +356,12 @@ def test_step_without_any_gradient_applies_nothing() -> None:
 # ---------------------------------------------------------------------------------------------- state dicts
 
 
-def _trained(name: str) -> tuple[nn.Module, ClippedOptimizer, Callable[[Any], torch.optim.Optimizer]]:
-    factories: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
-        "Adam": lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.9), amsgrad=True),
-        "AdamW_tensor_lr": lambda p: torch.optim.AdamW(p, lr=torch.tensor(0.01)),
-        "Adafactor": lambda p: torch.optim.Adafactor(p, lr=0.01),
-        "Adadelta": lambda p: torch.optim.Adadelta(p),
-        "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.01),
-        "Adamax": lambda p: torch.optim.Adamax(p, lr=0.01),
-        "ASGD": lambda p: torch.optim.ASGD(p, lr=0.01),
-        "LBFGS": lambda p: torch.optim.LBFGS(p, lr=0.1, max_iter=3),
-        "NAdam": lambda p: torch.optim.NAdam(p, lr=0.01),
-        "RAdam": lambda p: torch.optim.RAdam(p, lr=0.01),
-        "RMSprop": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.9, centered=True),
-        "Rprop": lambda p: torch.optim.Rprop(p, lr=0.01),
-        "SGD": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, nesterov=True),
-        "SGD_fused": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, fused=True),
-    }
-    factory = factories[name]
+def _trained(
+    info: OptimInfo, overrides: dict[str, Any]
+) -> tuple[nn.Module, ClippedOptimizer, Callable[[Any], torch.optim.Optimizer]]:
+    def factory(p: Any) -> torch.optim.Optimizer:
+        return info.make(p, **overrides)
+
     model = make_model()
     opt = ClippedOptimizer(factory(model.parameters()), max_norm=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # adds initial_lr to the groups
@@ -390,30 +379,23 @@ def _trained(name: str) -> tuple[nn.Module, ClippedOptimizer, Callable[[Any], to
     return model, opt, factory
 
 
+# Every optimizer a dense model with biases takes (the closure one included: each step uses a
+# closure), plus non-default betas with amsgrad and a tensor learning rate.
 STATE_DICT_OPTIMIZERS = [
-    "Adam",
-    "AdamW_tensor_lr",
-    "Adafactor",
-    "Adadelta",
-    "Adagrad",
-    "Adamax",
-    "ASGD",
-    "LBFGS",
-    "NAdam",
-    "RAdam",
-    "RMSprop",
-    "Rprop",
-    "SGD",
-    "SGD_fused",
+    *[pytest.param(o, {}, id=o.id) for o in select(exclude=("sparse", "matrix"))],
+    pytest.param(get("Adam-amsgrad-forloop"), {"betas": (0.8, 0.9)}, id="Adam-amsgrad-betas"),
+    pytest.param(get("AdamW-forloop"), {"lr": torch.tensor(0.01)}, id="AdamW-tensor-lr"),
 ]
 
 
-@pytest.mark.parametrize("name", STATE_DICT_OPTIMIZERS)
-def test_genuine_state_dicts_of_every_optimizer_still_load(name: str) -> None:
+@pytest.mark.parametrize(("info", "overrides"), STATE_DICT_OPTIMIZERS)
+def test_genuine_state_dicts_of_every_optimizer_still_load(
+    info: OptimInfo, overrides: dict[str, Any]
+) -> None:
     """The stricter checks refuse none of torch's optimizers' own state dicts (Adafactor's factored
     row/column statistics, LBFGS's flat history, tensor learning rates, scheduler keys), into a
     fresh optimizer and into one that already holds state."""
-    _, opt, factory = _trained(name)
+    _, opt, factory = _trained(info, overrides)
     sd = copy.deepcopy(opt.state_dict())
     fresh = ClippedOptimizer(factory(make_model().parameters()), max_norm=1.0)
     torch.optim.lr_scheduler.StepLR(fresh, step_size=1)

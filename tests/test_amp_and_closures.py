@@ -13,6 +13,7 @@ from torch import nn
 from clipopt import ClippedOptimizer
 
 from .helpers import mlp, mse, pairs
+from .optim_db import params, pick
 
 INIT_SCALE = 2.0**8
 
@@ -26,10 +27,7 @@ def make_batch(i: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 
-INNER = {
-    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
-    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
-}
+INNER = pick("Adam-forloop", "AdamW-fused")  # a for-loop and a fused inner optimizer
 
 
 def scaler(**kw) -> torch.amp.GradScaler:
@@ -57,15 +55,15 @@ def poison(model: nn.Module) -> None:
 # ---------------------------------------------------------------- GradScaler
 
 
-@pytest.mark.parametrize("inner_name", list(INNER))
-def test_scaler_matches_manual_amp_loop(inner_name):
+@pytest.mark.parametrize("inner", params(INNER))
+def test_scaler_matches_manual_amp_loop(inner):
     """scaler= equals the manual scale/backward/unscale_/clip_grad_norm_/scaler.step/update loop."""
     max_norm = 0.5
     model = make_model()
     ref = copy.deepcopy(model)
     sc, ref_sc = scaler(), scaler()
-    opt = ClippedOptimizer(INNER[inner_name](model.parameters()), max_norm=max_norm, scaler=sc)
-    ref_opt = INNER[inner_name](ref.parameters())
+    opt = ClippedOptimizer(inner.make(model.parameters()), max_norm=max_norm, scaler=sc)
+    ref_opt = inner.make(ref.parameters())
     overflow_at = 3
     for i in range(7):
         x, y = make_batch(i)
@@ -107,12 +105,12 @@ def test_scaler_matches_manual_amp_loop(inner_name):
     assert opt.num_updates == 6
 
 
-@pytest.mark.parametrize("inner_name", list(INNER))
-def test_scaler_overflow_from_huge_loss(inner_name):
+@pytest.mark.parametrize("inner", params(INNER))
+def test_scaler_overflow_from_huge_loss(inner):
     """A loss that overflows once scaled is skipped with reason 'overflow' and the scale backs off."""
     model = make_model(2)
     sc = scaler()
-    opt = ClippedOptimizer(INNER[inner_name](model.parameters()), max_norm=1.0, scaler=sc)
+    opt = ClippedOptimizer(inner.make(model.parameters()), max_norm=1.0, scaler=sc)
     x, y = make_batch(0)
     sc.scale(mse(model, (x, y))).backward()
     opt.step()
@@ -133,16 +131,16 @@ def test_scaler_overflow_from_huge_loss(inner_name):
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("inner_name", list(INNER))
-def test_scaler_with_accumulation_updates_only_at_boundaries(inner_name):
+@pytest.mark.parametrize("inner", params(INNER))
+def test_scaler_with_accumulation_updates_only_at_boundaries(inner):
     """With accumulation_steps=2 the scaler unscales/steps/updates once per window, like a one-batch loop."""
     model = make_model(3)
     ref = copy.deepcopy(model)
     sc, ref_sc = scaler(growth_interval=1), scaler(growth_interval=1)  # scale doubles at every update()
     opt = ClippedOptimizer(
-        INNER[inner_name](model.parameters()), max_norm=0.5, accumulation_steps=2, scaler=sc
+        inner.make(model.parameters()), max_norm=0.5, accumulation_steps=2, scaler=sc
     )
-    ref_opt = INNER[inner_name](ref.parameters())
+    ref_opt = inner.make(ref.parameters())
     for w in range(3):
         xs, ys = zip(*(make_batch(10 * w + j, n=4) for j in range(2)), strict=True)
         for j in range(2):

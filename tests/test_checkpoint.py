@@ -7,7 +7,7 @@ import copy
 import io
 import pickle
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -22,18 +22,16 @@ from clipopt import ClippedOptimizer, NonFiniteGradientError
 
 from . import helpers
 from .helpers import mlp, pairs
+from .optim_db import get, pick
 
 ACC = 3  # micro-batches per window in most tests
 N_BATCHES = 15  # five windows
 BAD = 7  # the non-finite micro-batch: the third window (batches 6, 7, 8) is skipped
 
-OPTIMIZERS: dict[str, Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]] = {
-    "adam_foreach": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
-    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
-    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True, foreach=False),
-    "sgd_momentum_fused": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, fused=True),
-}
-FUSED = {"adamw_fused", "sgd_momentum_fused"}
+# The inner optimizers of the checkpoint tests: two fused, one foreach, one for-loop (with nesterov).
+OPTIMIZERS = [o.id for o in pick("Adam-foreach", "AdamW-fused", "SGD-nesterov-forloop", "SGD-momentum-fused")]
+LR = 1e-2  # every checkpoint optimizer runs at this rate (a test checks it survives loading)
+FUSED = {name for name in OPTIMIZERS if "fused" in get(name).tags}
 HOOK_DICTS = (
     "_optimizer_step_pre_hooks",
     "_optimizer_step_post_hooks",
@@ -65,12 +63,12 @@ train = partial(helpers.train, loss=_loss)
 
 
 def wrap(
-    model: nn.Module, name: str = "adam_foreach", reduction: str = "mean", acc: int = ACC, **kw: Any
+    model: nn.Module, name: str = "Adam-foreach", reduction: str = "mean", acc: int = ACC, **kw: Any
 ) -> ClippedOptimizer:
     kw.setdefault("max_norm", 1.0)
     kw.setdefault("clip_value", 0.5)
     return ClippedOptimizer(
-        OPTIMIZERS[name](model.parameters()), accumulation_steps=acc, reduction=reduction, **kw
+        get(name).make(model.parameters(), lr=LR), accumulation_steps=acc, reduction=reduction, **kw
     )
 
 
@@ -116,7 +114,7 @@ def counters(opt: ClippedOptimizer) -> tuple[int, int, int, int]:
 
 @pytest.mark.parametrize("cut", range(N_BATCHES))
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", OPTIMIZERS)
 def test_resume_is_bit_identical(name: str, reduction: str, cut: int, tmp_path: Any) -> None:
     """A checkpoint after any micro-batch, loaded (weights_only) into fresh objects, resumes bit for bit."""
     batches = make_batches(N_BATCHES, bad={BAD})
@@ -177,7 +175,7 @@ def test_resume_without_pending_grads_diverges() -> None:
     acc=st.integers(1, 4),
     n=st.integers(1, 9),
     data=st.data(),
-    name=st.sampled_from(list(OPTIMIZERS)),
+    name=st.sampled_from(OPTIMIZERS),
     reduction=st.sampled_from(["mean", "sum"]),
     bad=st.one_of(st.none(), st.integers(0, 8)),
     seed=st.integers(0, 2**16),
@@ -214,7 +212,7 @@ def test_resume_any_cut_then_flush(
 
 
 @pytest.mark.parametrize("cut", [6, 7, 8])
-@pytest.mark.parametrize("name", ["adam_foreach", "adamw_fused"])
+@pytest.mark.parametrize("name", ["Adam-foreach", "AdamW-fused"])
 def test_counters_survive_including_skips(name: str, cut: int) -> None:
     """num_updates/num_skipped/num_windows/micro_batches are restored, also right after a skipped window."""
     batches = make_batches(12, bad={4})  # window 2 (batches 3-5) is skipped; fused: on the device
@@ -267,7 +265,7 @@ def test_consecutive_skips_survive() -> None:
 def test_state_dict_has_usual_keys_and_loads_into_plain_adam() -> None:
     """The state dict has "state"/"param_groups"; a plain torch.optim.Adam loads it with equal state."""
     model = make_model(0)
-    opt = wrap(model, "adam_foreach")
+    opt = wrap(model, "Adam-foreach")
     train(model, opt, make_batches(7))
     sd = roundtrip(opt.state_dict())
     assert {"state", "param_groups", "clipopt"} <= sd.keys()
@@ -291,7 +289,7 @@ def test_plain_state_dict_loads_into_wrapper() -> None:
     plain_sd = roundtrip(plain.state_dict())
 
     model = make_model(0)
-    opt = wrap(model, "adam_foreach")
+    opt = wrap(model, "Adam-foreach")
     train(model, opt, make_batches(9, bad={4}))
     assert counters(opt) == (2, 1, 3, 0)
     opt.load_state_dict(plain_sd)
@@ -314,7 +312,7 @@ def assert_wraps(opt: ClippedOptimizer) -> None:
     assert opt.defaults is opt.optimizer.defaults
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", OPTIMIZERS)
 def test_wraps_never_copies(name: str) -> None:
     """param_groups/state/defaults are the inner optimizer's objects, before and after load_state_dict."""
     model = make_model(0)
@@ -345,7 +343,7 @@ def test_wraps_never_copies(name: str) -> None:
 # ---------------------------------------------------------------------- 5. validation and rollback
 
 
-def mid_window(name: str = "adam_foreach", **kw: Any) -> tuple[nn.Module, ClippedOptimizer, dict[str, Any]]:
+def mid_window(name: str = "Adam-foreach", **kw: Any) -> tuple[nn.Module, ClippedOptimizer, dict[str, Any]]:
     """An optimizer one micro-batch into its second window, and a valid (loaded) copy of its state dict."""
     model = make_model(0)
     opt = wrap(model, name, **kw)
@@ -610,7 +608,7 @@ COPIERS = {
 @pytest.mark.parametrize("how", list(COPIERS))
 @pytest.mark.parametrize(
     "name",
-    ["adam_foreach", "sgd_momentum", *sorted(FUSED)],
+    ["Adam-foreach", "SGD-nesterov-forloop", *sorted(FUSED)],
 )
 def test_copy_gives_working_optimizer(name: str, how: str) -> None:
     """Pickle/deepcopy of (model, opt) with hooks drops the hooks; the copy trains bit-identically."""
@@ -646,7 +644,7 @@ def test_copy_gives_working_optimizer(name: str, how: str) -> None:
     assert calls.count("pre") == calls.count("post") == 6
 
 
-@pytest.mark.parametrize("name", ["adam_foreach", "adamw_fused"])
+@pytest.mark.parametrize("name", ["Adam-foreach", "AdamW-fused"])
 def test_deepcopy_of_optimizer_alone(name: str) -> None:
     """deepcopy(opt) alone: its param_groups/state are its own inner's, holding copies of the parameters."""
     model = make_model(0)
@@ -792,7 +790,7 @@ def test_state_dict_hooks_fire() -> None:
 # ------------------------------------------------------------------------------------ 8. step hooks
 
 
-@pytest.mark.parametrize("name", ["adam_foreach", "sgd_momentum", *sorted(FUSED)])
+@pytest.mark.parametrize("name", ["Adam-foreach", "SGD-nesterov-forloop", *sorted(FUSED)])
 def test_step_hooks(name: str) -> None:
     """Wrapper step hooks fire on every step() call; inner step hooks when the inner step() runs.
 
@@ -834,7 +832,7 @@ def test_step_hooks(name: str) -> None:
 
 
 @pytest.mark.parametrize("cut", [4, 7, 10])
-@pytest.mark.parametrize("name", ["adam_foreach", "adamw_fused"])
+@pytest.mark.parametrize("name", ["Adam-foreach", "AdamW-fused"])
 def test_scaler_state_restored(name: str, cut: int) -> None:
     """The GradScaler state is in the state dict and restored; training resumes bit-identically."""
 

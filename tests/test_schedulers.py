@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from torch.optim.swa_utils import SWALR
 
 import clipopt
 from clipopt import ClippedOptimizer
+
+from .optim_db import get
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -30,12 +33,8 @@ def backward(model: nn.Module, seed: int, nonfinite: bool = False) -> None:
     loss.backward()
 
 
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-def adam(params):
-    return torch.optim.Adam(params, lr=0.1, betas=(0.9, 0.99))
+sgd = partial(get("SGD-momentum-forloop").make, lr=0.1)  # SGD, lr 0.1, momentum 0.9
+adam = partial(get("Adam-forloop").make, lr=0.1, betas=(0.9, 0.99))
 
 
 # Each factory builds the scheduler on the optimizer it is given; the reference uses
