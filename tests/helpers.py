@@ -122,3 +122,29 @@ def train(
         (value if scaler is None else scaler.scale(value)).backward()
         opt.step()
         opt.zero_grad()
+
+
+class TwoHeads(nn.Module):
+    """A trunk and two heads; each task's loss reaches only its own head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(3, 4)
+        self.a = nn.Linear(4, 1)
+        self.b = nn.Linear(4, 1)
+
+    def loss(self, task: str, x: torch.Tensor) -> torch.Tensor:
+        head = self.a if task == "a" else self.b
+        return head(torch.tanh(self.trunk(x))).pow(2).sum()
+
+
+def task_run(model: TwoHeads, opt: torch.optim.Optimizer, plan: list[tuple[str, bool]]) -> None:
+    """Train on the plan; batch i is the same tensor whatever came before (a bad batch is a NaN one)."""
+    for i, (task, bad) in enumerate(plan):
+        x = torch.randn(5, 3, generator=torch.Generator().manual_seed(100 + i))
+        if bad:
+            x[0, 0] = float("nan")
+        model.loss(task, x).backward()
+        opt.step()
+        opt.zero_grad()

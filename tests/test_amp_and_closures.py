@@ -12,7 +12,7 @@ from torch import nn
 
 from clipopt import ClippedOptimizer
 
-from .helpers import mlp, mse, pairs
+from .helpers import TwoHeads, mlp, mse, pairs
 from .optim_db import params, pick
 
 INIT_SCALE = 2.0**8
@@ -322,3 +322,30 @@ def test_lbfgs_reevaluated_gradients_are_clipped():
     assert max(free_inner.grad_norms) > 1.0  # the unclipped gradients are much larger
     assert x_clip.norm() < x_free.norm()
     assert opt.last_stats.total_norm == pytest.approx(free_inner.grad_norms[0], rel=1e-12)
+
+
+# -------------------------------------------------------------------- GradScaler after an error
+
+
+def test_scaler_recovers_after_an_error_inside_a_window() -> None:
+    """An exception between unscale_ and the step still updates the scaler, so the next window works."""
+    model = TwoHeads()
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+
+    class Failing(torch.optim.SGD):
+        fail = True
+
+        def step(self, closure: object = None) -> object:
+            if Failing.fail:
+                Failing.fail = False
+                raise RuntimeError("boom")
+            return super().step(closure)  # type: ignore[arg-type]
+
+    opt = ClippedOptimizer(Failing(model.parameters(), lr=0.1), scaler=scaler)
+    scaler.scale(model.loss("a", torch.ones(2, 3))).backward()
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step()
+    opt.zero_grad()
+    scaler.scale(model.loss("a", torch.ones(2, 3))).backward()
+    opt.step()
+    assert opt.update_applied

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import re
 from collections import defaultdict
 from collections.abc import Callable
 from functools import partial
@@ -20,7 +21,7 @@ from torch import nn
 from clipopt import ClippedOptimizer, NonFiniteGradientError
 
 from . import helpers
-from .helpers import mlp, pairs
+from .helpers import TwoHeads, mlp, pairs, task_run
 from .hostreads import count_host_reads
 from .optim_db import get, pick
 
@@ -851,3 +852,37 @@ def test_scaler_state_restored(name: str, cut: int) -> None:
     assert scaler2.state_dict() == ref_scaler.state_dict()
     assert counters(opt2) == counters(ref)
     assert_tree_equal(ref.optimizer.state_dict(), opt2.optimizer.state_dict())
+
+
+# ------------------------------------------ state the fused path caches, and the scaler's state
+
+
+def test_fused_state_cache_does_not_survive_load_state_dict() -> None:
+    """After loading a state dict without state, a skipped first window leaves no state behind."""
+    model = TwoHeads()
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1, fused=True))
+    fresh = copy.deepcopy(opt.state_dict())
+    task_run(model, opt, [("a", False), ("b", False)])
+    opt.load_state_dict(fresh)
+    task_run(model, opt, [("a", True)])
+    assert opt.step_was_skipped
+    assert len(opt.state) == 0
+
+
+def test_disabled_scaler_state_is_rejected_untouched() -> None:
+    """A scaler state saved from a disabled GradScaler ({}) is refused before anything is loaded."""
+    model = TwoHeads()
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler, accumulation_steps=2)
+    scaler.scale(model.loss("a", torch.ones(2, 3))).backward()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["clipopt"]["scaler"] = {}
+    opt2 = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        scaler=torch.amp.GradScaler("cpu", init_scale=8.0),
+        accumulation_steps=2,
+    )
+    with pytest.raises(ValueError, match=re.escape("the GradScaler rejected 'clipopt.scaler'")):
+        opt2.load_state_dict(sd)
+    assert opt2.micro_batches == 0 and len(opt2.state) == 0

@@ -20,7 +20,7 @@ import clipopt._layers as clipopt_layers
 from clipopt import LAYER_FIELDS, ClippedOptimizer, CSVLogger, StepStats
 from clipopt import functional as F
 
-from .helpers import inputs, mlp, train
+from .helpers import TwoHeads, inputs, mlp, task_run, train
 from .hostreads import count_host_reads
 
 _model = partial(mlp, (4, 6, 2))  # Linear(4, 6), Tanh, Linear(6, 2), global seed 0
@@ -723,3 +723,178 @@ def test_batched_small_gradients_in_several_batches(monkeypatch: pytest.MonkeyPa
     params = [_param((30 + 2 * i,), seed=i) for i in range(20)]
     got = np.array(clipopt_layers.compute_layer_stats(params, [str(i) for i in range(20)], 0.5, True).rows())
     np.testing.assert_allclose(got, _float64_reference(params, 0.5, True), rtol=2e-6)
+
+
+# --------------------------------------- sparse gradients, parameter groups added later, copies
+
+
+def test_sparse_gradients_with_layer_stats() -> None:
+    """SparseAdam with clipping off and per-layer statistics works (sparse gradients are coalesced)."""
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = ClippedOptimizer(
+        torch.optim.SparseAdam(emb.parameters()),
+        max_norm=None,
+        layer_stats=True,
+        param_names=emb.named_parameters(),
+    )
+    emb(torch.tensor([1, 2, 2])).sum().backward()
+    dense = emb.weight.grad.to_dense().clone()  # type: ignore[union-attr]
+    opt.step()
+    assert opt.last_stats is not None and opt.last_stats.layers is not None
+    assert opt.last_stats.layers["weight"]["grad_norm"] == pytest.approx(dense.norm().item(), rel=1e-6)
+
+
+def test_csv_rows_keep_their_width_after_add_param_group(tmp_path: Path) -> None:
+    """A group added mid-run does not shift the per-layer columns of later rows."""
+    model = TwoHeads()
+    path = tmp_path / "g.csv"
+    params = list(model.trunk.parameters()) + list(model.a.parameters())
+    opt = ClippedOptimizer(torch.optim.SGD(params, lr=0.1), layer_stats=True, loggers=[CSVLogger(path)])
+    task_run(model, opt, [("a", False)])
+    opt.add_param_group({"params": list(model.b.parameters()), "lr": 0.2})
+    task_run(model, opt, [("b", False)])
+    opt.close()
+    with path.open(newline="") as f:
+        rows = list(csv.reader(f))
+    assert len({len(r) for r in rows}) == 1
+
+
+def test_names_of_groups_added_later() -> None:
+    """add_param_group with param_names names those parameters in per-layer output."""
+    model = TwoHeads()
+    opt = ClippedOptimizer(torch.optim.SGD(model.trunk.named_parameters(), lr=0.1))
+    opt.add_param_group({"params": list(model.a.parameters()), "param_names": ["a.weight", "a.bias"]})
+    assert opt.layer_names() == ["weight", "bias", "a.weight", "a.bias"]
+
+
+def test_deepcopy_shares_loggers(tmp_path: Path) -> None:
+    """A deep copy of the optimizer logs into the same logger, so buffered rows are not written twice."""
+    model = TwoHeads()
+    path = tmp_path / "g.csv"
+    logger = CSVLogger(path)
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loggers=[logger])
+    task_run(model, opt, [("a", False)] * 3)
+    twin = copy.deepcopy(opt)
+    assert twin.loggers[0] is logger
+    opt.close()
+    twin.close()
+    with path.open(newline="") as f:
+        steps = [r["step"] for r in csv.DictReader(f)]
+    assert steps == ["1", "2", "3"]
+
+
+def test_csv_logger_widens_when_a_parameter_group_is_added(tmp_path: Path) -> None:
+    """Before: CSVLogger fixed its columns at the first row, so a group added later (unfreezing a
+    layer) had no lr and no per-layer columns.  Now the file is rewritten once with the columns a new
+    logger would use: earlier rows empty there, later rows filled, and a resumed run appends."""
+    torch.manual_seed(0)
+    trunk, head = torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)
+    path = tmp_path / "grads.csv"
+    opt = ClippedOptimizer(
+        torch.optim.SGD(head.parameters(), lr=0.1),
+        param_names=[("head.weight", head.weight), ("head.bias", head.bias)],
+        layer_stats=True,
+        loggers=[CSVLogger(path, flush_every=1)],
+    )
+    x = torch.randn(6, 3)
+
+    def window() -> None:
+        head(torch.tanh(trunk(x))).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        trunk.zero_grad()
+
+    window()
+    window()
+    opt.add_param_group({"params": list(trunk.parameters()), "lr": 0.01})
+    trunk_ref, head_ref = copy.deepcopy(trunk), copy.deepcopy(head)
+    head_ref(torch.tanh(trunk_ref(x))).pow(2).sum().backward()
+    assert trunk_ref.weight.grad is not None
+    want = float(trunk_ref.weight.grad.double().norm())
+    window()
+    opt.close()
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        header, rows = reader.fieldnames, list(reader)
+    assert header is not None
+    assert [r["step"] for r in rows] == ["1", "2", "3"]
+    assert "lr.1" in header and header.index("lr.1") < header.index("head.weight.grad_norm")
+    assert [r["lr.1"] for r in rows] == ["", "", "0.01"]
+    new_column = "group1.0.grad_norm"  # the trunk's weight (unnamed: it was added later)
+    assert [r[new_column] == "" for r in rows] == [True, True, False]
+    assert float(rows[2][new_column]) == pytest.approx(want, rel=1e-6)
+    assert all(r["head.weight.grad_norm"] != "" for r in rows)
+
+    # a resumed run (a new logger, the same groups) appends without a second header
+    opt2 = ClippedOptimizer(
+        torch.optim.SGD(head.parameters(), lr=0.1),
+        param_names=[("head.weight", head.weight), ("head.bias", head.bias)],
+        layer_stats=True,
+        loggers=[CSVLogger(path, flush_every=1)],
+    )
+    opt2.add_param_group({"params": list(trunk.parameters()), "lr": 0.01})
+    opt2.load_state_dict(opt.state_dict())
+    head(torch.tanh(trunk(x))).pow(2).sum().backward()
+    opt2.step()
+    opt2.close()
+    text = path.read_text()
+    assert text.count("step,micro_batches") == 1
+    assert text.strip().splitlines()[-1].startswith("4,")
+
+
+def _unfreeze_run(path: Path, logger: CSVLogger) -> tuple[ClippedOptimizer, torch.nn.Linear, torch.nn.Linear]:
+    """Two windows on the head, then the trunk is added as a second group and one more window runs."""
+    torch.manual_seed(0)
+    trunk, head = torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)
+    opt = ClippedOptimizer(torch.optim.SGD(head.parameters(), lr=0.1), loggers=[logger])
+    x = torch.randn(6, 3)
+    for i in range(3):
+        if i == 2:
+            opt.add_param_group({"params": list(trunk.parameters()), "lr": 0.01})
+        head(torch.tanh(trunk(x))).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        trunk.zero_grad()
+    opt.close()
+    return opt, trunk, head
+
+
+def test_csv_widening_that_fails_warns_and_keeps_a_consistent_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: a failed rewrite (disk full) escaped opt.step(), lost the row, left a .tmp file and
+    later rows longer than the header.  Now it warns, keeps the old columns, and every row fits."""
+    path = tmp_path / "grads.csv"
+
+    def no_space(src: object, dst: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("clipopt._logging.os.replace", no_space)
+    with pytest.warns(RuntimeWarning, match="could not rewrite .* No space left on device"):
+        _unfreeze_run(path, CSVLogger(path, flush_every=1))
+    monkeypatch.undo()
+    with path.open(newline="") as f:
+        lines = list(csv.reader(f))
+    assert lines[0][-2:] == ["lr", "loss"] and len({len(line) for line in lines}) == 1
+    assert [line[0] for line in lines[1:]] == ["1", "2", "3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grads.csv"]
+
+
+def test_csv_resume_from_before_a_group_was_added_appends(tmp_path: Path) -> None:
+    """Before: a file widened by add_param_group refused a run resumed from an earlier checkpoint
+    (one group: fewer columns).  Now it is appended to in the file's column order, lr.1 empty."""
+    path = tmp_path / "grads.csv"
+    _unfreeze_run(path, CSVLogger(path, flush_every=1))
+    torch.manual_seed(0)
+    head = torch.nn.Linear(4, 1)
+    opt = ClippedOptimizer(torch.optim.SGD(head.parameters(), lr=0.1), loggers=[CSVLogger(path)])
+    head(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.close()
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames is not None and reader.fieldnames[-1] == "lr.1"
+    assert [(r["step"], r["lr"], r["lr.1"]) for r in rows] == [
+        ("1", "0.1", ""), ("2", "0.1", ""), ("3", "0.1", "0.01"), ("1", "0.1", "")
+    ]

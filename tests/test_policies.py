@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+import clipopt
 from clipopt import AGC, AutoClip, ClippedOptimizer, ZClip
 
-from .helpers import inputs, mlp, square_sum, train
+from .helpers import TwoHeads, inputs, mlp, square_sum, train
 from .hostreads import count_host_reads
 
 _model = partial(mlp, (4, 5, 2))  # Linear(4, 5), Tanh, Linear(5, 2), global seed 0
@@ -250,3 +251,84 @@ def test_max_norm_can_change_between_windows() -> None:
     assert opt.stats[1].max_norm == pytest.approx(opt.stats[1].total_norm, rel=1e-6)
     with pytest.raises(ValueError, match="max_norm must be a positive finite number or None, got -1"):
         opt.max_norm = -1
+
+
+# ------------------------ policies with LBFGS, low caps, spikes, float64 and non-finite windows
+
+
+def test_policy_sees_each_window_once_with_lbfgs() -> None:
+    """LBFGS re-evaluations are clipped with the window's bound; AutoClip records one norm per step()."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    policy = AutoClip(percentile=50, history=16)
+    opt = ClippedOptimizer(torch.optim.LBFGS(model.parameters(), max_iter=5), max_norm=policy)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    opt.step(closure)
+    recorded = policy.state_dict()["buffer"]
+    assert int((~torch.isnan(recorded)).sum()) == 2
+    assert math.isfinite(opt.last_stats.max_norm)  # type: ignore[union-attr, arg-type]
+
+
+def test_zclip_with_a_low_max_grad_norm_does_not_call_everything_a_spike() -> None:
+    """max_grad_norm below the usual norm caps the bound but not ZClip's statistics (as the zclip package).
+
+    Before: the EMAs were fed the capped norm, so nearly every later window became a spike.
+    """
+    policy = clipopt.ZClip(max_grad_norm=1.0, warmup_steps=10, skip_spikes=True)
+    gen = torch.Generator().manual_seed(0)
+    norms = 10 + 0.5 * torch.randn(200, generator=gen)
+    spikes = 0
+    for g in norms:
+        bound = policy.threshold(g.clone())
+        spike = policy.spike()
+        assert spike is not None
+        spikes += int(spike.item())
+        assert bound.item() <= 1.0
+    assert spikes < 10
+
+
+def test_spike_skips_do_not_count_as_nonfinite() -> None:
+    """Skipped spikes do not extend max_consecutive_nonfinite's count (finite gradients never raise)."""
+    model = TwoHeads()
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1e-4),
+        max_norm=clipopt.ZClip(warmup_steps=3, skip_spikes=True),
+        max_consecutive_nonfinite=2,
+    )
+    for i in range(12):
+        scale = 1.0 if i < 6 else 100.0  # the norm level jumps: several spikes in a row
+        model.loss("a", torch.full((2, 3), scale)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert [s.reason for s in opt.stats].count("spike") >= 2
+
+
+def test_agc_float64_parameters() -> None:
+    """AGC works on float64 models (the norms are not forced to float32)."""
+    model = TwoHeads().double()
+    agc = clipopt.AGC(clip_factor=1e-3)
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), max_norm=agc)
+    model.loss("a", torch.ones(2, 3, dtype=torch.float64) * 10).backward()
+    opt.step()
+    assert opt.last_stats is not None and opt.last_stats.clipped
+
+
+def test_autoclip_nonfinite_windows_keep_the_history() -> None:
+    """A non-finite window does not push a finite norm out of AutoClip's ring buffer."""
+    policy = clipopt.AutoClip(percentile=50, history=3)
+    for v in (1.0, 2.0, 3.0):
+        policy.threshold(torch.tensor(v))
+    policy.threshold(torch.tensor(float("nan")))
+    bound = policy.threshold(torch.tensor(float("inf")))
+    assert bound.item() == 2.0
+    saved = policy.state_dict()
+    policy.threshold(torch.tensor(10.0))
+    assert sorted(saved["buffer"].tolist()) == [1.0, 2.0, 3.0]  # a copy, not the live buffer

@@ -9,7 +9,7 @@ import torch
 
 from clipopt import ClippedOptimizer
 
-from .helpers import mlp
+from .helpers import TwoHeads, mlp
 from .hostreads import count_host_reads
 from .optim_db import PLAIN, OptimInfo, params, select
 
@@ -101,3 +101,21 @@ def test_counter_detects_reads() -> None:
         t.tolist()
         t[t > 1]
     assert len(reads) >= 5
+
+
+# ------------------------------------------------------------------------ tensor learning rates
+
+
+def test_tensor_learning_rate_is_not_read_on_the_fused_path() -> None:
+    """A tensor lr (fused AdamW) is recorded without a host read; it becomes a float when read."""
+    model = TwoHeads()
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), fused=True))
+    reads = []
+    for _ in range(3):
+        model.loss("a", torch.ones(2, 3)).backward()
+        with count_host_reads() as r:
+            opt.step()
+        reads.append(len(r))
+        opt.zero_grad()
+    assert reads[1:] == [0, 0]
+    assert opt.last_stats is not None and opt.last_stats.lr == (pytest.approx(0.01),)
