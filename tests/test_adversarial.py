@@ -517,23 +517,41 @@ def test_lbfgs_state_without_line_search_loads_into_one_with_it() -> None:
 # ---------------------------------------------------------------------------------------------- closures
 
 
-def _lbfgs_run(bad_call: int | None, seed: int = 0) -> tuple[nn.Module, ClippedOptimizer, list[int]]:
-    torch.manual_seed(seed)
-    model = nn.Linear(3, 1)
-    g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(8, 3, generator=g), torch.randn(8, 1, generator=g)
-    opt = ClippedOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5), max_norm=1.0)
+def _mse_closure(
+    opt: ClippedOptimizer,
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    bad_call: int | None,
+    inf_loss_only: bool = False,
+) -> tuple[Callable[[], Tensor], list[int]]:
+    """An MSE closure and its call count (``calls[0]``). On call ``bad_call`` its loss and gradients
+    are NaN; with ``inf_loss_only`` the gradients of that call stay finite and the loss it returns
+    (detached) is inf."""
     calls = [0]
 
     def closure() -> Tensor:
         calls[0] += 1
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
-        if calls[0] == bad_call:
-            loss = loss * math.nan
+        bad = calls[0] == bad_call
+        if inf_loss_only:
+            loss.backward()
+            return loss.detach() + (math.inf if bad else 0.0)
+        loss = loss * (math.nan if bad else 1.0)
         loss.backward()
         return loss
 
+    return closure, calls
+
+
+def _lbfgs_run(bad_call: int | None, seed: int = 0) -> tuple[nn.Module, ClippedOptimizer, list[int]]:
+    torch.manual_seed(seed)
+    model = nn.Linear(3, 1)
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(8, 3, generator=g), torch.randn(8, 1, generator=g)
+    opt = ClippedOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5), max_norm=1.0)
+    closure, calls = _mse_closure(opt, model, x, y, bad_call)
     opt._test_closure = closure  # type: ignore[attr-defined]
     return model, opt, calls
 
@@ -568,15 +586,7 @@ def test_lbfgs_skip_after_applied_windows_restores_its_history() -> None:
         for seed, bad in windows:
             g = torch.Generator().manual_seed(seed)
             x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
-            calls = [0]
-
-            def closure(x: Tensor = x, y: Tensor = y, bad: bool = bad, calls: list[int] = calls) -> Tensor:
-                calls[0] += 1
-                opt.zero_grad()
-                loss = nn.functional.mse_loss(model(x), y) * (math.nan if bad and calls[0] == 3 else 1.0)
-                loss.backward()
-                return loss
-
+            closure, _ = _mse_closure(opt, model, x, y, 3 if bad else None)
             opt.step(closure)
             assert opt.step_was_skipped == bad
         return model
@@ -593,15 +603,7 @@ def test_lbfgs_nonfinite_loss_with_finite_gradients_on_reevaluation_skips() -> N
     model = nn.Linear(3, 1)
     x, y = torch.randn(8, 3), torch.randn(8, 1)
     opt = ClippedOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4), max_norm=1.0)
-    calls = [0]
-
-    def closure() -> Tensor:
-        calls[0] += 1
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        return loss.detach() + (math.inf if calls[0] == 2 else 0.0)
-
+    closure, _ = _mse_closure(opt, model, x, y, 2, inf_loss_only=True)
     before = weights(model)
     opt.step(closure)
     assert same_weights(model, before) and opt.step_was_skipped
