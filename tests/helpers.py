@@ -8,9 +8,13 @@ same random draws in the same order), so the values the tests check are unchange
 from __future__ import annotations
 
 import math
+import socket
+import time
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -148,3 +152,43 @@ def task_run(model: TwoHeads, opt: torch.optim.Optimizer, plan: list[tuple[str, 
         model.loss(task, x).backward()
         opt.step()
         opt.zero_grad()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn_job(
+    job: Callable[..., None],
+    name: str,
+    out: Path,
+    world: int,
+    *,
+    pass_world: bool = False,
+    weights_only: bool = True,
+    timeout_s: float = 240,
+) -> list[dict[str, Any]]:
+    """Run ``job(rank, port, out[, world])`` in ``world`` processes and load what each rank saved
+    (``out/<name><rank>.pt``); fail, killing them, if they have not finished after ``timeout_s``."""
+    import torch.multiprocessing as mp
+
+    args = (free_port(), str(out), world) if pass_world else (free_port(), str(out))
+    ctx = mp.spawn(job, args=args, nprocs=world, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+            pytest.fail(f"the {name} job did not finish within {timeout_s:g} s (ranks wait for each other)")
+    return [torch.load(out / f"{name}{rank}.pt", weights_only=weights_only) for rank in range(world)]
+
+
+def assert_tensors_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Equally many tensors, each close to its reference (rtol 1e-5, atol 1e-6: float32 across ranks)."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -322,9 +322,9 @@ def test_ddp_gradients_and_bucket_views_are_not_mistaken_for_clearing(tmp_path) 
     model.zero_grad() inside a window is still caught on every rank."""
     import torch.multiprocessing as mp
 
-    from .test_distributed import _free_port
+    from .helpers import free_port
 
-    mp.spawn(_ddp_job, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ddp_job, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         keys = ("False-sync", "False-no_sync", "True-sync", "True-no_sync")
