@@ -18,6 +18,8 @@ import pytest
 import torch
 from torch import nn
 
+from .hostreads import count_host_reads
+
 Batch = Any  # a tensor of inputs, or an (inputs, targets) pair
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 
@@ -127,6 +129,21 @@ def train(
         opt.step()
         opt.zero_grad()
 
+
+
+def reads_per_step(
+    model: nn.Module, opt: torch.optim.Optimizer, batches: Iterable[Batch], loss: LossFn = square_mean
+) -> list[int]:
+    """:func:`train`, counting the host reads clipopt makes inside each ``opt.step()``
+    (tests/hostreads.py: the inner optimizer's own reads are not counted)."""
+    counts = []
+    for batch in batches:
+        loss(model, batch).backward()
+        with count_host_reads() as reads:
+            opt.step()
+        counts.append(len(reads))
+        opt.zero_grad()
+    return counts
 
 class TwoHeads(nn.Module):
     """A trunk and two heads; each task's loss reaches only its own head."""

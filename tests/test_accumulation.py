@@ -53,6 +53,18 @@ class RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+def _reference_update(ref: nn.Module, ref_opt: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor:
+    """Plain torch's update from the gradients in ``ref``: clip_grad_norm_ (or only the norm when
+    ``max_norm`` is None), step, zero; returns the total norm before clipping."""
+    if max_norm is not None:
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+    else:
+        ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return ref_norm
+
+
 # ---------------------------------------------------------------- mean == one large batch
 
 
@@ -81,12 +93,7 @@ def test_mean_accumulation_equals_large_batch(info, k, batch, windows, max_norm,
         x = torch.cat([m[0] for m in micro])
         y = torch.cat([m[1] for m in micro])
         mse(ref, (x, y)).backward()
-        if max_norm is not None:
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
-        else:
-            ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_norm = _reference_update(ref, ref_opt, max_norm)
         assert opt.last_stats.micro_batches == k
         assert opt.last_stats.total_norm == pytest.approx(ref_norm.item(), rel=1e-10)
         assert_params_close(model, ref, rtol=1e-9, atol=1e-12)
@@ -118,12 +125,7 @@ def test_sum_reduction_keeps_sum_of_gradients(info, sizes, max_norm, seed):
         opt.zero_grad()
         total = sum(mse(ref, (x, y)) for x, y in micro)
         total.backward()
-        if max_norm is not None:
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
-        else:
-            ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_norm = _reference_update(ref, ref_opt, max_norm)
         assert opt.last_stats.total_norm == pytest.approx(ref_norm.item(), rel=1e-10)
         assert_params_close(model, ref, rtol=1e-9, atol=1e-12)
 

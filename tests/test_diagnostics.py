@@ -20,7 +20,7 @@ import clipopt._layers as clipopt_layers
 from clipopt import LAYER_FIELDS, ClippedOptimizer, CSVLogger, StepStats
 from clipopt import functional as F
 
-from .helpers import TwoHeads, inputs, mlp, task_run, train
+from .helpers import TwoHeads, inputs, mlp, reads_per_step, task_run, train
 from .hostreads import count_host_reads
 
 _model = partial(mlp, (4, 6, 2))  # Linear(4, 6), Tanh, Linear(6, 2), global seed 0
@@ -180,13 +180,7 @@ def test_layer_stats_windows_read_one_flag_others_none() -> None:
     """With fused AdamW, windows without statistics read nothing; windows with statistics read one flag."""
     model = _model()
     opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), fused=True), max_norm=0.1, layer_stats=2)
-    reads = []
-    for x in _batches(6):
-        model(x).pow(2).mean().backward()
-        with count_host_reads() as r:
-            opt.step()
-        reads.append(len(r))
-        opt.zero_grad()
+    reads = reads_per_step(model, opt, _batches(6))
     assert reads[2] == 0 and reads[4] == 0  # windows 3 and 5
     assert reads[3] == 1 and reads[5] == 1  # windows 4 and 6
 
@@ -500,13 +494,7 @@ def test_csv_adds_no_host_read_until_flush(tmp_path: Path) -> None:
     model = _model()
     logger = CSVLogger(tmp_path / "g.csv", flush_every=4)
     opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), fused=True), loggers=[logger])
-    reads = []
-    for x in _batches(8):
-        model(x).pow(2).mean().backward()
-        with count_host_reads() as r:
-            opt.step()
-        reads.append(len(r))
-        opt.zero_grad()
+    reads = reads_per_step(model, opt, _batches(8))
     assert reads[1:] == [0, 0, 1, 0, 0, 0, 1]
 
 

@@ -15,8 +15,7 @@ import torch
 import clipopt
 from clipopt import AGC, AutoClip, ClippedOptimizer, ZClip
 
-from .helpers import TwoHeads, inputs, mlp, square_sum, train
-from .hostreads import count_host_reads
+from .helpers import TwoHeads, inputs, mlp, reads_per_step, square_sum, train
 
 _model = partial(mlp, (4, 5, 2))  # Linear(4, 5), Tanh, Linear(5, 2), global seed 0
 _batches = partial(inputs, shape=(6, 4), seed=3)  # scale={i: factor}; bad ones hold a NaN
@@ -59,13 +58,7 @@ def test_policies_read_nothing_on_the_fused_path() -> None:
     for policy in (AutoClip(), ZClip(warmup_steps=2, skip_spikes=True)):
         model = _model()
         opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), fused=True), max_norm=policy)
-        reads = []
-        for x in _batches(6):
-            model(x).pow(2).sum().backward()
-            with count_host_reads() as r:
-                opt.step()
-            reads.append(len(r))
-            opt.zero_grad()
+        reads = reads_per_step(model, opt, _batches(6), square_sum)
         assert reads[1:] == [0] * 5, policy
 
 
