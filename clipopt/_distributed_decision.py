@@ -187,24 +187,12 @@ class ReplicaDecision:
         self._pending.append((*self._to_host(packet), n, window))
         return norm, any_bad.to(torch.float32)
 
-    def skip_with_divergence(self, skip: Tensor | None) -> Tensor | None:
-        """The window's skip flag with divergence added (None stays None without agreement)."""
-        if self.divergence is None:
-            return skip
-        return self.divergence if skip is None else torch.maximum(skip, self.divergence)
-
     def end_window(self, host_read: bool) -> None:
         """Forget this window's device values; check its outcome now when the window read the host."""
         self.divergence = None
         self._current = None
         if host_read:
             self.settle(wait=True)
-
-    def diverged_now(self) -> bool:
-        """Whether this window diverged (host read; used where the window reads the host anyway)."""
-        if self.divergence is None:
-            return False
-        return bool(self.divergence.item())
 
     def settle(self, wait: bool) -> None:
         """Warn about divergence / raise on ranks out of step, for the agreed windows not checked yet.
@@ -295,11 +283,13 @@ def _fmt(v: float) -> str:
 
 def settings_of(opt: Any) -> list[tuple[str, float]]:
     """The window settings every replica must share, as numbers (``-1``: off/None)."""
-    policy = opt._policy
-    if policy is not None:
-        max_norm = -2.0 - float(sum(map(ord, type(policy).__name__)))  # a code per policy type
-    else:
-        max_norm = -1.0 if opt._bound is None else float(opt._bound)
+    bound = opt.max_norm  # a float, a ClipPolicy or None
+    if bound is None:
+        max_norm = -1.0
+    elif isinstance(bound, (int, float)):
+        max_norm = float(bound)
+    else:  # a policy: a code per policy type
+        max_norm = -2.0 - float(sum(map(ord, type(bound).__name__)))
     return [
         ("accumulation_steps", float(opt.accumulation_steps)),
         ("reduction", 0.0 if opt.reduction == "mean" else 1.0),
@@ -308,6 +298,6 @@ def settings_of(opt: Any) -> list[tuple[str, float]]:
         ("clip_value", -1.0 if opt.clip_value is None else float(opt.clip_value)),
         ("skip_nonfinite", float(opt.skip_nonfinite)),
         ("scaler", float(opt.scaler is not None)),
-        ("windows closed", float(opt._counters.windows)),
-        ("micro_batches pending", float(opt._counters.micro_batches)),
+        ("windows closed", float(opt.num_windows)),
+        ("micro_batches pending", float(opt.micro_batches)),
     ]

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ._tensors import flat as _flat
+
 __all__ = [
     "EPS",
     "clip_coef",
@@ -225,20 +227,6 @@ DOT_PIECE_NUMEL = 1 << 20
 AMINMAX_MIN_NUMEL = 1 << 10
 
 
-def _flat(t: Tensor) -> Tensor:
-    """``t`` as a 1-d tensor without a copy where its memory is dense (contiguous, channels_last,
-    transposed: the dimensions permuted into memory order), else a contiguous copy.
-
-    Norms and statistics do not depend on the order of the elements; a strided
-    view would make ``torch.dot`` accumulate sequentially (less accurate).
-    """
-    if t.is_contiguous():
-        return t.view(-1)
-    strides = t.stride()
-    permuted = t.permute(sorted(range(t.dim()), key=lambda d: -strides[d]))
-    return permuted.view(-1) if permuted.is_contiguous() else t.contiguous().view(-1)
-
-
 def _direct_cpu_norms(tensors: list[Tensor], p: float, acc: torch.dtype, norms: list[Tensor]) -> list[Tensor]:
     """Append the norms of the large CPU tensors computed directly; return the rest.
 
@@ -344,10 +332,3 @@ def nonfinite_flag(total_norm: Tensor) -> Tensor:
     Exactly the values a fused optimizer's ``found_inf`` accepts.
     """
     return (~torch.isfinite(total_norm)).to(torch.float32)
-
-
-def _check_norm_type(norm_type: float) -> float:
-    p = float(norm_type)
-    if not (p > 0 or p == math.inf):
-        raise ValueError(f"norm_type must be > 0 or float('inf'), got {norm_type!r}")
-    return p
