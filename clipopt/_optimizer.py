@@ -202,10 +202,13 @@ class ClippedOptimizer(Optimizer):
             every window's end (:class:`CSVLogger`, :class:`TensorBoardLogger`).
         snapshot_dir: folder for anomaly snapshots: on a non-finite window the
             parameters, pre-clip gradients, optimizer state, statistics and
-            :meth:`attach`-ed tensors are saved (see :func:`load_snapshot`).
+            :meth:`attach`-ed tensors are saved (see :func:`load_snapshot`);
+            with a ``scaler`` such a window has reason ``"overflow"`` and the
+            snapshot holds the loss scale (:func:`clipopt.replay` tells an
+            overflow of the scale from a genuine fault).
             Deciding reads one flag from the device per update.
         max_snapshots: at most this many snapshots are written per run and reason
-            (non-finite, spike), so spikes never crowd out a later non-finite one.
+            (non-finite, overflow, spike), so spikes never crowd out a later non-finite one.
         norm_group: a process group whose ranks hold *different* parameters
             (pipeline stages): the partial norms are combined over it (one scalar
             collective per norm), so every stage clips and skips alike.
@@ -847,8 +850,9 @@ class ClippedOptimizer(Optimizer):
         inv = 1.0 / self._divisor(n)
         stats_of = sharded_layer_stats if self._has_dtensor else compute_layer_stats  # the former: collective
         layers = stats_of(params, self.layer_names(), inv, bad) if due else None
-        # with a scaler, a non-finite window is an overflow: GradScaler's normal operation
-        reason = "nonfinite" if bad and self.scaler is None else "spike" if spiking and not bad else None
+        # with a scaler, a non-finite window is an "overflow" (GradScaler's normal operation, or a fault:
+        # clipopt.replay tells them apart); each reason has its own max_snapshots
+        reason = ("nonfinite" if self.scaler is None else "overflow") if bad else "spike" if spiking else None
         if not bad and self._snapshots is not None and self._replicas.diverged_now():
             reason = "divergence"
         if reason is not None and self._snapshots is not None:
@@ -859,7 +863,7 @@ class ClippedOptimizer(Optimizer):
                 snap_layers = layers
             path = self._snapshots.save(self._snapshot_payload(params, total_norm, n, snap_layers, reason))
             self.last_snapshot = path or self.last_snapshot
-            if path is not None and reason == "nonfinite":
+            if path is not None and reason in ("nonfinite", "overflow"):
                 self._last_nonfinite_snapshot = path
         return layers
 
@@ -892,6 +896,7 @@ class ClippedOptimizer(Optimizer):
             "versions": versions(),
             "time": now(),
             "rank": process_rank(),
+            "scale": None if self.scaler is None else float(self.scaler.get_scale()),
         }
 
     def _clip(
