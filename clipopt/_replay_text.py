@@ -30,10 +30,14 @@ def format_text(result: ReplayResult) -> str:
     if r.scale is not None:
         lines.append(f"  loss scale {fmt_num(r.scale)} (GradScaler), as in the original backward")
     lines.append(f"  total norm: snapshot {fmt_num(r.snapshot_norm)}, replay {fmt_num(r.replay_norm)}")
-    lines.append(
-        f"  loss finite: {'yes' if r.loss_finite else 'no'}; non-finite gradients: "
-        f"replay {_names(r.replay_nonfinite_grads)}, snapshot {_names(r.snapshot_nonfinite_grads)}"
-    )
+    replayed = _names(r.replay_nonfinite_grads)
+    if r.replay_nonfinite_grads and r.replay_nonfinite_grads == r.snapshot_nonfinite_grads:
+        replayed = "the same"
+    lines += [
+        f"  replay loss: {'finite' if r.loss_finite else 'non-finite'}",
+        f"  non-finite gradients, snapshot: {_names(r.snapshot_nonfinite_grads)}",
+        f"  non-finite gradients, replay:   {replayed}",
+    ]
     if r.op is not None:
         where = "the model itself" if r.module == "" else r.module
         where = "loss_fn, outside the model's modules" if r.module is None else where
