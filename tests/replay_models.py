@@ -14,6 +14,8 @@ each bad batch is one row that breaks one known operation:
 - :class:`HalfLinear` (``half_model``): a matmul computed in float16 (weights 10);
   a row of :data:`HALF_BAD_VALUE` gives hidden values up to 4500 (finite in
   float16) whose weighted sums pass float16's largest value 65504: infinite in the forward.
+- :class:`MaskedLog` (``masked_model``): the log of ``log_model`` next to a
+  ``-inf`` mask that is harmless (made on purpose, finite after the softmax).
 - :class:`Branches` (``branch_model``): ``a(x[:, :3]) + b(x[:, 3:])``; a batch
   whose last 3 features are 50 times larger is a gradient spike in ``b``.
 """
@@ -65,6 +67,16 @@ class HalfLinear(nn.Module):
         return (h.half() @ self.weight.half().t()).float()
 
 
+class MaskedLog(nn.Module):
+    """``log(h) * softmax(h masked with -inf in its last unit)``: the ``-inf`` is made on purpose (and
+    the softmax is finite); the NaN comes from ``log`` where ``h`` is negative."""
+
+    def forward(self, h: Tensor) -> Tensor:
+        mask = torch.zeros(h.shape[-1], dtype=torch.bool)
+        mask[-1] = True
+        return torch.log(h) * h.masked_fill(mask, float("-inf")).softmax(-1)
+
+
 class Branches(nn.Module):
     """``a(x[:, :3]) + b(x[:, 3:])``."""
 
@@ -90,6 +102,12 @@ def log_model() -> nn.Module:
     """``lin -> act (LogFeatures) -> out``."""
     torch.manual_seed(0)
     return nn.Sequential(OrderedDict(lin=_first_layer(), act=LogFeatures(), out=nn.Linear(HIDDEN, 1)))
+
+
+def masked_model() -> nn.Module:
+    """``lin -> mix (MaskedLog) -> out``."""
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict(lin=_first_layer(), mix=MaskedLog(), out=nn.Linear(HIDDEN, 1)))
 
 
 def radial_model() -> nn.Module:
