@@ -41,7 +41,7 @@ def resolve(spec: str, option: str) -> Any:
             raise ReplayCommandError(f"{option} {spec!r}: {module_name} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ReplayCommandError(f"{option} {spec!r} is a {type(obj).__name__}, not a function")
+        raise ReplayCommandError(f"{option} {spec!r} is not callable (it is {type(obj).__name__})")
     return obj
 
 
