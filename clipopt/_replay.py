@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from ._growth import LayerGrowth, layer_growth
 from ._snapshot import load_snapshot
-from ._watch import ModuleTracker, NonFiniteWatch, OpEvent, TensorStats
+from ._watch import ModuleTracker, NonFiniteWatch, OpEvent, TensorStats, all_finite
 
 __all__ = ["NORM_RTOL", "ReplayResult", "replay"]
 
@@ -320,10 +320,10 @@ def _run(
         if loss.requires_grad:
             (loss if scale is None else loss * scale).reshape(()).backward()  # type: ignore[no-untyped-call]
     grads = {name: p.grad for name, (_, p) in targets.items() if p.grad is not None}
-    bad = tuple(name for name, g in grads.items() if not bool(torch.isfinite(g).all()))
+    bad = tuple(name for name, g in grads.items() if not all_finite(g))
     norm = math.sqrt(sum(float(g.detach().double().norm()) ** 2 for g in grads.values()))
     return _Run(
-        loss_finite=bool(torch.isfinite(loss.detach()).all()),
+        loss_finite=all_finite(loss.detach()),
         nonfinite_grads=bad,
         norm=norm if scale is None else norm / scale,
         origin=watch.origin or watch.first_any,
@@ -463,4 +463,4 @@ def nonfinite_entries(value: Any, name: str = "") -> list[str]:
 def _has_nonfinite(t: Any) -> bool:
     if not isinstance(t, Tensor) or not (t.is_floating_point() or t.is_complex()):
         return False
-    return not bool(torch.isfinite(t).all())
+    return not all_finite(t)

@@ -16,7 +16,9 @@ Used by :func:`clipopt.replay` only, and only while it runs:
   value on purpose and is not an origin; its output is still followed.
 
 Every check reads one flag per floating output from the device (this is a
-debugging tool, not a training path); after the origin is found the checks stop.
+debugging tool, not a training path): the finiteness of the output's sum (finite
+only when every element is), so one reduction per operator; views are not checked
+(their input was).  After the origin is found the checks stop.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["ModuleTracker", "NonFiniteWatch", "OpEvent", "TensorStats", "tensor_stats"]
+__all__ = ["ModuleTracker", "NonFiniteWatch", "OpEvent", "TensorStats", "all_finite", "tensor_stats"]
 
 #: At most this many tensor inputs of an operator are described.
 MAX_INPUTS = 4
@@ -204,14 +206,19 @@ class NonFiniteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out = func(*args, **kwargs)
         if self.origin is not None and self.first_in_model is not None:
             return out
-        bad = [t for t in _floats(out) if not _finite(t)]
+        if getattr(func, "is_view", False):  # shares its input's memory: checked there; taint follows
+            if any(self._is_tainted(t) for t in _floats((args, kwargs))):
+                for t in _floats(out):
+                    self._taint(t)
+            return out
+        bad = [t for t in _floats(out) if not all_finite(t)]
         if not bad:
             return out
         inputs = _floats((args, kwargs))
         tainted = any(self._is_tainted(t) for t in inputs)
         for t in bad:
             self._taint(t)
-        inputs_finite = all(_finite(t) for t in inputs)
+        inputs_finite = all(all_finite(t) for t in inputs)
         constant = inputs_finite and any(_nonfinite_number(v) for v in tree_leaves((args, kwargs)))
         if self.first_any is None:
             self.first_any = self._event(func, args, kwargs, inputs, bad[0], inputs_finite)
@@ -263,7 +270,7 @@ def _finite_in_float32(func: Any, args: Any, kwargs: Any) -> bool | None:
         out = func(*tree_map(widen, args), **tree_map(widen, kwargs))
     except (RuntimeError, TypeError, ValueError):
         return None
-    return all(_finite(t) for t in _floats(out))
+    return all(all_finite(t) for t in _floats(out))
 
 
 def _floats(tree: Any) -> list[Tensor]:
@@ -274,8 +281,10 @@ def _floats(tree: Any) -> list[Tensor]:
     ]
 
 
-def _finite(t: Tensor) -> bool:
-    return bool(torch.isfinite(t).all())
+def all_finite(t: Tensor) -> bool:
+    """Whether every element is finite: a sum is finite only then (one reduction, no mask); a
+    non-finite sum of finite elements (an overflow of the sum itself) is told apart by the full check."""
+    return bool(t.sum().isfinite()) or bool(torch.isfinite(t).all())
 
 
 def _nonfinite_number(value: Any) -> bool:
