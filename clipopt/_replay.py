@@ -64,7 +64,8 @@ class ReplayResult:
     parameters already were), ``"spike"`` (a spike that replays exactly: the
     model and this batch produce it), ``"transient"`` (no replay showed the
     anomaly: data loading, hardware, or another rank -- not the model and this
-    batch), ``"intermittent"`` (some replays did).
+    batch), ``"intermittent"`` (some replays did), ``"divergence"`` (a
+    divergence snapshot that replays with the same norm).
     """
 
     #: The snapshot's file (None when a loaded snapshot was given).
