@@ -313,6 +313,9 @@ def _run(
         p.grad = None
     tracker = ModuleTracker(model)
     watch = NonFiniteWatch(tracker)
+    for buffer in model.buffers():
+        if (buffer.is_floating_point() or buffer.is_complex()) and not all_finite(buffer):
+            watch.follow(buffer)  # a -inf mask registered as a buffer
     attached = _copy(snap["attached"])
     with torch.random.fork_rng(), tracker.hooks(), watch:
         torch.manual_seed(0)  # every replay draws the same dropout masks
@@ -368,7 +371,8 @@ def _result(
     reproduced = all(showed)
     first = runs[0]
     where = {_where(r) for r, s in zip(runs, showed, strict=True) if s}
-    event = first.event if reason in NONFINITE_REASONS else None
+    # a replay that stays finite names no operator (an infinity made and absorbed on the way is harmless)
+    event = first.event if reason in NONFINITE_REASONS and showed[0] else None
     attached_bad = tuple(nonfinite_entries(snap["attached"]))
     params_bad = tuple(n for n, t in snap["params"].items() if _has_nonfinite(t))
     unscaled_finite = None if unscaled is None else not _showed(unscaled, snap, reason)

@@ -12,8 +12,10 @@ Used by :func:`clipopt.replay` only, and only while it runs:
   a NaN or an infinity while none of its tensor inputs came out of an earlier
   non-finite operator.  Its non-finite inputs, if any, are then leaves (the
   attached data, a parameter).  An operator whose only non-finite input is a
-  Python number (``masked_fill(mask, -inf)``, ``full(..., -inf)``) creates the
-  value on purpose and is not an origin; its output is still followed.
+  Python number (``masked_fill(mask, -inf)``, ``full(..., -inf)``) or a
+  non-finite buffer of the model (a registered ``-inf`` mask, see
+  :meth:`NonFiniteWatch.follow`) creates the value on purpose and is not an
+  origin; its output is still followed.
 
 Every check reads one flag per floating output from the device (this is a
 debugging tool, not a training path): the finiteness of the output's sum (finite
@@ -244,6 +246,11 @@ class NonFiniteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             output=tensor_stats(output),
             finite_in_float32=_finite_in_float32(func, args, kwargs) if output.dtype in _HALF else None,
         )
+
+    def follow(self, t: Tensor) -> None:
+        """Treat ``t``'s non-finite values as made on purpose (a ``-inf`` mask buffer): operators that
+        consume it are followed, not origins."""
+        self._taint(t)
 
     def _is_tainted(self, t: Tensor) -> bool:
         ref = self._tainted.get(id(t))

@@ -15,13 +15,15 @@ each bad batch is one row that breaks one known operation:
   a row of :data:`HALF_BAD_VALUE` gives hidden values up to 4500 (finite in
   float16) whose weighted sums pass float16's largest value 65504: infinite in the forward.
 - :class:`MaskedLog` (``masked_model``): the log of ``log_model`` next to a
-  ``-inf`` mask that is harmless (made on purpose, finite after the softmax).
+  ``-inf`` mask that is harmless (made on purpose, finite after the softmax);
+  :class:`BufferMaskedLog` (``buffer_masked_model``) the same with the mask in a buffer.
 - :class:`Branches` (``branch_model``): ``a(x[:, :3]) + b(x[:, 3:])``; a batch
   whose last 3 features are 50 times larger is a gradient spike in ``b``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -68,13 +70,26 @@ class HalfLinear(nn.Module):
 
 
 class MaskedLog(nn.Module):
-    """``log(h) * softmax(h masked with -inf in its last unit)``: the ``-inf`` is made on purpose (and
+    """``softmax(h masked with -inf in its last unit) * log(h)``: the ``-inf`` is made on purpose (and
     the softmax is finite); the NaN comes from ``log`` where ``h`` is negative."""
 
     def forward(self, h: Tensor) -> Tensor:
         mask = torch.zeros(h.shape[-1], dtype=torch.bool)
         mask[-1] = True
-        return torch.log(h) * h.masked_fill(mask, float("-inf")).softmax(-1)
+        weights = h.masked_fill(mask, float("-inf")).softmax(-1)  # before the log: made first
+        return weights * torch.log(h)
+
+
+class BufferMaskedLog(nn.Module):
+    """:class:`MaskedLog` with the ``-inf`` mask in a registered buffer (added to ``h``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.tensor([0.0, 0.0, 0.0, -math.inf]))
+
+    def forward(self, h: Tensor) -> Tensor:
+        weights = (h + self.mask).softmax(-1)  # before the log: made first
+        return weights * torch.log(h)
 
 
 class Branches(nn.Module):
@@ -108,6 +123,12 @@ def masked_model() -> nn.Module:
     """``lin -> mix (MaskedLog) -> out``."""
     torch.manual_seed(0)
     return nn.Sequential(OrderedDict(lin=_first_layer(), mix=MaskedLog(), out=nn.Linear(HIDDEN, 1)))
+
+
+def buffer_masked_model() -> nn.Module:
+    """``lin -> mix (BufferMaskedLog) -> out``."""
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict(lin=_first_layer(), mix=BufferMaskedLog(), out=nn.Linear(HIDDEN, 1)))
 
 
 def radial_model() -> nn.Module:

@@ -36,6 +36,7 @@ from .replay_models import (
     LOG_BAD_VALUE,
     batch,
     branch_model,
+    buffer_masked_model,
     half_model,
     log_model,
     masked_model,
@@ -76,7 +77,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "half": _run(root / "half", half_model, _bad(2, row_value=HALF_BAD_VALUE)),
         "data": _run(root / "data", log_model, _bad(2, cell=(1, math.nan))),
         "masked": _run(root / "masked", masked_model, _bad(2, cell=(0, LOG_BAD_VALUE))),
+        "buffer": _run(root / "buffer", buffer_masked_model, _bad(2, cell=(0, LOG_BAD_VALUE))),
     }
+    model = buffer_masked_model()
+    model.mix.register_forward_hook(_NanOnce(call=2))
+    train(model, [batch(i) for i in range(3)], root / "buffer-transient")
+    out["buffer-transient"] = snapshots(root / "buffer-transient")[0]
     model = log_model()
     model.act.register_forward_hook(_NanOnce(call=3))  # only the original run's third forward
     train(model, [batch(i) for i in range(4)], root / "transient")
@@ -200,6 +206,22 @@ def test_a_minus_inf_mask_is_not_the_origin(runs: dict[str, str]) -> None:
     assert r.reproduced and r.cause == "operation"
     assert (r.phase, r.module, r.module_type, r.op) == ("forward", "mix", "MaskedLog", "aten.log.default")
     assert r.output is not None and r.output.nan == LOG_BAD_UNITS
+
+
+def test_a_minus_inf_mask_buffer_is_not_the_origin(runs: dict[str, str]) -> None:
+    """A -inf mask registered as a buffer (non-finite, not made by an operator of the replay) is
+    followed like a constant: the origin is the log, not the addition of the mask."""
+    r = replay(runs["buffer"], buffer_masked_model(), mse)
+    assert r.reproduced and r.cause == "operation"
+    assert (r.phase, r.module, r.op) == ("forward", "mix", "aten.log.default")
+
+
+def test_a_finite_replay_names_no_operator(runs: dict[str, str]) -> None:
+    """A transient NaN in a model with a -inf mask: the replay's mask infinities are absorbed (loss and
+    gradients finite), so no operator is named although some outputs were infinite on the way."""
+    r = replay(runs["buffer-transient"], buffer_masked_model(), mse)
+    assert (r.reproduced, r.cause, r.loss_finite) == (False, "transient", True)
+    assert (r.phase, r.module, r.op, r.output, r.inputs) == (None, None, None, None, ())
 
 
 # ----------------------------------------------------------------------------- GradScaler
