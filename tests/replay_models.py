@@ -146,6 +146,16 @@ def half_model() -> nn.Module:
     return nn.Sequential(layers)
 
 
+def autocast_model() -> nn.Module:
+    """``lin -> wide (Linear, weights 10, no bias) -> out``, trained under CPU autocast to float16
+    (:func:`mse_fp16`): ``wide``'s matmul of a :data:`HALF_BAD_VALUE` row overflows float16."""
+    torch.manual_seed(0)
+    wide = nn.Linear(HIDDEN, HIDDEN, bias=False)
+    with torch.no_grad():
+        wide.weight.fill_(10.0)
+    return nn.Sequential(OrderedDict(lin=_first_layer(), wide=wide, out=nn.Linear(HIDDEN, 1)))
+
+
 def branch_model() -> nn.Module:
     """:class:`Branches`, in a Sequential as ``net``."""
     torch.manual_seed(0)
@@ -155,6 +165,16 @@ def branch_model() -> nn.Module:
 def mse(model: nn.Module, attached: dict[str, Any]) -> Tensor:
     """The loss of a snapshot's attached batch: mean squared error."""
     return nn.functional.mse_loss(model(attached["inputs"]), attached["targets"])
+
+
+def mse_window(model: nn.Module, attached: dict[str, Any]) -> Tensor:
+    """:func:`mse` of a window of micro-batches (``attach`` lists them), averaged like
+    ``reduction="mean"``; a single batch as :func:`mse`."""
+    xs, ys = attached["inputs"], attached["targets"]
+    if isinstance(xs, Tensor):
+        return mse(model, attached)
+    losses = [nn.functional.mse_loss(model(x), y) for x, y in zip(xs, ys, strict=True)]
+    return torch.stack(losses).mean()
 
 
 def mse_fp16(model: nn.Module, attached: dict[str, Any]) -> Tensor:

@@ -34,6 +34,7 @@ from .replay_models import (
     HIDDEN,
     LOG_BAD_UNITS,
     LOG_BAD_VALUE,
+    autocast_model,
     batch,
     branch_model,
     buffer_masked_model,
@@ -42,6 +43,7 @@ from .replay_models import (
     masked_model,
     mse,
     mse_fp16,
+    mse_window,
     radial_model,
     snapshots,
     train,
@@ -75,6 +77,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "log": _run(root / "log", log_model, _bad(2, cell=(0, LOG_BAD_VALUE))),
         "radial": _run(root / "radial", radial_model, _bad(2, row_value=0.0)),
         "half": _run(root / "half", half_model, _bad(2, row_value=HALF_BAD_VALUE)),
+        "autocast": _run(
+            root / "autocast", autocast_model, _bad(2, row_value=HALF_BAD_VALUE), loss_fn=mse_fp16
+        ),
         "data": _run(root / "data", log_model, _bad(2, cell=(1, math.nan))),
         "masked": _run(root / "masked", masked_model, _bad(2, cell=(0, LOG_BAD_VALUE))),
         "buffer": _run(root / "buffer", buffer_masked_model, _bad(2, cell=(0, LOG_BAD_VALUE))),
@@ -172,6 +177,17 @@ def test_float16_matmul_overflow_is_named(runs: dict[str, str]) -> None:
     assert r.output.nan == 0
 
 
+def test_autocast_float16_overflow_is_named(runs: dict[str, str]) -> None:
+    """Under CPU autocast to float16 (no scaler) nn.Linear ``wide`` overflows: its addmm, in float16,
+    gives +inf for the bad row's 4 outputs (finite in float32); cause fp16-overflow."""
+    r = replay(runs["autocast"], autocast_model(), mse_fp16)
+    assert r.reproduced and r.cause == "fp16-overflow" and r.scale is None
+    assert (r.phase, r.module, r.module_type) == ("forward", "wide", "Linear")
+    assert r.op == "aten.mm.default" and r.inputs_finite is True
+    assert r.output is not None and r.output.dtype == "float16"
+    assert (r.output.posinf, r.output.nan) == (HIDDEN, 0)
+
+
 def test_nan_from_the_data_names_the_first_module_that_sees_it(runs: dict[str, str]) -> None:
     """A NaN in the attached inputs: cause data, forward, the first Linear (``lin``) is the first to see
     it, its input is non-finite (one NaN), and the attached entry is named."""
@@ -196,6 +212,30 @@ def test_transient_fault_is_not_reproduced(runs: dict[str, str]) -> None:
     assert (r.phase, r.module, r.op, r.output) == (None, None, None, None)
     assert r.loss_finite is True and r.replay_nonfinite_grads == ()
     assert r.snapshot_nonfinite_grads == ("lin.weight", "lin.bias", "out.weight", "out.bias")
+    assert r.replay_norm == pytest.approx(float(norm), rel=1e-6)
+
+
+def test_accumulated_window(tmp_path: Path) -> None:
+    """With accumulation_steps=2 the snapshot attaches both micro-batches (a list); a loss_fn averaging
+    them replays the window: the bad second micro-batch reproduces in ``act``, and a transient window's
+    replay norm is that of the averaged gradient (torch's norm of a plain backward of the mean loss)."""
+    x, y = _bad(3, cell=(0, LOG_BAD_VALUE))
+    train(log_model(), [batch(0), batch(1), batch(2), (x, y)], tmp_path / "bad", accumulation_steps=2)
+    snap_path = snapshots(tmp_path / "bad")[0]
+    assert Path(snap_path).name == "anomaly-step00000002-nonfinite.pt"
+    r = replay(snap_path, log_model(), mse_window)
+    assert (r.reproduced, r.phase, r.module, r.op) == (True, "forward", "act", "aten.log.default")
+    model = log_model()
+    model.act.register_forward_hook(_NanOnce(call=4))
+    train(model, [batch(i) for i in range(4)], tmp_path / "transient", accumulation_steps=2)
+    snap = clipopt.load_snapshot(snapshots(tmp_path / "transient")[0])
+    assert [t.shape for t in snap["attached"]["inputs"]] == [torch.Size([8, 3])] * 2
+    reference = log_model()
+    reference.load_state_dict(snap["params"])
+    mse_window(reference, snap["attached"]).backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+    r = replay(snap, log_model(), mse_window)
+    assert (r.reproduced, r.cause) == (False, "transient")
     assert r.replay_norm == pytest.approx(float(norm), rel=1e-6)
 
 
