@@ -189,13 +189,19 @@ def replay(
     snap, file = _load(snapshot)
     targets = match_parameters(snap["params"], model)
     scale = _scale(snap)
-    with _restored(model):
-        _load_parameters(snap["params"], targets)
-        runs = [_run(snap, model, loss_fn, targets, scale) for _ in range(repeats)]
-        unscaled = None
-        first = runs[0].event
-        if scale is not None and first is not None and first.phase == "backward":
-            unscaled = _run(snap, model, loss_fn, targets, None)
+    try:
+        with _restored(model):
+            _load_parameters(snap["params"], targets)
+            runs = [_run(snap, model, loss_fn, targets, scale) for _ in range(repeats)]
+            unscaled = None
+            first = runs[0].event
+            if scale is not None and first is not None and first.phase == "backward":
+                unscaled = _run(snap, model, loss_fn, targets, None)
+    except Exception as exc:  # loss_fn's own error: say where it happened
+        if hasattr(exc, "add_note"):
+            where = file or "a snapshot"
+            exc.add_note(f"clipopt.replay: raised while replaying {where}; the model was restored")
+        raise
     return _result(snap, file, runs, unscaled, scale, targets)
 
 
@@ -338,9 +344,7 @@ def _run(
 def _check_loss(loss: Any) -> Tensor:
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
-        raise TypeError(
-            f"replay(): loss_fn returned {what}; return the loss as a tensor with one element"
-        )
+        raise TypeError(f"replay(): loss_fn returned {what}; return the loss as a tensor with one element")
     return loss
 
 
@@ -378,10 +382,9 @@ def _result(
     unscaled_finite = None if unscaled is None else not _showed(unscaled, snap, reason)
     growth, missing = layer_growth(snap) if reason == "spike" else ([], None)
     layer = growth[0].name if growth else None
-    module, module_type = (None, None) if event is None else (event.module, event.module_type)
-    if layer is not None:
-        module = targets[layer][0].rpartition(".")[0]
-        module_type = None
+    where_fields = _event_fields(event)
+    if layer is not None:  # a spike: the module of the layer that grew most
+        where_fields.update(module=targets[layer][0].rpartition(".")[0], module_type=None)
     cause = _cause(reason, reproduced, any(showed), event, attached_bad, params_bad, unscaled_finite)
     return ReplayResult(
         file=file,
@@ -393,14 +396,7 @@ def _result(
         reproduced_runs=sum(showed),
         consistent=len(where) <= 1,
         cause=cause,
-        phase=None if event is None else event.phase,
-        module=module,
-        module_type=module_type,
-        op=None if event is None else event.op,
-        node=None if event is None else event.node,
-        inputs_finite=None if event is None else event.inputs_finite,
-        inputs=() if event is None else event.inputs,
-        output=None if event is None else event.output,
+        **where_fields,
         loss_finite=first.loss_finite,
         attached_nonfinite=attached_bad,
         params_nonfinite=params_bad,
@@ -413,6 +409,31 @@ def _result(
         layer=layer,
         growth=tuple(growth),
         growth_missing=missing,
+    )
+
+
+def _event_fields(event: OpEvent | None) -> dict[str, Any]:
+    """The :class:`ReplayResult` fields that describe where the first non-finite value was made."""
+    if event is None:
+        return dict(
+            phase=None,
+            module=None,
+            module_type=None,
+            op=None,
+            node=None,
+            inputs_finite=None,
+            inputs=(),
+            output=None,
+        )
+    return dict(
+        phase=event.phase,
+        module=event.module,
+        module_type=event.module_type,
+        op=event.op,
+        node=event.node,
+        inputs_finite=event.inputs_finite,
+        inputs=event.inputs,
+        output=event.output,
     )
 
 

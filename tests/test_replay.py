@@ -392,8 +392,12 @@ def test_ddp_rank_files_replay_without_a_process_group(ddp_files: list[str]) -> 
     assert (bad.phase, bad.module, bad.attached_nonfinite) == ("forward", "lin", ("inputs",))
     good = replay(ddp_files[0], log_model(), mse)
     assert (good.rank, good.reproduced, good.cause) == (0, False, "transient")
-    assert good.snapshot_nonfinite_grads == ("module.lin.weight", "module.lin.bias", "module.out.weight",
-                                             "module.out.bias")
+    assert good.snapshot_nonfinite_grads == (
+        "module.lin.weight",
+        "module.lin.bias",
+        "module.out.weight",
+        "module.out.bias",
+    )
     assert "replay the other ranks' files (-rank<r>.pt)" in format_text(good)
 
 
@@ -431,9 +435,15 @@ def test_result_as_dict_is_plain_data(runs: dict[str, str]) -> None:
     r = replay(runs["log"], log_model(), mse, repeats=1)
     d = r.as_dict()
     assert set(d) == set(ReplayResult.__dataclass_fields__)
-    assert d["output"] == {"shape": [8, 4], "dtype": "float32", "nan": LOG_BAD_UNITS, "posinf": 0,
-                           "neginf": 0, "min": r.output.min if r.output else None,
-                           "max": r.output.max if r.output else None}
+    assert d["output"] == {
+        "shape": [8, 4],
+        "dtype": "float32",
+        "nan": LOG_BAD_UNITS,
+        "posinf": 0,
+        "neginf": 0,
+        "min": r.output.min if r.output else None,
+        "max": r.output.max if r.output else None,
+    }
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -510,3 +520,25 @@ def test_loss_fn_must_return_one_element(runs: dict[str, str]) -> None:
     with pytest.raises(TypeError) as info:
         replay(runs["log"], log_model(), lambda m, a: 1.0)
     assert str(info.value) == "replay(): loss_fn returned float; return the loss as a tensor with one element"
+
+
+def test_an_error_in_loss_fn_restores_the_model(runs: dict[str, str]) -> None:
+    """loss_fn's own error propagates with a note naming the snapshot; the model's parameters (not the
+    snapshot's, which were loaded for the replay), hooks and dispatch mode are as before."""
+    model = log_model()
+    with torch.no_grad():
+        model.out.weight.fill_(0.125)
+    before = copy.deepcopy(model.state_dict())
+
+    def failing(m: nn.Module, attached: dict[str, Any]) -> torch.Tensor:
+        m(attached["inputs"])
+        raise RuntimeError("broken loss")
+
+    with pytest.raises(RuntimeError, match="broken loss") as info:
+        replay(runs["log"], model, failing)
+    assert info.value.__notes__ == [
+        f"clipopt.replay: raised while replaying {runs['log']}; the model was restored"
+    ]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert _get_current_dispatch_mode() is None
