@@ -65,7 +65,11 @@ class ReplayResult:
     model and this batch produce it), ``"transient"`` (no replay showed the
     anomaly: data loading, hardware, or another rank -- not the model and this
     batch), ``"intermittent"`` (some replays did), ``"divergence"`` (a
-    divergence snapshot that replays with the same norm).
+    divergence snapshot that replays with the same norm), ``"averaged"`` (a
+    spike or divergence snapshot of one rank under data parallelism: its norm is
+    that of the gradient averaged over the ranks, which one rank's replay does
+    not reproduce; ``reproduced`` is then whatever the comparison gave, and
+    ``layer`` is still named from the snapshot).
     """
 
     #: The snapshot's file (None when a loaded snapshot was given).
@@ -385,7 +389,10 @@ def _result(
     where_fields = _event_fields(event)
     if layer is not None:  # a spike: the module of the layer that grew most
         where_fields.update(module=targets[layer][0].rpartition(".")[0], module_type=None)
-    cause = _cause(reason, reproduced, any(showed), event, attached_bad, params_bad, unscaled_finite)
+    if snap.get("rank") is not None and reason not in NONFINITE_REASONS:
+        cause = "averaged"  # the snapshot's norm is of the gradient averaged over the ranks
+    else:
+        cause = _cause(reason, reproduced, any(showed), event, attached_bad, params_bad, unscaled_finite)
     return ReplayResult(
         file=file,
         step=int(snap["step"]),

@@ -81,6 +81,10 @@ def explain(r: ReplayResult) -> str:
         + (f"; the layer that grew most is {r.layer}." if r.layer else f" ({r.growth_missing})."),
         "transient": "no replay showed the anomaly again: not the model and this batch, but something "
         "around them (data loading, hardware, a race)." + rank_hint,
+        "averaged": f"rank {r.rank}'s snapshot norm {fmt_num(r.snapshot_norm)} is that of the gradient "
+        f"averaged over the ranks (data parallel), which this rank's replay ({fmt_num(r.replay_norm)}) "
+        "cannot reproduce alone: replay every rank's file (-rank<r>.pt) and compare their mean"
+        + (f"; the layer that grew most is {r.layer}." if r.layer else "."),
         "intermittent": "only some replays showed it: a nondeterministic operation (dropout is seeded the "
         "same in every replay).",
     }

@@ -199,6 +199,18 @@ def test_nan_from_the_data_names_the_first_module_that_sees_it(runs: dict[str, s
     assert r.inputs[1].shape == (8, 3)
 
 
+def test_nan_from_the_data_converted_in_loss_fn(runs: dict[str, str]) -> None:
+    """The data NaN first goes through an operator of loss_fn (a scaling, outside the model's modules):
+    the module named is still the first of the model that sees it, with its operator."""
+
+    def scaled(model: nn.Module, attached: dict[str, Any]) -> torch.Tensor:
+        return mse(model, {**attached, "inputs": attached["inputs"] * 1.0})
+
+    r = replay(runs["data"], log_model(), scaled)
+    assert (r.cause, r.phase, r.module, r.op) == ("data", "forward", "lin", "aten.addmm.default")
+    assert r.inputs_finite is False
+
+
 def test_transient_fault_is_not_reproduced(runs: dict[str, str]) -> None:
     """A NaN injected only in the original run (a hook that fired once): no replay shows it; the replay's
     norm is that of a plain backward of the same parameters and batch (torch's own norm)."""
@@ -347,6 +359,20 @@ def test_spike_without_optimizer_history_says_so(spike: str) -> None:
     assert r.growth_missing == (
         "the inner optimizer keeps no gradient history (no state yet, or SGD without momentum)"
     )
+
+
+def test_spike_of_one_rank_is_not_compared_with_the_averaged_norm(spike: str) -> None:
+    """A spike snapshot marked as one rank's (as DDP writes them): its norm is of the averaged gradient,
+    so the cause says so instead of "transient"; the layer is still named from the snapshot."""
+    from clipopt._replay_text import format_text
+
+    snap = clipopt.load_snapshot(spike)
+    snap["rank"] = 1
+    r = replay(snap, branch_model(), mse)
+    assert (r.rank, r.cause, r.layer) == (1, "averaged", "net.b.weight")
+    last = format_text(r).splitlines()[-1]
+    norm = f"{r.snapshot_norm:.4g}"
+    assert last.startswith(f"Cause: averaged -- rank 1's snapshot norm {norm} is that of the gradient")
 
 
 # ----------------------------------------------------------------------------- data parallel
