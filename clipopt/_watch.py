@@ -17,6 +17,11 @@ Used by :func:`clipopt.replay` only, and only while it runs:
   :meth:`NonFiniteWatch.follow`) creates the value on purpose and is not an
   origin; its output is still followed.
 
+The backward attribution uses torch's autograd sequence numbers
+(``torch._C._autograd._get_sequence_nr``, ``Node._sequence_nr``) and
+``torch._C._current_autograd_node`` (torch 2.13); where they are missing the
+backward's module is None, the operator is still named.
+
 Every check reads one flag per floating output from the device (this is a
 debugging tool, not a training path): the finiteness of the output's sum (finite
 only when every element is), so one reduction per operator; views are not checked
@@ -233,7 +238,7 @@ class NonFiniteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def _event(
         self, func: Any, args: Any, kwargs: Any, inputs: list[Tensor], output: Tensor, inputs_finite: bool
     ) -> OpEvent:
-        node = torch._C._current_autograd_node() if self.phase == "backward" else None
+        node = _current_node() if self.phase == "backward" else None
         module = self.tracker.current() if node is None else self.tracker.module_of(node)
         return OpEvent(
             op=str(func),
@@ -296,6 +301,12 @@ def all_finite(t: Tensor) -> bool:
 
 def _nonfinite_number(value: Any) -> bool:
     return isinstance(value, float) and not math.isfinite(value)
+
+
+def _current_node() -> Any:
+    """The autograd node running now (in the backward), or None."""
+    get = getattr(torch._C, "_current_autograd_node", None)
+    return None if get is None else get()
 
 
 def _next_sequence_nr() -> int | None:
