@@ -26,7 +26,8 @@ def format_text(result: ReplayResult) -> str:
     rank = "" if r.rank is None else f", rank {r.rank}"
     lines = [f"clipopt replay {r.file or ''}".rstrip(), f"  step {r.step}, reason {r.reason}{rank}"]
     agree = "" if r.consistent else "; the replays disagree on where"
-    lines.append(f"  replayed {r.repeats} times: reproduced {r.reproduced_runs} of {r.repeats}{agree}")
+    times = "once" if r.repeats == 1 else f"{r.repeats} times"
+    lines.append(f"  replayed {times}: reproduced {r.reproduced_runs} of {r.repeats}{agree}")
     if r.scale is not None:
         lines.append(f"  loss scale {fmt_num(r.scale)} (GradScaler), as in the original backward")
     lines.append(f"  total norm: snapshot {fmt_num(r.snapshot_norm)}, replay {fmt_num(r.replay_norm)}")

@@ -90,6 +90,8 @@ def test_replay_transient_and_repeats(files: dict[str, str], capsys: pytest.Capt
     assert code == 0
     assert "  replayed 2 times: reproduced 0 of 2" in out.splitlines()
     assert "First non-finite value" not in out
+    code, out, _ = run(capsys, *argv[:-1], "1")
+    assert "  replayed once: reproduced 0 of 1" in out.splitlines()
     assert out.splitlines()[-1].startswith("Cause: transient -- no replay showed the anomaly again")
 
 
