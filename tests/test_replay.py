@@ -568,3 +568,18 @@ def test_an_error_in_loss_fn_restores_the_model(runs: dict[str, str]) -> None:
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     assert _get_current_dispatch_mode() is None
+
+
+def test_some_replays_only_is_intermittent(runs: dict[str, str]) -> None:
+    """A loss_fn that goes NaN in its second call only (a nondeterministic fault): 1 of 3 replays shows
+    it, so not reproduced, cause intermittent; the first replay (finite) names no operator."""
+    calls = [0]
+
+    def flaky(model: nn.Module, attached: dict[str, Any]) -> torch.Tensor:
+        calls[0] += 1
+        loss = mse(model, attached)
+        return loss * math.nan if calls[0] == 2 else loss
+
+    r = replay(runs["transient"], log_model(), flaky)
+    assert (r.reproduced, r.reproduced_runs, r.repeats, r.cause) == (False, 1, 3, "intermittent")
+    assert r.op is None and r.consistent
