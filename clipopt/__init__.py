@@ -13,6 +13,7 @@ from ._layers import LAYER_FIELDS, LayerStats
 from ._logging import CSVLogger, Logger
 from ._optimizer import ClippedOptimizer
 from ._policies import AGC, AutoClip, ClipPolicy, ZClip
+from ._replay import ReplayResult, replay
 from ._scheduler import PerUpdateScheduler, per_update
 from ._snapshot import load_snapshot
 from ._stats import StepStats, materialize
@@ -30,6 +31,7 @@ __all__ = [
     "Logger",
     "NonFiniteGradientError",
     "PerUpdateScheduler",
+    "ReplayResult",
     "StepStats",
     "TensorBoardLogger",
     "ZClip",
@@ -38,4 +40,5 @@ __all__ = [
     "load_snapshot",
     "materialize",
     "per_update",
+    "replay",
 ]

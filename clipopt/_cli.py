@@ -61,6 +61,59 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- replay
+
+
+def _add_replay(subparsers: _Subparsers) -> None:
+    p = subparsers.add_parser(
+        "replay",
+        help="rerun an anomaly snapshot and name the operation that went non-finite",
+        description=(
+            "Load an anomaly snapshot into the model built by --model, rerun --loss on the attached batch "
+            "forward and backward (--repeats times) while watching every operator, and say whether the "
+            "anomaly comes back (a model fault) or not (transient: data loading, hardware, another rank), "
+            "and where: the phase (forward or backward), the module, the first operator that produced a "
+            "non-finite value and the statistics of its tensors. GradScaler overflow snapshots tell an "
+            "overflow of the loss scale from a genuine fault; spike snapshots name the layer whose "
+            "gradient grew most against the optimizer's history. The model is left as it was."
+        ),
+    )
+    p.add_argument(
+        "file", metavar="SNAPSHOT", help="a snapshot file, e.g. anomalies/anomaly-step00000042-nonfinite.pt"
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="MODULE:FACTORY",
+        help="a function building the model that was trained, e.g. mypkg.models:build (or file.py:build)",
+    )
+    p.add_argument(
+        "--loss",
+        required=True,
+        metavar="MODULE:FN",
+        help="fn(model, attached) returning the loss of the snapshot's attached batch, e.g. mypkg.train:loss",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="replays; reproduced means every time (default: 3)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print the result as JSON (non-finite numbers as the strings "nan", "inf", "-inf")',
+    )
+    p.set_defaults(func=_run_replay)
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    from ._replay_cli import ReplayCommandError, run
+
+    if args.repeats < 1:
+        raise CommandError(f"--repeats must be at least 1, got {args.repeats}")
+    try:
+        print(run(args.file, args.model, args.loss, args.repeats, args.json))
+    except ReplayCommandError as exc:
+        raise CommandError(str(exc)) from None
+    return 0
+
+
 # ---------------------------------------------------------------------------- report
 
 
@@ -171,7 +224,7 @@ def _one_line(exc: BaseException) -> str:
 # ---------------------------------------------------------------------------- the entry point
 
 #: Subcommands, in the order ``--help`` lists them.
-_COMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_demo, _add_report, _add_inspect)
+_COMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_demo, _add_report, _add_inspect, _add_replay)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -229,7 +229,12 @@ def format_text(summary: Mapping[str, Any]) -> str:
         )
     else:
         lines.append(
-            "Replay: snap = clipopt.load_snapshot(FILE); "
+            f"Replay: clipopt replay {summary['file'] or 'FILE'} --model pkg.mod:factory "
+            "--loss pkg.mod:loss_fn names the operation, module and phase that went non-finite "
+            "(clipopt.replay in Python)"
+        )
+        lines.append(
+            "  by hand: snap = clipopt.load_snapshot(FILE); "
             "model.load_state_dict(snap['params'], strict=False); then run the attached batch"
         )
     return "\n".join(lines)

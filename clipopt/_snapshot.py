@@ -167,7 +167,10 @@ def load_snapshot(path: str | os.PathLike[str]) -> dict[str, Any]:
     ``total_norm``, ``params`` and ``grads`` (parameter name -> tensor, so
     ``model.load_state_dict(snap["params"], strict=False)`` restores the
     weights), ``optimizer`` (state dict), ``layer_stats`` (name -> statistics),
-    ``attached`` (name -> what ``attach`` received), ``versions`` and ``time``.
+    ``attached`` (name -> what ``attach`` received), ``versions`` and ``time``;
+    snapshots of this version also hold ``rank`` (under torch.distributed, else
+    None) and ``scale`` (with a GradScaler: the loss scale of the window's
+    backward, reason ``"overflow"`` for a non-finite window; else None).
     """
     name = os.fspath(path)
     if os.path.exists(name) and not stat.S_ISREG(os.stat(name).st_mode):  # a folder, a FIFO, a device
