@@ -9,6 +9,8 @@ run are fenced as ```text or ```bash.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -73,3 +75,28 @@ def test_page_examples_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
                 except Exception:
                     if not failed:  # a page's own error stays the one reported
                         raise
+
+
+def test_quiet_run_prints_the_hypothesis_seed() -> None:
+    """`python -m pytest -q` (the documented test command) ends with the seed and how to replay it."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--hypothesis-seed=1234",
+            "tests/test_docs.py::test_block_extraction",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (
+        "hypothesis seed 1234 (replay: python -m pytest --hypothesis-seed=1234)" in proc.stdout.splitlines()
+    )
