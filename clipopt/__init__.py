@@ -7,6 +7,17 @@ and keep calling ``step()``.
 
 from __future__ import annotations
 
+import importlib.util as _importlib_util
+import warnings as _warnings
+
+if _importlib_util.find_spec("numpy") is None:
+    # torch warns "Failed to initialize NumPy" at import when NumPy is absent. clipopt never uses NumPy
+    # (torch is its one dependency), so a wheel-only install would print that line on every `clipopt`
+    # command. The filter covers torch's import only, and only that message; Tensor.numpy() still raises.
+    with _warnings.catch_warnings():
+        _warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+        import torch as _torch  # noqa: F401
+
 from . import functional
 from ._errors import NonFiniteGradientError
 from ._layers import LAYER_FIELDS, LayerStats

@@ -129,8 +129,8 @@ def _add_report(subparsers: _Subparsers) -> None:
             "vanishing (per-layer) or healthy, with the step and layer as evidence, one suggested "
             "max_norm, the fraction of updates clipped and whether max_norm looks too tight or too "
             "loose; --plot draws the norms, the loss and the per-layer heatmap (needs matplotlib: "
-            "pip install 'clipopt[plot]'). The rules and their reasons are documented in the module "
-            "clipopt._report_rules."
+            "pip install 'clipopt[plot]'). The rules and their reasons are in the documentation, "
+            "page 'Choosing max_norm'."
         ),
     )
     p.add_argument(
@@ -141,7 +141,8 @@ def _add_report(subparsers: _Subparsers) -> None:
     p.add_argument(
         "--plot",
         metavar="PNG",
-        help="also draw the total norm, the loss and the per-layer heatmap over updates into this image file",
+        help="also draw the total norm, the loss and the per-layer heatmap over updates into this image "
+        "file (default: no plot)",
     )
     p.add_argument(
         "--json",
@@ -239,14 +240,25 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     for add in _COMMANDS:
         add(subparsers)
+    for sub in subparsers.choices.values():  # so that main() can report a usage error with its usage
+        sub.set_defaults(command_parser=sub)
     return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; an unknown argument is reported with the usage of the subcommand it follows."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        where: argparse.ArgumentParser = getattr(args, "command_parser", parser)
+        where.error(f"unrecognized arguments: {' '.join(unknown)}")  # prints the usage, exits with 2
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``clipopt`` with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = _parse(parser, argv)
     except SystemExit as exc:  # --help, --version, or a usage error (argparse printed it)
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
     if args.command is None:

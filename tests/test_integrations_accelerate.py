@@ -1,4 +1,4 @@
-"""clipopt inside Accelerate (real Accelerator, tiny model): the README recipe, skips, stacking."""
+"""clipopt inside Accelerate (real Accelerator, tiny model): the documented recipe, skips, stacking."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def _accelerate_run(batches, k: int, accumulation_steps: int = 1):
 
 
 def test_readme_accelerate_recipe_runs_and_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The README recipe trains; prepare() wraps per_update in an AcceleratedScheduler that advances once
+    """The documented recipe trains; prepare() wraps per_update in an AcceleratedScheduler that advances once
     per update; StatsReader hands accelerator.log one dict per update, equal to what clipopt recorded."""
     logged: list[tuple[dict[str, float], int]] = []
     monkeypatch.setattr(
