@@ -185,8 +185,9 @@ def read_anomaly(
 ) -> tuple[bool, str | None]:
     """For diagnostics (one host read): whether the window is non-finite, and what makes it an anomaly
     worth a snapshot: ``"nonfinite"`` (``"overflow"`` with a scaler: GradScaler's normal
-    operation, or a fault; :func:`clipopt.replay` tells them apart), else ``"divergence"`` (with ``with_divergence``), else ``"spike"`` by the
-    policy's spike rule (:func:`spike_rule`; asked whether or not spikes are skipped), else None.
+    operation, or a fault; :func:`clipopt.replay` tells them apart), else ``"divergence"``
+    (with ``with_divergence``), else ``"spike"`` by the policy's spike rule
+    (:func:`spike_rule`; asked whether or not spikes are skipped), else None.
     """
     spike = spike_rule(policy, d.total_norm)
     divergence = d.divergence if with_divergence else None
