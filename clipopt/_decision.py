@@ -192,10 +192,11 @@ def read_anomaly(
     guard_spike: Tensor | None = None,
 ) -> tuple[bool, str | None]:
     """For diagnostics (one host read): whether the window is non-finite, and what makes it an anomaly
-    worth a snapshot: ``"nonfinite"`` (not with a scaler: an overflow is GradScaler's normal
-    operation), else ``"divergence"`` (with ``with_divergence``), else ``"spike"`` by the
-    policy's spike rule (:func:`spike_rule`; asked whether or not spikes are skipped) or by
-    ``guard_spike`` (a SpikeGuard's rule, 0/1), else None.
+    worth a snapshot: ``"nonfinite"`` (``"overflow"`` with a scaler: GradScaler's normal
+    operation, or a fault; :func:`clipopt.replay` tells them apart), else ``"divergence"``
+    (with ``with_divergence``), else ``"spike"`` by the policy's spike rule
+    (:func:`spike_rule`; asked whether or not spikes are skipped) or by ``guard_spike``
+    (a SpikeGuard's rule, 0/1), else None.
     """
     spike = spike_rule(policy, d.total_norm)
     if guard_spike is not None:
@@ -207,7 +208,7 @@ def read_anomaly(
     diverged = divergence is not None and values[1]
     spiked = spike is not None and values[-1]
     if bad:
-        return True, None if overflow else "nonfinite"
+        return True, "overflow" if overflow else "nonfinite"
     return False, "divergence" if diverged else "spike" if spiked else None
 
 
