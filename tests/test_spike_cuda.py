@@ -1,0 +1,99 @@
+"""SpikeGuard and Rewind on CUDA: no synchronisation per window, pinned non-blocking copies, exact restore.
+
+Skipped without a CUDA device (marked ``cuda``: ``python -m pytest -m cuda``). On CPU the same claims
+are tested through intercepted host reads (tests/test_spike_recovery.py, tests/test_rewind.py);
+here ``torch.cuda.set_sync_debug_mode("error")`` makes any synchronising call raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from clipopt import ClippedOptimizer, Rewind, SpikeGuard
+from clipopt._host_copy import TrainingState, capture, restore
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEVICE = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _sync_debug_off() -> Iterator[None]:
+    """Whatever a test does, the sync debug mode is off after it."""
+    yield
+    torch.cuda.set_sync_debug_mode(0)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)).to(DEVICE)
+
+
+def _window(model: torch.nn.Module, opt: ClippedOptimizer, seed: int, scale: float = 1.0) -> None:
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(32, 16, device=DEVICE, generator=gen)
+    loss = model(x).pow(2).mean() * scale
+    loss.backward()  # type: ignore[no-untyped-call]
+    opt.step(loss=loss)
+    opt.zero_grad()
+
+
+def test_fused_window_with_guard_does_not_synchronise() -> None:
+    """Fused AdamW with a SpikeGuard: after the first window, windows (spikes included) never sync."""
+    model = _model()
+    opt = ClippedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+        spike_guard=SpikeGuard(z_thresh=6.0, window=16, warmup=4),
+    )
+    _window(model, opt, 0)  # the inner state is created (host path)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    for seed in range(1, 12):
+        _window(model, opt, seed, scale=1e4 if seed == 9 else 1.0)
+    torch.cuda.set_sync_debug_mode(0)
+    assert [s.reason for s in opt.stats][-3] == "spike"
+
+
+def test_rewind_copies_are_pinned_and_restore_exactly() -> None:
+    """A copy of CUDA state goes to pinned host memory with an event; restore() gives it back bit for bit."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    wrapped = ClippedOptimizer(opt)
+    for seed in range(3):
+        _window(model, wrapped, seed)
+    target = TrainingState(list(model.parameters()), list(model.buffers()), opt)
+    saved = [p.detach().clone() for p in model.parameters()]
+    state = {k: v.clone() for k, v in opt.state[next(model.parameters())].items()}
+    copy = capture(target, None, 3, 3)
+    assert all(t.is_pinned() for t in copy.leaves) and copy.event is not None
+    for seed in range(3, 6):
+        _window(model, wrapped, seed)
+    restore(copy, target)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), saved, strict=True))
+    live = opt.state[next(model.parameters())]
+    assert all(torch.equal(live[k], v) and live[k].device == v.device for k, v in state.items())
+
+
+def test_rewind_checks_synchronise_only_at_checks() -> None:
+    """With a Rewind (check_every=4), windows between checks do not synchronise."""
+    model = _model()
+    rewind = Rewind(every=100, check_every=4, module=model)
+    opt = ClippedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+        spike_guard=SpikeGuard(window=16, warmup=4),
+        rewind=rewind,
+    )
+    for seed in range(5):  # the first check (window 5's start) takes the first copy
+        _window(model, opt, seed)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    for seed in range(5, 8):  # windows 6-8: no check
+        _window(model, opt, seed)
+    torch.cuda.set_sync_debug_mode(0)
+    assert rewind.copies_taken == 1
