@@ -12,6 +12,11 @@ parts, so that the wrapper can combine, fold and skip them:
 * :func:`clip_coef` — ``min(1, max_norm / (total_norm + 1e-6))``.
 * :func:`scale_grads_` — multiply every gradient by a 0-d tensor.
 * :func:`nonfinite_flag` — ``1.0`` where the norm is ``nan``/``inf``, else ``0.0``.
+
+Per-group clipping (a bound per parameter group, see :mod:`clipopt._group_clip`):
+:func:`group_norms`, :func:`shared_norm`, :func:`group_clip_coefs`,
+:func:`clip_groups_value_`, :func:`scale_groups_` and their composition
+:func:`clip_grad_groups_`.
 """
 
 from __future__ import annotations
@@ -26,11 +31,17 @@ __all__ = [
     "EPS",
     "clip_coef",
     "check_value_clippable",
+    "clip_grad_groups_",
     "clip_grads_value_",
+    "clip_groups_value_",
     "get_norms",
     "get_total_norm",
+    "group_clip_coefs",
+    "group_norms",
     "nonfinite_flag",
     "scale_grads_",
+    "scale_groups_",
+    "shared_norm",
 ]
 
 #: The constant torch adds to the norm before dividing (``clip_grad_norm_``).
@@ -351,3 +362,14 @@ def _check_norm_type(norm_type: float) -> float:
     if not (p > 0 or p == math.inf):
         raise ValueError(f"norm_type must be > 0 or float('inf'), got {norm_type!r}")
     return p
+
+
+# Per-group clipping lives in its own module; it uses the functions above.
+from ._group_clip import (  # noqa: E402
+    clip_grad_groups_,
+    clip_groups_value_,
+    group_clip_coefs,
+    group_norms,
+    scale_groups_,
+    shared_norm,
+)
