@@ -17,8 +17,7 @@ from ._scheduler import PerUpdateScheduler, per_update
 from ._snapshot import load_snapshot
 from ._stats import StepStats, materialize
 from ._tensorboard import TensorBoardLogger
-
-__version__ = "0.1.0.dev0"
+from ._version import __version__
 
 __all__ = [
     "AGC",

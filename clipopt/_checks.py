@@ -14,6 +14,7 @@ __all__ = [
     "check_optional_positive_float",
     "check_optional_positive_int",
     "check_path",
+    "check_positive_float",
     "check_positive_int",
 ]
 
@@ -37,6 +38,14 @@ def check_optional_positive_float(name: str, value: Any, example: str) -> float 
             f"{name} must be a positive finite number or None, got {value!r}; "
             f"pass e.g. {name}={example}, or {name}=None to turn it off"
         )
+    return v
+
+
+def check_positive_float(name: str, value: Any, example: str) -> float:
+    """A finite float > 0 (None refused)."""
+    v = check_optional_positive_float(name, value, example)
+    if v is None:
+        raise TypeError(f"{name} must be a positive float, got None; pass e.g. {name}={example}")
     return v
 
 

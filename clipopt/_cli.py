@@ -176,7 +176,7 @@ _COMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_demo, _add_report, 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``clipopt`` argument parser with every subcommand of :data:`_COMMANDS`."""
-    from . import __version__
+    from ._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="clipopt",

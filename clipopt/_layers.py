@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .functional import _flat
+from ._tensors import flat as _flat
 
 __all__ = ["LAYER_FIELDS", "LayerStats", "compute_layer_stats", "resolve_param_names"]
 
@@ -43,6 +43,16 @@ class LayerStats:
             self._rows = [] if values is None else values.tolist()
             self._values = None
         return self._rows
+
+    def device_values(self) -> Tensor | None:
+        """The ``[P, 5]`` tensor still on the device, or None once the rows are Python values."""
+        return self._values
+
+    def fill_rows(self, flat: Sequence[float]) -> None:
+        """Take the values read elsewhere (:func:`~clipopt.materialize`, row-major) as the rows."""
+        k = len(LAYER_FIELDS)
+        self._rows = [list(flat[r * k : r * k + k]) for r in range(len(self.names))]
+        self._values = None
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         """``{name: {field: value}}`` as Python floats."""

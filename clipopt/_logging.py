@@ -11,7 +11,7 @@ import os
 import warnings
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ._checks import check_path, check_positive_int
 from ._distributed import check_ranks, rank_target
@@ -19,10 +19,23 @@ from ._files import WarnOnce, check_file_path, remove_stale_temps, write_atomic
 from ._layers import LAYER_FIELDS
 from ._stats import StepStats, materialize
 
-if TYPE_CHECKING:
-    from ._optimizer import ClippedOptimizer
+__all__ = ["BASE_COLUMNS", "CSVLogger", "LoggedOptimizer", "Logger", "format_value", "log_window"]
 
-__all__ = ["BASE_COLUMNS", "CSVLogger", "Logger", "format_value", "log_window"]
+
+class LoggedOptimizer(Protocol):
+    """What a logger reads from the :class:`~clipopt.ClippedOptimizer` it is given.
+
+    A protocol, so that this module does not import the optimizer (imports point one way:
+    ``_optimizer`` -> ``_logging``).
+    """
+
+    #: Per-layer statistics every this many windows (0: never).
+    layer_stats: int
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+    def layer_names(self) -> list[str]: ...
 
 
 @runtime_checkable
@@ -56,7 +69,7 @@ class Logger(Protocol):
                 self.buffer.clear()
     """
 
-    def log(self, stats: StepStats, optimizer: ClippedOptimizer) -> None: ...
+    def log(self, stats: StepStats, optimizer: LoggedOptimizer) -> None: ...
 
     def close(self) -> None: ...
 
@@ -90,7 +103,7 @@ def _warnings_of(logger: Any) -> WarnOnce:
         return _SHARED_WARNINGS
 
 
-def log_window(loggers: list[Logger], stats: StepStats, optimizer: ClippedOptimizer) -> None:
+def log_window(loggers: list[Logger], stats: StepStats, optimizer: LoggedOptimizer) -> None:
     """Hand ``stats`` to every logger.  A logger's ``OSError`` (disk full, a file removed) never
     interrupts training: it warns once per logger and cause, and the next window is logged again.
     Other errors (a bug in a custom logger) propagate, after the window is complete."""
@@ -170,7 +183,7 @@ class CSVLogger:
         self._closed = False
         atexit.register(_close_at_exit, weakref.ref(self))
 
-    def log(self, stats: StepStats, optimizer: ClippedOptimizer) -> None:
+    def log(self, stats: StepStats, optimizer: LoggedOptimizer) -> None:
         """Buffer one window; write the buffer every ``flush_every`` windows."""
         if self._target is False:
             self._target = rank_target(self.path, self.ranks)
@@ -187,14 +200,14 @@ class CSVLogger:
             self.flush()
 
     @staticmethod
-    def _columns_for(optimizer: ClippedOptimizer, groups: int) -> tuple[list[str], list[str]]:
+    def _columns_for(optimizer: LoggedOptimizer, groups: int) -> tuple[list[str], list[str]]:
         """The columns a new logger uses for ``optimizer`` with ``groups`` groups, and the layer names."""
         columns = list(BASE_COLUMNS) + [f"lr.{g}" for g in range(1, groups)]
         names = optimizer.layer_names() if optimizer.layer_stats else []
         columns += [f"{name}.{field}" for name in names for field in LAYER_FIELDS]
         return columns, names
 
-    def _set_columns(self, optimizer: ClippedOptimizer, groups: int) -> None:
+    def _set_columns(self, optimizer: LoggedOptimizer, groups: int) -> None:
         columns, names = self._columns_for(optimizer, groups)
         existing = self._existing_header()
         if existing is not None and not set(columns) - {"loss"} <= set(existing):  # older files: no loss
@@ -206,7 +219,7 @@ class CSVLogger:
         # a file with more columns (written after a later add_param_group) is appended to in its order
         self.columns, self._names, self._groups = existing or columns, names, groups
 
-    def _widen(self, optimizer: ClippedOptimizer, groups: int) -> None:
+    def _widen(self, optimizer: LoggedOptimizer, groups: int) -> None:
         """Parameter groups were added: write what is buffered, then rewrite the file once with the new
         columns (in the order a new logger would use, so a resumed run appends), old rows padded.
 

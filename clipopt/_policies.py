@@ -16,7 +16,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._checks import check_choice, check_flag, check_optional_positive_float, check_positive_int
+from ._checks import (
+    check_choice,
+    check_flag,
+    check_optional_positive_float,
+    check_positive_float,
+    check_positive_int,
+)
 from ._distributed import has_dtensor, sharded_unit_norms
 
 __all__ = ["AGC", "AutoClip", "ClipPolicy", "ZClip"]
@@ -160,12 +166,12 @@ class ZClip(ClipPolicy):
         if a is None or a >= 1:
             raise ValueError(f"alpha must be in (0, 1), got {alpha!r}; pass e.g. alpha=0.97")
         self.alpha = a
-        self.z_thresh = _required_positive("z_thresh", z_thresh, "2.5")
+        self.z_thresh = check_positive_float("z_thresh", z_thresh, "2.5")
         self.max_grad_norm = check_optional_positive_float("max_grad_norm", max_grad_norm, "1.0")
-        self.eps = _required_positive("eps", eps, "1e-6")
+        self.eps = check_positive_float("eps", eps, "1e-6")
         self.warmup_steps = check_positive_int("warmup_steps", warmup_steps)
         self.clip_option = check_choice("clip_option", clip_option, ("adaptive_scaling", "mean"))
-        self.clip_factor = _required_positive("clip_factor", clip_factor, "1.0")
+        self.clip_factor = check_positive_float("clip_factor", clip_factor, "1.0")
         self.skip_update_on_spike = check_flag("skip_update_on_spike", skip_update_on_spike)
         self.skip_spikes = check_flag("skip_spikes", skip_spikes)
         # count, sum, sum of squares (warm-up), mean, var -- float64 on the device
@@ -254,8 +260,8 @@ class AGC(ClipPolicy):
     unitwise = True
 
     def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3) -> None:
-        self.clip_factor = _required_positive("clip_factor", clip_factor, "0.01")
-        self.eps = _required_positive("eps", eps, "1e-3")
+        self.clip_factor = check_positive_float("clip_factor", clip_factor, "0.01")
+        self.eps = check_positive_float("eps", eps, "1e-3")
 
     def clip_(self, params: Sequence[Tensor], scale: float) -> Tensor:
         grads = [(p, p.grad) for p in params if p.grad is not None]
@@ -287,9 +293,3 @@ def _unit_norms(p: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     w_norm = torch.linalg.vector_norm(p.detach(), dim=dims, keepdim=True, dtype=acc)
     return w_norm, torch.linalg.vector_norm(g, dim=dims, keepdim=True, dtype=acc), g
 
-
-def _required_positive(name: str, value: Any, example: str) -> float:
-    v = check_optional_positive_float(name, value, example)
-    if v is None:
-        raise TypeError(f"{name} must be a positive float, got None; pass e.g. {name}={example}")
-    return v

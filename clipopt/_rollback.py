@@ -12,17 +12,14 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
+from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
-
-if TYPE_CHECKING:
-    from ._optimizer import ClippedOptimizer
 
 __all__ = ["InnerBackup", "UndoPoint", "reevaluates", "nonfinite_loss"]
 
@@ -47,41 +44,47 @@ def nonfinite_loss(loss: Any) -> bool:
 class UndoPoint:
     """The wrapper's state before a window closes; :meth:`restore` puts it back.
 
-    Policies replace their tensors rather than writing into them, so a shallow
-    copy of their attributes is a snapshot of their state.
+    ``fields`` are the owner's attributes that closing a window replaces (by
+    name, as the owner lists them; values that are changed in place must be
+    copies); ``policy`` is the clipping policy, whose attributes are copied
+    (policies replace their tensors rather than writing into them, so a
+    shallow copy is a snapshot of their state); ``stats`` is the history, of
+    which only the length is kept (a failed close only appends).
     """
 
-    __slots__ = ("_fields", "_policy", "_stats_len", "committed", "touched")
-
-    _NAMES = (
-        "_counters",
-        "_update_applied",
-        "_last_skipped",
-        "_unsynced",
-        "last_stats",
-        "last_snapshot",
-        "_last_nonfinite_snapshot",
+    __slots__ = (
+        "_fields",
+        "_owner",
+        "_policy",
+        "_policy_state",
+        "_stats",
+        "_stats_len",
+        "committed",
+        "touched",
     )
 
-    def __init__(self, opt: ClippedOptimizer) -> None:
-        fields = {name: getattr(opt, name) for name in self._NAMES}
-        fields["_counters"] = dataclasses.replace(opt._counters)
+    def __init__(
+        self, owner: object, fields: dict[str, Any], policy: object | None, stats: deque[Any]
+    ) -> None:
+        self._owner = owner
         self._fields = fields
-        self._policy = None if opt._policy is None else dict(vars(opt._policy))
-        self._stats_len = len(opt.stats)
+        self._policy = policy
+        self._policy_state = None if policy is None else dict(vars(policy))
+        self._stats = stats
+        self._stats_len = len(stats)
         #: Set once the window's update has been applied or skipped: from then on it stands.
         self.committed = False
         #: Set once the gradients may have been changed in place (they cannot be restored).
         self.touched = False
 
-    def restore(self, opt: ClippedOptimizer) -> None:
+    def restore(self) -> None:
         for name, value in self._fields.items():
-            setattr(opt, name, value)
-        if self._policy is not None and opt._policy is not None:
-            vars(opt._policy).clear()
-            vars(opt._policy).update(self._policy)
-        while len(opt.stats) > self._stats_len:
-            opt.stats.pop()
+            setattr(self._owner, name, value)
+        if self._policy is not None and self._policy_state is not None:
+            vars(self._policy).clear()
+            vars(self._policy).update(self._policy_state)
+        while len(self._stats) > self._stats_len:
+            self._stats.pop()
 
 
 def _copy_entry(entry: dict[str, Any]) -> dict[str, Any]:

@@ -47,7 +47,7 @@ SNAPSHOT_KEYS = (
 
 def versions() -> dict[str, str]:
     """Versions of what produced a snapshot."""
-    from . import __version__
+    from ._version import __version__
 
     return {
         "clipopt": __version__,

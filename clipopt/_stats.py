@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ._layers import LAYER_FIELDS
+from ._decision import reason_name
 
 if TYPE_CHECKING:
+    from ._decision import WindowDecision
     from ._layers import LayerStats
 
 __all__ = ["StepStats", "materialize"]
@@ -59,12 +60,10 @@ class StepStats:
         "_bad_row",
         "_clip_coef",
         "_clipped",
-        "_divergence",
         "_loss",
         "_lr",
         "_max_norm",
-        "_nonfinite",
-        "_reason_if_skipped",
+        "_reason",
         "_skipped",
         "_total_norm",
         "layers",
@@ -77,32 +76,23 @@ class StepStats:
         *,
         step: int,
         micro_batches: int,
-        total_norm: float | Tensor,
-        clip_coef: float | Tensor,
-        clipped: bool | Tensor,
+        decision: WindowDecision,
         skipped: bool | Tensor,
-        reason_if_skipped: str,
-        max_norm: float | Tensor | None,
         lr: Sequence[float | Tensor] = (),
         layers: LayerStats | None = None,
-        nonfinite: Tensor | None = None,
-        loss: float | Tensor | None = None,
         bad_row: LayerStats | None = None,
-        divergence: Tensor | None = None,
     ) -> None:
         self.step = step
         self.micro_batches = micro_batches
-        self._total_norm = total_norm
-        self._clip_coef = clip_coef
-        self._clipped = clipped
+        self._total_norm: float | Tensor = decision.total_norm
+        self._clip_coef = decision.coef
+        self._clipped = decision.clipped
         self._skipped = skipped
-        self._reason_if_skipped = reason_if_skipped
-        self._max_norm = max_norm
-        self._nonfinite: bool | Tensor | None = nonfinite  # set when a skip may also be a spike
-        self._divergence: bool | Tensor | None = divergence  # set when replicas are compared (DDP)
+        self._reason: int | float | Tensor = decision.reason  # a code of clipopt._decision.REASONS
+        self._max_norm = decision.max_norm
         self._lr: tuple[float | Tensor, ...] = tuple(lr)
         self.layers = layers
-        self._loss = loss  # None: no loss was given
+        self._loss = decision.loss  # None: no loss was given
         self._bad_row = bad_row  # per-layer row to log if this window is non-finite (clipopt._badrow)
 
     @property
@@ -156,17 +146,9 @@ class StepStats:
     def reason(self) -> str | None:
         if not self.skipped:
             return None
-        if self._divergence is not None:
-            if isinstance(self._divergence, Tensor):
-                self._divergence = _as_bool(self._divergence)
-            if self._divergence:
-                return "divergence"
-        if self._nonfinite is not None:
-            if isinstance(self._nonfinite, Tensor):
-                self._nonfinite = _as_bool(self._nonfinite)
-            if not self._nonfinite:
-                return "spike"
-        return self._reason_if_skipped
+        if isinstance(self._reason, Tensor):
+            self._reason = _as_float(self._reason)
+        return reason_name(int(self._reason))
 
     def logged_layers(self) -> LayerStats | None:
         """The per-layer row a logger writes: :attr:`layers` when due, else -- when this window's
@@ -203,31 +185,32 @@ _LAZY = (
     "_clipped",
     "_skipped",
     "_max_norm",
-    "_nonfinite",
+    "_reason",
     "_loss",
-    "_divergence",
 )
+
+_FLAGS = ("_clipped", "_skipped")
 
 
 def materialize(stats: Sequence[StepStats]) -> None:
     """Turn the device values of many :class:`StepStats` (and their layer statistics) into
     Python values with one host read."""
     pending = [(s, name) for s in stats for name in _LAZY if isinstance(getattr(s, name), Tensor)]
-    layers = [s.layers for s in stats if s.layers is not None and s.layers._values is not None]
+    layers: list[tuple[LayerStats, Tensor]] = []
+    for lay in (s.layers for s in stats):
+        values = None if lay is None else lay.device_values()
+        if lay is not None and values is not None:
+            layers.append((lay, values))
     if not pending and not layers:
         return
     parts = [getattr(s, name).reshape(1) for s, name in pending]
-    parts += [lay._values.reshape(-1) for lay in layers if lay._values is not None]
+    parts += [values.reshape(-1) for _, values in layers]
     device = parts[0].device
     flat = torch.cat([t.to(device, torch.float64, non_blocking=True) for t in parts]).tolist()
     for i, (s, name) in enumerate(pending):
-        flags = ("_clipped", "_skipped", "_nonfinite", "_divergence")
-        setattr(s, name, bool(flat[i]) if name in flags else flat[i])
+        setattr(s, name, bool(flat[i]) if name in _FLAGS else flat[i])
     offset = len(pending)
-    for lay in layers:
-        k = len(LAYER_FIELDS)
-        width = len(lay.names) * k
-        chunk = flat[offset : offset + width]
-        lay._rows = [chunk[r * k : r * k + k] for r in range(len(lay.names))]
-        lay._values = None
+    for lay, values in layers:
+        width = values.numel()
+        lay.fill_rows(flat[offset : offset + width])
         offset += width

@@ -16,12 +16,11 @@ from ._checks import check_path, check_positive_int
 from ._distributed import check_ranks, rank_target
 from ._files import WarnOnce, check_dir_path
 from ._layers import LAYER_FIELDS
+from ._logging import LoggedOptimizer
 from ._stats import StepStats, materialize
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
-
-    from ._optimizer import ClippedOptimizer
 
 __all__ = ["TensorBoardLogger"]
 
@@ -114,7 +113,7 @@ class TensorBoardLogger:
         self._writer: SummaryWriter = SummaryWriter(log_dir=str(self.log_dir))
         atexit.register(_close_at_exit, weakref.ref(self))
 
-    def log(self, stats: StepStats, optimizer: ClippedOptimizer) -> None:
+    def log(self, stats: StepStats, optimizer: LoggedOptimizer) -> None:
         """Buffer one window's scalars (write them every ``flush_every`` windows); histograms if due."""
         if self._silent:
             return
@@ -130,7 +129,7 @@ class TensorBoardLogger:
             self.flush()
 
     @torch.no_grad()
-    def _write_histograms(self, stats: StepStats, optimizer: ClippedOptimizer, walltime: float) -> None:
+    def _write_histograms(self, stats: StepStats, optimizer: LoggedOptimizer, walltime: float) -> None:
         materialize([stats])  # one host read for this window's scalars (the flush then reads nothing more)
         if stats.skipped:
             return

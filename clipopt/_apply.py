@@ -1,0 +1,197 @@
+"""Applying a window's :class:`~clipopt._decision.WindowDecision` to the inner optimizer.
+
+* Fused optimizers (Adam, AdamW, SGD, Adagrad with ``fused=True``) get the skip
+  flag as their ``found_inf`` and the remaining scale as ``grad_scale``, as
+  ``GradScaler`` hands them: no host read (:func:`step_fused`).
+* Every other optimizer gets its gradients scaled, the skip flag read once,
+  then a step or the gradients discarded (:func:`step_host`).  An optimizer
+  that re-evaluates its closure (LBFGS) has each re-evaluation clipped like
+  the window (:func:`reevaluating_closure`) and its parameters restored when
+  a re-evaluation is not finite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._compile import _disable_dynamo
+from torch.compiler import is_compiling
+from torch.optim import Optimizer
+
+from . import functional as F
+from ._decision import NONFINITE, WindowDecision
+from ._rollback import InnerBackup, nonfinite_loss, reevaluates
+
+__all__ = ["StateReadiness", "is_fused", "reevaluating_closure", "step_fused", "step_host"]
+
+#: torch optimizers whose fused implementation takes ``grad_scale`` and ``found_inf``.
+_FUSED_CAPABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
+def is_fused(inner: Optimizer) -> bool:
+    """True when ``inner.step()`` takes ``grad_scale``/``found_inf`` (fused Adam, AdamW, SGD, Adagrad).
+
+    ``_step_supports_amp_scaling`` marks them (and third-party fused optimizers),
+    but pickling drops that instance attribute, so the type counts as well.
+    """
+    if not (getattr(inner, "_step_supports_amp_scaling", False) or isinstance(inner, _FUSED_CAPABLE)):
+        return False
+    return all(bool(g.get("fused")) for g in inner.param_groups)
+
+
+def _fused_inner_step(
+    inner: Optimizer, closure: Callable[[], Any] | None, grad_scale: Tensor | None, found_inf: Tensor | None
+) -> Any:
+    """The fused inner ``step()`` with ``grad_scale``/``found_inf`` set on it, as GradScaler does.
+
+    Under ``torch.compile(opt.step)`` it runs eagerly (:data:`_fused_inner_step_eager`):
+    torch never compiles its fused kernels either (``_fused_adamw`` is
+    ``torch.compiler.disable``-d), and attributes set on the optimizer inside a
+    traced frame do not reach them.
+    """
+    inner.grad_scale = grad_scale  # type: ignore[attr-defined]
+    inner.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        return inner.step(closure)
+    finally:
+        del inner.grad_scale  # type: ignore[attr-defined]
+        del inner.found_inf  # type: ignore[attr-defined]
+
+
+#: ``_fused_inner_step`` hidden from torch.compile; torch's lazy wrapper imports
+#: ``torch._dynamo`` at the first call (while compiling), not when clipopt is imported.
+_fused_inner_step_eager = _disable_dynamo(_fused_inner_step)
+
+
+class StateReadiness:
+    """Whether every parameter with a gradient already has inner state (then the fused path is safe).
+
+    Before a parameter's first update a fused kernel that is told to skip can
+    leave freshly allocated state uninitialised (fused SGD's momentum buffers),
+    and a skipped first update must leave no state behind, so such windows
+    take the host path.  SGD without momentum keeps no state at all.  Once
+    every parameter has state, that is remembered for this state object.
+    """
+
+    __slots__ = ("_size", "_state")
+
+    def __init__(self) -> None:
+        self._state: Any = None  # the state object known to hold state for every parameter
+        self._size: tuple[int, int] = (0, 0)
+
+    def reset(self) -> None:
+        """Forget what was known (a loaded state dict)."""
+        self._state = None
+
+    def ready(self, inner: Optimizer, params: Sequence[Tensor]) -> bool:
+        state = inner.state
+        if self._state is state and self._size == (len(state), len(params)):
+            return True
+        sgd = isinstance(inner, torch.optim.SGD)
+        all_ready = True
+        for group in inner.param_groups:
+            if sgd and group.get("momentum", 0) == 0:
+                continue
+            for p in group["params"]:
+                s = state.get(p)
+                if not s or any(v is None for v in s.values()):
+                    if p.grad is not None:
+                        return False
+                    all_ready = False
+        if all_ready:
+            self._state, self._size = state, (len(state), len(params))
+        return True
+
+
+def step_fused(
+    inner: Optimizer, d: WindowDecision, inner_closure: Callable[[], Any] | None
+) -> tuple[Any, bool | Tensor]:
+    """Fold the scale into the fused kernel as ``grad_scale``; skip through ``found_inf``.
+
+    Returns the inner step's result and the outcome (the device skip flag, or False).
+    """
+    grad_scale: Tensor | None = None  # the kernel divides the gradients by grad_scale
+    if isinstance(d.scale, Tensor):
+        grad_scale = d.scale.to(torch.float32).reciprocal()
+    elif d.scale != 1.0:
+        grad_scale = torch.tensor(1.0 / d.scale, dtype=torch.float32, device=d.total_norm.device)
+    fused_step = _fused_inner_step_eager if is_compiling() else _fused_inner_step
+    out = fused_step(inner, inner_closure, grad_scale, d.skip)
+    return out, d.skip if d.skip is not None else False
+
+
+def step_host(
+    inner: Optimizer,
+    d: WindowDecision,
+    grads: list[Tensor],
+    params: list[Tensor],
+    loss: Any,
+    make_closure: Callable[[list[bool] | None], Callable[[], Any] | None] | None,
+    *,
+    guard: bool,
+    foreach: bool | None,
+) -> tuple[Any, bool]:
+    """Scale the gradients, read the skip flag once, then step or discard.
+
+    ``make_closure(bad)`` builds the inner closure (``make_closure`` is None
+    without a closure); with ``guard`` (an optimizer that re-evaluates it) the
+    parameters and inner state are copied first and restored when a
+    re-evaluation sets ``bad[0]``.  Returns what ``step()`` returns (the inner
+    step's result with a closure, else ``loss``) and whether it was skipped.
+    """
+    if isinstance(d.scale, Tensor) or d.scale != 1.0:
+        F.scale_grads_(grads, d.scale, foreach=foreach)
+    if d.skip is not None and bool(d.skip.item()):
+        for p in params:
+            p.grad = None
+        return loss, True
+    guard = guard and make_closure is not None and reevaluates(inner)
+    backup, bad = (InnerBackup(inner, params), [False]) if guard else (None, None)
+    out = inner.step(None if make_closure is None else make_closure(bad))
+    if make_closure is None:
+        out = loss
+    if backup is not None and bad is not None and bad[0]:  # a non-finite re-evaluation: skip
+        backup.restore()
+        d.skipped_as_nonfinite(NONFINITE)
+        return out, True
+    return out, False
+
+
+def reevaluating_closure(
+    loss: Any,
+    closure: Callable[[], Any] | None,
+    reclip: Callable[[], tuple[Tensor, list[Tensor]]],
+    bad: list[bool] | None = None,
+) -> Callable[[], Any] | None:
+    """First call returns the loss already computed; later calls re-evaluate and clip.
+
+    ``reclip()`` measures and clips the re-evaluated gradients with the window's
+    own bound (a policy sees each window once, not each evaluation) and returns
+    their non-finite flag and the gradients.  With ``bad`` (a one-element list) each re-evaluation
+    is checked on the host: a non-finite loss or gradient sets ``bad[0]`` and
+    zeroes the gradients, which ends LBFGS's iterations; the caller then
+    restores the window.
+    """
+    if closure is None:
+        return None
+    calls = [0]
+
+    def reevaluate() -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            return loss
+        with torch.enable_grad():
+            out = closure()
+        with torch.no_grad():
+            nonfinite, grads = reclip()
+            if bad is not None and (bad[0] or bool(nonfinite.item()) or nonfinite_loss(out)):
+                bad[0] = True
+                for g in grads:
+                    g.zero_()
+                out = torch.zeros(()) if isinstance(out, Tensor) else 0.0
+        return out
+
+    return reevaluate

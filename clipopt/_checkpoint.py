@@ -1,0 +1,117 @@
+"""Checkpoint state of a :class:`~clipopt.ClippedOptimizer`: the ``"clipopt"`` entry of its state dict.
+
+:func:`wrapper_entry` builds the entry (counters, the open window's gradients
+and loss sum, scaler, policy, the pending-unsynced marker); :func:`read_checkpoint`
+checks a whole state dict -- the entry, the inner state, the policy's and the
+scaler's state (each loaded into a copy first) -- before anything changes, and
+returns what the optimizer then takes over.  The format is ``_state.FORMAT_VERSION``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ._distributed import Unsynced
+from ._loss import LossSum
+from ._state import WrapperState, read_wrapper_state, validate_inner_state
+
+if TYPE_CHECKING:
+    from ._policies import ClipPolicy
+
+__all__ = ["Checkpoint", "read_checkpoint", "wrapper_entry"]
+
+
+def wrapper_entry(
+    counters: WrapperState,
+    params: list[Tensor],
+    *,
+    scaler: torch.amp.GradScaler | None,
+    loss_sum: LossSum,
+    policy: ClipPolicy | None,
+    unsynced: Unsynced | None,
+) -> dict[str, Any]:
+    """The ``"clipopt"`` entry; mid-window it holds a copy of the gradients accumulated so far."""
+    pending = None
+    if counters.micro_batches > 0:
+        pending = [None if p.grad is None else p.grad.detach().clone() for p in params]
+    scaler_state = scaler.state_dict() if scaler is not None else None
+    entry = counters.to_dict(pending_grads=pending, scaler=scaler_state)
+    entry.update(loss_sum.to_dict())  # the open window's loss sum
+    entry["policy"] = policy.state_dict() if policy is not None else None
+    # DDP: the saved gradients are this rank's, not yet averaged
+    entry["unsynced"] = None if unsynced is None else unsynced.to_dict()
+    return entry
+
+
+class Checkpoint(NamedTuple):
+    """A state dict checked by :func:`read_checkpoint`, ready to be taken over."""
+
+    #: The inner optimizer's state dict (without the ``"clipopt"`` entry).
+    inner: dict[str, Any]
+    #: The counters, or None for a plain optimizer's state dict (fresh counters).
+    counters: WrapperState | None
+    #: The open window's gradients (one per parameter), or None.
+    pending_grads: list[Tensor | None] | None
+    scaler_state: dict[str, Any] | None
+    policy_state: dict[str, Any] | None
+    loss_sum: LossSum
+    unsynced: Unsynced | None
+
+
+def read_checkpoint(
+    state_dict: dict[str, Any],
+    params: list[Tensor],
+    *,
+    accumulation_steps: int,
+    inner: Optimizer,
+    policy: ClipPolicy | None,
+    scaler: torch.amp.GradScaler | None,
+) -> Checkpoint:
+    """Validate ``state_dict`` completely (``ValueError``, touching nothing) and return its parts."""
+    wrapper = read_wrapper_state(state_dict, params, accumulation_steps)
+    validate_inner_state(state_dict, inner)
+    policy_state = _checked_policy_state(state_dict, policy)
+    _check_scaler_state(wrapper, scaler)
+    ext = state_dict.get("clipopt")
+    unsynced = Unsynced.from_dict(
+        ext.get("unsynced") if isinstance(ext, dict) else None, wrapper[0].micro_batches if wrapper else 0
+    )
+    loss_sum = LossSum()
+    if wrapper is not None and isinstance(ext, dict):  # older state dicts have no loss: an empty sum
+        loss_sum = LossSum.from_dict(ext, wrapper[0].micro_batches)
+    inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
+    counters, pending, scaler_state = wrapper if wrapper is not None else (None, None, None)
+    return Checkpoint(inner_sd, counters, pending, scaler_state, policy_state, loss_sum, unsynced)
+
+
+def _check_scaler_state(wrapper: Any, scaler: torch.amp.GradScaler | None) -> None:
+    """Load the saved scaler state into a copy of the scaler first: it may refuse it."""
+    if wrapper is None or wrapper[2] is None or scaler is None:
+        return
+    try:
+        copy.deepcopy(scaler).load_state_dict(wrapper[2])
+    except (RuntimeError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(
+            f"invalid state_dict: the GradScaler rejected 'clipopt.scaler' ({exc}); "
+            "pass a state dict saved with a scaler configured like this one"
+        ) from exc
+
+
+def _checked_policy_state(state_dict: dict[str, Any], policy: ClipPolicy | None) -> dict[str, Any] | None:
+    """The policy's saved state, checked by loading it into a copy of the policy first."""
+    ext = state_dict.get("clipopt")
+    state = ext.get("policy") if isinstance(ext, dict) else None
+    if state is None or policy is None:
+        return None
+    if not isinstance(state, dict):
+        raise ValueError(
+            f"invalid state_dict: 'clipopt.policy' must be a dict, got {type(state).__name__}; "
+            "pass the dict returned by opt.state_dict()"
+        )
+    copy.deepcopy(policy).load_state_dict(state)  # raises ValueError, touching nothing
+    return state

@@ -1,0 +1,213 @@
+"""Configuration of a :class:`~clipopt.ClippedOptimizer`: every constructor argument, validated in one place.
+
+:func:`configure` checks the arguments in signature order, before any state
+exists, and returns them as a :class:`WrapperConfig`; :func:`check_max_norm`
+is also what the ``max_norm`` setter runs.  The argument-level checks
+(``check_positive_int`` ...) are in :mod:`clipopt._checks`, shared with the
+policies and the loggers.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from numbers import Real
+from typing import Any
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ._checks import (
+    check_choice,
+    check_flag,
+    check_norm_type,
+    check_optional_positive_float,
+    check_optional_positive_int,
+    check_positive_int,
+)
+from ._distributed import has_dtensor
+from ._distributed_decision import check_norm_group, check_replica_group
+from ._layers import resolve_param_names
+from ._logging import Logger
+from ._policies import ClipPolicy
+
+__all__ = ["DTENSOR_DIAGNOSTICS", "WrapperConfig", "check_max_norm", "configure"]
+
+#: Why ``snapshot_dir`` is refused with DTensor parameters.
+DTENSOR_DIAGNOSTICS = (
+    "snapshot_dir does not support DTensor (FSDP2) parameters yet: each rank holds only "
+    "shards; pass snapshot_dir=None (norms, clipping, skipping, layer_stats and loggers work)"
+)
+
+
+@dataclass(frozen=True)
+class WrapperConfig:
+    """The validated constructor arguments (see :class:`~clipopt.ClippedOptimizer` for each)."""
+
+    policy: ClipPolicy | None  #: ``max_norm`` when it is a policy
+    bound: float | None  #: ``max_norm`` when it is a float (None: off, or a policy)
+    norm_type: float
+    clip_value: float | None
+    accumulation_steps: int
+    reduction: str
+    skip_nonfinite: bool
+    max_consecutive_nonfinite: int | None
+    stats_history: int
+    layer_stats: int  #: 0: off; k: every k windows
+    loggers: list[Logger]
+    max_snapshots: int
+    norm_group: Any
+    replica_group: Any  #: ``"auto"``, a process group, or None
+    backward_passes_per_step: int
+    names: dict[Tensor, str]  #: parameter -> name (see ``param_names``)
+
+
+def check_max_norm(value: Any) -> tuple[ClipPolicy | None, float | None]:
+    """``max_norm``: a policy, a positive float or None -> ``(policy, bound)``."""
+    if isinstance(value, ClipPolicy):
+        return value, None
+    if value is not None and (isinstance(value, bool) or not isinstance(value, Real)):
+        raise TypeError(
+            f"max_norm must be a float, a ClipPolicy (AutoClip, ZClip, AGC) or None, got {value!r} "
+            f"({type(value).__name__}); pass e.g. max_norm=1.0 or max_norm=AutoClip()"
+        )
+    return None, check_optional_positive_float("max_norm", value, "1.0")
+
+
+def check_optimizer(optimizer: Any, wrapper_type: type) -> None:
+    """The inner optimizer: a ``torch.optim.Optimizer``, not already wrapped."""
+    if isinstance(optimizer, wrapper_type):
+        raise TypeError(
+            "optimizer is already a ClippedOptimizer; wrap its inner optimizer "
+            "(opt.optimizer) once, with all the options you need"
+        )
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+            "pass e.g. torch.optim.AdamW(model.parameters())"
+        )
+
+
+def check_layer_stats(value: Any) -> int:
+    """``layer_stats``: False -> 0 (off), True -> 1, k -> every k windows."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int) and value >= 1:
+        return value
+    raise (TypeError if not isinstance(value, int) else ValueError)(
+        f"layer_stats must be True, False or an int >= 1, got {value!r}; "
+        "pass e.g. layer_stats=10 for statistics every 10 updates"
+    )
+
+
+def check_loggers(loggers: Any) -> list[Logger]:
+    """``loggers``: an iterable of objects with ``log`` and ``close``."""
+    if isinstance(loggers, (str, bytes)) or not hasattr(loggers, "__iter__"):
+        raise TypeError(
+            f"loggers must be a list of loggers, got {type(loggers).__name__}; "
+            "pass e.g. loggers=[CSVLogger('grads.csv')]"
+        )
+    out = list(loggers)
+    for logger in out:
+        if not isinstance(logger, Logger):
+            raise TypeError(
+                f"loggers must hold objects with log(stats, optimizer) and close() methods, "
+                f"got {type(logger).__name__}; pass e.g. loggers=[CSVLogger('grads.csv')]"
+            )
+    return out
+
+
+def _check_skipping(skip_nonfinite: Any, max_consecutive_nonfinite: Any) -> tuple[bool, int | None]:
+    skip = check_flag("skip_nonfinite", skip_nonfinite)
+    limit = check_optional_positive_int("max_consecutive_nonfinite", max_consecutive_nonfinite)
+    if limit is not None and not skip:
+        raise ValueError(
+            f"max_consecutive_nonfinite={max_consecutive_nonfinite!r} counts skipped updates "
+            "but skip_nonfinite=False skips none; set skip_nonfinite=True or "
+            "max_consecutive_nonfinite=None"
+        )
+    return skip, limit
+
+
+def _check_scaler_and_foreach(scaler: Any, foreach: Any) -> None:
+    if scaler is not None and not (hasattr(scaler, "unscale_") and hasattr(scaler, "update")):
+        raise TypeError(
+            f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}; "
+            "pass scaler=torch.amp.GradScaler()"
+        )
+    if foreach is not None:
+        check_flag("foreach", foreach)
+
+
+def _check_snapshot_dir(snapshot_dir: Any) -> None:
+    if snapshot_dir is not None and not isinstance(snapshot_dir, (str, os.PathLike)):
+        raise TypeError(
+            f"snapshot_dir must be a path or None, got {type(snapshot_dir).__name__}; "
+            "pass e.g. snapshot_dir='anomalies/'"
+        )
+
+
+def _check_names(
+    optimizer: Optimizer, param_names: Any, clip_value: float | None, snapshot_dir: Any
+) -> dict[Tensor, str]:
+    """The parameter names, and what they rule out (complex with clip_value, DTensor with snapshots)."""
+    names = resolve_param_names(optimizer, param_names)
+    if clip_value is not None and any(p.is_complex() for p in names):
+        raise ValueError(
+            f"clip_value={clip_value!r} cannot clip complex parameters (a complex number has no order "
+            "to clamp by); pass clip_value=None and bound complex gradients with max_norm"
+        )
+    if snapshot_dir is not None and has_dtensor(list(names)):
+        raise ValueError(DTENSOR_DIAGNOSTICS)
+    if snapshot_dir is not None and param_names is None and not any(
+        g.get("param_names") for g in optimizer.param_groups
+    ):
+        warnings.warn(
+            "snapshot_dir is set but the parameters have no names, so snapshots name them "
+            "group0.0, group0.1, ... and model.load_state_dict(snap['params'], strict=False) "
+            "matches nothing; pass param_names=model.named_parameters()",
+            UserWarning,
+            stacklevel=4,  # configure() -> ClippedOptimizer.__init__ -> the user's code
+        )
+    return names
+
+
+def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> WrapperConfig:
+    """Validate every constructor argument (``options``: the keyword arguments by name), in order."""
+    o = options
+    check_optimizer(optimizer, wrapper_type)
+    policy, bound = check_max_norm(o["max_norm"])
+    norm_type = check_norm_type(o["norm_type"])
+    clip_value = check_optional_positive_float("clip_value", o["clip_value"], "0.5")
+    accumulation_steps = check_positive_int("accumulation_steps", o["accumulation_steps"])
+    reduction = check_choice("reduction", o["reduction"], ("mean", "sum"))
+    skip_nonfinite, max_consecutive = _check_skipping(o["skip_nonfinite"], o["max_consecutive_nonfinite"])
+    _check_scaler_and_foreach(o["scaler"], o["foreach"])
+    stats_history = check_positive_int("stats_history", o["stats_history"])
+    layer_stats = check_layer_stats(o["layer_stats"])
+    loggers = check_loggers(o["loggers"])
+    _check_snapshot_dir(o["snapshot_dir"])
+    max_snapshots = check_positive_int("max_snapshots", o["max_snapshots"])
+    norm_group = check_norm_group(o["norm_group"])
+    replica_group = check_replica_group(o["replica_group"])
+    passes = check_positive_int("backward_passes_per_step", o["backward_passes_per_step"])
+    names = _check_names(optimizer, o["param_names"], clip_value, o["snapshot_dir"])
+    return WrapperConfig(
+        policy,
+        bound,
+        norm_type,
+        clip_value,
+        accumulation_steps,
+        reduction,
+        skip_nonfinite,
+        max_consecutive,
+        stats_history,
+        layer_stats,
+        loggers,
+        max_snapshots,
+        norm_group,
+        replica_group,
+        passes,
+        names,
+    )

@@ -1,0 +1,240 @@
+"""One decision per window, taken on the device: :class:`WindowDecision` and its reason codes.
+
+The stages of a window's close fill one record, in SPEC §1's order:
+
+1. *measure* (:meth:`WindowDecision.measured`): ``total_norm``, ``nonfinite``
+   and (data parallelism) ``divergence``;
+2. *clip* (:func:`clip_`): value clipping, then the norm bound or a policy's:
+   ``max_norm``, ``coef``, ``scale``, ``clipped``;
+3. *skip* (:func:`decide_skip`): the skip signals, in priority order, give
+   ``skip`` and the ``reason`` code, both on the device.
+
+Everything after reads the record: the fused step (``skip`` is its
+``found_inf``), the host step, the counters, :class:`~clipopt.StepStats`,
+the loggers and the snapshots.  The reason is an int64 code until read
+(:data:`REASONS` maps it to the string).  The spike rule of a
+:class:`~clipopt.ClipPolicy` is asked only here (:func:`policy_spike`,
+:func:`spike_rule`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+
+from . import functional as F
+
+if TYPE_CHECKING:
+    from ._policies import ClipPolicy
+
+__all__ = [
+    "DIVERGENCE",
+    "NOGRAD",
+    "NONFINITE",
+    "NO_REASON",
+    "OVERFLOW",
+    "REASONS",
+    "SPIKE",
+    "SkipSignal",
+    "SkipSource",
+    "WindowDecision",
+    "clip_",
+    "decide_skip",
+    "policy_spike",
+    "read_anomaly",
+    "reason_name",
+    "spike_rule",
+]
+
+#: Reason codes (int64 on the device).  ``REASONS[code]`` is what ``StepStats.reason`` returns.
+NO_REASON, NONFINITE, OVERFLOW, SPIKE, DIVERGENCE, NOGRAD = range(6)
+REASONS: tuple[str | None, ...] = (None, "nonfinite", "overflow", "spike", "divergence", "nograd")
+
+
+def reason_name(code: int) -> str | None:
+    """The string of a reason code (``None`` for :data:`NO_REASON`)."""
+    return REASONS[code]
+
+
+class SkipSignal(NamedTuple):
+    """One reason to skip a window: ``flag`` is 1.0 (skip) or 0.0 on the device, None when off."""
+
+    code: int
+    flag: Tensor | None
+
+
+class SkipSource(Protocol):
+    """An extra skip signal (extension point: ``SpikeGuard``, a rewind; see ARCHITECTURE.md).
+
+    ``flag(d)`` is called once per window, after clipping, with the window's
+    decision so far; it returns a 0/1 float tensor on the device (never read on
+    the host) or None (no opinion).  Its ``code`` is the reason recorded when it
+    is the first signal that skips the window.
+    """
+
+    code: int
+
+    def flag(self, d: WindowDecision) -> Tensor | None: ...
+
+
+class WindowDecision:
+    """What was measured and decided for one window; filled by the stages in order, read by all."""
+
+    __slots__ = (
+        "clipped",
+        "coef",
+        "divergence",
+        "group_coefs",
+        "group_norms",
+        "loss",
+        "max_norm",
+        "nonfinite",
+        "nonfinite_only",
+        "reason",
+        "scale",
+        "skip",
+        "total_norm",
+    )
+
+    def __init__(self, total_norm: Tensor, nonfinite: Tensor, divergence: Tensor | None = None) -> None:
+        #: Pre-clip norm of the combined gradient (float32): the recorded ``total_norm``.
+        self.total_norm = total_norm
+        #: 1.0 when ``total_norm`` is not finite, else 0.0 (the one non-finite marker).
+        self.nonfinite = nonfinite
+        #: 1.0 when data-parallel replicas disagreed (see ``_distributed_decision``), None without agreement.
+        self.divergence = divergence
+        #: The norm bound of this window (a policy's threshold), or None when norm clipping is off.
+        self.max_norm: float | Tensor | None = None
+        #: Norm-clipping coefficient ``min(1, max_norm / (norm + 1e-6))`` (1.0 when off).
+        self.coef: float | Tensor = 1.0
+        #: What still multiplies the gradients: ``coef`` / micro-batches (``mean``) or ``coef``.
+        self.scale: float | Tensor = 1.0
+        #: Whether clipping (value, norm or unit-wise) changed the gradient.
+        self.clipped: bool | Tensor = False
+        #: 1.0 when the window is skipped; None: no skip signal is on (the host knows: never skipped).
+        self.skip: Tensor | None = None
+        #: Why it is skipped: a code of :data:`REASONS` (int64 tensor, or an int decided on the host).
+        self.reason: int | Tensor = NO_REASON
+        #: True when ``nonfinite`` is the only skip signal (a skip is then a non-finite one).
+        self.nonfinite_only = True
+        #: The window's combined loss (0-d tensor), a float, or None when no loss was given.
+        self.loss: Tensor | float | None = None
+        #: Per parameter-group norms and coefficients (one per group with its own bound); empty so far.
+        self.group_norms: tuple[Tensor, ...] = ()
+        self.group_coefs: tuple[Tensor, ...] = ()
+
+    @classmethod
+    def empty(cls, device: torch.device | None, max_norm: float | None) -> WindowDecision:
+        """A window in which no parameter has a gradient: skipped on the host, reason ``"nograd"``."""
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        d = cls(zero, zero)
+        d.max_norm, d.reason, d.nonfinite_only = max_norm, NOGRAD, False
+        return d
+
+    def skipped_as_nonfinite(self, code: int) -> None:
+        """The host found the window non-finite after the device decided (a closure's re-evaluation)."""
+        self.nonfinite = torch.ones_like(self.nonfinite)
+        self.reason = code
+
+    def counted_nonfinite(self, skipped: bool | Tensor, enabled: bool) -> bool | Tensor:
+        """Whether the skip extends the run of non-finite skips (``max_consecutive_nonfinite``).
+
+        ``skipped`` is the outcome (a bool read on the host, or the device flag);
+        the non-finite flag is read only after a host-decided skip that may have
+        had another reason.
+        """
+        if self.nonfinite_only:
+            return skipped
+        if isinstance(skipped, bool):
+            return skipped and enabled and bool(self.nonfinite.item())
+        return self.nonfinite if enabled else torch.zeros_like(self.nonfinite)
+
+
+def decide_skip(d: WindowDecision, signals: Sequence[SkipSignal]) -> None:
+    """``skip`` and ``reason`` from the signals, first (highest priority) first; on the device.
+
+    ``skip`` is the maximum of the flags that are on; ``reason`` the code of the
+    first of them that is 1.0.  With no signal on, ``skip`` stays None.
+    """
+    active = [(s.code, s.flag) for s in signals if s.flag is not None]
+    d.nonfinite_only = all(code in (NONFINITE, OVERFLOW) for code, _ in active)
+    skip: Tensor | None = None
+    reason: int | Tensor = NO_REASON
+    for code, flag in reversed(active):
+        reason = torch.where(flag > 0, code, reason)
+        skip = flag if skip is None else torch.maximum(flag, skip)
+    d.skip, d.reason = skip, reason
+
+
+def policy_spike(policy: ClipPolicy | None) -> Tensor | None:
+    """A policy's skip signal for the window its ``threshold()`` just saw (reason ``"spike"``)."""
+    return None if policy is None else policy.spike()
+
+
+def spike_rule(policy: ClipPolicy | None, total_norm: Tensor) -> Tensor | None:
+    """1.0 when a window with this norm is a spike by the policy's current statistics (pure), else None
+    for policies without a spike rule; decides a snapshot with reason ``"spike"``."""
+    return None if policy is None else policy.is_spike(total_norm)
+
+
+def read_anomaly(
+    d: WindowDecision, policy: ClipPolicy | None, with_divergence: bool, overflow: bool
+) -> tuple[bool, str | None]:
+    """For diagnostics (one host read): whether the window is non-finite, and what makes it an anomaly
+    worth a snapshot: ``"nonfinite"`` (not with a scaler: an overflow is GradScaler's normal
+    operation), else ``"divergence"`` (with ``with_divergence``), else ``"spike"`` by the
+    policy's spike rule (:func:`spike_rule`; asked whether or not spikes are skipped), else None.
+    """
+    spike = spike_rule(policy, d.total_norm)
+    divergence = d.divergence if with_divergence else None
+    flags = [d.nonfinite] + [t.to(d.nonfinite.dtype) for t in (divergence, spike) if t is not None]
+    values = [v > 0 for v in torch.stack(flags).tolist()] if len(flags) > 1 else [bool(d.nonfinite.item())]
+    bad = values[0]
+    diverged = divergence is not None and values[1]
+    spiking = spike is not None and values[-1]
+    if bad:
+        return True, None if overflow else "nonfinite"
+    return False, "divergence" if diverged else "spike" if spiking else None
+
+
+def clip_(
+    d: WindowDecision,
+    grads: list[Tensor],
+    params: list[Tensor],
+    *,
+    clip_value: float | None,
+    divisor: float,
+    foreach: bool | None,
+    norm_of: Callable[[list[Tensor]], Tensor],
+    policy: ClipPolicy | None,
+    max_norm: float | Tensor | None,
+) -> None:
+    """Steps 3-4 on the device: value clipping, then the norm bound (``max_norm``, or the policy's).
+
+    ``grads`` are the window's summed gradients (``divisor`` micro-batches);
+    ``norm_of`` measures them (sharded / pipeline norms included).  A unit-wise
+    policy (AGC) clips them itself, the ``1/divisor`` included.
+    """
+    inv = 1.0 / divisor
+    norm = d.total_norm
+    clipped: bool | Tensor = False
+    if clip_value is not None:
+        # clamp(g / n, ±c) == clamp(g, ±c·n) / n: the division folds into the final scale.
+        F.clip_grads_value_(grads, clip_value * divisor, foreach=foreach)
+        norm = norm_of(grads) * inv
+        clipped = norm < d.total_norm
+    if policy is not None and policy.unitwise:
+        unit_clipped = policy.clip_(params, inv)  # applies the 1/n as well
+        d.clipped = unit_clipped | clipped if isinstance(clipped, Tensor) else unit_clipped
+        return
+    if policy is not None:
+        max_norm = policy.threshold(d.total_norm)
+    coef: float | Tensor = 1.0
+    if max_norm is not None:
+        coef = F.clip_coef(norm, max_norm)
+        clipped = (coef < 1.0) | clipped if isinstance(clipped, Tensor) else coef < 1.0
+    d.max_norm, d.coef, d.clipped = max_norm, coef, clipped
+    d.scale = coef * inv if divisor != 1.0 else coef

@@ -1,0 +1,80 @@
+"""Wrapping, never copying: an ``Optimizer`` whose ``param_groups``, ``state`` and ``defaults``
+are the inner optimizer's own objects (SPEC §1, "Wraps, never copies").
+
+:class:`InnerOptimizerView` is the base of :class:`~clipopt.ClippedOptimizer`:
+it owns the delegation and torch's hook dictionaries (kept off pickles, as
+torch does); the subclass owns everything clipopt adds.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections import OrderedDict
+from typing import Any
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = ["HOOK_DICTS", "InnerOptimizerView"]
+
+#: torch's per-optimizer hook dictionaries, created here since ``Optimizer.__init__`` is not called.
+HOOK_DICTS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+
+
+class InnerOptimizerView(Optimizer):
+    """Delegates ``param_groups``, ``state``, ``defaults`` and ``add_param_group`` to :attr:`optimizer`."""
+
+    #: The inner optimizer.
+    optimizer: Optimizer
+
+    def _init_hooks(self) -> None:
+        for name in HOOK_DICTS:
+            if name not in self.__dict__:
+                setattr(self, name, OrderedDict())
+        self._patch_step_function()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> collections.defaultdict[Tensor, Any]:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: collections.defaultdict[Tensor, Any]) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group to the inner optimizer."""
+        self.optimizer.add_param_group(param_group)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the hooks (as torch does)."""
+        state = self.__dict__.copy()
+        for name in HOOK_DICTS:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_hooks()

@@ -1,0 +1,130 @@
+"""The package's shape (ARCHITECTURE.md): imports point one way, and the decision's extension point."""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from clipopt import ClippedOptimizer
+
+PACKAGE = Path(__file__).resolve().parent.parent / "clipopt"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(module: str, is_package: bool, level: int, target: str | None) -> str:
+    """The absolute name a relative ``from`` import refers to."""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (level - 1)] if level > 1 else base
+    return ".".join([*base, target] if target else base)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every intra-package import, TYPE_CHECKING ones included, as module -> imported modules."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                base = _resolve(name, is_package, node.level, node.module)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("clipopt"):
+                targets = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.startswith("clipopt")]
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle, or None (depth-first search with colours)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)) is not None:
+            return found
+    return None
+
+
+def test_the_package_imports_have_no_cycle() -> None:
+    """No module imports one that (directly or not) imports it back, not even for type hints."""
+    graph = _import_graph()
+    assert graph.get("clipopt._optimizer")
+    assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph) or [])}"
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    """The cycle check can fail: a graph with a -> b -> a is reported."""
+    assert _cycle({"a": {"b"}, "b": {"a"}, "c": set()}) == ["a", "b", "a"]
+
+
+def test_only_the_top_imports_the_optimizer() -> None:
+    """``_optimizer`` is orchestration: only the package, per_update, the integrations and tools import it."""
+    graph = _import_graph()
+    importers = sorted(m for m, deps in graph.items() if "clipopt._optimizer" in deps)
+    allowed = {"clipopt", "clipopt._demo", "clipopt._cli", "clipopt._scheduler"}
+    assert all(m in allowed or m.startswith("clipopt.integrations") for m in importers), importers
+
+
+class _FlagEveryOther:
+    """A test skip source: asks to skip every second window, with reason code 3 ("spike")."""
+
+    code = 3
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def flag(self, d: object) -> Tensor:
+        self.calls += 1
+        return torch.tensor(float(self.calls % 2 == 0))
+
+
+def test_an_extra_skip_source_skips_with_its_reason_and_leaves_no_trace() -> None:
+    """A skip source plugged into the decision (ARCHITECTURE.md, extension points) skips its windows:
+    parameters unchanged, counted as skipped but not as non-finite, reason 'spike'; a non-finite
+    window it also flags keeps reason 'nonfinite' (built-in signals come first)."""
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    opt = ClippedOptimizer(torch.optim.SGD([w], lr=0.5), max_norm=None)
+    source = _FlagEveryOther()
+    opt._skip_sources.append(source)
+    reasons = []
+    for grad in ([1.0, 1.0], [2.0, 2.0], [1.0, 1.0], [math.nan, 1.0]):
+        before = w.detach().clone()
+        w.grad = torch.tensor(grad)
+        opt.step()
+        opt.zero_grad()
+        assert opt.last_stats is not None
+        reasons.append(opt.last_stats.reason)
+        if opt.last_stats.skipped:
+            assert torch.equal(w.detach(), before)
+        else:
+            assert torch.equal(w.detach(), before - 0.5 * torch.tensor(grad))
+    assert reasons == [None, "spike", None, "nonfinite"]
+    assert source.calls == 4
+    assert opt.num_skipped == 2 and opt.num_updates == 2
+    assert opt._counters.consecutive == 1  # the spike skip did not start a non-finite run
