@@ -25,7 +25,15 @@ from typing import Any
 
 from ._policies import ClipPolicy
 
-__all__ = ["GROUP_KEYS", "GroupPlan", "check_group", "check_policy_with_groups", "group_keys", "plan_groups"]
+__all__ = [
+    "GROUP_KEYS",
+    "GroupPlan",
+    "check_group",
+    "check_groups",
+    "check_policy_with_groups",
+    "group_keys",
+    "plan_groups",
+]
 
 #: The clipping options a parameter group may carry.
 GROUP_KEYS = ("max_norm", "clip_value")
@@ -153,3 +161,26 @@ def check_policy_with_groups(policy: ClipPolicy | None, plan: GroupPlan | None) 
             "group has one, so it would bound nothing; remove 'max_norm' from the groups the policy "
             "should bound, or pass max_norm=None"
         )
+
+
+def check_groups(
+    groups: Sequence[dict[str, Any]],
+    defaults: dict[str, Any],
+    *,
+    policy: ClipPolicy | None,
+    norm_group: Any,
+    clip_value: float | None,
+) -> GroupPlan | None:
+    """The plan of a wrapper's groups, every option and combination checked (construction,
+    ``add_param_group`` with the new group appended, and every window before anything changes)."""
+    keys = group_keys(defaults)
+    plan = plan_groups(groups, keys, clip_value)
+    check_policy_with_groups(policy, plan)
+    if plan is not None and norm_group is not None:
+        index = next(i for i, g in enumerate(groups) if any(k in g for k in keys))
+        raise ValueError(
+            f"per-group 'max_norm'/'clip_value' (parameter group {index}) cannot be combined with "
+            "norm_group yet: the stages would have to agree on every group; pass norm_group=None, "
+            "or remove the keys"
+        )
+    return plan

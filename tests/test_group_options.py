@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from clipopt import AGC, AutoClip, ZClip
-from clipopt._group_options import GroupPlan, check_group, check_policy_with_groups, group_keys, plan_groups
+from clipopt._group_options import (
+    GroupPlan,
+    check_group,
+    check_groups,
+    check_policy_with_groups,
+    group_keys,
+    plan_groups,
+)
 
 _KEYS = ("max_norm", "clip_value")
 
@@ -171,3 +178,18 @@ def test_global_policy_needs_a_shared_group() -> None:
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         check_policy_with_groups(ZClip(), every)
+
+
+def test_norm_group_with_group_keys_is_refused() -> None:
+    """Pipeline stages (norm_group) with per-group keys are refused with the exact message naming the
+    first group with a key; without keys, or with keys the inner optimizer owns, they pass."""
+    groups = [{"params": [], "lr": 0.1}, {"params": [], "clip_value": 0.5}]
+    message = (
+        "per-group 'max_norm'/'clip_value' (parameter group 1) cannot be combined with norm_group yet: "
+        "the stages would have to agree on every group; pass norm_group=None, or remove the keys"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        check_groups(groups, {"lr": 0.1}, policy=None, norm_group=object(), clip_value=None)
+    assert check_groups(groups[:1], {}, policy=None, norm_group=object(), clip_value=None) is None
+    owned = check_groups(groups, {"clip_value": 1.0}, policy=None, norm_group=object(), clip_value=None)
+    assert owned is None

@@ -95,8 +95,10 @@ def _reference(
     refs = [[torch.nn.Parameter(torch.zeros(s, dtype=torch.float64)) for s in group] for group in case.shapes]
     for g_index, group in enumerate(refs):
         for t_index, ref in enumerate(group):
-            parts = [torch.tensor(m[g_index][t_index]).to(dtype).double() for m in case.micro]
-            ref.grad = sum(parts) / (k if mean else 1)  # type: ignore[assignment]
+            acc = torch.tensor(case.micro[0][g_index][t_index]).to(dtype)
+            for m in case.micro[1:]:  # autograd accumulates in the gradient's dtype
+                acc = acc + torch.tensor(m[g_index][t_index]).to(dtype)
+            ref.grad = acc.double() / (k if mean else 1)
     every = [r.grad for group in refs for r in group]
     total = float(torch.nn.utils.get_total_norm(every, p))  # type: ignore[arg-type]
     norms = [float(torch.nn.utils.get_total_norm([r.grad for r in g], p)) for g in refs]  # type: ignore[misc]
@@ -142,6 +144,7 @@ def test_window_equals_torch_group_by_group(
     """One accumulated window with per-group options applies exactly torch's group-by-group clipping
     (value then norm, shared groups together), fused or not; the recorded total_norm, group_norms and
     group_coefs are the reference's pre-clip norms and coefficients."""
+    fused = fused and dtype != torch.bfloat16  # torch's fused CPU SGD leaves bf16 parameters unchanged
     params, opt = _build(
         case, dtype, fused, max_norm=max_norm, clip_value=clip_value, norm_type=p, reduction=reduction
     )
@@ -149,7 +152,7 @@ def test_window_equals_torch_group_by_group(
         _backward(params, grads)
         opt.step()
     expected, total, norms, coefs = _reference(case, dtype, max_norm, clip_value, p, reduction == "mean")
-    rtol = _RTOL[dtype]
+    rtol = max(_RTOL[dtype], 2e-7 if fused else 0.0)  # the fused kernel's grad_scale is float32
     for group, ref in zip(params, expected, strict=True):
         for param, r in zip(group, ref, strict=True):
             atol = rtol * float(r.abs().max()) + torch.finfo(dtype).tiny
@@ -157,6 +160,9 @@ def test_window_equals_torch_group_by_group(
     stats = opt.last_stats
     assert stats is not None and not stats.skipped
     assert stats.total_norm == pytest.approx(total, rel=1e-4, abs=1e-6)
+    if not any(case.options):  # no group has a key: the single-bound path, nothing per group
+        assert stats.group_norms == () and stats.group_coefs == ()
+        return
     assert list(stats.group_norms) == pytest.approx(norms, rel=1e-4, abs=1e-6)
     assert list(stats.group_coefs) == pytest.approx(coefs, rel=1e-3, abs=1e-6)
 
@@ -254,8 +260,8 @@ def test_option_made_invalid_between_windows_fails_before_anything_changes() -> 
 
 
 def test_policies_that_do_not_combine_are_refused() -> None:
-    """AGC with a group's own float bound, a global policy with every group bounded on its own, and
-    norm_group with per-group keys are refused at construction with exact messages."""
+    """AGC with a group's own float bound and a global policy with every group bounded on its own are
+    refused at construction (the messages are checked in full in test_group_options)."""
     _, groups = _two_groups(max_norm=0.5)
     with pytest.raises(
         ValueError, match=r"^parameter group 1 has its own 'max_norm': 0\.5, which cannot combine "
@@ -265,13 +271,6 @@ def test_policies_that_do_not_combine_are_refused() -> None:
     groups[0]["max_norm"] = None
     with pytest.raises(ValueError, match=r"^max_norm=AutoClip\(percentile=10, history=10000\) bounds the "):
         ClippedOptimizer(torch.optim.SGD(groups, lr=0.1), max_norm=AutoClip())
-    _model, groups = _two_groups(max_norm=0.5)
-    message = (
-        "per-group 'max_norm'/'clip_value' (parameter group 1) cannot be combined with norm_group yet: "
-        "the stages would have to agree on every group; pass norm_group=None, or remove the keys"
-    )
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        ClippedOptimizer(torch.optim.SGD(groups, lr=0.1), norm_group=object())
 
 
 def test_autoclip_bounds_the_shared_groups_by_their_norm() -> None:
@@ -348,15 +347,16 @@ def test_fused_window_with_group_bounds_reads_nothing_back() -> None:
     groups.append({"params": [torch.nn.Parameter(torch.randn(5))], "max_norm": None})
     opt = ClippedOptimizer(torch.optim.AdamW(groups, lr=0.1, fused=True), max_norm=1.0, accumulation_steps=2)
     extra = groups[2]["params"][0]
-    _train(opt, model, 1, k=2)  # the first window creates the state (taken on the host path)
-    for _ in range(2):
-        model(torch.randn(3, 4)).sum().backward()
-        extra.grad = torch.randn(5) if extra.grad is None else extra.grad + torch.randn(5)
-        with count_host_reads() as reads:
-            opt.step()
-        opt.zero_grad()
-    assert reads.ours == []
-    assert opt.num_windows == 2
+    for window in range(3):  # the first window creates the state (taken on the host path)
+        for _ in range(2):
+            model(torch.randn(3, 4) * 5).sum().backward()
+            extra.grad = torch.randn(5) if extra.grad is None else extra.grad + torch.randn(5)
+            with count_host_reads() as reads:
+                opt.step()
+            opt.zero_grad()
+        if window > 0:
+            assert reads.ours == []
+    assert opt.num_windows == 3 and opt.num_updates == 3
 
 
 def test_group_options_round_trip_through_the_state_dict(tmp_path: Path) -> None:
