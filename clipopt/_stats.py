@@ -153,6 +153,11 @@ class StepStats:
         return self._lr  # type: ignore[return-value]
 
     @property
+    def has_group_stats(self) -> bool:
+        """True when the window recorded per-group norms and coefficients (no device read)."""
+        return isinstance(self._group_norms, Tensor) or len(self._group_norms) > 0
+
+    @property
     def group_norms(self) -> tuple[float, ...]:
         if isinstance(self._group_norms, Tensor):
             self._group_norms = tuple(self._group_norms.tolist())

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from clipopt import AGC, AutoClip, ClippedOptimizer, CSVLogger, ZClip
+from clipopt._report import read_log
 
 from .hostreads import count_host_reads
 from .strategies import clip_values, max_norms, norm_types
@@ -422,6 +423,25 @@ def test_csv_has_group_columns(tmp_path: Path) -> None:
         for g in (0, 1):
             assert float(row[f"group_norm.{g}"]) == stats.group_norms[g]
             assert float(row[f"group_coef.{g}"]) == stats.group_coefs[g]
+    log = read_log(path)  # what `clipopt report` reads
+    assert list(log.groups[1]["coef"]) == [s.group_coefs[1] for s in seen if s is not None]
+
+
+def test_csv_gains_group_columns_when_a_group_gets_a_key(tmp_path: Path) -> None:
+    """A key set on a group mid-run rewrites the CSV once with the group columns (earlier rows empty
+    there); removing it later keeps the columns (rows leave them empty)."""
+    model, groups = _two_groups()
+    path = tmp_path / "grads.csv"
+    opt = ClippedOptimizer(torch.optim.SGD(groups, lr=0.01), loggers=[CSVLogger(path, flush_every=1)])
+    _train(opt, model, 1)
+    opt.param_groups[1]["max_norm"] = 0.01
+    _train(opt, model, 1)
+    del opt.param_groups[1]["max_norm"]
+    _train(opt, model, 1)
+    opt.close()
+    rows = list(csv.DictReader(io.StringIO(path.read_text())))
+    assert [r["group_coef.1"] != "" for r in rows] == [False, True, False]
+    assert float(rows[1]["group_coef.1"]) < 1.0
 
 
 def test_csv_without_group_keys_keeps_its_columns(tmp_path: Path) -> None:
