@@ -211,10 +211,10 @@ def read_anomaly(
     values = [v > 0 for v in torch.stack(flags).tolist()] if len(flags) > 1 else [bool(d.nonfinite.item())]
     bad = values[0]
     diverged = divergence is not None and values[1]
-    spiking = spike is not None and values[-1]
+    spiked = spike is not None and values[-1]
     if bad:
         return True, None if overflow else "nonfinite"
-    return False, "divergence" if diverged else "spike" if spiking else None
+    return False, "divergence" if diverged else "spike" if spiked else None
 
 
 def clip_(

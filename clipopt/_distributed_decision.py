@@ -295,11 +295,13 @@ def _fmt(v: float) -> str:
 
 def settings_of(opt: Any) -> list[tuple[str, float]]:
     """The window settings every replica must share, as numbers (``-1``: off/None)."""
-    policy = opt._policy
-    if policy is not None:
-        max_norm = -2.0 - float(sum(map(ord, type(policy).__name__)))  # a code per policy type
-    else:
-        max_norm = -1.0 if opt._bound is None else float(opt._bound)
+    bound = opt.max_norm  # a float, a ClipPolicy or None
+    if bound is None:
+        max_norm = -1.0
+    elif isinstance(bound, (int, float)):
+        max_norm = float(bound)
+    else:  # a policy: a code per policy type
+        max_norm = -2.0 - float(sum(map(ord, type(bound).__name__)))
     return [
         ("accumulation_steps", float(opt.accumulation_steps)),
         ("reduction", 0.0 if opt.reduction == "mean" else 1.0),
@@ -308,6 +310,6 @@ def settings_of(opt: Any) -> list[tuple[str, float]]:
         ("clip_value", -1.0 if opt.clip_value is None else float(opt.clip_value)),
         ("skip_nonfinite", float(opt.skip_nonfinite)),
         ("scaler", float(opt.scaler is not None)),
-        ("windows closed", float(opt._counters.windows)),
-        ("micro_batches pending", float(opt._counters.micro_batches)),
+        ("windows closed", float(opt.num_windows)),
+        ("micro_batches pending", float(opt.micro_batches)),
     ]

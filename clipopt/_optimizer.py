@@ -210,11 +210,15 @@ class ClippedOptimizer(InnerOptimizerView):
         self.max_snapshots, self.norm_group = cfg.max_snapshots, cfg.norm_group
         self._replicas = ReplicaDecision(cfg.replica_group)
         self.backward_passes_per_step = cfg.backward_passes_per_step
-        names = cfg.names
+        self._names = cfg.names
         self.optimizer = optimizer
         self.scaler = scaler
         self.foreach = foreach
         self._init_hooks()
+        self._init_state(snapshot_dir)
+
+    def _init_state(self, snapshot_dir: str | os.PathLike[str] | None) -> None:
+        """What the wrapper records and caches while it runs (beside the configuration)."""
         self.stats: collections.deque[StepStats] = collections.deque(maxlen=self.stats_history)
         self.last_stats: StepStats | None = None
         self._counters = WrapperState()
@@ -227,7 +231,6 @@ class ClippedOptimizer(InnerOptimizerView):
         self._has_dtensor = False  # some parameter is a DTensor (FSDP2): norms are reduced across ranks
         self._shards: ShardedGrads | None = None  # the open window's sharded gradients
         self._unsynced: Unsynced | None = None  # the latest micro-batch that skipped its sync, see no_sync()
-        self._names = names
         self._snapshots = None if snapshot_dir is None else SnapshotWriter(snapshot_dir, self.max_snapshots)
         self._attached: dict[str, list[Any]] = {}
         self._bad_row: LayerStats | None = None  # the window's candidate per-layer row, see _measure
@@ -714,8 +717,8 @@ class ClippedOptimizer(InnerOptimizerView):
     def _diagnose(self, params: list[Tensor], d: WindowDecision, n: int) -> LayerStats | None:
         """Per-layer statistics when due, and an anomaly snapshot of a non-finite or spiking window.
 
-        Both see the pre-clip gradients.  Either one reads the flag (and the
-        policy's spike rule, see :meth:`ClipPolicy.is_spike`) from the device, once.
+        Both see the pre-clip gradients.  Either one reads the decision's ``nonfinite``
+        (and divergence, and the policy's spike rule) from the device, once (``read_anomaly``).
         """
         due = bool(self.layer_stats) and (self._counters.windows + 1) % self.layer_stats == 0
         if due:

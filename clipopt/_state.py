@@ -67,20 +67,20 @@ class WrapperState:
         """Updates that reached the inner optimizer: ``windows - skipped``."""
         return self.windows - self.skipped
 
-    def record(self, flag: bool | Tensor, nonfinite: bool | Tensor) -> None:
+    def record(self, skipped: bool | Tensor, nonfinite: bool | Tensor) -> None:
         """Count the outcome of the latest window (``windows`` already counts it).
 
-        ``flag`` is True/1.0 when it was skipped; ``nonfinite`` when it was skipped
+        ``skipped`` is True/1.0 when it was skipped; ``nonfinite`` when it was skipped
         for non-finite gradients (a spike skip does not extend ``consecutive``).
         """
-        if isinstance(flag, Tensor) or isinstance(nonfinite, Tensor):  # in place, on the device
-            like = cast(Tensor, flag if isinstance(flag, Tensor) else nonfinite)
-            one = torch.as_tensor(flag, device=like.device).to(torch.int64)
+        if isinstance(skipped, Tensor) or isinstance(nonfinite, Tensor):  # in place, on the device
+            like = cast(Tensor, skipped if isinstance(skipped, Tensor) else nonfinite)
+            one = torch.as_tensor(skipped, device=like.device).to(torch.int64)
             bad = torch.as_tensor(nonfinite, device=like.device).to(torch.int64)
             self.skipped = _on_device(self.skipped, like).add_(one)
             self.consecutive = _on_device(self.consecutive, like).add_(bad).mul_(bad)
         else:
-            self.skipped = self.skipped + int(flag)
+            self.skipped = self.skipped + int(skipped)
             self.consecutive = self.consecutive + 1 if nonfinite else 0
 
     def to_dict(self, *, pending_grads: list[Tensor | None] | None, scaler: Any) -> dict[str, Any]:
