@@ -5,7 +5,8 @@
 
 The model (``bench.py``'s shapes) is split into two parameter groups: the
 first layer's tensors ("head", ~1/8 of the parameters) and the rest.  Methods,
-measured in one process, interleaved (A B C D per round), medians over rounds:
+measured in one process, interleaved (A B C D, then B C D A, ...: the order rotates every
+round), medians over rounds:
 
 * ``shared``    both groups without keys: one bound for all (the single-bound path);
 * ``own``       the head group has ``'max_norm': 0.5`` (clipped by its own norm);
@@ -79,8 +80,10 @@ def measure(model: ParamModel, methods: dict[str, Callable[[], None]], rounds: i
             restore()
             update()
     times: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(rounds):
-        for name, update in methods.items():
+    names = list(methods)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotated: no position bias
+            update = methods[name]
             restore()
             gc.disable()
             t0 = time.perf_counter()

@@ -32,6 +32,7 @@ __all__ = [
     "check_groups",
     "check_policy_with_groups",
     "group_keys",
+    "kept_options",
     "plan_groups",
 ]
 
@@ -184,3 +185,18 @@ def check_groups(
             "or remove the keys"
         )
     return plan
+
+
+def kept_options(
+    saved: Sequence[dict[str, Any]], current: Sequence[dict[str, Any]], keys: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Per group, the clipping options set now that a saved group lacks (kept across a load).
+
+    torch restores every group option from the saved dict; a checkpoint saved before a group got
+    its ``max_norm``/``clip_value`` (a run that adds per-group clipping when it resumes) would
+    otherwise drop them.  A saved key wins, as for every other option.
+    """
+    return [
+        {k: now[k] for k in keys if k in now and k not in then}
+        for then, now in zip(saved, current, strict=False)
+    ]

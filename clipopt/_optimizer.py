@@ -971,6 +971,8 @@ class ClippedOptimizer(InnerOptimizerView):
         )
         with restore_on_failure(self.optimizer), keep_group_keys(self.optimizer):
             self.optimizer.load_state_dict(ckpt.inner)
+            for group, kept in zip(self.param_groups, ckpt.kept_options, strict=False):
+                group.update(kept)  # per-group clipping set now, absent from the checkpoint
         self._readiness.reset()
         self._window_guard.reset()  # loaded gradients are new tensors
         self._counters = ckpt.counters if ckpt.counters is not None else WrapperState()

@@ -481,3 +481,62 @@ def test_tensorboard_has_group_scalars(tmp_path: Path) -> None:
             assert stats is not None
             assert norms[stats.step] == pytest.approx(stats.group_norms[g], rel=1e-6)
             assert coefs[stats.step] == pytest.approx(stats.group_coefs[g], rel=1e-6)
+
+
+def test_nonfinite_window_with_group_keys_is_snapshotted(tmp_path: Path) -> None:
+    """With per-group keys a non-finite window still writes its anomaly snapshot (reason 'nonfinite',
+    the pre-clip gradients, the group options in the saved optimizer state)."""
+    from clipopt import load_snapshot
+
+    model, groups = _two_groups(max_norm=0.5)
+    opt = ClippedOptimizer(
+        torch.optim.SGD(groups, lr=0.1), snapshot_dir=tmp_path, param_names=model.named_parameters()
+    )
+    model(torch.ones(2, 4)).sum().backward()
+    model[0].bias.grad[0] = math.inf  # type: ignore[index]
+    opt.step()
+    assert opt.last_snapshot is not None
+    snap = load_snapshot(opt.last_snapshot)
+    assert snap["reason"] == "nonfinite"
+    assert math.isinf(snap["grads"]["0.bias"][0].item())
+    assert snap["optimizer"]["param_groups"][1]["max_norm"] == 0.5
+
+
+def test_lbfgs_reevaluations_are_clipped_by_the_group_bound() -> None:
+    """LBFGS (one parameter group only) re-evaluates the closure; each re-evaluated gradient is clipped
+    by the group's own max_norm (not the wrapper's 100), so the step ends with a gradient within it."""
+    model, _ = _two_groups()
+    group = {"params": model.parameters(), "max_norm": 1e-3}
+    opt = ClippedOptimizer(torch.optim.LBFGS([group], lr=0.1, max_iter=3), max_norm=100.0)
+    x = torch.randn(6, 4) * 5
+    calls = [0]
+
+    def closure() -> torch.Tensor:
+        calls[0] += 1
+        opt.zero_grad()
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    assert calls[0] >= 2  # re-evaluated at least once
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])  # type: ignore[misc]
+    assert float(norm) <= 1e-3 * (1 + 1e-5)
+    assert opt.last_stats is not None and opt.last_stats.group_coefs[0] < 1e-2
+
+
+def test_checkpoint_without_group_keys_keeps_the_keys_set_now() -> None:
+    """A checkpoint saved before a group had 'max_norm' (per-group clipping added on resume) loads and
+    keeps the option set now; a key the checkpoint holds wins, as every other group option does."""
+    model, groups = _two_groups()
+    old = ClippedOptimizer(torch.optim.SGD(groups, lr=0.1))
+    _train(old, model, 1)
+    saved = old.state_dict()
+    _, groups = _two_groups(max_norm=0.25)
+    new = ClippedOptimizer(torch.optim.SGD(groups, lr=0.1))
+    new.load_state_dict(saved)
+    assert new.param_groups[1]["max_norm"] == 0.25 and "max_norm" not in new.param_groups[0]
+    _, groups = _two_groups(max_norm=0.5)
+    holder = ClippedOptimizer(torch.optim.SGD(groups, lr=0.1))
+    new.load_state_dict(holder.state_dict())
+    assert new.param_groups[1]["max_norm"] == 0.5
