@@ -560,7 +560,7 @@ class ClippedOptimizer(InnerOptimizerView):
         by_group = self._split(grads) if plan is not None else []
         try:
             with torch.no_grad():
-                d = self._agree(self._measure(grads, n, params, plan), n)
+                d = self._agree(self._measure(grads, n, params, (plan, by_group)), n)
                 layers = self._diagnose(params, d, n)
                 unitwise = self._policy is not None and self._policy.unitwise  # AGC clips in place
                 value = self.clip_value is not None or (plan is not None and plan.any_value_clipping)
@@ -589,11 +589,11 @@ class ClippedOptimizer(InnerOptimizerView):
             raise ValueError(DTENSOR_DIAGNOSTICS)
         self._sync_unsynced()
         grads = self._window_grads(params)  # may raise: before the scaler is unscaled
-        if plan is not None:  # before anything is measured, saved or clamped
+        if plan is not None and plan.any_value_clipping:  # before anything is measured, saved or clamped
             for group, value in zip(self._split(grads), plan.clip_values, strict=True):
                 if value is not None:
                     F.check_value_clippable(group)
-        elif self.clip_value is not None:
+        elif plan is None and self.clip_value is not None:
             F.check_value_clippable(grads)  # before anything is measured, saved or clamped
         if not grads:
             return None
@@ -669,17 +669,23 @@ class ClippedOptimizer(InnerOptimizerView):
         return float(n) if self.reduction == "mean" else 1.0
 
     def _measure(
-        self, grads: list[Tensor], n: int, params: list[Tensor] | None = None, plan: GroupPlan | None = None
+        self,
+        grads: list[Tensor],
+        n: int,
+        params: list[Tensor] | None = None,
+        groups: tuple[GroupPlan | None, list[list[Tensor]] | None] = (None, None),
     ) -> WindowDecision:
         """Steps 1-2: the pre-clip norm of the combined gradient and its non-finite flag.
 
         Given ``params`` while per-layer statistics are on and a logger writes them,
         the same pass keeps each gradient's norm for the window's candidate bad row
-        (see :mod:`clipopt._badrow`).  With per-group options (``plan``) the groups'
-        norms come from the same per-gradient norms (:meth:`_measure_groups`).
+        (see :mod:`clipopt._badrow`).  With per-group options (``groups``: the plan and the
+        gradients per group) the groups' norms come from the same per-gradient norms
+        (:meth:`_measure_groups`).
         """
-        if plan is not None:
-            return self._measure_groups(grads, n, params, plan)
+        plan, by_group = groups
+        if plan is not None and by_group is not None:
+            return self._measure_groups(grads, n, params, plan, [len(g) for g in by_group])
         divisor = self._divisor(n)
         if params is not None:
             self._bad_row = None
@@ -694,7 +700,7 @@ class ClippedOptimizer(InnerOptimizerView):
         return WindowDecision(total_norm, F.nonfinite_flag(total_norm))
 
     def _measure_groups(
-        self, grads: list[Tensor], n: int, params: list[Tensor] | None, plan: GroupPlan
+        self, grads: list[Tensor], n: int, params: list[Tensor] | None, plan: GroupPlan, sizes: list[int]
     ) -> WindowDecision:
         """Steps 1-2 with per-group options: one read of the gradients gives each one's norm; the
         total norm, each group's norm and the shared groups' common norm are p-norms of those."""
@@ -708,7 +714,7 @@ class ClippedOptimizer(InnerOptimizerView):
         raw_norm: Tensor = torch.linalg.vector_norm(norms, p)
         total_norm = raw_norm / divisor if divisor != 1.0 else raw_norm
         d = WindowDecision(total_norm, F.nonfinite_flag(total_norm))
-        groups = F.group_norms(norms, [len(g) for g in self._split(grads)], p)
+        groups = F.group_norms(norms, sizes, p)
         d.group_norms = groups / divisor if divisor != 1.0 else groups
         shared = F.shared_norm(d.group_norms, plan.shared, p)
         d.shared_norm = torch.where(d.nonfinite > 0, math.nan, shared)  # a policy never sees a bad window
@@ -867,7 +873,7 @@ class ClippedOptimizer(InnerOptimizerView):
         params, plan = self._params(), self._group_plan()
         grads = self._window_grads(params)
         by_group = self._split(grads) if plan is not None else None
-        d = self._measure(grads, 1, None, plan)
+        d = self._measure(grads, 1, None, (plan, by_group))
         self._clip(d, params, grads, 1, reevaluated=(max_norm,), plan=plan, by_group=by_group)
         if d.group_scales is not None and by_group is not None:
             F.scale_groups_(by_group, d.group_scales, foreach=self.foreach)

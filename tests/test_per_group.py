@@ -540,3 +540,24 @@ def test_checkpoint_without_group_keys_keeps_the_keys_set_now() -> None:
     holder = ClippedOptimizer(torch.optim.SGD(groups, lr=0.1))
     new.load_state_dict(holder.state_dict())
     assert new.param_groups[1]["max_norm"] == 0.5
+
+
+def test_sparse_embedding_group_out_of_value_clipping() -> None:
+    """A sparse-gradient embedding in a group with 'clip_value': None next to a dense group that
+    inherits the wrapper's clip_value: the dense gradient is clamped, the sparse one is not (value
+    clipping refuses sparse gradients, so without the key the window would raise)."""
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(10, 3, sparse=True)
+    linear = torch.nn.Linear(3, 1)
+    groups = [{"params": embed.parameters(), "clip_value": None}, {"params": linear.parameters()}]
+    opt = ClippedOptimizer(torch.optim.SGD(groups, lr=1.0), max_norm=None, clip_value=1e-3)
+    before = embed.weight.detach().clone(), linear.weight.detach().clone()
+    (linear(embed(torch.tensor([1, 2, 2]))) * 100).sum().backward()
+    raw = embed.weight.grad.to_dense().clone()  # type: ignore[union-attr]
+    opt.step()
+    assert torch.allclose(before[0] - embed.weight.detach(), raw)  # not clamped
+    assert (before[1] - linear.weight.detach()).abs().max().item() <= 1e-3 * (1 + 1e-6)
+    bare = ClippedOptimizer(torch.optim.SGD(embed.parameters(), lr=1.0), max_norm=None, clip_value=1e-3)
+    linear(embed(torch.tensor([1]))).sum().backward()
+    with pytest.raises(TypeError, match=r"^clip_value does not support sparse gradients"):
+        bare.step()
