@@ -15,8 +15,9 @@ round), medians over rounds:
 
 On a fused optimizer the shared groups' coefficient still goes into the
 kernel's ``grad_scale``; the head group takes one extra in-place scaling pass.
-Ratios are against ``shared`` from the same run.  Host reads per update are
-counted too (tests/hostreads.py): 0 on the fused optimizer for every method.
+Ratios are against ``shared`` from the same run: of the medians, and the median of each round's
+own ratio (``paired``: robust to the load of a shared machine drifting between rounds).  Host
+reads per update are counted too (tests/hostreads.py): 0 on the fused optimizer for every method.
 """
 
 from __future__ import annotations
@@ -97,8 +98,12 @@ def measure(model: ParamModel, methods: dict[str, Callable[[], None]], rounds: i
             update()
         out[name] = {"update_s": statistics.median(times[name]), "host_reads": len(reads)}
     base = out["shared"]["update_s"]
-    for row in out.values():
+    for name, row in out.items():
         row["vs_shared"] = row["update_s"] / base
+        # the same round's pair: robust to the machine's load drifting between rounds
+        row["paired_vs_shared"] = statistics.median(
+            t / b for t, b in zip(times[name], times["shared"], strict=True)
+        )
     return out
 
 
@@ -123,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         rows[inner] = measure(model, make_methods(model, inner), args.rounds)
         gc.collect()
         line = ", ".join(
-            f"{k} {v['update_s'] * 1e3:.1f} ms ({v['vs_shared']:.3f}x, {v['host_reads']} reads)"
+            f"{k} {v['update_s'] * 1e3:.1f} ms ({v['vs_shared']:.3f}x; paired {v['paired_vs_shared']:.3f}x; "
+            f"{v['host_reads']} reads)"
             for k, v in rows[inner].items()
         )
         print(f"{args.model} {inner}: {line}", flush=True)
