@@ -187,24 +187,12 @@ class ReplicaDecision:
         self._pending.append((*self._to_host(packet), n, window))
         return norm, any_bad.to(torch.float32)
 
-    def skip_with_divergence(self, skip: Tensor | None) -> Tensor | None:
-        """The window's skip flag with divergence added (None stays None without agreement)."""
-        if self.divergence is None:
-            return skip
-        return self.divergence if skip is None else torch.maximum(skip, self.divergence)
-
     def end_window(self, host_read: bool) -> None:
         """Forget this window's device values; check its outcome now when the window read the host."""
         self.divergence = None
         self._current = None
         if host_read:
             self.settle(wait=True)
-
-    def diverged_now(self) -> bool:
-        """Whether this window diverged (host read; used where the window reads the host anyway)."""
-        if self.divergence is None:
-            return False
-        return bool(self.divergence.item())
 
     def settle(self, wait: bool) -> None:
         """Warn about divergence / raise on ranks out of step, for the agreed windows not checked yet.

@@ -76,13 +76,21 @@ class LossSum:
             self.total = self.total + loss
         self.count += 1
 
-    def take(self, reduction: str) -> Tensor | float | None:
-        """The window's loss (``mean`` over the losses given, or their ``sum``); resets the sum."""
-        total, count = self.total, self.count
-        self.total, self.count = None, 0
-        if total is None or count == 0:
+    def combined(self, reduction: str) -> Tensor | float | None:
+        """The window's loss (``mean`` over the losses given, or their ``sum``); None without one."""
+        if self.total is None or self.count == 0:
             return None
-        return total / count if reduction == "mean" and count != 1 else total
+        return self.total / self.count if reduction == "mean" and self.count != 1 else self.total
+
+    def clear(self) -> None:
+        """Start the next window's sum."""
+        self.total, self.count = None, 0
+
+    def take(self, reduction: str) -> Tensor | float | None:
+        """:meth:`combined`, then :meth:`clear`."""
+        loss = self.combined(reduction)
+        self.clear()
+        return loss
 
     def to_dict(self) -> dict[str, Any]:
         total = self.total.detach().clone() if isinstance(self.total, Tensor) else self.total

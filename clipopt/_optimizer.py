@@ -199,7 +199,7 @@ class ClippedOptimizer(InnerOptimizerView):
         replica_group: Any = "auto",
         backward_passes_per_step: int = 1,
     ) -> None:
-        options = dict(locals())  # the arguments by name (and self, unused)
+        options = {name: value for name, value in locals().items() if name != "self"}  # every argument
         cfg = configure(optimizer, ClippedOptimizer, options)  # raises before any state exists
         self._policy, self._bound = cfg.policy, cfg.bound  # what the max_norm property returns
         self.norm_type, self.clip_value = cfg.norm_type, cfg.clip_value
@@ -561,6 +561,7 @@ class ClippedOptimizer(InnerOptimizerView):
         try:
             with torch.no_grad():
                 d = self._agree(self._measure(grads, n, params, (plan, by_group)), n)
+                d.loss = self._loss.combined(self.reduction)  # kept in the sum until the close commits
                 layers = self._diagnose(params, d, n)
                 unitwise = self._policy is not None and self._policy.unitwise  # AGC clips in place
                 value = self.clip_value is not None or (plan is not None and plan.any_value_clipping)
@@ -569,7 +570,7 @@ class ClippedOptimizer(InnerOptimizerView):
             undo.touched = True  # scaling and the inner step change the gradients
             self._counters.micro_batches = 0
             self._counters.windows += 1
-            d.loss = self._loss.take(self.reduction)
+            self._loss.clear()
             loss, fused = self._apply(d, grads, params, loss, closure, by_group)
             undo.committed = True
         finally:  # also after an error: an unscaled scaler without update() would refuse every later window

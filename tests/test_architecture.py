@@ -128,3 +128,23 @@ def test_an_extra_skip_source_skips_with_its_reason_and_leaves_no_trace() -> Non
     assert source.calls == 4
     assert opt.num_skipped == 2 and opt.num_updates == 2
     assert opt._counters.consecutive == 1  # the spike skip did not start a non-finite run
+
+
+def test_decide_skip_takes_the_first_signal_that_is_on() -> None:
+    """The skip reason is decided once, on the device: the first signal that is on (in the order
+    given) names it, the skip flag is the maximum of the flags, and no signal on means no skip."""
+    from clipopt._decision import REASONS, SkipSignal, WindowDecision, decide_skip
+
+    def decided(*signals: tuple[int, float | None]) -> tuple[float | None, str | None]:
+        d = WindowDecision(torch.tensor(1.0), torch.tensor(0.0))
+        decide_skip(d, [SkipSignal(code, None if f is None else torch.tensor(f)) for code, f in signals])
+        skip = None if d.skip is None else float(d.skip)
+        return skip, REASONS[int(d.reason)]
+
+    divergence, nonfinite, spike = 4, 1, 3  # SPEC's reason names, by their codes
+    assert (REASONS[divergence], REASONS[nonfinite], REASONS[spike]) == ("divergence", "nonfinite", "spike")
+    assert decided((divergence, 1.0), (nonfinite, 1.0), (spike, 1.0)) == (1.0, "divergence")
+    assert decided((divergence, 0.0), (nonfinite, 1.0), (spike, 1.0)) == (1.0, "nonfinite")
+    assert decided((divergence, None), (nonfinite, 0.0), (spike, 1.0)) == (1.0, "spike")
+    assert decided((divergence, 0.0), (nonfinite, 0.0), (spike, 0.0)) == (0.0, None)
+    assert decided((divergence, None), (nonfinite, None)) == (None, None)
