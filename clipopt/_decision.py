@@ -19,6 +19,7 @@ the loggers and the snapshots.  The reason is an int64 code until read
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -45,6 +46,7 @@ __all__ = [
     "clip_",
     "clip_groups_",
     "decide_skip",
+    "measured_groups",
     "policy_spike",
     "read_anomaly",
     "reason_name",
@@ -255,6 +257,23 @@ def clip_(
         clipped = (coef < 1.0) | clipped if isinstance(clipped, Tensor) else coef < 1.0
     d.max_norm, d.coef, d.clipped = max_norm, coef, clipped
     d.scale = coef * inv if divisor != 1.0 else coef
+
+
+def measured_groups(
+    norms: Tensor, sizes: Sequence[int], shared: Sequence[bool], *, norm_type: float, divisor: float
+) -> WindowDecision:
+    """Step 2 with per-group options, from each gradient's norm (``norms``, one read; ``sizes``: how
+    many belong to each group): the total norm, each group's norm and the shared groups' common
+    norm are p-norms of those, divided by ``divisor`` (micro-batches, ``mean``).  A policy sees the
+    common norm, ``nan`` when the window is not finite (it never enters a policy's statistics)."""
+    raw: Tensor = torch.linalg.vector_norm(norms, norm_type)
+    total = raw / divisor if divisor != 1.0 else raw
+    d = WindowDecision(total, F.nonfinite_flag(total))
+    groups = F.group_norms(norms, sizes, norm_type)
+    d.group_norms = groups / divisor if divisor != 1.0 else groups
+    common = F.shared_norm(d.group_norms, shared, norm_type)
+    d.shared_norm = torch.where(d.nonfinite > 0, math.nan, common)
+    return d
 
 
 def clip_groups_(

@@ -32,6 +32,7 @@ from ._decision import (
     clip_,
     clip_groups_,
     decide_skip,
+    measured_groups,
     policy_spike,
     read_anomaly,
 )
@@ -712,14 +713,7 @@ class ClippedOptimizer(InnerOptimizerView):
             if self.layer_stats and self.loggers and self._shards is None:
                 names = self.layer_names()
                 self._bad_row = row_of_norms(norms, params, names, norm_type=p, inv=1.0 / divisor)
-        raw_norm: Tensor = torch.linalg.vector_norm(norms, p)
-        total_norm = raw_norm / divisor if divisor != 1.0 else raw_norm
-        d = WindowDecision(total_norm, F.nonfinite_flag(total_norm))
-        groups = F.group_norms(norms, sizes, p)
-        d.group_norms = groups / divisor if divisor != 1.0 else groups
-        shared = F.shared_norm(d.group_norms, plan.shared, p)
-        d.shared_norm = torch.where(d.nonfinite > 0, math.nan, shared)  # a policy never sees a bad window
-        return d
+        return measured_groups(norms, sizes, plan.shared, norm_type=p, divisor=divisor)
 
     def _diagnose(self, params: list[Tensor], d: WindowDecision, n: int) -> LayerStats | None:
         """Per-layer statistics when due, and an anomaly snapshot of a non-finite or spiking window.
