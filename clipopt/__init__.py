@@ -7,12 +7,24 @@ and keep calling ``step()``.
 
 from __future__ import annotations
 
+import importlib.util as _importlib_util
+import warnings as _warnings
+
+if _importlib_util.find_spec("numpy") is None:
+    # torch warns "Failed to initialize NumPy" at import when NumPy is absent. clipopt never uses NumPy
+    # (torch is its one dependency), so a wheel-only install would print that line on every `clipopt`
+    # command. The filter covers torch's import only, and only that message; Tensor.numpy() still raises.
+    with _warnings.catch_warnings():
+        _warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+        import torch as _torch  # noqa: F401
+
 from . import functional
 from ._errors import NonFiniteGradientError
 from ._layers import LAYER_FIELDS, LayerStats
 from ._logging import CSVLogger, Logger
 from ._optimizer import ClippedOptimizer
 from ._policies import AGC, AutoClip, ClipPolicy, ZClip
+from ._replay import ReplayResult, replay
 from ._scheduler import PerUpdateScheduler, per_update
 from ._snapshot import load_snapshot
 from ._stats import StepStats, materialize
@@ -30,6 +42,7 @@ __all__ = [
     "Logger",
     "NonFiniteGradientError",
     "PerUpdateScheduler",
+    "ReplayResult",
     "StepStats",
     "TensorBoardLogger",
     "ZClip",
@@ -38,4 +51,5 @@ __all__ = [
     "load_snapshot",
     "materialize",
     "per_update",
+    "replay",
 ]

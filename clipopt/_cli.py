@@ -61,6 +61,59 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- replay
+
+
+def _add_replay(subparsers: _Subparsers) -> None:
+    p = subparsers.add_parser(
+        "replay",
+        help="rerun an anomaly snapshot and name the operation that went non-finite",
+        description=(
+            "Load an anomaly snapshot into the model built by --model, rerun --loss on the attached batch "
+            "forward and backward (--repeats times) while watching every operator, and say whether the "
+            "anomaly comes back (a model fault) or not (transient: data loading, hardware, another rank), "
+            "and where: the phase (forward or backward), the module, the first operator that produced a "
+            "non-finite value and the statistics of its tensors. GradScaler overflow snapshots tell an "
+            "overflow of the loss scale from a genuine fault; spike snapshots name the layer whose "
+            "gradient grew most against the optimizer's history. The model is left as it was."
+        ),
+    )
+    p.add_argument(
+        "file", metavar="SNAPSHOT", help="a snapshot file, e.g. anomalies/anomaly-step00000042-nonfinite.pt"
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="MODULE:FACTORY",
+        help="a function building the model that was trained, e.g. mypkg.models:build (or file.py:build)",
+    )
+    p.add_argument(
+        "--loss",
+        required=True,
+        metavar="MODULE:FN",
+        help="fn(model, attached) returning the loss of the snapshot's attached batch, e.g. mypkg.train:loss",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="replays; reproduced means every time (default: 3)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print the result as JSON (non-finite numbers as the strings "nan", "inf", "-inf")',
+    )
+    p.set_defaults(func=_run_replay)
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    from ._replay_cli import ReplayCommandError, run
+
+    if args.repeats < 1:
+        raise CommandError(f"--repeats must be at least 1, got {args.repeats}")
+    try:
+        print(run(args.file, args.model, args.loss, args.repeats, args.json))
+    except ReplayCommandError as exc:
+        raise CommandError(str(exc)) from None
+    return 0
+
+
 # ---------------------------------------------------------------------------- report
 
 
@@ -76,8 +129,8 @@ def _add_report(subparsers: _Subparsers) -> None:
             "vanishing (per-layer) or healthy, with the step and layer as evidence, one suggested "
             "max_norm, the fraction of updates clipped and whether max_norm looks too tight or too "
             "loose; --plot draws the norms, the loss and the per-layer heatmap (needs matplotlib: "
-            "pip install 'clipopt[plot]'). The rules and their reasons are documented in the module "
-            "clipopt._report_rules."
+            "pip install 'clipopt[plot]'). The rules and their reasons are in the documentation, "
+            "page 'Choosing max_norm'."
         ),
     )
     p.add_argument(
@@ -88,7 +141,8 @@ def _add_report(subparsers: _Subparsers) -> None:
     p.add_argument(
         "--plot",
         metavar="PNG",
-        help="also draw the total norm, the loss and the per-layer heatmap over updates into this image file",
+        help="also draw the total norm, the loss and the per-layer heatmap over updates into this image "
+        "file (default: no plot)",
     )
     p.add_argument(
         "--json",
@@ -171,7 +225,7 @@ def _one_line(exc: BaseException) -> str:
 # ---------------------------------------------------------------------------- the entry point
 
 #: Subcommands, in the order ``--help`` lists them.
-_COMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_demo, _add_report, _add_inspect)
+_COMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_demo, _add_report, _add_inspect, _add_replay)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,14 +240,25 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     for add in _COMMANDS:
         add(subparsers)
+    for sub in subparsers.choices.values():  # so that main() can report a usage error with its usage
+        sub.set_defaults(command_parser=sub)
     return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; an unknown argument is reported with the usage of the subcommand it follows."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        where: argparse.ArgumentParser = getattr(args, "command_parser", parser)
+        where.error(f"unrecognized arguments: {' '.join(unknown)}")  # prints the usage, exits with 2
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``clipopt`` with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = _parse(parser, argv)
     except SystemExit as exc:  # --help, --version, or a usage error (argparse printed it)
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
     if args.command is None:

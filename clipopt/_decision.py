@@ -203,9 +203,10 @@ def read_anomaly(
     d: WindowDecision, policy: ClipPolicy | None, with_divergence: bool, overflow: bool
 ) -> tuple[bool, str | None]:
     """For diagnostics (one host read): whether the window is non-finite, and what makes it an anomaly
-    worth a snapshot: ``"nonfinite"`` (not with a scaler: an overflow is GradScaler's normal
-    operation), else ``"divergence"`` (with ``with_divergence``), else ``"spike"`` by the
-    policy's spike rule (:func:`spike_rule`; asked whether or not spikes are skipped), else None.
+    worth a snapshot: ``"nonfinite"`` (``"overflow"`` with a scaler: GradScaler's normal
+    operation, or a fault; :func:`clipopt.replay` tells them apart), else ``"divergence"``
+    (with ``with_divergence``), else ``"spike"`` by the policy's spike rule
+    (:func:`spike_rule`; asked whether or not spikes are skipped), else None.
     """
     spike = spike_rule(policy, d.total_norm if d.shared_norm is None else d.shared_norm)
     divergence = d.divergence if with_divergence else None
@@ -215,7 +216,7 @@ def read_anomaly(
     diverged = divergence is not None and values[1]
     spiked = spike is not None and values[-1]
     if bad:
-        return True, None if overflow else "nonfinite"
+        return True, "overflow" if overflow else "nonfinite"
     return False, "divergence" if diverged else "spike" if spiked else None
 
 

@@ -77,8 +77,13 @@ def snapshot_payload(
     optimizer_state: dict[str, Any],
     layers: LayerStats,
     attached: Mapping[str, list[Any]],
+    scale: float | None,
 ) -> dict[str, Any]:
-    """What an anomaly snapshot holds (format 1; see :func:`clipopt.load_snapshot`)."""
+    """What an anomaly snapshot holds (format 1; see :func:`clipopt.load_snapshot`).
+
+    ``scale`` is the GradScaler's loss scale of the window (None without a scaler):
+    :func:`clipopt.replay` needs it to tell an overflow of the scale from a fault.
+    """
     return {
         "format": 1,
         "step": step,
@@ -100,4 +105,5 @@ def snapshot_payload(
         "versions": versions(),
         "time": now(),
         "rank": process_rank(),
+        "scale": scale,
     }

@@ -25,3 +25,7 @@ class NonFiniteGradientError(RuntimeError):
         if snapshot is not None:
             msg += f"; latest anomaly snapshot: {snapshot}"
         super().__init__(msg)
+
+
+# Shown where users meet it (tracebacks, reprs, the API reference) under the name they import.
+NonFiniteGradientError.__module__ = "clipopt"

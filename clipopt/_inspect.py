@@ -53,8 +53,8 @@ def inspect_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         with warnings.catch_warnings():  # torch.load's warnings about foreign files would add lines
             warnings.simplefilter("ignore")
             snap = load_snapshot(name)
-    except ValueError as exc:  # load_snapshot's own checks: not a snapshot, or one that lacks keys
-        raise InspectError(_one_line(exc)) from None
+    except ValueError as exc:  # load_snapshot's own checks (already one line, torch's part of it cut short)
+        raise InspectError(str(exc)) from None
     except OSError as exc:
         raise InspectError(f"{name}: cannot read it ({_one_line(exc)})") from None
     except Exception as exc:  # torch.load: not a torch file, or one weights_only refuses
@@ -229,7 +229,12 @@ def format_text(summary: Mapping[str, Any]) -> str:
         )
     else:
         lines.append(
-            "Replay: snap = clipopt.load_snapshot(FILE); "
+            f"Replay: clipopt replay {summary['file'] or 'FILE'} --model pkg.mod:factory "
+            "--loss pkg.mod:loss_fn names the operation, module and phase that went non-finite "
+            "(clipopt.replay in Python)"
+        )
+        lines.append(
+            "  by hand: snap = clipopt.load_snapshot(FILE); "
             "model.load_state_dict(snap['params'], strict=False); then run the attached batch"
         )
     return "\n".join(lines)

@@ -152,10 +152,13 @@ class ClippedOptimizer(InnerOptimizerView):
             every window's end (:class:`CSVLogger`, :class:`TensorBoardLogger`).
         snapshot_dir: folder for anomaly snapshots: on a non-finite window the
             parameters, pre-clip gradients, optimizer state, statistics and
-            :meth:`attach`-ed tensors are saved (see :func:`load_snapshot`).
+            :meth:`attach`-ed tensors are saved (see :func:`load_snapshot`);
+            with a ``scaler`` such a window has reason ``"overflow"`` and the
+            snapshot holds the loss scale (:func:`clipopt.replay` tells an
+            overflow of the scale from a genuine fault).
             Deciding reads one flag from the device per update.
         max_snapshots: at most this many snapshots are written per run and reason
-            (non-finite, spike), so spikes never crowd out a later non-finite one.
+            (non-finite, overflow, spike), so spikes never crowd out a later non-finite one.
         norm_group: a process group whose ranks hold *different* parameters
             (pipeline stages): the partial norms are combined over it (one scalar
             collective per norm), so every stage clips and skips alike.
@@ -765,10 +768,11 @@ class ClippedOptimizer(InnerOptimizerView):
             },
             layers=layers,
             attached=self._attached,
+            scale=None if self.scaler is None else float(self.scaler.get_scale()),
         )
         path = writer.save(payload)
         self.last_snapshot = path or self.last_snapshot
-        if path is not None and reason == "nonfinite":
+        if path is not None and reason in ("nonfinite", "overflow"):
             self._last_nonfinite_snapshot = path
 
     def _clip(

@@ -84,7 +84,7 @@ def format_report(report: Mapping[str, Any]) -> str:
         lines += [f"  - [{f['kind']}] {f['evidence']}" for f in report["findings"]]
     else:
         lines.append(
-            "  - none of the rules fired (they are listed in the docstring of clipopt._report_rules)"
+            "  - none of the rules fired (they are listed in the documentation, page 'Choosing max_norm')"
         )
     clip = report["clipping"]
     suggested = report["suggested_max_norm"]

@@ -167,12 +167,21 @@ def load_snapshot(path: str | os.PathLike[str]) -> dict[str, Any]:
     ``total_norm``, ``params`` and ``grads`` (parameter name -> tensor, so
     ``model.load_state_dict(snap["params"], strict=False)`` restores the
     weights), ``optimizer`` (state dict), ``layer_stats`` (name -> statistics),
-    ``attached`` (name -> what ``attach`` received), ``versions`` and ``time``.
+    ``attached`` (name -> what ``attach`` received), ``versions`` and ``time``;
+    snapshots of this version also hold ``rank`` (under torch.distributed, else
+    None) and ``scale`` (with a GradScaler: the loss scale of the window's
+    backward, reason ``"overflow"`` for a non-finite window; else None).
     """
     name = os.fspath(path)
     if os.path.exists(name) and not stat.S_ISREG(os.stat(name).st_mode):  # a folder, a FIFO, a device
         kind = "a directory" if os.path.isdir(name) else "not a regular file"
         raise ValueError(f"{name} is {kind}; pass one snapshot file (anomaly-step*.pt)")
+    not_torch = _not_a_torch_file(name)
+    if not_torch is not None:
+        raise ValueError(
+            f"{name} is not a clipopt snapshot: {not_torch}; "
+            "pass a file that ClippedOptimizer(snapshot_dir=...) wrote (anomaly-step*.pt)"
+        )
     try:
         snap = torch.load(name, weights_only=True, map_location="cpu")
     except OSError:
@@ -196,6 +205,31 @@ def load_snapshot(path: str | os.PathLike[str]) -> dict[str, Any]:
         shown = ", ".join(f"{k} ({type(snap[k]).__name__})" for k in wrong)
         raise ValueError(f"{name} is a damaged clipopt snapshot: wrong type of {shown}")
     return snap
+
+
+#: How the files ``torch.save`` writes begin: a zip archive, or (legacy format) a pickle.
+_TORCH_FILE_STARTS = (b"PK\x03\x04", b"\x80")
+
+
+def _not_a_torch_file(name: str) -> str | None:
+    """Why ``name`` cannot be a ``torch.save`` file, judged from its first bytes; None when it may be one.
+
+    A text file (a CSV log, a JSON state) gets its own reason, which points to ``clipopt report``.
+    Raises OSError when the file cannot be read.
+    """
+    with open(name, "rb") as f:
+        head = f.read(4096)
+    if not head:
+        return "the file is empty"
+    if head.startswith(_TORCH_FILE_STARTS):
+        return None
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as exc:  # a multi-byte character cut at the end of the block is still text
+        text = head[: exc.start].decode("utf-8") if exc.start > len(head) - 4 else ""
+    if text and "\x00" not in text:
+        return "it is a text file, not one torch.save wrote (a training log? clipopt report reads those)"
+    return "it is not a file that torch.save wrote"
 
 
 def _is_int(value: Any) -> bool:

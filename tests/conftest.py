@@ -36,3 +36,9 @@ def pytest_report_header(config: pytest.Config) -> str:
         f"torch {torch.__version__}; hypothesis profile {settings._current_profile}; "
         f"seed {seed} (replay: python -m pytest --hypothesis-seed={seed})"
     )
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print the seed at the end of every run too: the header is not shown with ``-q``."""
+    seed = terminalreporter.config.option.hypothesis_seed
+    terminalreporter.write_line(f"hypothesis seed {seed} (replay: python -m pytest --hypothesis-seed={seed})")

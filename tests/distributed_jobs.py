@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from clipopt import AGC, ClippedOptimizer
+
+from .helpers import mlp
 
 WORLD = 2
 MAX_NORM = 0.05  # well below the gradient norms here, so clipping is active
@@ -44,9 +47,7 @@ def leave_process_group() -> None:
     sys.stderr.flush()
     os._exit(0)
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+_model = partial(mlp, (6, 8, 3))  # Linear(6, 8), Tanh, Linear(8, 3), global seed 0
 
 
 def _batch(rank: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,7 @@
-"""The README's "Training frameworks" snippets, extracted so the tests run exactly what users read."""
+"""The framework snippets of docs/integrations.md, extracted so the tests run exactly what users read.
+
+(The module kept its name from when the snippets were in the README.)
+"""
 
 from __future__ import annotations
 
@@ -7,16 +10,15 @@ import re
 from pathlib import Path
 from typing import Any
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "integrations.md"
 
 
 def readme_snippet(title: str) -> str:
-    """The one fenced Python block of the "Training frameworks" section whose first line is ``# {title}``."""
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index("## Training frameworks") : text.index("## Host synchronisation")]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    """The one fenced Python block of docs/integrations.md whose first line is ``# {title}``."""
+    text = PAGE.read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     found = [b for b in blocks if b.startswith(f"# {title}")]
-    assert len(found) == 1, f"expected one README snippet starting with '# {title}', found {len(found)}"
+    assert len(found) == 1, f"expected one snippet starting with '# {title}' in {PAGE}, found {len(found)}"
     return found[0]
 
 
@@ -27,13 +29,13 @@ def run_snippet(title: str, workdir: Path, replace: dict[str, str] | None = None
     """
     code = readme_snippet(title)
     for old, new in (replace or {}).items():
-        assert old in code, f"{old!r} not in the README snippet {title!r}"
+        assert old in code, f"{old!r} not in the docs snippet {title!r}"
         code = code.replace(old, new)
-    namespace: dict[str, Any] = {"__name__": f"readme_{title.split(':')[0].lower().replace(' ', '_')}"}
+    namespace: dict[str, Any] = {"__name__": f"docs_{title.split(':')[0].lower().replace(' ', '_')}"}
     cwd = os.getcwd()
     os.chdir(workdir)
     try:
-        exec(compile(code, f"README.md ({title})", "exec"), namespace)
+        exec(compile(code, f"docs/integrations.md ({title})", "exec"), namespace)
     finally:
         os.chdir(cwd)
     return namespace

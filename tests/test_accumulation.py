@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from functools import partial
 
 import numpy as np
 import pytest
@@ -15,18 +16,16 @@ from torch import nn
 
 from clipopt import ClippedOptimizer
 
+from .helpers import mlp, mse
+from .optim_db import params, pick
 from .strategies import clip_values, max_norms, norm_types
 
-OPTIMIZERS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
-    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
-    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
-}
+# Plain SGD, SGD with nesterov momentum, and Adam (for-loop implementations).
+OPTIMIZERS = pick("SGD-forloop", "SGD-nesterov-forloop", "Adam-forloop")
 
 
-def make_model(seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(dtype)
+# make_model(seed): Linear(4, 8), Tanh, Linear(8, 2) in float64
+make_model = partial(mlp, (4, 8, 2), dtype=torch.float64)
 
 
 def make_batch(n: int, gen: torch.Generator, dtype: torch.dtype = torch.float64):
@@ -35,8 +34,6 @@ def make_batch(n: int, gen: torch.Generator, dtype: torch.dtype = torch.float64)
     return x, y
 
 
-def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return ((model(x) - y) ** 2).mean()
 
 
 def assert_params_close(a: nn.Module, b: nn.Module, **tol) -> None:
@@ -56,10 +53,22 @@ class RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+def _reference_update(ref: nn.Module, ref_opt: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor:
+    """Plain torch's update from the gradients in ``ref``: clip_grad_norm_ (or only the norm when
+    ``max_norm`` is None), step, zero; returns the total norm before clipping."""
+    if max_norm is not None:
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+    else:
+        ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return ref_norm
+
+
 # ---------------------------------------------------------------- mean == one large batch
 
 
-@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("info", params(OPTIMIZERS))
 @settings(deadline=None)
 @given(
     k=st.integers(1, 4),
@@ -68,65 +77,55 @@ class RecordingSGD(torch.optim.SGD):
     max_norm=st.sampled_from([None, 1e-3, 0.05, 1e3]),
     seed=st.integers(0, 2**16),
 )
-def test_mean_accumulation_equals_large_batch(opt_name, k, batch, windows, max_norm, seed):
+def test_mean_accumulation_equals_large_batch(info, k, batch, windows, max_norm, seed):
     """k equal micro-batches with reduction='mean' give the same parameters as one concatenated batch."""
     model = make_model(seed % 7)
     ref = copy.deepcopy(model)
-    opt = ClippedOptimizer(OPTIMIZERS[opt_name](model.parameters()), max_norm=max_norm, accumulation_steps=k)
-    ref_opt = OPTIMIZERS[opt_name](ref.parameters())
+    opt = ClippedOptimizer(info.make(model.parameters()), max_norm=max_norm, accumulation_steps=k)
+    ref_opt = info.make(ref.parameters())
     gen = torch.Generator().manual_seed(seed)
     for _ in range(windows):
         micro = [make_batch(batch, gen) for _ in range(k)]
         for x, y in micro:
-            loss_fn(model, x, y).backward()
+            mse(model, (x, y)).backward()
             opt.step()
             opt.zero_grad()
         x = torch.cat([m[0] for m in micro])
         y = torch.cat([m[1] for m in micro])
-        loss_fn(ref, x, y).backward()
-        if max_norm is not None:
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
-        else:
-            ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
-        ref_opt.step()
-        ref_opt.zero_grad()
+        mse(ref, (x, y)).backward()
+        ref_norm = _reference_update(ref, ref_opt, max_norm)
         assert opt.last_stats.micro_batches == k
         assert opt.last_stats.total_norm == pytest.approx(ref_norm.item(), rel=1e-10)
         assert_params_close(model, ref, rtol=1e-9, atol=1e-12)
     assert opt.num_updates == windows
 
 
-@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("info", params(OPTIMIZERS))
 @settings(deadline=None)
 @given(
     sizes=st.lists(st.integers(1, 5), min_size=1, max_size=4),
     max_norm=st.sampled_from([None, 0.02, 1e3]),
     seed=st.integers(0, 2**16),
 )
-def test_sum_reduction_keeps_sum_of_gradients(opt_name, sizes, max_norm, seed):
+def test_sum_reduction_keeps_sum_of_gradients(info, sizes, max_norm, seed):
     """reduction='sum' equals backward of the sum of the micro-batch losses (micro-batches of any size)."""
     k = len(sizes)
     model = make_model(seed % 5)
     ref = copy.deepcopy(model)
     opt = ClippedOptimizer(
-        OPTIMIZERS[opt_name](model.parameters()), max_norm=max_norm, accumulation_steps=k, reduction="sum"
+        info.make(model.parameters()), max_norm=max_norm, accumulation_steps=k, reduction="sum"
     )
-    ref_opt = OPTIMIZERS[opt_name](ref.parameters())
+    ref_opt = info.make(ref.parameters())
     gen = torch.Generator().manual_seed(seed)
     for _ in range(2):
         micro = [make_batch(n, gen) for n in sizes]
         for x, y in micro:
-            loss_fn(model, x, y).backward()
+            mse(model, (x, y)).backward()
             opt.step()
         opt.zero_grad()
-        total = sum(loss_fn(ref, x, y) for x, y in micro)
+        total = sum(mse(ref, (x, y)) for x, y in micro)
         total.backward()
-        if max_norm is not None:
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
-        else:
-            ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_norm = _reference_update(ref, ref_opt, max_norm)
         assert opt.last_stats.total_norm == pytest.approx(ref_norm.item(), rel=1e-10)
         assert_params_close(model, ref, rtol=1e-9, atol=1e-12)
 
@@ -144,7 +143,7 @@ def test_flush_divides_by_real_count():
     micro = [make_batch(3, gen) for _ in range(2)]
     before = [p.detach().clone() for p in model.parameters()]
     for x, y in micro:
-        loss_fn(model, x, y).backward()
+        mse(model, (x, y)).backward()
         opt.step()
         assert not opt.update_applied
     assert opt.micro_batches == 2
@@ -155,7 +154,7 @@ def test_flush_divides_by_real_count():
     assert opt.micro_batches == 0
     assert opt.last_stats.micro_batches == 2
     assert opt.last_stats.step == 1
-    loss_fn(ref, torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])).backward()
+    mse(ref, (torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro]))).backward()
     ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
     ref_opt.step()
     assert_params_close(model, ref, rtol=1e-12, atol=1e-14)
@@ -172,7 +171,7 @@ def test_flush_with_nothing_pending_is_noop():
     assert len(opt.state) == 0
     gen = torch.Generator().manual_seed(0)
     for _ in range(2):
-        loss_fn(model, *make_batch(4, gen)).backward()
+        mse(model, make_batch(4, gen)).backward()
         opt.step()
     opt.zero_grad()
     stats = opt.last_stats
@@ -211,11 +210,11 @@ def test_zero_grad_every_micro_batch_keeps_accumulation(order, set_to_none):
         for x, y in micro:
             if order == "zero_grad_before_backward":
                 opt.zero_grad(set_to_none=set_to_none)
-            loss_fn(model, x, y).backward()
+            mse(model, (x, y)).backward()
             opt.step()
             if order == "zero_grad_after_step":
                 opt.zero_grad(set_to_none=set_to_none)
-        loss_fn(ref, torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])).backward()
+        mse(ref, (torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro]))).backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
         ref_opt.step()
         ref_opt.zero_grad()
@@ -227,19 +226,19 @@ def test_zero_grad_clears_only_once_window_closed():
     model = make_model(5)
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), max_norm=None, accumulation_steps=2)
     gen = torch.Generator().manual_seed(1)
-    loss_fn(model, *make_batch(3, gen)).backward()
+    mse(model, make_batch(3, gen)).backward()
     opt.step()
     kept = [p.grad.clone() for p in model.parameters()]
     opt.zero_grad()
     for p, g in zip(model.parameters(), kept, strict=True):
         assert p.grad is not None
         assert torch.equal(p.grad, g)
-    loss_fn(model, *make_batch(3, gen)).backward()
+    mse(model, make_batch(3, gen)).backward()
     opt.step()
     assert opt.update_applied
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
-    loss_fn(model, *make_batch(3, gen)).backward()
+    mse(model, make_batch(3, gen)).backward()
     opt.step()
     opt.zero_grad(set_to_none=False)  # mid-window again: no-op
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
@@ -337,7 +336,7 @@ def test_update_applied_and_micro_batches_counter():
     seen = []
     for _ in range(7):
         before = [p.detach().clone() for p in model.parameters()]
-        loss_fn(model, *make_batch(2, gen)).backward()
+        mse(model, make_batch(2, gen)).backward()
         opt.step()
         changed = any(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
         assert changed == opt.update_applied
@@ -362,10 +361,10 @@ def test_last_stats_fields_against_plain_torch():
         opt.max_norm = max_norm
         micro = [make_batch(3, gen) for _ in range(k)]
         for x, y in micro:
-            loss_fn(model, x, y).backward()
+            mse(model, (x, y)).backward()
             opt.step()
             opt.zero_grad()
-        loss_fn(ref, torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])).backward()
+        mse(ref, (torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro]))).backward()
         norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm).item()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -388,7 +387,7 @@ def test_clip_coef_is_one_when_norm_clipping_off():
     """With max_norm=None the recorded clip_coef is 1.0 and clipped is False."""
     model = make_model(3)
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), max_norm=None)
-    loss_fn(model, *make_batch(4, torch.Generator().manual_seed(0))).backward()
+    mse(model, make_batch(4, torch.Generator().manual_seed(0))).backward()
     opt.step()
     assert opt.last_stats.clip_coef == 1.0
     assert opt.last_stats.clipped is False
@@ -402,7 +401,7 @@ def test_stats_history_is_bounded():
     )
     gen = torch.Generator().manual_seed(4)
     for _ in range(11):  # 5 full windows + 1 pending micro-batch
-        loss_fn(model, *make_batch(2, gen)).backward()
+        mse(model, make_batch(2, gen)).backward()
         opt.step()
         opt.zero_grad()
     assert len(opt.stats) == 3

@@ -13,6 +13,7 @@ import math
 import re
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -25,19 +26,14 @@ from torch import Tensor, nn
 import clipopt
 from clipopt import AGC, AutoClip, ClippedOptimizer, CSVLogger, ZClip
 
+from .helpers import mlp
+from .optim_db import OptimInfo, get, select
 from .strategies import grad_arrays, norm_types
 
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def make_model(seed: int = 0) -> nn.Sequential:
-    """A small MLP with seeded weights."""
-    g = torch.Generator().manual_seed(seed)
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
-    return model
+make_model = partial(mlp, (3, 4, 2), randn_init=True)  # make_model(seed): weights from a seeded generator
 
 
 def backward(model: nn.Module, seed: int = 0, scale: float = 1.0) -> None:
@@ -360,24 +356,12 @@ def test_step_without_any_gradient_applies_nothing() -> None:
 # ---------------------------------------------------------------------------------------------- state dicts
 
 
-def _trained(name: str) -> tuple[nn.Module, ClippedOptimizer, Callable[[Any], torch.optim.Optimizer]]:
-    factories: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
-        "Adam": lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.9), amsgrad=True),
-        "AdamW_tensor_lr": lambda p: torch.optim.AdamW(p, lr=torch.tensor(0.01)),
-        "Adafactor": lambda p: torch.optim.Adafactor(p, lr=0.01),
-        "Adadelta": lambda p: torch.optim.Adadelta(p),
-        "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.01),
-        "Adamax": lambda p: torch.optim.Adamax(p, lr=0.01),
-        "ASGD": lambda p: torch.optim.ASGD(p, lr=0.01),
-        "LBFGS": lambda p: torch.optim.LBFGS(p, lr=0.1, max_iter=3),
-        "NAdam": lambda p: torch.optim.NAdam(p, lr=0.01),
-        "RAdam": lambda p: torch.optim.RAdam(p, lr=0.01),
-        "RMSprop": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.9, centered=True),
-        "Rprop": lambda p: torch.optim.Rprop(p, lr=0.01),
-        "SGD": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, nesterov=True),
-        "SGD_fused": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, fused=True),
-    }
-    factory = factories[name]
+def _trained(
+    info: OptimInfo, overrides: dict[str, Any]
+) -> tuple[nn.Module, ClippedOptimizer, Callable[[Any], torch.optim.Optimizer]]:
+    def factory(p: Any) -> torch.optim.Optimizer:
+        return info.make(p, **overrides)
+
     model = make_model()
     opt = ClippedOptimizer(factory(model.parameters()), max_norm=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # adds initial_lr to the groups
@@ -395,30 +379,23 @@ def _trained(name: str) -> tuple[nn.Module, ClippedOptimizer, Callable[[Any], to
     return model, opt, factory
 
 
+# Every optimizer a dense model with biases takes (the closure one included: each step uses a
+# closure), plus non-default betas with amsgrad and a tensor learning rate.
 STATE_DICT_OPTIMIZERS = [
-    "Adam",
-    "AdamW_tensor_lr",
-    "Adafactor",
-    "Adadelta",
-    "Adagrad",
-    "Adamax",
-    "ASGD",
-    "LBFGS",
-    "NAdam",
-    "RAdam",
-    "RMSprop",
-    "Rprop",
-    "SGD",
-    "SGD_fused",
+    *[pytest.param(o, {}, id=o.id) for o in select(exclude=("sparse", "matrix"))],
+    pytest.param(get("Adam-amsgrad-forloop"), {"betas": (0.8, 0.9)}, id="Adam-amsgrad-betas"),
+    pytest.param(get("AdamW-forloop"), {"lr": torch.tensor(0.01)}, id="AdamW-tensor-lr"),
 ]
 
 
-@pytest.mark.parametrize("name", STATE_DICT_OPTIMIZERS)
-def test_genuine_state_dicts_of_every_optimizer_still_load(name: str) -> None:
+@pytest.mark.parametrize(("info", "overrides"), STATE_DICT_OPTIMIZERS)
+def test_genuine_state_dicts_of_every_optimizer_still_load(
+    info: OptimInfo, overrides: dict[str, Any]
+) -> None:
     """The stricter checks refuse none of torch's optimizers' own state dicts (Adafactor's factored
     row/column statistics, LBFGS's flat history, tensor learning rates, scheduler keys), into a
     fresh optimizer and into one that already holds state."""
-    _, opt, factory = _trained(name)
+    _, opt, factory = _trained(info, overrides)
     sd = copy.deepcopy(opt.state_dict())
     fresh = ClippedOptimizer(factory(make_model().parameters()), max_norm=1.0)
     torch.optim.lr_scheduler.StepLR(fresh, step_size=1)
@@ -540,23 +517,41 @@ def test_lbfgs_state_without_line_search_loads_into_one_with_it() -> None:
 # ---------------------------------------------------------------------------------------------- closures
 
 
-def _lbfgs_run(bad_call: int | None, seed: int = 0) -> tuple[nn.Module, ClippedOptimizer, list[int]]:
-    torch.manual_seed(seed)
-    model = nn.Linear(3, 1)
-    g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(8, 3, generator=g), torch.randn(8, 1, generator=g)
-    opt = ClippedOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5), max_norm=1.0)
+def _mse_closure(
+    opt: ClippedOptimizer,
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    bad_call: int | None,
+    inf_loss_only: bool = False,
+) -> tuple[Callable[[], Tensor], list[int]]:
+    """An MSE closure and its call count (``calls[0]``). On call ``bad_call`` its loss and gradients
+    are NaN; with ``inf_loss_only`` the gradients of that call stay finite and the loss it returns
+    (detached) is inf."""
     calls = [0]
 
     def closure() -> Tensor:
         calls[0] += 1
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
-        if calls[0] == bad_call:
-            loss = loss * math.nan
+        bad = calls[0] == bad_call
+        if inf_loss_only:
+            loss.backward()
+            return loss.detach() + (math.inf if bad else 0.0)
+        loss = loss * (math.nan if bad else 1.0)
         loss.backward()
         return loss
 
+    return closure, calls
+
+
+def _lbfgs_run(bad_call: int | None, seed: int = 0) -> tuple[nn.Module, ClippedOptimizer, list[int]]:
+    torch.manual_seed(seed)
+    model = nn.Linear(3, 1)
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(8, 3, generator=g), torch.randn(8, 1, generator=g)
+    opt = ClippedOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5), max_norm=1.0)
+    closure, calls = _mse_closure(opt, model, x, y, bad_call)
     opt._test_closure = closure  # type: ignore[attr-defined]
     return model, opt, calls
 
@@ -591,15 +586,7 @@ def test_lbfgs_skip_after_applied_windows_restores_its_history() -> None:
         for seed, bad in windows:
             g = torch.Generator().manual_seed(seed)
             x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
-            calls = [0]
-
-            def closure(x: Tensor = x, y: Tensor = y, bad: bool = bad, calls: list[int] = calls) -> Tensor:
-                calls[0] += 1
-                opt.zero_grad()
-                loss = nn.functional.mse_loss(model(x), y) * (math.nan if bad and calls[0] == 3 else 1.0)
-                loss.backward()
-                return loss
-
+            closure, _ = _mse_closure(opt, model, x, y, 3 if bad else None)
             opt.step(closure)
             assert opt.step_was_skipped == bad
         return model
@@ -616,15 +603,7 @@ def test_lbfgs_nonfinite_loss_with_finite_gradients_on_reevaluation_skips() -> N
     model = nn.Linear(3, 1)
     x, y = torch.randn(8, 3), torch.randn(8, 1)
     opt = ClippedOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4), max_norm=1.0)
-    calls = [0]
-
-    def closure() -> Tensor:
-        calls[0] += 1
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        return loss.detach() + (math.inf if calls[0] == 2 else 0.0)
-
+    closure, _ = _mse_closure(opt, model, x, y, 2, inf_loss_only=True)
     before = weights(model)
     opt.step(closure)
     assert same_weights(model, before) and opt.step_was_skipped

@@ -22,6 +22,7 @@ import sys
 import time
 import warnings
 import zipfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +35,12 @@ from clipopt import ClippedOptimizer, CSVLogger, TensorBoardLogger, load_snapsho
 from clipopt._cli import main as cli_main
 from clipopt._report import read_log
 
+from .helpers import mlp
+
 REPO = Path(__file__).resolve().parent.parent
 
 
-def make_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+make_model = partial(mlp, (3, 4, 2))  # Linear(3, 4), Tanh, Linear(4, 2), global seed 0
 
 
 def train(opt: ClippedOptimizer, model: nn.Module, steps: int, nan_at: tuple[int, ...] = ()) -> None:

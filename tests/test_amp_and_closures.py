@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -11,27 +12,22 @@ from torch import nn
 
 from clipopt import ClippedOptimizer
 
+from .helpers import TwoHeads, mlp, mse, pairs
+from .optim_db import params, pick
+
 INIT_SCALE = 2.0**8
 
 
-def make_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))
+make_model = partial(mlp, (5, 16, 3), act=nn.ReLU)  # make_model(seed)
 
 
-def make_batch(i: int, n: int = 8):
-    gen = torch.Generator().manual_seed(1000 + i)
-    return torch.randn(n, 5, generator=gen) * 3, torch.randn(n, 3, generator=gen)
+def make_batch(i: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    return pairs(1, (n, 5), (n, 3), seed=1000 + i, scale=3)[0]
 
 
-def loss_fn(model, x, y):
-    return ((model(x) - y) ** 2).mean()
 
 
-INNER = {
-    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
-    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
-}
+INNER = pick("Adam-forloop", "AdamW-fused")  # a for-loop and a fused inner optimizer
 
 
 def scaler(**kw) -> torch.amp.GradScaler:
@@ -59,26 +55,26 @@ def poison(model: nn.Module) -> None:
 # ---------------------------------------------------------------- GradScaler
 
 
-@pytest.mark.parametrize("inner_name", list(INNER))
-def test_scaler_matches_manual_amp_loop(inner_name):
+@pytest.mark.parametrize("inner", params(INNER))
+def test_scaler_matches_manual_amp_loop(inner):
     """scaler= equals the manual scale/backward/unscale_/clip_grad_norm_/scaler.step/update loop."""
     max_norm = 0.5
     model = make_model()
     ref = copy.deepcopy(model)
     sc, ref_sc = scaler(), scaler()
-    opt = ClippedOptimizer(INNER[inner_name](model.parameters()), max_norm=max_norm, scaler=sc)
-    ref_opt = INNER[inner_name](ref.parameters())
+    opt = ClippedOptimizer(inner.make(model.parameters()), max_norm=max_norm, scaler=sc)
+    ref_opt = inner.make(ref.parameters())
     overflow_at = 3
     for i in range(7):
         x, y = make_batch(i)
-        sc.scale(loss_fn(model, x, y)).backward()
+        sc.scale(mse(model, (x, y))).backward()
         if i == overflow_at:
             poison(model)
         before = [p.detach().clone() for p in model.parameters()]
         opt.step()
         opt.zero_grad()
 
-        ref_sc.scale(loss_fn(ref, x, y)).backward()
+        ref_sc.scale(mse(ref, (x, y))).backward()
         if i == overflow_at:
             poison(ref)
         ref_sc.unscale_(ref_opt)
@@ -109,19 +105,19 @@ def test_scaler_matches_manual_amp_loop(inner_name):
     assert opt.num_updates == 6
 
 
-@pytest.mark.parametrize("inner_name", list(INNER))
-def test_scaler_overflow_from_huge_loss(inner_name):
+@pytest.mark.parametrize("inner", params(INNER))
+def test_scaler_overflow_from_huge_loss(inner):
     """A loss that overflows once scaled is skipped with reason 'overflow' and the scale backs off."""
     model = make_model(2)
     sc = scaler()
-    opt = ClippedOptimizer(INNER[inner_name](model.parameters()), max_norm=1.0, scaler=sc)
+    opt = ClippedOptimizer(inner.make(model.parameters()), max_norm=1.0, scaler=sc)
     x, y = make_batch(0)
-    sc.scale(loss_fn(model, x, y)).backward()
+    sc.scale(mse(model, (x, y))).backward()
     opt.step()
     opt.zero_grad()
     params = [p.detach().clone() for p in model.parameters()]
     state = copy.deepcopy(opt.optimizer.state_dict()["state"])
-    sc.scale(loss_fn(model, x, y) * 3e38).backward()
+    sc.scale(mse(model, (x, y)) * 3e38).backward()
     opt.step()
     opt.zero_grad()
     assert opt.last_stats.skipped and opt.last_stats.reason == "overflow"
@@ -135,26 +131,26 @@ def test_scaler_overflow_from_huge_loss(inner_name):
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("inner_name", list(INNER))
-def test_scaler_with_accumulation_updates_only_at_boundaries(inner_name):
+@pytest.mark.parametrize("inner", params(INNER))
+def test_scaler_with_accumulation_updates_only_at_boundaries(inner):
     """With accumulation_steps=2 the scaler unscales/steps/updates once per window, like a one-batch loop."""
     model = make_model(3)
     ref = copy.deepcopy(model)
     sc, ref_sc = scaler(growth_interval=1), scaler(growth_interval=1)  # scale doubles at every update()
     opt = ClippedOptimizer(
-        INNER[inner_name](model.parameters()), max_norm=0.5, accumulation_steps=2, scaler=sc
+        inner.make(model.parameters()), max_norm=0.5, accumulation_steps=2, scaler=sc
     )
-    ref_opt = INNER[inner_name](ref.parameters())
+    ref_opt = inner.make(ref.parameters())
     for w in range(3):
         xs, ys = zip(*(make_batch(10 * w + j, n=4) for j in range(2)), strict=True)
         for j in range(2):
-            sc.scale(loss_fn(model, xs[j], ys[j])).backward()
+            sc.scale(mse(model, (xs[j], ys[j]))).backward()
             opt.step()
             opt.zero_grad()
             if j == 0:
                 assert sc.get_scale() == INIT_SCALE * 2**w, "scaler updated mid-window"
                 assert not opt.update_applied
-        ref_sc.scale(loss_fn(ref, torch.cat(xs), torch.cat(ys))).backward()
+        ref_sc.scale(mse(ref, (torch.cat(xs), torch.cat(ys)))).backward()
         ref_sc.unscale_(ref_opt)
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         ref_sc.step(ref_opt)
@@ -174,7 +170,7 @@ def test_closure_with_scaler_raises():
 
     def closure():
         calls.append(1)
-        return loss_fn(model, *make_batch(0))
+        return mse(model, make_batch(0))
 
     with pytest.raises(TypeError, match="closure"):
         opt.step(closure)
@@ -246,13 +242,13 @@ def test_sgd_closure_returns_loss_and_matches_reference():
 
         def closure(m=model, x=x, y=y):
             opt.zero_grad()
-            loss = loss_fn(m, x, y)
+            loss = mse(m, (x, y))
             loss.backward()
             return loss
 
         got = opt.step(closure)
         ref_opt.zero_grad()
-        ref_loss = loss_fn(ref, x, y)
+        ref_loss = mse(ref, (x, y))
         ref_loss.backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
         ref_opt.step()
@@ -326,3 +322,30 @@ def test_lbfgs_reevaluated_gradients_are_clipped():
     assert max(free_inner.grad_norms) > 1.0  # the unclipped gradients are much larger
     assert x_clip.norm() < x_free.norm()
     assert opt.last_stats.total_norm == pytest.approx(free_inner.grad_norms[0], rel=1e-12)
+
+
+# -------------------------------------------------------------------- GradScaler after an error
+
+
+def test_scaler_recovers_after_an_error_inside_a_window() -> None:
+    """An exception between unscale_ and the step still updates the scaler, so the next window works."""
+    model = TwoHeads()
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+
+    class Failing(torch.optim.SGD):
+        fail = True
+
+        def step(self, closure: object = None) -> object:
+            if Failing.fail:
+                Failing.fail = False
+                raise RuntimeError("boom")
+            return super().step(closure)  # type: ignore[arg-type]
+
+    opt = ClippedOptimizer(Failing(model.parameters(), lr=0.1), scaler=scaler)
+    scaler.scale(model.loss("a", torch.ones(2, 3))).backward()
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step()
+    opt.zero_grad()
+    scaler.scale(model.loss("a", torch.ones(2, 3))).backward()
+    opt.step()
+    assert opt.update_applied

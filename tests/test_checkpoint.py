@@ -6,8 +6,10 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import re
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
@@ -15,21 +17,22 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from clipopt import ClippedOptimizer, NonFiniteGradientError
+
+from . import helpers
+from .helpers import TwoHeads, mlp, pairs, task_run
+from .hostreads import count_host_reads
+from .optim_db import get, pick
 
 ACC = 3  # micro-batches per window in most tests
 N_BATCHES = 15  # five windows
 BAD = 7  # the non-finite micro-batch: the third window (batches 6, 7, 8) is skipped
 
-OPTIMIZERS: dict[str, Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]] = {
-    "adam_foreach": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
-    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
-    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True, foreach=False),
-    "sgd_momentum_fused": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, fused=True),
-}
-FUSED = {"adamw_fused", "sgd_momentum_fused"}
+# The inner optimizers of the checkpoint tests: two fused, one foreach, one for-loop (with nesterov).
+OPTIMIZERS = [o.id for o in pick("Adam-foreach", "AdamW-fused", "SGD-nesterov-forloop", "SGD-momentum-fused")]
+LR = 1e-2  # every checkpoint optimizer runs at this rate (a test checks it survives loading)
+FUSED = {name for name in OPTIMIZERS if "fused" in get(name).tags}
 HOOK_DICTS = (
     "_optimizer_step_pre_hooks",
     "_optimizer_step_post_hooks",
@@ -43,46 +46,30 @@ HOOK_DICTS = (
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def make_model(seed: int) -> nn.Module:
-    """A small MLP whose weights come from a seeded generator (no global RNG)."""
-    g = torch.Generator().manual_seed(seed)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
-    return model
+# make_model(seed): a small MLP whose weights come from a seeded generator (no global RNG)
+make_model = partial(mlp, (4, 8, 3), randn_init=True)
 
 
-def make_batches(n: int, seed: int = 0, bad: Iterable[int] = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed list of (x, y) batches; batches listed in ``bad`` give NaN gradients."""
-    g = torch.Generator().manual_seed(seed)
-    bad = set(bad)
-    out = []
-    for i in range(n):
-        x = torch.randn(5, 4, generator=g) * 3
-        y = torch.randn(5, 3, generator=g)
-        if i in bad:
-            x[0, 0] = float("nan")
-        out.append((x, y))
-    return out
+# A fixed list of (x, y) batches; batches listed in ``bad`` give NaN gradients.
+make_batches = partial(pairs, x_shape=(5, 4), y_shape=(5, 3), seed=0, scale=3)
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[Any], scaler: Any = None) -> None:
-    """The user loop: ``loss.backward(); opt.step(); opt.zero_grad()`` per micro-batch."""
-    for x, y in batches:
-        loss = nn.functional.mse_loss(model(x), y) * 10
-        (loss if scaler is None else scaler.scale(loss)).backward()
-        opt.step()
-        opt.zero_grad()
+def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y) * 10
+
+
+# The user loop: ``loss.backward(); opt.step(); opt.zero_grad()`` per micro-batch (scaler= optional).
+train = partial(helpers.train, loss=_loss)
 
 
 def wrap(
-    model: nn.Module, name: str = "adam_foreach", reduction: str = "mean", acc: int = ACC, **kw: Any
+    model: nn.Module, name: str = "Adam-foreach", reduction: str = "mean", acc: int = ACC, **kw: Any
 ) -> ClippedOptimizer:
     kw.setdefault("max_norm", 1.0)
     kw.setdefault("clip_value", 0.5)
     return ClippedOptimizer(
-        OPTIMIZERS[name](model.parameters()), accumulation_steps=acc, reduction=reduction, **kw
+        get(name).make(model.parameters(), lr=LR), accumulation_steps=acc, reduction=reduction, **kw
     )
 
 
@@ -128,7 +115,7 @@ def counters(opt: ClippedOptimizer) -> tuple[int, int, int, int]:
 
 @pytest.mark.parametrize("cut", range(N_BATCHES))
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", OPTIMIZERS)
 def test_resume_is_bit_identical(name: str, reduction: str, cut: int, tmp_path: Any) -> None:
     """A checkpoint after any micro-batch, loaded (weights_only) into fresh objects, resumes bit for bit."""
     batches = make_batches(N_BATCHES, bad={BAD})
@@ -189,7 +176,7 @@ def test_resume_without_pending_grads_diverges() -> None:
     acc=st.integers(1, 4),
     n=st.integers(1, 9),
     data=st.data(),
-    name=st.sampled_from(list(OPTIMIZERS)),
+    name=st.sampled_from(OPTIMIZERS),
     reduction=st.sampled_from(["mean", "sum"]),
     bad=st.one_of(st.none(), st.integers(0, 8)),
     seed=st.integers(0, 2**16),
@@ -226,7 +213,7 @@ def test_resume_any_cut_then_flush(
 
 
 @pytest.mark.parametrize("cut", [6, 7, 8])
-@pytest.mark.parametrize("name", ["adam_foreach", "adamw_fused"])
+@pytest.mark.parametrize("name", ["Adam-foreach", "AdamW-fused"])
 def test_counters_survive_including_skips(name: str, cut: int) -> None:
     """num_updates/num_skipped/num_windows/micro_batches are restored, also right after a skipped window."""
     batches = make_batches(12, bad={4})  # window 2 (batches 3-5) is skipped; fused: on the device
@@ -279,7 +266,7 @@ def test_consecutive_skips_survive() -> None:
 def test_state_dict_has_usual_keys_and_loads_into_plain_adam() -> None:
     """The state dict has "state"/"param_groups"; a plain torch.optim.Adam loads it with equal state."""
     model = make_model(0)
-    opt = wrap(model, "adam_foreach")
+    opt = wrap(model, "Adam-foreach")
     train(model, opt, make_batches(7))
     sd = roundtrip(opt.state_dict())
     assert {"state", "param_groups", "clipopt"} <= sd.keys()
@@ -303,7 +290,7 @@ def test_plain_state_dict_loads_into_wrapper() -> None:
     plain_sd = roundtrip(plain.state_dict())
 
     model = make_model(0)
-    opt = wrap(model, "adam_foreach")
+    opt = wrap(model, "Adam-foreach")
     train(model, opt, make_batches(9, bad={4}))
     assert counters(opt) == (2, 1, 3, 0)
     opt.load_state_dict(plain_sd)
@@ -326,7 +313,7 @@ def assert_wraps(opt: ClippedOptimizer) -> None:
     assert opt.defaults is opt.optimizer.defaults
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", OPTIMIZERS)
 def test_wraps_never_copies(name: str) -> None:
     """param_groups/state/defaults are the inner optimizer's objects, before and after load_state_dict."""
     model = make_model(0)
@@ -357,7 +344,7 @@ def test_wraps_never_copies(name: str) -> None:
 # ---------------------------------------------------------------------- 5. validation and rollback
 
 
-def mid_window(name: str = "adam_foreach", **kw: Any) -> tuple[nn.Module, ClippedOptimizer, dict[str, Any]]:
+def mid_window(name: str = "Adam-foreach", **kw: Any) -> tuple[nn.Module, ClippedOptimizer, dict[str, Any]]:
     """An optimizer one micro-batch into its second window, and a valid (loaded) copy of its state dict."""
     model = make_model(0)
     opt = wrap(model, name, **kw)
@@ -622,7 +609,7 @@ COPIERS = {
 @pytest.mark.parametrize("how", list(COPIERS))
 @pytest.mark.parametrize(
     "name",
-    ["adam_foreach", "sgd_momentum", *sorted(FUSED)],
+    ["Adam-foreach", "SGD-nesterov-forloop", *sorted(FUSED)],
 )
 def test_copy_gives_working_optimizer(name: str, how: str) -> None:
     """Pickle/deepcopy of (model, opt) with hooks drops the hooks; the copy trains bit-identically."""
@@ -658,7 +645,7 @@ def test_copy_gives_working_optimizer(name: str, how: str) -> None:
     assert calls.count("pre") == calls.count("post") == 6
 
 
-@pytest.mark.parametrize("name", ["adam_foreach", "adamw_fused"])
+@pytest.mark.parametrize("name", ["Adam-foreach", "AdamW-fused"])
 def test_deepcopy_of_optimizer_alone(name: str) -> None:
     """deepcopy(opt) alone: its param_groups/state are its own inner's, holding copies of the parameters."""
     model = make_model(0)
@@ -686,25 +673,6 @@ def test_deepcopy_of_optimizer_alone(name: str) -> None:
     assert counters(opt2) == counters(opt) == (3, 0, 3, 0)
 
 
-class HostReads(TorchDispatchMode):
-    """Records the ops that read a tensor back to the host (.item(), bool(t), torch.equal)."""
-
-    READS = (
-        torch.ops.aten._local_scalar_dense.default,
-        torch.ops.aten.is_nonzero.default,
-        torch.ops.aten.equal.default,
-    )
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: list[Any] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in self.READS:
-            self.reads.append(func)
-        return func(*args, **(kwargs or {}))
-
-
 def _fused_after_first_update(name: str) -> tuple[nn.Module, ClippedOptimizer, list[Any]]:
     batches = make_batches(9)
     model = make_model(0)
@@ -717,9 +685,9 @@ def _fused_after_first_update(name: str) -> tuple[nn.Module, ClippedOptimizer, l
 def test_fused_window_has_no_host_read(name: str) -> None:
     """Control for the copy test below: a fused wrapper closes a window without any host read."""
     model, opt, batches = _fused_after_first_update(name)
-    with HostReads() as mode:
+    with count_host_reads() as reads:
         train(model, opt, batches)
-    assert mode.reads == []
+    assert reads.ours == reads.inner == []  # none by clipopt, none by the inner optimizer
     assert opt.num_updates == 3
 
 
@@ -729,9 +697,9 @@ def test_fused_copy_keeps_sync_free_path(name: str, how: str) -> None:
     """A pickled/deep-copied fused wrapper still closes a window without any host read."""
     model, opt, batches = _fused_after_first_update(name)
     model2, opt2 = COPIERS[how]((model, opt))
-    with HostReads() as mode:
+    with count_host_reads() as reads:
         train(model2, opt2, batches)
-    assert mode.reads == []
+    assert reads.ours == reads.inner == []  # none by clipopt, none by the inner optimizer
     assert opt2.num_updates == 3
 
 
@@ -804,7 +772,7 @@ def test_state_dict_hooks_fire() -> None:
 # ------------------------------------------------------------------------------------ 8. step hooks
 
 
-@pytest.mark.parametrize("name", ["adam_foreach", "sgd_momentum", *sorted(FUSED)])
+@pytest.mark.parametrize("name", ["Adam-foreach", "SGD-nesterov-forloop", *sorted(FUSED)])
 def test_step_hooks(name: str) -> None:
     """Wrapper step hooks fire on every step() call; inner step hooks when the inner step() runs.
 
@@ -846,7 +814,7 @@ def test_step_hooks(name: str) -> None:
 
 
 @pytest.mark.parametrize("cut", [4, 7, 10])
-@pytest.mark.parametrize("name", ["adam_foreach", "adamw_fused"])
+@pytest.mark.parametrize("name", ["Adam-foreach", "AdamW-fused"])
 def test_scaler_state_restored(name: str, cut: int) -> None:
     """The GradScaler state is in the state dict and restored; training resumes bit-identically."""
 
@@ -884,3 +852,37 @@ def test_scaler_state_restored(name: str, cut: int) -> None:
     assert scaler2.state_dict() == ref_scaler.state_dict()
     assert counters(opt2) == counters(ref)
     assert_tree_equal(ref.optimizer.state_dict(), opt2.optimizer.state_dict())
+
+
+# ------------------------------------------ state the fused path caches, and the scaler's state
+
+
+def test_fused_state_cache_does_not_survive_load_state_dict() -> None:
+    """After loading a state dict without state, a skipped first window leaves no state behind."""
+    model = TwoHeads()
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1, fused=True))
+    fresh = copy.deepcopy(opt.state_dict())
+    task_run(model, opt, [("a", False), ("b", False)])
+    opt.load_state_dict(fresh)
+    task_run(model, opt, [("a", True)])
+    assert opt.step_was_skipped
+    assert len(opt.state) == 0
+
+
+def test_disabled_scaler_state_is_rejected_untouched() -> None:
+    """A scaler state saved from a disabled GradScaler ({}) is refused before anything is loaded."""
+    model = TwoHeads()
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler, accumulation_steps=2)
+    scaler.scale(model.loss("a", torch.ones(2, 3))).backward()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["clipopt"]["scaler"] = {}
+    opt2 = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        scaler=torch.amp.GradScaler("cpu", init_scale=8.0),
+        accumulation_steps=2,
+    )
+    with pytest.raises(ValueError, match=re.escape("the GradScaler rejected 'clipopt.scaler'")):
+        opt2.load_state_dict(sd)
+    assert opt2.micro_batches == 0 and len(opt2.state) == 0

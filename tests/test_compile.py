@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -12,15 +13,13 @@ from torch._dynamo.utils import counters
 
 from clipopt import ClippedOptimizer
 
+from .helpers import mlp, pairs
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+_model = partial(mlp, (8, 16, 1))  # Linear(8, 16), Tanh, Linear(16, 1), global seed 0
 
 
 def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(i)
-    return torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+    return pairs(1, (16, 8), (16, 1), seed=i)[0]
 
 
 def _graph_breaks(run) -> dict[str, int]:

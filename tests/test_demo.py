@@ -87,7 +87,9 @@ def test_cli_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_demo_rejects_bad_steps(capsys: pytest.CaptureFixture[str]) -> None:
     """--steps below 2 is a usage error (exit 2) naming the option."""
     assert _cli.main(["demo", "--steps", "1"]) == 2
-    assert "--steps must be >= 2" in capsys.readouterr().err
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "clipopt demo: error: argument --steps: must be a whole number >= 2, got '1'"
+    )
 
 
 def test_demo_reports_exploding_and_healthy(demo: tuple[Path, object]) -> None:

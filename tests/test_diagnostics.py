@@ -7,6 +7,7 @@ import csv
 import math
 import re
 import threading
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,30 +20,11 @@ import clipopt._layers as clipopt_layers
 from clipopt import LAYER_FIELDS, ClippedOptimizer, CSVLogger, StepStats
 from clipopt import functional as F
 
+from .helpers import TwoHeads, inputs, mlp, reads_per_step, task_run, train
 from .hostreads import count_host_reads
 
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
-
-
-def _batches(n: int, bad: set[int] = frozenset()) -> list[torch.Tensor]:  # type: ignore[assignment]
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for i in range(n):
-        x = torch.randn(5, 4, generator=gen) * 3
-        if i in bad:
-            x[0, 0] = float("nan")
-        out.append(x)
-    return out
-
-
-def _train(model: torch.nn.Module, opt: ClippedOptimizer, batches: list[torch.Tensor]) -> None:
-    for x in batches:
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+_model = partial(mlp, (4, 6, 2))  # Linear(4, 6), Tanh, Linear(6, 2), global seed 0
+_batches = partial(inputs, shape=(5, 4), seed=1, scale=3)  # bad ones hold a NaN
 
 
 # ------------------------------------------------------------------------------ names
@@ -145,7 +127,7 @@ def test_layer_stats_match_numpy(accumulation: int) -> None:
         ref(x).pow(2).mean().backward()
     grads = [p.grad / accumulation for p in ref.parameters() if p.grad is not None]
     expected = _reference_layer_stats(grads, list(ref.parameters()))
-    _train(model, opt, batches)
+    train(model, opt, batches)
     assert opt.last_stats is not None and opt.last_stats.layers is not None
     got = opt.last_stats.layers
     assert got.names == ("0.weight", "0.bias", "2.weight", "2.bias")
@@ -158,10 +140,10 @@ def test_layer_stats_every_k_windows() -> None:
     """layer_stats=3 computes statistics on windows 3, 6, ... only; False never."""
     model = _model()
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), layer_stats=3)
-    _train(model, opt, _batches(7))
+    train(model, opt, _batches(7))
     assert [s.step for s in opt.stats if s.layers is not None] == [3, 6]
     opt2 = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    _train(model, opt2, _batches(3))
+    train(model, opt2, _batches(3))
     assert all(s.layers is None for s in opt2.stats)
 
 
@@ -186,7 +168,7 @@ def test_layer_stats_without_gradient_are_nan() -> None:
     frozen = list(model.parameters())[1]
     frozen.requires_grad_(False)
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), layer_stats=True)
-    _train(model, opt, _batches(1))
+    train(model, opt, _batches(1))
     assert opt.last_stats is not None and opt.last_stats.layers is not None
     row = opt.last_stats.layers.rows()[1]
     assert all(math.isnan(v) for v in row[:3])
@@ -198,13 +180,7 @@ def test_layer_stats_windows_read_one_flag_others_none() -> None:
     """With fused AdamW, windows without statistics read nothing; windows with statistics read one flag."""
     model = _model()
     opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), fused=True), max_norm=0.1, layer_stats=2)
-    reads = []
-    for x in _batches(6):
-        model(x).pow(2).mean().backward()
-        with count_host_reads() as r:
-            opt.step()
-        reads.append(len(r))
-        opt.zero_grad()
+    reads = reads_per_step(model, opt, _batches(6))
     assert reads[2] == 0 and reads[4] == 0  # windows 3 and 5
     assert reads[3] == 1 and reads[5] == 1  # windows 4 and 6
 
@@ -429,7 +405,7 @@ def test_csv_rows_match_stats(tmp_path: Path) -> None:
         layer_stats=2,
         loggers=[logger],
     )
-    _train(model, opt, _batches(7, bad={4}))
+    train(model, opt, _batches(7, bad={4}))
     opt.close()
     rows = _read_csv(path)
     assert list(rows[0])[:10] == list(clipopt._logging.BASE_COLUMNS)
@@ -503,11 +479,11 @@ def test_csv_is_buffered(tmp_path: Path) -> None:
     model = _model()
     logger = CSVLogger(path, flush_every=3)
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), loggers=[logger])
-    _train(model, opt, _batches(2))
+    train(model, opt, _batches(2))
     assert not path.exists()
-    _train(model, opt, _batches(1))
+    train(model, opt, _batches(1))
     assert len(_read_csv(path)) == 3
-    _train(model, opt, _batches(2))
+    train(model, opt, _batches(2))
     assert len(_read_csv(path)) == 3
     logger.close()
     assert [int(r["step"]) for r in _read_csv(path)] == [1, 2, 3, 4, 5]
@@ -518,13 +494,7 @@ def test_csv_adds_no_host_read_until_flush(tmp_path: Path) -> None:
     model = _model()
     logger = CSVLogger(tmp_path / "g.csv", flush_every=4)
     opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), fused=True), loggers=[logger])
-    reads = []
-    for x in _batches(8):
-        model(x).pow(2).mean().backward()
-        with count_host_reads() as r:
-            opt.step()
-        reads.append(len(r))
-        opt.zero_grad()
+    reads = reads_per_step(model, opt, _batches(8))
     assert reads[1:] == [0, 0, 1, 0, 0, 0, 1]
 
 
@@ -533,13 +503,13 @@ def test_csv_resume_appends_without_second_header(tmp_path: Path) -> None:
     path = tmp_path / "grads.csv"
     model = _model()
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), loggers=[CSVLogger(path)])
-    _train(model, opt, _batches(3))
+    train(model, opt, _batches(3))
     opt.close()
     sd = copy.deepcopy(opt.state_dict())
     model2 = copy.deepcopy(model)
     opt2 = ClippedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.05), loggers=[CSVLogger(path)])
     opt2.load_state_dict(sd)
-    _train(model2, opt2, _batches(2))
+    train(model2, opt2, _batches(2))
     opt2.close()
     text = path.read_text()
     assert text.count("step,micro_batches") == 1
@@ -551,13 +521,13 @@ def test_csv_refuses_other_columns(tmp_path: Path) -> None:
     path = tmp_path / "grads.csv"
     model = _model()
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), loggers=[CSVLogger(path)])
-    _train(model, opt, _batches(1))
+    train(model, opt, _batches(1))
     opt.close()
     opt2 = ClippedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05), layer_stats=True, loggers=[CSVLogger(path)]
     )
     with pytest.raises(ValueError, match=re.escape(f"{path} already holds a CSV log with other columns")):
-        _train(model, opt2, _batches(1))
+        train(model, opt2, _batches(1))
 
 
 def test_csv_writes_at_exit(tmp_path: Path) -> None:
@@ -597,7 +567,7 @@ def test_custom_logger_protocol() -> None:
     assert isinstance(rec, clipopt.Logger)
     model = _model()
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2, loggers=[rec])
-    _train(model, opt, _batches(6))
+    train(model, opt, _batches(6))
     opt.close()
     assert rec.steps == [1, 2, 3]
     assert rec.closed == 1
@@ -607,7 +577,7 @@ def test_materialize_reads_once() -> None:
     """clipopt.materialize converts many StepStats, layer statistics included, with a single host read."""
     model = _model()
     opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), fused=True), max_norm=0.1, layer_stats=2)
-    _train(model, opt, _batches(5))
+    train(model, opt, _batches(5))
     stats = list(opt.stats)[1:]
     with_layers = [s.layers for s in stats if s.layers is not None]
     expected = [lay._values.tolist() for lay in with_layers if lay._values is not None]
@@ -741,3 +711,178 @@ def test_batched_small_gradients_in_several_batches(monkeypatch: pytest.MonkeyPa
     params = [_param((30 + 2 * i,), seed=i) for i in range(20)]
     got = np.array(clipopt_layers.compute_layer_stats(params, [str(i) for i in range(20)], 0.5, True).rows())
     np.testing.assert_allclose(got, _float64_reference(params, 0.5, True), rtol=2e-6)
+
+
+# --------------------------------------- sparse gradients, parameter groups added later, copies
+
+
+def test_sparse_gradients_with_layer_stats() -> None:
+    """SparseAdam with clipping off and per-layer statistics works (sparse gradients are coalesced)."""
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = ClippedOptimizer(
+        torch.optim.SparseAdam(emb.parameters()),
+        max_norm=None,
+        layer_stats=True,
+        param_names=emb.named_parameters(),
+    )
+    emb(torch.tensor([1, 2, 2])).sum().backward()
+    dense = emb.weight.grad.to_dense().clone()  # type: ignore[union-attr]
+    opt.step()
+    assert opt.last_stats is not None and opt.last_stats.layers is not None
+    assert opt.last_stats.layers["weight"]["grad_norm"] == pytest.approx(dense.norm().item(), rel=1e-6)
+
+
+def test_csv_rows_keep_their_width_after_add_param_group(tmp_path: Path) -> None:
+    """A group added mid-run does not shift the per-layer columns of later rows."""
+    model = TwoHeads()
+    path = tmp_path / "g.csv"
+    params = list(model.trunk.parameters()) + list(model.a.parameters())
+    opt = ClippedOptimizer(torch.optim.SGD(params, lr=0.1), layer_stats=True, loggers=[CSVLogger(path)])
+    task_run(model, opt, [("a", False)])
+    opt.add_param_group({"params": list(model.b.parameters()), "lr": 0.2})
+    task_run(model, opt, [("b", False)])
+    opt.close()
+    with path.open(newline="") as f:
+        rows = list(csv.reader(f))
+    assert len({len(r) for r in rows}) == 1
+
+
+def test_names_of_groups_added_later() -> None:
+    """add_param_group with param_names names those parameters in per-layer output."""
+    model = TwoHeads()
+    opt = ClippedOptimizer(torch.optim.SGD(model.trunk.named_parameters(), lr=0.1))
+    opt.add_param_group({"params": list(model.a.parameters()), "param_names": ["a.weight", "a.bias"]})
+    assert opt.layer_names() == ["weight", "bias", "a.weight", "a.bias"]
+
+
+def test_deepcopy_shares_loggers(tmp_path: Path) -> None:
+    """A deep copy of the optimizer logs into the same logger, so buffered rows are not written twice."""
+    model = TwoHeads()
+    path = tmp_path / "g.csv"
+    logger = CSVLogger(path)
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loggers=[logger])
+    task_run(model, opt, [("a", False)] * 3)
+    twin = copy.deepcopy(opt)
+    assert twin.loggers[0] is logger
+    opt.close()
+    twin.close()
+    with path.open(newline="") as f:
+        steps = [r["step"] for r in csv.DictReader(f)]
+    assert steps == ["1", "2", "3"]
+
+
+def test_csv_logger_widens_when_a_parameter_group_is_added(tmp_path: Path) -> None:
+    """Before: CSVLogger fixed its columns at the first row, so a group added later (unfreezing a
+    layer) had no lr and no per-layer columns.  Now the file is rewritten once with the columns a new
+    logger would use: earlier rows empty there, later rows filled, and a resumed run appends."""
+    torch.manual_seed(0)
+    trunk, head = torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)
+    path = tmp_path / "grads.csv"
+    opt = ClippedOptimizer(
+        torch.optim.SGD(head.parameters(), lr=0.1),
+        param_names=[("head.weight", head.weight), ("head.bias", head.bias)],
+        layer_stats=True,
+        loggers=[CSVLogger(path, flush_every=1)],
+    )
+    x = torch.randn(6, 3)
+
+    def window() -> None:
+        head(torch.tanh(trunk(x))).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        trunk.zero_grad()
+
+    window()
+    window()
+    opt.add_param_group({"params": list(trunk.parameters()), "lr": 0.01})
+    trunk_ref, head_ref = copy.deepcopy(trunk), copy.deepcopy(head)
+    head_ref(torch.tanh(trunk_ref(x))).pow(2).sum().backward()
+    assert trunk_ref.weight.grad is not None
+    want = float(trunk_ref.weight.grad.double().norm())
+    window()
+    opt.close()
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        header, rows = reader.fieldnames, list(reader)
+    assert header is not None
+    assert [r["step"] for r in rows] == ["1", "2", "3"]
+    assert "lr.1" in header and header.index("lr.1") < header.index("head.weight.grad_norm")
+    assert [r["lr.1"] for r in rows] == ["", "", "0.01"]
+    new_column = "group1.0.grad_norm"  # the trunk's weight (unnamed: it was added later)
+    assert [r[new_column] == "" for r in rows] == [True, True, False]
+    assert float(rows[2][new_column]) == pytest.approx(want, rel=1e-6)
+    assert all(r["head.weight.grad_norm"] != "" for r in rows)
+
+    # a resumed run (a new logger, the same groups) appends without a second header
+    opt2 = ClippedOptimizer(
+        torch.optim.SGD(head.parameters(), lr=0.1),
+        param_names=[("head.weight", head.weight), ("head.bias", head.bias)],
+        layer_stats=True,
+        loggers=[CSVLogger(path, flush_every=1)],
+    )
+    opt2.add_param_group({"params": list(trunk.parameters()), "lr": 0.01})
+    opt2.load_state_dict(opt.state_dict())
+    head(torch.tanh(trunk(x))).pow(2).sum().backward()
+    opt2.step()
+    opt2.close()
+    text = path.read_text()
+    assert text.count("step,micro_batches") == 1
+    assert text.strip().splitlines()[-1].startswith("4,")
+
+
+def _unfreeze_run(path: Path, logger: CSVLogger) -> tuple[ClippedOptimizer, torch.nn.Linear, torch.nn.Linear]:
+    """Two windows on the head, then the trunk is added as a second group and one more window runs."""
+    torch.manual_seed(0)
+    trunk, head = torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)
+    opt = ClippedOptimizer(torch.optim.SGD(head.parameters(), lr=0.1), loggers=[logger])
+    x = torch.randn(6, 3)
+    for i in range(3):
+        if i == 2:
+            opt.add_param_group({"params": list(trunk.parameters()), "lr": 0.01})
+        head(torch.tanh(trunk(x))).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        trunk.zero_grad()
+    opt.close()
+    return opt, trunk, head
+
+
+def test_csv_widening_that_fails_warns_and_keeps_a_consistent_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: a failed rewrite (disk full) escaped opt.step(), lost the row, left a .tmp file and
+    later rows longer than the header.  Now it warns, keeps the old columns, and every row fits."""
+    path = tmp_path / "grads.csv"
+
+    def no_space(src: object, dst: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("clipopt._logging.os.replace", no_space)
+    with pytest.warns(RuntimeWarning, match="could not rewrite .* No space left on device"):
+        _unfreeze_run(path, CSVLogger(path, flush_every=1))
+    monkeypatch.undo()
+    with path.open(newline="") as f:
+        lines = list(csv.reader(f))
+    assert lines[0][-2:] == ["lr", "loss"] and len({len(line) for line in lines}) == 1
+    assert [line[0] for line in lines[1:]] == ["1", "2", "3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grads.csv"]
+
+
+def test_csv_resume_from_before_a_group_was_added_appends(tmp_path: Path) -> None:
+    """Before: a file widened by add_param_group refused a run resumed from an earlier checkpoint
+    (one group: fewer columns).  Now it is appended to in the file's column order, lr.1 empty."""
+    path = tmp_path / "grads.csv"
+    _unfreeze_run(path, CSVLogger(path, flush_every=1))
+    torch.manual_seed(0)
+    head = torch.nn.Linear(4, 1)
+    opt = ClippedOptimizer(torch.optim.SGD(head.parameters(), lr=0.1), loggers=[CSVLogger(path)])
+    head(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.close()
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames is not None and reader.fieldnames[-1] == "lr.1"
+    assert [(r["step"], r["lr"], r["lr.1"]) for r in rows] == [
+        ("1", "0.1", ""), ("2", "0.1", ""), ("3", "0.1", "0.01"), ("1", "0.1", "")
+    ]

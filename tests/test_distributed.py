@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import copy
 import math
-import socket
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import clipopt
 from clipopt import ClippedOptimizer
 
 from . import distributed_jobs as jobs
+from .helpers import assert_tensors_close, free_port, spawn_job
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -29,42 +28,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _run(job: Any, name: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Run ``job`` on every rank; a job still running after 240 s is killed and fails (hang guard)."""
-    import time
-
-    out = tmp_path_factory.mktemp(name)
-    ctx = mp.spawn(job, args=(_free_port(), str(out)), nprocs=jobs.WORLD, join=False)
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-            pytest.fail(f"the {name} job did not finish within 240 s (ranks wait for each other)")
-    return [torch.load(out / f"{name}{rank}.pt", weights_only=True) for rank in range(jobs.WORLD)]
-
-
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _run(jobs.ddp_job, "ddp", tmp_path_factory)
+    return spawn_job(jobs.ddp_job, "ddp", tmp_path_factory.mktemp("ddp"), jobs.WORLD)
 
 
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _run(jobs.fsdp_job, "fsdp", tmp_path_factory)
-
-
-def _assert_params_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    return spawn_job(jobs.fsdp_job, "fsdp", tmp_path_factory.mktemp("fsdp"), jobs.WORLD)
 
 
 # ---------------------------------------------------------------------------- DDP
@@ -83,7 +54,7 @@ def test_ddp_accumulation_equals_one_process(ddp: list[dict[str, Any]]) -> None:
         res = rank["accum"]
         assert res["clipped"] == [True, True]
         assert res["norms"] == pytest.approx(res["ref_norms"], rel=1e-5)
-        _assert_params_close(res["params"], res["ref_params"])
+        assert_tensors_close(res["params"], res["ref_params"])
 
 
 def test_ddp_flush_after_unsynced_micro_batches_all_reduces(ddp: list[dict[str, Any]]) -> None:
@@ -94,7 +65,7 @@ def test_ddp_flush_after_unsynced_micro_batches_all_reduces(ddp: list[dict[str, 
         assert res["calls_before_flush"] == []
         assert res["own_all_reduces"] == 1
         assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5)
-        _assert_params_close(res["params"], res["ref_params"])
+        assert_tensors_close(res["params"], res["ref_params"])
 
 
 def test_ddp_sync_true_and_plain_backward(ddp: list[dict[str, Any]]) -> None:
@@ -105,7 +76,7 @@ def test_ddp_sync_true_and_plain_backward(ddp: list[dict[str, Any]]) -> None:
         assert res["calls"] == [1, 3]
         assert res["own_all_reduces"] == 0
         assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5)
-        _assert_params_close(res["params"], res["ref_params"])
+        assert_tensors_close(res["params"], res["ref_params"])
 
 
 def test_ddp_checkpoint_after_unsynced_micro_batches_resumes_exactly(ddp: list[dict[str, Any]]) -> None:
@@ -115,7 +86,7 @@ def test_ddp_checkpoint_after_unsynced_micro_batches_resumes_exactly(ddp: list[d
         res = rank["resumed"]
         assert res["own_all_reduces"] == 1
         assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5)
-        _assert_params_close(res["params"], res["ref_params"])
+        assert_tensors_close(res["params"], res["ref_params"])
 
 
 def test_ddp_window_closed_inside_an_unsynced_block_is_all_reduced(ddp: list[dict[str, Any]]) -> None:
@@ -125,7 +96,7 @@ def test_ddp_window_closed_inside_an_unsynced_block_is_all_reduced(ddp: list[dic
         res = rank["inside"]
         assert res["calls"] == [] and res["own_all_reduces"] == 1
         assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5)
-        _assert_params_close(res["params"], res["ref_params"])
+        assert_tensors_close(res["params"], res["ref_params"])
 
 
 def test_ddp_nan_on_one_rank_skips_on_every_rank(ddp: list[dict[str, Any]]) -> None:
@@ -181,7 +152,7 @@ def test_fsdp2_accumulation_with_no_sync_equals_one_process(fsdp: list[dict[str,
         res = rank[variant]
         assert res["unsynced_grad_none"] == [True, True]
         assert res["norms"] == pytest.approx(res["ref_norms"], rel=1e-5)
-        _assert_params_close(res["params"], res["ref_params"])
+        assert_tensors_close(res["params"], res["ref_params"])
 
 
 def test_fsdp2_flush_after_unsynced_micro_batch_raises(fsdp: list[dict[str, Any]]) -> None:
@@ -207,7 +178,7 @@ def test_fsdp2_value_clipping_and_agc_equal_one_process(fsdp: list[dict[str, Any
     for rank in fsdp:
         res = rank[case]
         assert res["clipped"] == [True, True]
-        _assert_params_close(res["params"], res["ref_params"])
+        assert_tensors_close(res["params"], res["ref_params"])
 
 
 def test_fsdp2_layer_stats_are_those_of_the_full_tensors(fsdp: list[dict[str, Any]]) -> None:
@@ -315,7 +286,7 @@ def test_partial_gradient_is_refused_before_the_scaler_is_touched() -> None:
     from torch.distributed.tensor import DTensor, Partial, Replicate, init_device_mesh
 
     dist = torch.distributed
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         w = torch.nn.Parameter(DTensor.from_local(torch.ones(4), mesh, [Replicate()]))

@@ -10,16 +10,15 @@ reference (one process, torch's own functions or the formula written out).
 from __future__ import annotations
 
 import math
-import socket
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from . import distributed_jobs as jobs
+from .helpers import assert_tensors_close, spawn_job
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -28,32 +27,8 @@ pytestmark = pytest.mark.skipif(
 
 #: a job that has not finished by then is stuck: fail instead of waiting for CI's own timeout
 JOB_TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _spawn(job: Any, name: str, world: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Run ``job`` in ``world`` processes; fail (killing them) if they do not finish in time."""
-    out = tmp_path_factory.mktemp(name)
-    ctx = mp.spawn(job, args=(_free_port(), str(out), world), nprocs=world, join=False)
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-            pytest.fail(f"the {name} job did not finish within {JOB_TIMEOUT_S} s (ranks wait for each other)")
-    return [torch.load(out / f"{name}{rank}.pt", weights_only=False) for rank in range(world)]
-
-
-def _close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+# job(rank, port, out, world) in ``world`` processes; what each rank saved (it pickles more than tensors)
+_spawn = partial(spawn_job, pass_world=True, weights_only=False, timeout_s=JOB_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------------- FSDP2 edge shapes
@@ -61,7 +36,7 @@ def _close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
 def edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _spawn(jobs.fsdp_edge_job, "edge", request.param, tmp_path_factory)
+    return _spawn(jobs.fsdp_edge_job, "edge", tmp_path_factory.mktemp("edge"), request.param)
 
 
 @pytest.mark.parametrize("p", [1.0, 2.0, 3.0, math.inf])
@@ -89,7 +64,7 @@ def test_fsdp2_every_policy_with_empty_and_size1_shards_equals_one_process(
         assert res["norms"] == pytest.approx(res["ref_norms"], rel=1e-5)
         assert res["skipped"] == res["ref_skipped"]
         assert res["clipped"] == res["ref_clipped"]
-        _close(res["params"], res["ref_params"])
+        assert_tensors_close(res["params"], res["ref_params"])
 
 
 # ---------------------------------------------------------------------------- DDP: one decision
@@ -97,12 +72,12 @@ def test_fsdp2_every_policy_with_empty_and_size1_shards_equals_one_process(
 
 @pytest.fixture(scope="module")
 def hard(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _spawn(jobs.ddp_hardening_job, "hard", 2, tmp_path_factory)
+    return _spawn(jobs.ddp_hardening_job, "hard", tmp_path_factory.mktemp("hard"), 2)
 
 
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _spawn(jobs.tp_job, "tp", 4, tmp_path_factory)
+    return _spawn(jobs.tp_job, "tp", tmp_path_factory.mktemp("tp"), 4)
 
 
 @pytest.mark.parametrize("case", ["foreach-1", "foreach-3", "fused-1", "fused-3"])
@@ -165,7 +140,7 @@ def test_pipeline_norm_group_gives_every_stage_the_global_norm(hard: list[dict[s
     for rank in hard:
         res = rank[f"pipeline-{p}"]
         assert res["norms"] == pytest.approx(res["ref_norms"], rel=1e-5)
-        _close(res["params"], res["ref_params"])
+        assert_tensors_close(res["params"], res["ref_params"])
 
 
 def test_pipeline_nan_in_one_stage_skips_every_stage(hard: list[dict[str, Any]]) -> None:
@@ -256,7 +231,7 @@ def test_tensor_parallel_inside_fsdp2_gives_the_global_norm(tp: list[dict[str, A
 def test_tensor_parallel_clipping_equals_one_process(tp: list[dict[str, Any]], case: str) -> None:
     """Norm clipping and AGC (row norms split over tp) on the 2-D mesh give the one-process update."""
     for rank in tp:
-        _close(rank[case]["params"], rank[case]["ref_params"])
+        assert_tensors_close(rank[case]["params"], rank[case]["ref_params"])
 
 
 # ---------------------------------------------------------------------------- one process

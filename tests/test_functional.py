@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import clipopt
 from clipopt import functional as F
 
 from .strategies import (
@@ -267,3 +269,14 @@ def test_get_norms_of_large_sparse_and_nonfinite_tensors(p: float) -> None:
     assert math.isnan(got[2])
     assert got[3] == pytest.approx(ref(sparse.to_dense()), rel=1e-6)
     assert F.get_norms([], p).shape == (0,)
+
+
+# ----------------------------------------------------------------------------- sparse gradients
+
+
+def test_foreach_true_with_sparse_gradients_says_so() -> None:
+    """foreach=True with sparse gradients is a ValueError that names the cause, not the device."""
+    g = torch.sparse_coo_tensor([[0]], [1.0], (3,), check_invariants=True)
+    msg = "foreach=True does not support sparse gradients; pass foreach=None (the default)"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        clipopt.functional.get_total_norm([g], 2.0, foreach=True)

@@ -1,7 +1,8 @@
-"""clipopt inside Accelerate (real Accelerator, tiny model): the README recipe, skips, stacking."""
+"""clipopt inside Accelerate (real Accelerator, tiny model): the documented recipe, skips, stacking."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import accelerate
@@ -16,6 +17,8 @@ import clipopt
 from clipopt import ClippedOptimizer
 from tests.readme_snippets import run_snippet
 
+from .helpers import mlp, pairs
+
 LR = 1e-2
 
 
@@ -29,17 +32,11 @@ def _fresh_accelerate_state():
     GradientState._reset_state()
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+_model = partial(mlp, (8, 16, 1))  # Linear(8, 16), Tanh, Linear(16, 1), global seed 0
 
 
 def _batches(n: int, nan_batch: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    out = [(torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(n)]
-    if nan_batch is not None:
-        out[nan_batch][0][0, 0] = float("nan")
-    return out
+    return pairs(n, (4, 8), (4, 1), seed=1, bad=() if nan_batch is None else {nan_batch})
 
 
 def _loader(batches) -> DataLoader:
@@ -66,7 +63,7 @@ def _accelerate_run(batches, k: int, accumulation_steps: int = 1):
 
 
 def test_readme_accelerate_recipe_runs_and_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The README recipe trains; prepare() wraps per_update in an AcceleratedScheduler that advances once
+    """The documented recipe trains; prepare() wraps per_update in an AcceleratedScheduler that advances once
     per update; StatsReader hands accelerator.log one dict per update, equal to what clipopt recorded."""
     logged: list[tuple[dict[str, float], int]] = []
     monkeypatch.setattr(

@@ -90,7 +90,7 @@ def _train(tmp_path: Path, data, trainer_accumulation: int, accumulation_steps: 
 
 
 def test_readme_trainer_snippet_runs_and_logs(tmp_path: Path) -> None:
-    """The README snippet trains; per_update advances once per update; the callback's values land in
+    """The documented snippet trains; per_update advances once per update; the callback's values land in
     log_history, and clipopt's pre-clip norm equals the norm the Trainer measures itself."""
     ns = run_snippet("Hugging Face Trainer", tmp_path)
     trainer, opt, sched = ns["trainer"], ns["opt"], ns["sched"]

@@ -86,7 +86,7 @@ def _trainer(tmp_path: Path, **kw) -> L.Trainer:
 
 
 def test_readme_lightning_snippet_runs_and_logs(tmp_path: Path) -> None:
-    """The README snippet trains; per_update is accepted and advanced once per update; the callback's
+    """The documented snippet trains; per_update is accepted and advanced once per update; the callback's
     values reach Lightning's metrics.csv, one row per update, equal to what clipopt recorded."""
     ns = run_snippet("Lightning", tmp_path)
     trainer = ns["trainer"]
@@ -206,7 +206,7 @@ def test_checkpoint_resume_is_bit_identical(tmp_path: Path) -> None:
 
 
 def test_wrapper_accumulation_under_lightning_counts_micro_batches(tmp_path: Path) -> None:
-    """What the README documents for the wrapper's own accumulation under Lightning: Lightning clears
+    """What the docs say for the wrapper's own accumulation under Lightning: Lightning clears
     through the wrapper's zero_grad (no false alarm), per_update advances once per update, and
     global_step counts micro-batches (16), not updates (4)."""
     model = Regressor(accumulation_steps=4)

@@ -11,6 +11,7 @@ import csv
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ import torch
 from clipopt import ClippedOptimizer, CSVLogger, TensorBoardLogger
 from clipopt._cli import main
 from clipopt._report import analyze, read_log
+
+from .helpers import mlp
 
 
 def _xy(n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,10 +79,10 @@ def test_trainer_state_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert out.startswith("verdict: healthy") and "Trainer trainer_state.json" in out
 
 
-def test_lightning_metrics_csv(tmp_path: Path) -> None:
-    """A tiny Lightning run with CSVLogger and grad_norm(): total and per-layer norms, train_loss read."""
+def _lightning_fit(logger: Any, nan_at_step: int | None = None) -> None:
+    """A tiny Lightning fit (Linear(8, 1), SGD lr 0.01, 16 steps of 8 rows) that logs train_loss and
+    grad_norm() to ``logger``; at global step ``nan_at_step`` lin.bias's gradient is set to NaN."""
     pl = pytest.importorskip("lightning.pytorch")
-    from lightning.pytorch.loggers import CSVLogger as LightningCSV
     from lightning.pytorch.utilities import grad_norm
 
     class Module(pl.LightningModule):  # type: ignore[misc]
@@ -93,6 +96,8 @@ def test_lightning_metrics_csv(tmp_path: Path) -> None:
             return loss
 
         def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            if self.global_step == nan_at_step:
+                self.lin.bias.grad.fill_(math.nan)
             self.log_dict(grad_norm(self, norm_type=2))
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -102,7 +107,7 @@ def test_lightning_metrics_csv(tmp_path: Path) -> None:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
     trainer = pl.Trainer(
         max_steps=16,
-        logger=LightningCSV(str(tmp_path)),
+        logger=logger,
         log_every_n_steps=1,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -110,6 +115,14 @@ def test_lightning_metrics_csv(tmp_path: Path) -> None:
         accelerator="cpu",
     )
     trainer.fit(Module(), loader)
+
+
+def test_lightning_metrics_csv(tmp_path: Path) -> None:
+    """A tiny Lightning run with CSVLogger and grad_norm(): total and per-layer norms, train_loss read."""
+    pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.loggers import CSVLogger as LightningCSV
+
+    _lightning_fit(LightningCSV(str(tmp_path)))
     path = next(tmp_path.rglob("metrics.csv"))
     with path.open(newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["grad_2.0_norm_total"]]
@@ -185,8 +198,7 @@ def test_tensorboard_summary_writer(tmp_path: Path) -> None:
 def test_tensorboard_from_clipopt_logger_and_csv_agree(tmp_path: Path) -> None:
     """clipopt's TensorBoardLogger and CSVLogger of one run give the same verdict, step and norms."""
     pytest.importorskip("tensorboard")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    model = mlp((8, 4, 1))
     opt = ClippedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01),
         max_norm=5.0,
@@ -209,8 +221,7 @@ def test_tensorboard_gradscaler_overflows_are_not_nonfinite(tmp_path: Path) -> N
     """An fp16 run under a GradScaler logged by TensorBoardLogger: the scaler's overflow updates (skipped,
     reason 'overflow' in the CSV of the same run) are calibration, so both logs give ``healthy``."""
     pytest.importorskip("tensorboard")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model = mlp((8, 16, 1))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=20)
     opt = ClippedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01),
@@ -237,40 +248,10 @@ def test_tensorboard_gradscaler_overflows_are_not_nonfinite(tmp_path: Path) -> N
 def test_lightning_nonfinite_gradient_names_its_layer(tmp_path: Path) -> None:
     """A Lightning run whose lin.bias gradient goes nan at step 6 (logged by grad_norm(), which writes
     no non-finite count): the nonfinite finding names lin.bias, from the nan in its own norm column."""
-    pl = pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("lightning.pytorch")
     from lightning.pytorch.loggers import CSVLogger as LightningCSV
-    from lightning.pytorch.utilities import grad_norm
 
-    class Module(pl.LightningModule):  # type: ignore[misc]
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = torch.nn.Linear(8, 1)
-
-        def training_step(self, batch: list[torch.Tensor], i: int) -> torch.Tensor:
-            loss = torch.nn.functional.mse_loss(self.lin(batch[0]), batch[1])
-            self.log("train_loss", loss)
-            return loss
-
-        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-            if self.global_step == 6:
-                self.lin.bias.grad.fill_(math.nan)
-            self.log_dict(grad_norm(self, norm_type=2))
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    x, y = _xy()
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
-    trainer = pl.Trainer(
-        max_steps=16,
-        logger=LightningCSV(str(tmp_path)),
-        log_every_n_steps=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        accelerator="cpu",
-    )
-    trainer.fit(Module(), loader)
+    _lightning_fit(LightningCSV(str(tmp_path)), nan_at_step=6)
     path = next(tmp_path.rglob("metrics.csv"))
     with path.open(newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["grad_2.0_norm_total"]]
@@ -283,40 +264,12 @@ def test_lightning_nonfinite_gradient_names_its_layer(tmp_path: Path) -> None:
 def test_lightning_tensorboard_logger(tmp_path: Path) -> None:
     """A Lightning run with its TensorBoardLogger (Lightning's default) and grad_norm(): the tags
     grad_2.0_norm_total, grad_2.0_norm/<name> and train_loss are read."""
-    pl = pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("lightning.pytorch")
     pytest.importorskip("tensorboard")
     from lightning.pytorch.loggers import TensorBoardLogger as LightningTB
-    from lightning.pytorch.utilities import grad_norm
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    class Module(pl.LightningModule):  # type: ignore[misc]
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = torch.nn.Linear(8, 1)
-
-        def training_step(self, batch: list[torch.Tensor], i: int) -> torch.Tensor:
-            loss = torch.nn.functional.mse_loss(self.lin(batch[0]), batch[1])
-            self.log("train_loss", loss)
-            return loss
-
-        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-            self.log_dict(grad_norm(self, norm_type=2))
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    x, y = _xy()
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
-    trainer = pl.Trainer(
-        max_steps=16,
-        logger=LightningTB(str(tmp_path)),
-        log_every_n_steps=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        accelerator="cpu",
-    )
-    trainer.fit(Module(), loader)
+    _lightning_fit(LightningTB(str(tmp_path)))
     events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents*")).parent))
     events.Reload()
     total = events.Scalars("grad_2.0_norm_total")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -11,12 +12,10 @@ import torch
 
 from clipopt import ClippedOptimizer, CSVLogger
 
+from .helpers import mlp
 from .hostreads import count_host_reads
 
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+_model = partial(mlp, (4, 3, 1))  # Linear(4, 3), Tanh, Linear(3, 1), global seed 0
 
 
 def _loss(model: torch.nn.Module, seed: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -14,6 +15,10 @@ from torch.optim.swa_utils import SWALR
 
 import clipopt
 from clipopt import ClippedOptimizer
+
+from .helpers import TwoHeads
+from .hostreads import count_host_reads
+from .optim_db import get
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -30,12 +35,8 @@ def backward(model: nn.Module, seed: int, nonfinite: bool = False) -> None:
     loss.backward()
 
 
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-def adam(params):
-    return torch.optim.Adam(params, lr=0.1, betas=(0.9, 0.99))
+sgd = partial(get("SGD-momentum-forloop").make, lr=0.1)  # SGD, lr 0.1, momentum 0.9
+adam = partial(get("Adam-forloop").make, lr=0.1, betas=(0.9, 0.99))
 
 
 # Each factory builds the scheduler on the optimizer it is given; the reference uses
@@ -236,3 +237,26 @@ def test_per_update_rejects_scheduler_on_plain_optimizer():
     with pytest.raises(TypeError, match="ClippedOptimizer") as info:
         clipopt.per_update(lrs.StepLR(plain, step_size=1))
     assert "per_update(StepLR(clipped_opt" in str(info.value)
+
+
+# ----------------------------------------------------------------------- per_update: host reads
+
+
+def test_per_update_reads_nothing_inside_a_window() -> None:
+    """per_update.step() on micro-batch calls reads nothing, also once fused skips made counters tensors."""
+    model = TwoHeads()
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), fused=True), accumulation_steps=3)
+    sched = clipopt.per_update(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    reads = []
+    for i in range(9):
+        x = torch.ones(2, 3)
+        if i == 4:
+            x[0, 0] = float("nan")
+        model.loss("a", x).backward()
+        opt.step()
+        with count_host_reads() as r:
+            sched.step()
+        reads.append(len(r))
+        opt.zero_grad()
+    assert [reads[i] for i in (0, 1, 3, 4, 6, 7)] == [0] * 6
+    assert sched.last_epoch == 2  # windows 1 and 3 applied, window 2 skipped

@@ -418,14 +418,16 @@ def test_nonfinite_error_names_the_latest_snapshot(tmp_path: Path) -> None:
     assert os.path.exists(latest)
 
 
-def test_no_snapshot_for_scaler_overflow(tmp_path: Path) -> None:
-    """With a GradScaler a non-finite window is an overflow, the scaler's normal operation: no snapshot.
+def test_scaler_overflow_snapshot(tmp_path: Path) -> None:
+    """With a GradScaler a non-finite window is an overflow: skipped, the scale drops, and the snapshot
+    has reason ``"overflow"`` and the scale its backward used (what ``clipopt.replay`` needs).
 
-    This is the documented behaviour (``snapshot_dir`` saves non-finite windows
-    of unscaled training); the window is skipped with reason ``"overflow"``, and
-    the scale drops.
+    The snapshot's gradients are the unscaled ones (``scaler.unscale_`` ran first):
+    the infinite input makes ``lin1``'s gradient non-finite, and its finite entries
+    equal an unscaled float32 backward of the same batch.
     """
     model = make_model()
+    reference = copy.deepcopy(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     opt = ClippedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler, snapshot_dir=tmp_path / "s"
@@ -436,9 +438,16 @@ def test_no_snapshot_for_scaler_overflow(tmp_path: Path) -> None:
     scaler.scale(loss_of(model, x, y)).backward()
     opt.step()
     assert opt.step_was_skipped and opt.last_stats is not None and opt.last_stats.reason == "overflow"
-    assert scaler.get_scale() < 2.0**16
-    assert opt.last_snapshot is None
-    assert snapshot_files(tmp_path / "s") == []
+    assert scaler.get_scale() == 2.0**15
+    files = snapshot_files(tmp_path / "s")
+    assert files == ["anomaly-step00000001-overflow.pt"]
+    assert opt.last_snapshot == str(tmp_path / "s" / files[0])
+    snap = clipopt.load_snapshot(opt.last_snapshot)
+    assert snap["reason"] == "overflow" and snap["scale"] == 2.0**16
+    loss_of(reference, x, y).backward()
+    want = [p.grad for p in reference.parameters()]
+    for got, ref in zip(snap["grads"].values(), want, strict=True):
+        torch.testing.assert_close(got, ref, equal_nan=True)
 
 
 # ----------------------------------------------------------------------------- attach

@@ -2,44 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
 
 from clipopt import ClippedOptimizer
 
+from .helpers import TwoHeads, mlp
 from .hostreads import count_host_reads
+from .optim_db import PLAIN, OptimInfo, params, select
 
-Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-
-FUSED: dict[str, Factory] = {
-    "Adam-fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
-    "AdamW-fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
-    "SGD-momentum-fused": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, fused=True),
-    "SGD-fused": lambda p: torch.optim.SGD(p, lr=1e-2, fused=True),
-    "Adagrad-fused": lambda p: torch.optim.Adagrad(p, lr=1e-2, fused=True),
-}
-
-OTHERS: dict[str, Factory] = {
-    "Adam-foreach": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
-    "AdamW-single": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False),
-    "SGD-momentum-foreach": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, foreach=True),
-    "RMSprop": lambda p: torch.optim.RMSprop(p, lr=1e-3),
-    "Adagrad-foreach": lambda p: torch.optim.Adagrad(p, lr=1e-2, foreach=True),
-    "NAdam": lambda p: torch.optim.NAdam(p, lr=1e-2),
-    "RAdam": lambda p: torch.optim.RAdam(p, lr=1e-2),
-    "Adamax": lambda p: torch.optim.Adamax(p, lr=1e-2),
-    "Adadelta": lambda p: torch.optim.Adadelta(p),
-    "ASGD": lambda p: torch.optim.ASGD(p, lr=1e-2),
-    "Rprop": lambda p: torch.optim.Rprop(p, lr=1e-2),
-    "Adafactor": lambda p: torch.optim.Adafactor(p, lr=1e-2),
-}
+FUSED = select("fused")
+OTHERS = select(exclude=("fused", *PLAIN))  # the foreach and for-loop variants a plain loop can drive
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+_model = partial(mlp, (6, 5, 2))  # Linear(6, 5), Tanh, Linear(5, 2), global seed 0
 
 
 def _backward(model: torch.nn.Module, bad: bool = False) -> None:
@@ -49,10 +27,10 @@ def _backward(model: torch.nn.Module, bad: bool = False) -> None:
     model(x).pow(2).sum().mul(10).backward()
 
 
-def _run(factory: Factory, pattern: str, **kwargs: object) -> list[int]:
+def _run(info: OptimInfo, pattern: str, **kwargs: object) -> list[int]:
     """Reads per step() call for a pattern of micro-batches ('g' good, 'b' bad)."""
     model = _model()
-    opt = ClippedOptimizer(factory(list(model.parameters())), max_norm=0.1, **kwargs)  # type: ignore[arg-type]
+    opt = ClippedOptimizer(info.make(list(model.parameters())), max_norm=0.1, **kwargs)  # type: ignore[arg-type]
     counts = []
     for c in pattern:
         _backward(model, bad=c == "b")
@@ -65,34 +43,33 @@ def _run(factory: Factory, pattern: str, **kwargs: object) -> list[int]:
     return counts
 
 
-@pytest.mark.parametrize("name", list(FUSED) + list(OTHERS))
-def test_micro_batch_calls_read_nothing(name: str) -> None:
+@pytest.mark.parametrize("info", params(FUSED + OTHERS))
+def test_micro_batch_calls_read_nothing(info: OptimInfo) -> None:
     """A micro-batch call (inside a window) makes no host read, for every optimizer."""
-    factory = {**FUSED, **OTHERS}[name]
-    counts = _run(factory, "gggggggg", accumulation_steps=4)
+    counts = _run(info, "gggggggg", accumulation_steps=4)
     assert [counts[i] for i in (0, 1, 2, 4, 5, 6)] == [0] * 6
 
 
-@pytest.mark.parametrize("name", list(FUSED))
-def test_fused_update_reads_nothing(name: str) -> None:
+@pytest.mark.parametrize("info", params(FUSED))
+def test_fused_update_reads_nothing(info: OptimInfo) -> None:
     """With a fused inner optimizer a whole update, applied or skipped, reads nothing (after the first)."""
-    counts = _run(FUSED[name], "ggbgbbg", accumulation_steps=1)
+    counts = _run(info, "ggbgbbg", accumulation_steps=1)
     assert counts[0] <= 1  # the first update, before the optimizer has state, may read once
     assert counts[1:] == [0] * 6
 
 
-@pytest.mark.parametrize("name", list(FUSED))
-def test_fused_update_with_value_clipping_and_accumulation_reads_nothing(name: str) -> None:
+@pytest.mark.parametrize("info", params(FUSED))
+def test_fused_update_with_value_clipping_and_accumulation_reads_nothing(info: OptimInfo) -> None:
     """Value clipping, mean accumulation and a skipped window add no read on the fused path."""
-    counts = _run(FUSED[name], "gg" + "gggg" + "ggbg" + "gggg", accumulation_steps=2, clip_value=0.05)
+    counts = _run(info, "gg" + "gggg" + "ggbg" + "gggg", accumulation_steps=2, clip_value=0.05)
     assert counts[2:] == [0] * 12
 
 
-@pytest.mark.parametrize("name", list(OTHERS))
-def test_other_optimizers_read_at_most_once_per_update(name: str) -> None:
+@pytest.mark.parametrize("info", params(OTHERS))
+def test_other_optimizers_read_at_most_once_per_update(info: OptimInfo) -> None:
     """Every other optimizer: clipopt reads at most one flag per update, none when skip_nonfinite=False."""
-    assert max(_run(OTHERS[name], "ggbgg", accumulation_steps=1)) <= 1
-    assert _run(OTHERS[name], "ggg", accumulation_steps=1, skip_nonfinite=False) == [0, 0, 0]
+    assert max(_run(info, "ggbgg", accumulation_steps=1)) <= 1
+    assert _run(info, "ggg", accumulation_steps=1, skip_nonfinite=False) == [0, 0, 0]
 
 
 def test_fused_with_grad_scaler_reads_nothing() -> None:
@@ -124,3 +101,21 @@ def test_counter_detects_reads() -> None:
         t.tolist()
         t[t > 1]
     assert len(reads) >= 5
+
+
+# ------------------------------------------------------------------------ tensor learning rates
+
+
+def test_tensor_learning_rate_is_not_read_on_the_fused_path() -> None:
+    """A tensor lr (fused AdamW) is recorded without a host read; it becomes a float when read."""
+    model = TwoHeads()
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), fused=True))
+    reads = []
+    for _ in range(3):
+        model.loss("a", torch.ones(2, 3)).backward()
+        with count_host_reads() as r:
+            opt.step()
+        reads.append(len(r))
+        opt.zero_grad()
+    assert reads[1:] == [0, 0]
+    assert opt.last_stats is not None and opt.last_stats.lr == (pytest.approx(0.01),)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from clipopt import LAYER_FIELDS, ClippedOptimizer, StepStats
 from clipopt._tensorboard import TensorBoardLogger
 
+from .helpers import inputs, mlp, train
 from .hostreads import count_host_reads
 
 NAMES = ["0.weight", "0.bias", "2.weight", "2.bias"]
@@ -29,31 +31,10 @@ ACC = 2  # micro-batches per window
 BAD_WINDOW = 4
 
 
-def _model() -> torch.nn.Sequential:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
-
-
-def _batches(n: int, bad: set[int] = frozenset()) -> list[torch.Tensor]:  # type: ignore[assignment]
-    """Inputs; those in ``bad`` hold an inf, which leaves a NaN column in 0.weight's gradient only.
-
-    (tanh saturates, so the rest of the gradient stays finite: 0 * inf = nan in that column.)
-    """
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for i in range(n):
-        x = torch.randn(5, 4, generator=gen) * 3
-        if i in bad:
-            x[0, 0] = float("inf")
-        out.append(x)
-    return out
-
-
-def _train(model: torch.nn.Module, opt: ClippedOptimizer, batches: list[torch.Tensor]) -> None:
-    for x in batches:
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+_model = partial(mlp, (4, 6, 2))  # Linear(4, 6), Tanh, Linear(6, 2), global seed 0
+# Inputs; those in ``bad`` hold an inf, which leaves a NaN column in 0.weight's gradient only.
+# (tanh saturates, so the rest of the gradient stays finite: 0 * inf = nan in that column.)
+_batches = partial(inputs, shape=(5, 4), seed=1, scale=3, bad_value=float("inf"))
 
 
 def _events(log_dir: Path) -> event_accumulator.EventAccumulator:
@@ -111,7 +92,7 @@ def run(
         layer_stats=2,
         loggers=[TensorBoardLogger(log_dir), spy],
     )
-    _train(model, opt, _batches(6 * ACC, bad={(BAD_WINDOW - 1) * ACC + 1}))
+    train(model, opt, _batches(6 * ACC, bad={(BAD_WINDOW - 1) * ACC + 1}))
     opt.close()
     assert bool(spy.grads[BAD_WINDOW]) == fused  # the fused kernel left the skipped window's p.grad
     return opt, spy, log_dir
@@ -149,7 +130,7 @@ def test_max_norm_scalar_absent_when_off(tmp_path: Path) -> None:
         layer_stats=True,
         loggers=[TensorBoardLogger(tmp_path, histograms=False)],
     )
-    _train(model, opt, _batches(3))
+    train(model, opt, _batches(3))
     opt.close()
     acc = _events(tmp_path)
     assert "clipopt/max_norm" not in acc.Tags()["scalars"]
@@ -204,7 +185,7 @@ def test_histograms_leave_out_nonfinite_elements(tmp_path: Path) -> None:
         layer_stats=True,
         loggers=[TensorBoardLogger(tmp_path), spy],
     )
-    _train(model, opt, _batches(2, bad={1}))
+    train(model, opt, _batches(2, bad={1}))
     opt.close()
     acc = _events(tmp_path)
     grad = spy.grads[2]["0.weight"]
@@ -224,7 +205,7 @@ def test_flush_every_buffers_scalars(tmp_path: Path) -> None:
     batches = _batches(5)
     seen = []
     for i in range(5):
-        _train(model, opt, batches[i : i + 1])
+        train(model, opt, batches[i : i + 1])
         seen.append(sorted(_scalars(_events(tmp_path), "clipopt/total_norm")))
     assert seen == [[], [], [1, 2, 3], [1, 2, 3], [1, 2, 3]]
     opt.close()
@@ -238,7 +219,7 @@ def test_close_stops_the_writer(tmp_path: Path) -> None:
     before = set(threading.enumerate())
     model = _model()
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loggers=[TensorBoardLogger(tmp_path)])
-    _train(model, opt, _batches(2))
+    train(model, opt, _batches(2))
     assert [t for t in threading.enumerate() if t not in before]  # control: the writer runs a thread
     opt.close()
     assert [t for t in threading.enumerate() if t not in before] == []
@@ -248,9 +229,9 @@ def test_logging_after_close_continues(tmp_path: Path) -> None:
     """A closed logger keeps working: later windows go to a new event file in the same folder."""
     model = _model()
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loggers=[TensorBoardLogger(tmp_path)])
-    _train(model, opt, _batches(2))
+    train(model, opt, _batches(2))
     opt.close()
-    _train(model, opt, _batches(2))
+    train(model, opt, _batches(2))
     opt.close()
     assert sorted(_scalars(_events(tmp_path), "clipopt/total_norm")) == [1, 2, 3, 4]
 

@@ -9,6 +9,8 @@ import io
 import os
 import pickle
 import warnings
+from collections.abc import Iterable
+from functools import partial
 
 import pytest
 import torch
@@ -16,14 +18,13 @@ from torch import nn
 
 from clipopt import ClippedOptimizer
 
+from .helpers import mlp
 from .hostreads import count_host_reads
 
 CLEARED = r"cleared or replaced from outside the wrapper before this step\(\)"
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
+_model = partial(mlp, (6, 5, 2))  # Linear(6, 5), Tanh, Linear(5, 2), global seed 0
 
 
 def _loss(model: nn.Module, seed: int) -> torch.Tensor:
@@ -35,6 +36,27 @@ def _opt(model: nn.Module, k: int = 4, **kw) -> ClippedOptimizer:
     return ClippedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), max_norm=1.0, accumulation_steps=k, **kw
     )
+
+
+def _clear_mid_window(model: nn.Module, opt: ClippedOptimizer, seed: int) -> None:
+    """Micro-batch ``seed`` and its step(), then model.zero_grad() inside the window, then the
+    backward of micro-batch ``seed + 1`` (its step() is the caller's: it must raise)."""
+    _loss(model, seed).backward()
+    opt.step()
+    model.zero_grad()
+    _loss(model, seed + 1).backward()
+
+
+def _plain_update(params: list[nn.Parameter], ref_opt: torch.optim.Optimizer) -> None:
+    """Plain torch at the end of a window: clip to norm 1.0 (the wrapper's max_norm), step, zero."""
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    ref_opt.step()
+    ref_opt.zero_grad()
+
+
+def _assert_params_close(got: Iterable[torch.Tensor], want: Iterable[torch.Tensor]) -> None:
+    for p, r in zip(got, want, strict=True):
+        torch.testing.assert_close(p, r)
 
 
 @pytest.mark.parametrize(
@@ -73,10 +95,7 @@ def test_clearing_in_the_last_micro_batch_is_caught() -> None:
         _loss(model, i).backward()
         opt.step()
         opt.zero_grad()
-    _loss(model, 4).backward()
-    opt.step()
-    model.zero_grad()
-    _loss(model, 5).backward()
+    _clear_mid_window(model, opt, 4)
     with pytest.raises(RuntimeError, match=CLEARED):
         opt.step()
     assert opt.num_windows == 2
@@ -95,12 +114,9 @@ def test_optimizer_zero_grad_every_micro_batch_is_fine() -> None:
         opt.zero_grad()
         (_loss(ref, i) / 4).backward()
         if i % 4 == 3:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-            ref_opt.step()
-            ref_opt.zero_grad()
+            _plain_update(list(ref.parameters()), ref_opt)
     assert opt.num_updates == 2
-    for p, r in zip(model.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p, r)
+    _assert_params_close(model.parameters(), ref.parameters())
 
 
 def test_stacked_accumulation_raises_and_can_be_declared() -> None:
@@ -130,12 +146,9 @@ def test_stacked_accumulation_raises_and_can_be_declared() -> None:
         opt.zero_grad()
         ((_loss(ref, i) + _loss(ref, i + 1)) / 2).backward()
         if i % 4 == 2:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-            ref_opt.step()
-            ref_opt.zero_grad()
+            _plain_update(list(ref.parameters()), ref_opt)
     assert opt.num_updates == 2
-    for p, r in zip(model.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p, r)
+    _assert_params_close(model.parameters(), ref.parameters())
 
 
 def test_framework_accumulation_with_accumulation_steps_1_is_fine() -> None:
@@ -186,13 +199,8 @@ def test_parameter_without_gradient_in_some_micro_batches() -> None:
         opt.zero_grad()
         ((ref_a(x) if i % 2 == 0 else ref_b(x)).pow(2).mean() / 4).backward()
         if i % 4 == 3:
-            torch.nn.utils.clip_grad_norm_([*ref_a.parameters(), *ref_b.parameters()], 1.0)
-            ref_opt.step()
-            ref_opt.zero_grad()
-    for p, r in zip(
-        [*a.parameters(), *b.parameters()], [*ref_a.parameters(), *ref_b.parameters()], strict=True
-    ):
-        torch.testing.assert_close(p, r)
+            _plain_update([*ref_a.parameters(), *ref_b.parameters()], ref_opt)
+    _assert_params_close([*a.parameters(), *b.parameters()], [*ref_a.parameters(), *ref_b.parameters()])
 
 
 def test_activation_checkpointing_counts_one_pass() -> None:
@@ -295,10 +303,7 @@ def _ddp_job(rank: int, port: int, out: str) -> None:
                     _loss(ddp, 10 * rank + i).backward()
                 opt.step()
                 opt.zero_grad()
-            _loss(ddp, 100).backward()
-            opt.step()
-            ddp.zero_grad()
-            _loss(ddp, 101).backward()
+            _clear_mid_window(ddp, opt, 100)
             try:
                 opt.step()
                 caught = False
@@ -317,9 +322,9 @@ def test_ddp_gradients_and_bucket_views_are_not_mistaken_for_clearing(tmp_path) 
     model.zero_grad() inside a window is still caught on every rank."""
     import torch.multiprocessing as mp
 
-    from .test_distributed import _free_port
+    from .helpers import free_port
 
-    mp.spawn(_ddp_job, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ddp_job, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         keys = ("False-sync", "False-no_sync", "True-sync", "True-no_sync")
