@@ -342,4 +342,4 @@ def test_per_group_clipping_equals_one_process(
         res = rank["groups"][p]
         assert res["group_norms"] == pytest.approx(res["ref_norms"], rel=1e-5)
         assert res["total_norm"] == pytest.approx(res["ref_total"], rel=1e-5)
-        _assert_params_close(res["params"], res["ref_params"])
+        assert_tensors_close(res["params"], res["ref_params"])
