@@ -129,9 +129,13 @@ class ClippedOptimizer(InnerOptimizerView):
         optimizer: any ``torch.optim.Optimizer`` (also third-party subclasses).
         max_norm: global norm bound, a :class:`ClipPolicy` (:class:`AutoClip`,
             :class:`ZClip`, :class:`AGC`) that sets it per window on the device, or
-            None to turn norm clipping off.
+            None to turn norm clipping off.  A parameter group of the inner
+            optimizer with its own ``"max_norm"`` key (a float, or None to leave
+            it out of norm clipping) is clipped by its own norm instead; the
+            groups without the key share this bound (per-group clipping).
         norm_type: ``p > 0`` or ``float("inf")``, as in ``clip_grad_norm_``.
-        clip_value: element-wise bound applied before the norm bound, or None.
+        clip_value: element-wise bound applied before the norm bound, or None;
+            a group's own ``"clip_value"`` key replaces it for that group.
         accumulation_steps: micro-batches per optimizer update.
         reduction: ``"mean"`` or ``"sum"`` of the micro-batch gradients.
         skip_nonfinite: skip (and zero) an update whose gradients are not finite.
