@@ -107,12 +107,27 @@ class StateReadiness:
 
 
 def step_fused(
-    inner: Optimizer, d: WindowDecision, inner_closure: Callable[[], Any] | None
+    inner: Optimizer,
+    d: WindowDecision,
+    inner_closure: Callable[[], Any] | None,
+    grad_groups: Sequence[Sequence[Tensor]] = (),
+    *,
+    foreach: bool | None = None,
 ) -> tuple[Any, bool | Tensor]:
     """Fold the scale into the fused kernel as ``grad_scale``; skip through ``found_inf``.
 
-    Returns the inner step's result and the outcome (the device skip flag, or False).
+    With per-group clipping (``grad_groups``: the gradients per parameter group) the kernel's one
+    ``grad_scale`` carries the scale of the groups sharing the wrapper's bound; each group in
+    ``d.unfolded`` is first multiplied in place by its own scale over that one (an extra pass
+    over its gradients only, no host read).  Returns the inner step's result and the outcome
+    (the device skip flag, or False).
     """
+    if d.group_scales is not None and d.unfolded:
+        scales = d.group_scales
+        # scale / d.scale: the kernel then divides by 1 / d.scale (a shared coefficient of 0 comes
+        # only from a non-finite shared norm, a window that is skipped -- or not finite anyway)
+        ratios = [scales[j] / d.scale if _scaled(d.scale) else scales[j] for j in d.unfolded]
+        F.scale_groups_([grad_groups[j] for j in d.unfolded], ratios, foreach=foreach)
     grad_scale: Tensor | None = None  # the kernel divides the gradients by grad_scale
     if isinstance(d.scale, Tensor):
         grad_scale = d.scale.to(torch.float32).reciprocal()
@@ -133,8 +148,10 @@ def step_host(
     *,
     guard: bool,
     foreach: bool | None,
+    grad_groups: Sequence[Sequence[Tensor]] = (),
 ) -> tuple[Any, bool]:
-    """Scale the gradients, read the skip flag once, then step or discard.
+    """Scale the gradients (each group by its own scale with per-group clipping: ``grad_groups``),
+    read the skip flag once, then step or discard.
 
     ``make_closure(bad)`` builds the inner closure (``make_closure`` is None
     without a closure); with ``guard`` (an optimizer that re-evaluates it) the
@@ -142,7 +159,9 @@ def step_host(
     re-evaluation sets ``bad[0]``.  Returns what ``step()`` returns (the inner
     step's result with a closure, else ``loss``) and whether it was skipped.
     """
-    if isinstance(d.scale, Tensor) or d.scale != 1.0:
+    if d.group_scales is not None:  # per-group clipping: each group by its own scale
+        F.scale_groups_(grad_groups, d.group_scales, foreach=foreach)
+    elif _scaled(d.scale):
         F.scale_grads_(grads, d.scale, foreach=foreach)
     if d.skip is not None and bool(d.skip.item()):
         for p in params:
@@ -158,6 +177,11 @@ def step_host(
         d.skipped_as_nonfinite(NONFINITE)
         return out, True
     return out, False
+
+
+def _scaled(scale: float | Tensor) -> bool:
+    """Whether ``scale`` changes the gradients (a tensor always may: no host read)."""
+    return isinstance(scale, Tensor) or scale != 1.0
 
 
 def reevaluating_closure(

@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ._distributed import Unsynced
+from ._group_options import check_groups, group_keys, kept_options
 from ._loss import LossSum
 from ._recovery import SpikeRecovery
 from ._state import WrapperState, read_wrapper_state, validate_inner_state
@@ -65,6 +66,8 @@ class Checkpoint(NamedTuple):
     policy_state: dict[str, Any] | None
     loss_sum: LossSum
     unsynced: Unsynced | None
+    #: Per group, the clipping options set now that the saved group lacks (put back after loading).
+    kept_options: list[dict[str, Any]]
     #: The SpikeGuard's and Rewind's checked state (see ``SpikeRecovery.validate``).
     recovery: tuple[Any, Any] = (None, None)
 
@@ -82,6 +85,7 @@ def read_checkpoint(
     """Validate ``state_dict`` completely (``ValueError``, touching nothing) and return its parts."""
     wrapper = read_wrapper_state(state_dict, params, accumulation_steps)
     validate_inner_state(state_dict, inner)
+    kept = _check_group_options(state_dict, inner, policy)
     policy_state = _checked_policy_state(state_dict, policy)
     _check_scaler_state(wrapper, scaler)
     ext = state_dict.get("clipopt")
@@ -96,7 +100,25 @@ def read_checkpoint(
         checked = recovery.validate(ext)
     inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
     counters, pending, scaler_state = wrapper if wrapper is not None else (None, None, None)
-    return Checkpoint(inner_sd, counters, pending, scaler_state, policy_state, loss_sum, unsynced, checked)
+    return Checkpoint(
+        inner_sd, counters, pending, scaler_state, policy_state, loss_sum, unsynced, kept, checked
+    )
+
+
+def _check_group_options(
+    state_dict: dict[str, Any], inner: Optimizer, policy: ClipPolicy | None
+) -> list[dict[str, Any]]:
+    """The groups' ``max_norm``/``clip_value`` after loading -- torch restores every group option from
+    the saved dict; options set now that a saved group lacks are kept (returned) -- checked as the
+    constructor checks them: ``ValueError`` before anything loads."""
+    saved = [g for g in state_dict["param_groups"] if isinstance(g, dict)]
+    kept = kept_options(saved, inner.param_groups, group_keys(inner.defaults))
+    try:
+        merged = [{**extra, **group} for group, extra in zip(saved, kept, strict=False)]
+        check_groups(merged, inner.defaults, policy=policy, norm_group=None, clip_value=None)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"invalid state_dict: {exc}") from None
+    return kept
 
 
 def _check_scaler_state(wrapper: Any, scaler: torch.amp.GradScaler | None) -> None:

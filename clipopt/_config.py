@@ -28,6 +28,7 @@ from ._checks import (
 )
 from ._distributed import has_dtensor
 from ._distributed_decision import check_norm_group, check_replica_group
+from ._group_options import check_groups
 from ._layers import resolve_param_names
 from ._logging import Logger
 from ._policies import ClipPolicy
@@ -193,6 +194,8 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
     replica_group = check_replica_group(o["replica_group"])
     passes = check_positive_int("backward_passes_per_step", o["backward_passes_per_step"])
     names = _check_names(optimizer, o["param_names"], clip_value, o["snapshot_dir"])
+    groups = optimizer.param_groups  # per-group 'max_norm'/'clip_value' (SPEC §1)
+    check_groups(groups, optimizer.defaults, policy=policy, norm_group=norm_group, clip_value=clip_value)
     return WrapperConfig(
         policy,
         bound,

@@ -19,6 +19,7 @@ the loggers and the snapshots.  The reason is an int64 code until read
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -28,6 +29,7 @@ from torch import Tensor
 from . import functional as F
 
 if TYPE_CHECKING:
+    from ._group_options import GroupPlan
     from ._policies import ClipPolicy
 
 __all__ = [
@@ -43,7 +45,9 @@ __all__ = [
     "SkipSource",
     "WindowDecision",
     "clip_",
+    "clip_groups_",
     "decide_skip",
+    "measured_groups",
     "policy_spike",
     "read_anomaly",
     "reason_name",
@@ -90,14 +94,17 @@ class WindowDecision:
         "divergence",
         "group_coefs",
         "group_norms",
+        "group_scales",
         "loss",
         "max_norm",
         "nonfinite",
         "nonfinite_only",
         "reason",
         "scale",
+        "shared_norm",
         "skip",
         "total_norm",
+        "unfolded",
     )
 
     def __init__(self, total_norm: Tensor, nonfinite: Tensor, divergence: Tensor | None = None) -> None:
@@ -123,9 +130,21 @@ class WindowDecision:
         self.nonfinite_only = True
         #: The window's combined loss (0-d tensor), a float, or None when no loss was given.
         self.loss: Tensor | float | None = None
-        #: Per parameter-group norms and coefficients (one per group with its own bound); empty so far.
-        self.group_norms: tuple[Tensor, ...] = ()
-        self.group_coefs: tuple[Tensor, ...] = ()
+        # Per-group clipping (some parameter group has its own 'max_norm' or 'clip_value'); all None
+        # without it, when one bound clips every group (``coef``, ``scale``).
+        #: Each group's pre-clip norm (1-d, one entry per parameter group, like ``total_norm``).
+        self.group_norms: Tensor | None = None
+        #: Each group's norm-clipping coefficient: the common ``coef`` for the groups sharing the
+        #: wrapper's bound, their own for the others (1.0 for a group left out).
+        self.group_coefs: Tensor | None = None
+        #: What multiplies each group's gradients (its coefficient / micro-batches).
+        self.group_scales: Tensor | None = None
+        #: The groups whose gradients ``scale`` does not cover (their own bound, or left out): a fused
+        #: kernel folds ``scale`` into its one ``grad_scale``, so these take an extra pass first.
+        self.unfolded: tuple[int, ...] = ()
+        #: The common pre-clip norm of the groups sharing the wrapper's bound (``nan`` when the window
+        #: is not finite): what a policy sees.  None without per-group clipping (it sees ``total_norm``).
+        self.shared_norm: Tensor | None = None
 
     @classmethod
     def empty(
@@ -198,7 +217,7 @@ def read_anomaly(
     (:func:`spike_rule`; asked whether or not spikes are skipped) or by ``guard_spike``
     (a SpikeGuard's rule, 0/1), else None.
     """
-    spike = spike_rule(policy, d.total_norm)
+    spike = spike_rule(policy, d.total_norm if d.shared_norm is None else d.shared_norm)
     if guard_spike is not None:
         spike = guard_spike if spike is None else torch.maximum(spike.to(guard_spike.dtype), guard_spike)
     divergence = d.divergence if with_divergence else None
@@ -250,3 +269,91 @@ def clip_(
         clipped = (coef < 1.0) | clipped if isinstance(clipped, Tensor) else coef < 1.0
     d.max_norm, d.coef, d.clipped = max_norm, coef, clipped
     d.scale = coef * inv if divisor != 1.0 else coef
+
+
+def measured_groups(
+    norms: Tensor, sizes: Sequence[int], shared: Sequence[bool], *, norm_type: float, divisor: float
+) -> WindowDecision:
+    """Step 2 with per-group options, from each gradient's norm (``norms``, one read; ``sizes``: how
+    many belong to each group): the total norm, each group's norm and the shared groups' common
+    norm are p-norms of those, divided by ``divisor`` (micro-batches, ``mean``).  A policy sees the
+    common norm, ``nan`` when the window is not finite (it never enters a policy's statistics)."""
+    raw: Tensor = torch.linalg.vector_norm(norms, norm_type)
+    total = raw / divisor if divisor != 1.0 else raw
+    d = WindowDecision(total, F.nonfinite_flag(total))
+    groups = F.group_norms(norms, sizes, norm_type)
+    d.group_norms = groups / divisor if divisor != 1.0 else groups
+    common = F.shared_norm(d.group_norms, shared, norm_type)
+    d.shared_norm = torch.where(d.nonfinite > 0, math.nan, common)
+    return d
+
+
+def clip_groups_(
+    d: WindowDecision,
+    grads: Sequence[Sequence[Tensor]],
+    params: Sequence[Sequence[Tensor]],
+    plan: GroupPlan,
+    *,
+    norm_type: float,
+    divisor: float,
+    foreach: bool | None,
+    norms_of: Callable[[list[Tensor]], Tensor],
+    policy: ClipPolicy | None,
+    max_norm: float | Tensor | None,
+) -> None:
+    """Steps 3-4 with per-group options (``plan``), on the device; ``grads``/``params`` per group.
+
+    Value clipping takes each group's bound; the norms after it are read again only for the
+    clamped groups (``norms_of``: per-tensor norms, sharded ones included).  The groups without
+    their own ``max_norm`` share ``max_norm`` (or the policy's threshold, fed their common norm
+    ``d.shared_norm``) and one coefficient ``d.coef``, which is ``d.scale``; a unit-wise policy
+    (AGC) clips them itself.  The other groups are listed in ``d.unfolded`` with their scale in
+    ``d.group_scales``.  ``d.group_norms`` (pre-clip, set when measured) must be there.
+    """
+    if d.group_norms is None:
+        raise ValueError("clip_groups_ needs the window's group norms (d.group_norms); measure them first")
+    inv = 1.0 / divisor
+    post, clipped = _value_clip_groups(d.group_norms, grads, plan, norm_type, divisor, foreach, norms_of)
+    d.unfolded = tuple(j for j, shared in enumerate(plan.shared) if not shared)
+    if policy is not None and policy.unitwise:
+        unit = policy.clip_([p for j, ps in enumerate(params) if plan.shared[j] for p in ps], inv)
+        d.clipped = unit | clipped
+        one = torch.ones_like(d.group_norms)
+        d.group_coefs = one
+        d.group_scales = torch.stack([one[j] if s else one[j] * inv for j, s in enumerate(plan.shared)])
+        return  # d.coef and d.scale stay 1.0: AGC applied the 1/n itself
+    if policy is not None:
+        shared = d.shared_norm if d.shared_norm is not None else d.total_norm
+        max_norm = policy.threshold(shared)
+    coefs = F.group_clip_coefs(post, plan.bounds, plan.shared, max_norm, norm_type)
+    first = next((j for j, s in enumerate(plan.shared) if s), None)
+    coef: float | Tensor = coefs[first] if first is not None and max_norm is not None else 1.0
+    d.max_norm, d.coef, d.group_coefs = max_norm, coef, coefs
+    d.clipped = (coefs < 1.0).any() | clipped
+    d.group_scales = coefs * inv if divisor != 1.0 else coefs
+    d.scale = coef * inv if divisor != 1.0 else coef
+
+
+def _value_clip_groups(
+    pre: Tensor,
+    grads: Sequence[Sequence[Tensor]],
+    plan: GroupPlan,
+    norm_type: float,
+    divisor: float,
+    foreach: bool | None,
+    norms_of: Callable[[list[Tensor]], Tensor],
+) -> tuple[Tensor, Tensor]:
+    """Value-clip each group by its bound (``g / n`` clamped as ``g`` by ``c * n``); return the
+    groups' norms after it (only the clamped groups read again) and whether any norm dropped."""
+    picked = [j for j, v in enumerate(plan.clip_values) if v is not None and grads[j]]
+    if not picked:
+        return pre, torch.zeros((), dtype=torch.bool, device=pre.device)
+    values = [None if v is None else v * divisor for v in plan.clip_values]
+    F.clip_groups_value_(grads, values, foreach=foreach)
+    flat = [g for j in picked for g in grads[j]]
+    again = F.group_norms(norms_of(flat), [len(grads[j]) for j in picked], norm_type) / divisor
+    post = list(pre.unbind())
+    for slot, j in enumerate(picked):
+        post[j] = again[slot].to(pre.dtype)
+    after = torch.stack(post)
+    return after, (after < pre).any()

@@ -21,7 +21,7 @@ from ._badrow import candidate_row
 from ._layers import LayerStats
 from ._snapshot import now, process_rank, to_saveable, versions
 
-__all__ = ["layer_names", "norm_with_row", "snapshot_payload"]
+__all__ = ["layer_names", "norm_with_row", "row_of_norms", "snapshot_payload"]
 
 
 def layer_names(param_groups: list[dict[str, Any]], names: Mapping[Tensor, str]) -> list[str]:
@@ -53,8 +53,16 @@ def norm_with_row(
     window's candidate bad row (see :mod:`clipopt._badrow`)."""
     norms = F.get_norms(grads, norm_type, foreach=foreach)
     raw_norm = torch.linalg.vector_norm(norms, norm_type)
+    return raw_norm, row_of_norms(norms, params, names, norm_type=norm_type, inv=inv)
+
+
+def row_of_norms(
+    norms: Tensor, params: list[Tensor], names: list[str], *, norm_type: float, inv: float
+) -> LayerStats:
+    """The window's candidate bad row from the per-gradient norms already computed (``norms[j]``:
+    the ``j``-th parameter with a gradient)."""
     with_grad = [i for i, p in enumerate(params) if p.grad is not None]
-    return raw_norm, candidate_row(names, with_grad, norms, inv, norm_type == 2.0)
+    return candidate_row(names, with_grad, norms, inv, norm_type == 2.0)
 
 
 def snapshot_payload(

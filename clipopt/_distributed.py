@@ -220,6 +220,34 @@ class ShardedGrads:
         return F.get_total_norm(parts, norm_type)
 
 
+    def norms(self, grads: Sequence[Tensor], norm_type: float, foreach: bool | None) -> Tensor:
+        """The global ``norm_type``-norm of each gradient in ``grads`` (as :meth:`total_norm`), stacked.
+
+        Per-group clipping composes group norms from these.  Collective: one
+        reduction of a vector per set of process groups (as many as
+        :meth:`total_norm` makes, of scalars).
+        """
+        found: list[Tensor | None] = [None] * len(grads)
+        for pgs, indices in self._groups:
+            local = _local_norms([grads[i] for i in indices], norm_type, foreach)
+            if pgs:
+                local = _reduce_norm(local, norm_type, pgs)
+            for slot, i in enumerate(indices):
+                found[i] = local[slot]
+        if not found:
+            return torch.zeros(0, dtype=torch.float32)
+        return torch.stack([n for n in found if n is not None])
+
+
+def _local_norms(grads: Sequence[Tensor], p: float, foreach: bool | None) -> Tensor:
+    """Each of this rank's shards' norm (an empty shard counts 0), in a dtype every rank shares."""
+    wide = any(g.dtype == torch.float64 for g in grads)
+    zero = torch.zeros((), dtype=torch.float64 if wide else torch.float32, device=grads[0].device)
+    kept = [g for g in grads if g.numel() > 0]
+    found = iter(F.get_norms(kept, p, foreach=foreach).to(zero.dtype).unbind() if kept else ())
+    return torch.stack([next(found) if g.numel() > 0 else zero for g in grads])
+
+
 def _local_norm(grads: Sequence[Tensor], p: float, foreach: bool | None) -> Tensor:
     """The norm of this rank's shards; empty shards (a dimension smaller than the world) count 0.
 

@@ -333,7 +333,24 @@ def settings_of(opt: Any) -> list[tuple[str, float]]:
         ("scaler", float(opt.scaler is not None)),
         ("windows closed", float(opt.num_windows)),
         ("micro_batches pending", float(opt.micro_batches)),
+        *_group_settings(opt.param_groups),
         *_recovery_settings(opt.spike_guard, opt.rewind),
+    ]
+
+
+def _group_settings(groups: list[dict[str, Any]]) -> list[tuple[str, float]]:
+    """The per-group ``max_norm``/``clip_value`` of every group as two checksums (a fixed count of
+    settings, whatever the number of groups): absent -3, None -1, else the value, weighted by index."""
+
+    def code(group: dict[str, Any], key: str) -> float:
+        if key not in group:
+            return -3.0
+        value = group[key]
+        return -1.0 if value is None else float(value) if isinstance(value, (int, float)) else -4.0
+
+    return [
+        (f"per-group {key}", sum((g + 1) * code(group, key) for g, group in enumerate(groups)))
+        for key in ("max_norm", "clip_value")
     ]
 
 

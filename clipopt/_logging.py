@@ -142,7 +142,10 @@ class CSVLogger:
     (0/1), ``skipped`` (0/1), ``reason`` (empty, ``nonfinite``, ``overflow`` or ``spike``),
     ``max_norm`` (empty when off), ``lr`` (group 0), ``loss`` (the window's loss, empty when
     none was given to ``step(loss=...)``) — then ``lr.<g>`` for further
-    parameter groups, then, when the optimizer has ``layer_stats`` on, for every
+    parameter groups, then, with per-group clipping (a group carries its own
+    ``max_norm`` or ``clip_value``), ``group_norm.<g>`` and ``group_coef.<g>``
+    for every group (see :attr:`StepStats.group_norms`), then, when the
+    optimizer has ``layer_stats`` on, for every
     parameter ``<name>.grad_norm``, ``.grad_max``, ``.grad_min``, ``.nonfinite``,
     ``.param_norm`` (empty in rows where they were not due).  When a parameter
     group is added during the run the file is rewritten once with the new
@@ -179,6 +182,7 @@ class CSVLogger:
         self.columns: list[str] | None = None
         self._names: list[str] = []
         self._groups = 1
+        self._per_group = False  # group_norm.<g> / group_coef.<g> columns
         self._buffer: list[StepStats] = []
         self._closed = False
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -190,19 +194,23 @@ class CSVLogger:
             self.path = self._target or self.path
         if self._target is None:  # another rank writes
             return
+        per_group = stats.has_group_stats
         if self.columns is None:
+            self._per_group = per_group
             self._set_columns(optimizer, len(stats.lr))
-        elif len(stats.lr) != self._groups:  # add_param_group(): more lr and per-layer columns
+        elif len(stats.lr) != self._groups or (per_group and not self._per_group):  # add_param_group()
+            self._per_group = self._per_group or per_group  # columns are never taken away
             self._widen(optimizer, len(stats.lr))
         self._buffer.append(stats)
         self._closed = False
         if len(self._buffer) >= self.flush_every:
             self.flush()
 
-    @staticmethod
-    def _columns_for(optimizer: LoggedOptimizer, groups: int) -> tuple[list[str], list[str]]:
+    def _columns_for(self, optimizer: LoggedOptimizer, groups: int) -> tuple[list[str], list[str]]:
         """The columns a new logger uses for ``optimizer`` with ``groups`` groups, and the layer names."""
         columns = list(BASE_COLUMNS) + [f"lr.{g}" for g in range(1, groups)]
+        if self._per_group:
+            columns += [f"group_{kind}.{g}" for g in range(groups) for kind in ("norm", "coef")]
         names = optimizer.layer_names() if optimizer.layer_stats else []
         columns += [f"{name}.{field}" for name in names for field in LAYER_FIELDS]
         return columns, names
@@ -279,6 +287,8 @@ class CSVLogger:
         cells = dict(zip(names, (format_value(v) for v in (*row, *lr)), strict=True))
         cells["lr"] = cells.pop("lr.0")
         cells["loss"] = format_value(s.loss) if s.has_loss else ""
+        for g, (norm, coef) in enumerate(zip(s.group_norms, s.group_coefs, strict=True)):
+            cells[f"group_norm.{g}"], cells[f"group_coef.{g}"] = format_value(norm), format_value(coef)
         layers = s.logged_layers() if self._names else None
         if layers is not None:
             values = layers.as_dict()

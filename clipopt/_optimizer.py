@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -31,11 +32,13 @@ from ._decision import (
     SkipSource,
     WindowDecision,
     clip_,
+    clip_groups_,
     decide_skip,
+    measured_groups,
     policy_spike,
     read_anomaly,
 )
-from ._diagnostics import layer_names, norm_with_row, snapshot_payload
+from ._diagnostics import layer_names, norm_with_row, row_of_norms, snapshot_payload
 from ._distributed import (
     ShardedGrads,
     Unsynced,
@@ -53,6 +56,7 @@ from ._grad_sync import (
     pending_unsynced,
     plan_no_sync,
 )
+from ._group_options import GroupPlan, check_groups
 from ._layers import LayerStats, compute_layer_stats
 from ._logging import Logger, log_window
 from ._loss import LossSum, check_loss, loss_of_closure
@@ -130,9 +134,13 @@ class ClippedOptimizer(InnerOptimizerView):
         optimizer: any ``torch.optim.Optimizer`` (also third-party subclasses).
         max_norm: global norm bound, a :class:`ClipPolicy` (:class:`AutoClip`,
             :class:`ZClip`, :class:`AGC`) that sets it per window on the device, or
-            None to turn norm clipping off.
+            None to turn norm clipping off.  A parameter group of the inner
+            optimizer with its own ``"max_norm"`` key (a float, or None to leave
+            it out of norm clipping) is clipped by its own norm instead; the
+            groups without the key share this bound (per-group clipping).
         norm_type: ``p > 0`` or ``float("inf")``, as in ``clip_grad_norm_``.
-        clip_value: element-wise bound applied before the norm bound, or None.
+        clip_value: element-wise bound applied before the norm bound, or None;
+            a group's own ``"clip_value"`` key replaces it for that group.
         accumulation_steps: micro-batches per optimizer update.
         reduction: ``"mean"`` or ``"sum"`` of the micro-batch gradients.
         skip_nonfinite: skip (and zero) an update whose gradients are not finite.
@@ -311,6 +319,24 @@ class ClippedOptimizer(InnerOptimizerView):
     @max_norm.setter
     def max_norm(self, value: float | ClipPolicy | None) -> None:
         self._policy, self._bound = check_max_norm(value)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group to the inner optimizer; its ``max_norm`` and ``clip_value``
+        (per-group clipping, SPEC §1) are checked first, so a bad one adds nothing."""
+        if isinstance(param_group, dict):
+            self._group_plan([*self.param_groups, param_group])
+        super().add_param_group(param_group)
+
+    def _group_plan(self, groups: list[dict[str, Any]] | None = None) -> GroupPlan | None:
+        """The per-group options of ``groups`` (default: the current ones), all checked; None
+        when no group has one.  Read at every window: they may change like a learning rate."""
+        return check_groups(
+            self.param_groups if groups is None else groups,
+            self.optimizer.defaults,
+            policy=self._policy,
+            norm_group=self.norm_group,
+            clip_value=self.clip_value,
+        )
 
     # ------------------------------------------------------------------ signals
 
@@ -570,29 +596,32 @@ class ClippedOptimizer(InnerOptimizerView):
     def _finish_window(self, loss: Any, closure: Callable[[], Any] | None, undo: UndoPoint) -> Any:
         """SPEC §1's order: combine -> measure -> diagnose -> clip and decide -> apply -> record."""
         n, params = self._counters.micro_batches, self._params()
+        plan = self._group_plan()  # per-group options: checked before anything changes
         if self._recovery.due(self._counters.windows):  # Rewind: a copy, or back to one
             hit = self._recovery.check(self._counters.windows, params, self.optimizer, self._copied_state)
             if hit is not None:
                 undo.committed = True  # the training state was restored: this window is discarded
                 return self._close_rewound(n, loss, *hit)
-        grads = self._combine(params, undo)
+        grads = self._combine(params, undo, plan)
         if grads is None:
             undo.committed = True
             return self._close_empty(n, loss)
+        by_group = self._split(grads) if plan is not None else []
         try:
             with torch.no_grad():
                 window_loss = self._loss.combined(self.reduction)  # kept in the sum until the close commits
-                d = self._agree(self._measure(grads, n, params), n, window_loss)  # DDP: SpikeGuard's loss too
-                d.loss = window_loss
+                d = self._agree(self._measure(grads, n, params, (plan, by_group)), n, window_loss)
+                d.loss = window_loss  # before the decision: SpikeGuard scores it
                 layers = self._diagnose(params, d, n)
                 unitwise = self._policy is not None and self._policy.unitwise  # AGC clips in place
-                undo.touched |= self.clip_value is not None or unitwise
-                self._clip(d, params, grads, n)
+                value = self.clip_value is not None or (plan is not None and plan.any_value_clipping)
+                undo.touched |= value or unitwise
+                self._clip(d, params, grads, n, plan=plan, by_group=by_group)
             undo.touched = True  # scaling and the inner step change the gradients
             self._counters.micro_batches = 0
             self._counters.windows += 1
             self._loss.clear()
-            loss, fused = self._apply(d, grads, params, loss, closure)
+            loss, fused = self._apply(d, grads, params, loss, closure, by_group)
             undo.committed = True
             self._recovery.commit(d, self._counters.windows, self._last_skipped)
         finally:  # also after an error: an unscaled scaler without update() would refuse every later window
@@ -628,14 +657,18 @@ class ClippedOptimizer(InnerOptimizerView):
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
         }
 
-    def _combine(self, params: list[Tensor], undo: UndoPoint) -> list[Tensor] | None:
+    def _combine(self, params: list[Tensor], undo: UndoPoint, plan: GroupPlan | None) -> list[Tensor] | None:
         """Step 1: the window's gradients, synchronised (``no_sync``) and unscaled (``scaler``);
         None when no parameter has one.  Raises before anything changed when they cannot be used."""
         if self._has_dtensor and self._snapshots is not None:
             raise ValueError(DTENSOR_DIAGNOSTICS)
         self._sync_unsynced()
         grads = self._window_grads(params)  # may raise: before the scaler is unscaled
-        if self.clip_value is not None:
+        if plan is not None and plan.any_value_clipping:  # before anything is measured, saved or clamped
+            for group, value in zip(self._split(grads), plan.clip_values, strict=True):
+                if value is not None:
+                    F.check_value_clippable(group)
+        elif plan is None and self.clip_value is not None:
             F.check_value_clippable(grads)  # before anything is measured, saved or clamped
         if not grads:
             return None
@@ -655,11 +688,15 @@ class ClippedOptimizer(InnerOptimizerView):
             self._recovery.shared_loss = self._replicas.agree_loss(loss, d.total_norm.device)
         if not self._replicas.active or self._has_dtensor:
             return d
-        shared = loss if self._recovery.watches_loss() else None
+        shared = loss if self._recovery.watches_loss() else None  # SpikeGuard: one loss on every rank
         window = self._counters.windows + 1
         norm, nonfinite = self._replicas.agree(d.total_norm, d.nonfinite, n, window, shared)
         self._recovery.shared_loss = self._replicas.agreed_loss if shared is not None else None
-        return WindowDecision(norm, nonfinite, self._replicas.divergence)
+        agreed = WindowDecision(norm, nonfinite, self._replicas.divergence)
+        if d.shared_norm is not None:  # per-group clipping: a policy sees no window some rank found bad
+            agreed.group_norms = d.group_norms
+            agreed.shared_norm = torch.where(nonfinite > 0, math.nan, d.shared_norm)
+        return agreed
 
     def _close_empty(self, n: int, loss: Any, reason: int = NOGRAD) -> Any:
         """A window in which no parameter has a gradient: nothing to apply, so the inner step is not
@@ -676,6 +713,21 @@ class ClippedOptimizer(InnerOptimizerView):
         self._counters.record(True, False)
         self._record(d, n, None)
         return loss
+
+    def _split(self, grads: list[Tensor]) -> list[list[Tensor]]:
+        """``grads`` (one per parameter with a gradient, in group order) per parameter group."""
+        out, start = [], 0
+        for group in self.param_groups:
+            size = sum(1 for p in group["params"] if p.grad is not None)
+            out.append(grads[start : start + size])
+            start += size
+        return out
+
+    def _tensor_norms(self, grads: list[Tensor]) -> Tensor:
+        """Each gradient's norm over all ranks holding shards of it (collective for DTensors)."""
+        if self._shards is not None:
+            return self._shards.norms(grads, self.norm_type, self.foreach)
+        return F.get_norms(grads, self.norm_type, foreach=self.foreach)
 
     def _window_grads(self, params: list[Tensor]) -> list[Tensor]:
         """The gradients to measure and clip: ``p.grad``, or their local shards for DTensors."""
@@ -705,14 +757,23 @@ class ClippedOptimizer(InnerOptimizerView):
         return float(n) if self.reduction == "mean" else 1.0
 
     def _measure(
-        self, grads: list[Tensor], n: int, params: list[Tensor] | None = None
+        self,
+        grads: list[Tensor],
+        n: int,
+        params: list[Tensor] | None = None,
+        groups: tuple[GroupPlan | None, list[list[Tensor]] | None] = (None, None),
     ) -> WindowDecision:
         """Steps 1-2: the pre-clip norm of the combined gradient and its non-finite flag.
 
         Given ``params`` while per-layer statistics are on and a logger writes them,
         the same pass keeps each gradient's norm for the window's candidate bad row
-        (see :mod:`clipopt._badrow`).
+        (see :mod:`clipopt._badrow`).  With per-group options (``groups``: the plan and the
+        gradients per group) the groups' norms come from the same per-gradient norms
+        (:meth:`_measure_groups`).
         """
+        plan, by_group = groups
+        if plan is not None and by_group is not None:
+            return self._measure_groups(grads, n, params, plan, [len(g) for g in by_group])
         divisor = self._divisor(n)
         if params is not None:
             self._bad_row = None
@@ -725,6 +786,20 @@ class ClippedOptimizer(InnerOptimizerView):
             raw_norm = self._total_norm(grads)
         total_norm = raw_norm / divisor if divisor != 1.0 else raw_norm
         return WindowDecision(total_norm, F.nonfinite_flag(total_norm))
+
+    def _measure_groups(
+        self, grads: list[Tensor], n: int, params: list[Tensor] | None, plan: GroupPlan, sizes: list[int]
+    ) -> WindowDecision:
+        """Steps 1-2 with per-group options: one read of the gradients gives each one's norm; the
+        total norm, each group's norm and the shared groups' common norm are p-norms of those."""
+        divisor, p = self._divisor(n), self.norm_type
+        norms = self._tensor_norms(grads)
+        if params is not None:
+            self._bad_row = None
+            if self.layer_stats and self.loggers and self._shards is None:
+                names = self.layer_names()
+                self._bad_row = row_of_norms(norms, params, names, norm_type=p, inv=1.0 / divisor)
+        return measured_groups(norms, sizes, plan.shared, norm_type=p, divisor=divisor)
 
     def _diagnose(self, params: list[Tensor], d: WindowDecision, n: int) -> LayerStats | None:
         """Per-layer statistics when due, and an anomaly snapshot of a non-finite or spiking window.
@@ -792,26 +867,45 @@ class ClippedOptimizer(InnerOptimizerView):
         grads: list[Tensor],
         n: int,
         reevaluated: tuple[float | Tensor | None] | None = None,
+        *,
+        plan: GroupPlan | None = None,
+        by_group: list[list[Tensor]] | None = None,
     ) -> None:
         """Steps 3-4 and the skip decision, all on the device (see :mod:`clipopt._decision`).
 
         ``reevaluated=(max_norm,)``: a closure's re-evaluation, clipped with the window's own
         bound; a global-norm policy and the window-level skip signals saw the window once already.
+        With per-group options (``plan``, ``by_group``: the gradients per group) each group is
+        clipped by its own bound or with the others sharing the wrapper's (``clip_groups_``).
         """
         unitwise = self._policy is not None and self._policy.unitwise
         policy = self._policy if reevaluated is None or unitwise else None  # unit-wise: stateless
         max_norm = self._bound if reevaluated is None else reevaluated[0]
-        clip_(
-            d,
-            grads,
-            params,
-            clip_value=self.clip_value,
-            divisor=self._divisor(n),
-            foreach=self.foreach,
-            norm_of=self._total_norm,
-            policy=policy,
-            max_norm=max_norm,
-        )
+        if plan is not None:
+            clip_groups_(
+                d,
+                by_group or [],
+                [g["params"] for g in self.param_groups],
+                plan,
+                norm_type=self.norm_type,
+                divisor=self._divisor(n),
+                foreach=self.foreach,
+                norms_of=self._tensor_norms,
+                policy=policy,
+                max_norm=max_norm,
+            )
+        else:
+            clip_(
+                d,
+                grads,
+                params,
+                clip_value=self.clip_value,
+                divisor=self._divisor(n),
+                foreach=self.foreach,
+                norm_of=self._total_norm,
+                policy=policy,
+                max_norm=max_norm,
+            )
         enabled = self._skip_enabled()
         code = OVERFLOW if self.scaler is not None else NONFINITE
         signals = [SkipSignal(code, d.nonfinite if enabled else None)]
@@ -825,7 +919,13 @@ class ClippedOptimizer(InnerOptimizerView):
         return self.skip_nonfinite or self.scaler is not None
 
     def _apply(
-        self, d: WindowDecision, grads: list[Tensor], params: list[Tensor], loss: Any, closure: Any
+        self,
+        d: WindowDecision,
+        grads: list[Tensor],
+        params: list[Tensor],
+        loss: Any,
+        closure: Any,
+        by_group: list[list[Tensor]],
     ) -> tuple[Any, bool]:
         """Step 5: the inner step or the skip (see :mod:`clipopt._apply`); returns ``step()``'s result
         and whether the fused (host-read-free) path ran."""
@@ -835,7 +935,7 @@ class ClippedOptimizer(InnerOptimizerView):
             return reevaluating_closure(loss, closure, lambda: self._reclip(d.max_norm), bad)
 
         if fused:
-            out, skipped = step_fused(self.optimizer, d, make_closure())
+            out, skipped = step_fused(self.optimizer, d, make_closure(), by_group, foreach=self.foreach)
             out = out if closure is not None else loss
         else:
             out, skipped = step_host(
@@ -847,17 +947,21 @@ class ClippedOptimizer(InnerOptimizerView):
                 None if closure is None else make_closure,
                 guard=self._skip_enabled(),
                 foreach=self.foreach,
+                grad_groups=by_group,
             )
         self._set_outcome(skipped, d)
         return out, fused
 
     def _reclip(self, max_norm: float | Tensor | None) -> tuple[Tensor, list[Tensor]]:
         """A closure's re-evaluation: measured and clipped with the window's bound ``max_norm``."""
-        params = self._params()
+        params, plan = self._params(), self._group_plan()
         grads = self._window_grads(params)
-        d = self._measure(grads, 1)
-        self._clip(d, params, grads, 1, reevaluated=(max_norm,))
-        if isinstance(d.scale, Tensor) or d.scale != 1.0:
+        by_group = self._split(grads) if plan is not None else None
+        d = self._measure(grads, 1, None, (plan, by_group))
+        self._clip(d, params, grads, 1, reevaluated=(max_norm,), plan=plan, by_group=by_group)
+        if d.group_scales is not None and by_group is not None:
+            F.scale_groups_(by_group, d.group_scales, foreach=self.foreach)
+        elif isinstance(d.scale, Tensor) or d.scale != 1.0:
             F.scale_grads_(grads, d.scale, foreach=self.foreach)
         self._shards = None
         return d.nonfinite, grads
@@ -959,6 +1063,8 @@ class ClippedOptimizer(InnerOptimizerView):
         )
         with restore_on_failure(self.optimizer), keep_group_keys(self.optimizer):
             self.optimizer.load_state_dict(ckpt.inner)
+            for group, kept in zip(self.param_groups, ckpt.kept_options, strict=False):
+                group.update(kept)  # per-group clipping set now, absent from the checkpoint
         self._readiness.reset()
         self._window_guard.reset()  # loaded gradients are new tensors
         self._counters = ckpt.counters if ckpt.counters is not None else WrapperState()

@@ -131,11 +131,22 @@ def format_report(report: Mapping[str, Any]) -> str:
             f"{s['layers']} ({s['layer_rows']} rows with per-layer statistics)" if s["layers"] else "-",
         ],
     ]
+    rows += [[f"group {g['group']}", _group_text(g)] for g in s.get("groups", [])]
     lines += _table(rows)
     if report["notes"]:
         lines += ["", "Notes:"]
         lines += [f"  - {note}" for note in report["notes"]]
     return "\n".join(lines)
+
+
+def _group_text(g: Mapping[str, Any]) -> str:
+    """``median norm 0.8, max 3.1; clipped 12 (4.0%)``: one parameter group's line."""
+    norms = (
+        f"median norm {_num(g['norm_median'])}, max {_num(g['norm_max'])}"
+        if g["norm_median"] is not None
+        else "no finite norm"
+    )
+    return f"{norms}; clipped {g['clipped']} ({100 * g['clipped_fraction']:.1f}%)"
 
 
 def _max_norm_text(s: Mapping[str, Any]) -> str:

@@ -16,7 +16,11 @@ Formats (SPEC §3):
   tags ending in ``total_norm`` or ``grad_norm`` (or Lightning's
   ``grad_2.0_norm_total`` and per-layer ``grad_2.0_norm/<name>``), ``loss`` and
   ``lr`` or ``learning_rate``; clipopt's own tags (``clipopt/clipped``, per-layer
-  ``clipopt/layers/<name>/<field>``) too.
+  ``clipopt/layers/<name>/<field>``, per-group ``clipopt/group_norm/<g>`` and
+  ``clipopt/group_coef/<g>``) too.
+
+clipopt's per-group columns (``group_norm.<g>``, ``group_coef.<g>``: per-group
+clipping) are read into :attr:`GradLog.groups`.
 
 Every failure is a :class:`ValueError` (or :class:`OSError`) with one line that
 names the file and says what was expected.  A missing loss is ``nan``; a loss
@@ -56,6 +60,9 @@ LR_NAMES = ("lr", "learning_rate", "train/learning_rate", "train/lr")
 
 _LIGHTNING_TOTAL = re.compile(r"grad_(?:[0-9.]+|inf)_norm_total")
 _LIGHTNING_LAYER = re.compile(r"grad_(?:[0-9.]+|inf)_norm/(.+)")
+#: clipopt's per-group columns (CSV) and tags (TensorBoard): what, group index.
+_GROUP_COLUMN = re.compile(r"group_(norm|coef)\.([0-9]+)")
+_GROUP_TAG = re.compile(r"clipopt/group_(norm|coef)/([0-9]+)")
 _NOT_TRAIN = ("val", "eval", "test", "valid")
 _NAN = math.nan
 #: Rows converted column by column at once.
@@ -82,7 +89,9 @@ class GradLog:
     ``has_clipping`` is True when the log records clipping (clipopt's
     ``clipped``/``max_norm`` columns); ``notes`` says what reading skipped.
     ``counted`` names the layers whose non-finite element count the log has a
-    column (or tag) for: clipopt's, not Lightning's.
+    column (or tag) for: clipopt's, not Lightning's.  ``groups[g]`` holds
+    parameter group ``g``'s ``"norm"`` and ``"coef"`` (per-group clipping), one
+    value per row, ``nan`` where not recorded; empty without per-group clipping.
     """
 
     path: str
@@ -98,6 +107,7 @@ class GradLog:
     layer_rows: array[int] = field(default_factory=lambda: array("q"))
     layers: dict[str, dict[str, array[float]]] = field(default_factory=dict)
     counted: set[str] = field(default_factory=set)
+    groups: dict[int, dict[str, array[float]]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     norm_column: str = "total_norm"
     loss_column: str | None = None
@@ -185,6 +195,7 @@ class _Columns:
     skipped: int = -1
     reason: int = -1
     layers: dict[str, dict[str, int]] = field(default_factory=dict)
+    groups: list[tuple[int, str, int]] = field(default_factory=list)  # (group, "norm"/"coef", column)
 
 
 def _pick(header: list[str], names: Iterable[str]) -> int:
@@ -231,7 +242,9 @@ def _columns(name: str, header: list[str]) -> _Columns:
         setattr(cols, key, _pick(header, (key,)))
     for i, col in enumerate(header):
         base, _, fld = col.rpartition(".")
-        if base and fld in LAYER_FIELDS and i != norm:
+        if (m := _GROUP_COLUMN.fullmatch(col)) is not None:
+            cols.groups.append((int(m.group(2)), m.group(1), i))
+        elif base and fld in LAYER_FIELDS and i != norm:
             cols.layers.setdefault(base, {})[fld] = i
         elif (m := _LIGHTNING_LAYER.fullmatch(col)) is not None:
             cols.layers.setdefault(m.group(1), {})["grad_norm"] = i
@@ -301,6 +314,8 @@ class _Parser:
         for n in self.layer_names:
             log.layers[n] = {f: array("d") for f in LAYER_FIELDS}
         log.counted = {n for n, fields in cols.layers.items() if "nonfinite" in fields}
+        for g, _, _ in sorted(cols.groups):
+            log.groups.setdefault(g, {"norm": array("d"), "coef": array("d")})
         self.pending_loss: dict[int, float] = {}  # losses of sparse rows whose norm row is not read yet
         self.flat = [cols.layers[n].get(f, -1) for n in self.layer_names for f in LAYER_FIELDS]
 
@@ -355,7 +370,8 @@ class _Parser:
         n0 = len(log.steps)
         first = self.layer_first[0] if self.layer_first else -1
         last = self.layer_first[-1] if self.layer_first else -1
-        wanted = (c.step, c.norm, c.loss, c.lr, c.max_norm, c.clipped, c.skipped, c.reason, first, last)
+        wanted = [c.step, c.norm, c.loss, c.lr, c.max_norm, c.clipped, c.skipped, c.reason, first, last]
+        wanted += [i for _, _, i in c.groups]
         present = sorted({i for i in wanted if i >= 0} | {c.norm, -1})  # -1: two indices at least (tuples)
         # one C-level pass picks the cells of every row, a second transposes them into columns
         columns = dict(zip(present, zip(*map(itemgetter(*present), chunk), strict=True), strict=True))
@@ -372,6 +388,7 @@ class _Parser:
         loss = _floats(columns.get(c.loss, empty) if c.loss >= 0 else empty, recorded_inf=True)
         lr = _floats(col(c.lr) if c.lr >= 0 else empty)
         max_norm = _floats(col(c.max_norm) if c.max_norm >= 0 else empty)
+        groups = [(g, kind, _floats(col(i))) for g, kind, i in c.groups]
         flags = _FLAGS.__getitem__
         clipped = bytearray(map(flags, col(c.clipped))) if c.clipped >= 0 else bytearray(len(chunk))
         skipped = bytearray(map(flags, col(c.skipped))) if c.skipped >= 0 else bytearray(len(chunk))
@@ -393,6 +410,8 @@ class _Parser:
         log.clipped.extend(clipped)
         log.skipped.extend(skipped)
         log.reason.update(reasons)
+        for g, kind, group_values in groups:
+            log.groups[g][kind].extend(group_values)
         for at, values in layer_rows:
             self.add_layers(at, values)
 
@@ -434,6 +453,8 @@ class _Parser:
         log.skipped.append(self.flag(lineno, c.skipped, row))
         if c.reason >= 0 and (reason := row[c.reason].strip()):
             log.reason[len(log.steps) - 1] = reason
+        for g, kind, i in c.groups:
+            log.groups[g][kind].append(self.optional(lineno, i, row))
         if self.layer_cells and any(row[i].strip() for i in self.layer_first):
             self.layer_row(lineno, row)
 
@@ -489,9 +510,10 @@ def _from_records(
     source: str,
     records: dict[int, dict[str, float]],
     layers: dict[str, dict[int, dict[str, float]]],
+    groups: dict[int, dict[str, dict[int, float]]] | None = None,
 ) -> GradLog:
     """A GradLog from step -> {"norm", "loss", "lr", "max_norm", "clipped", "skipped", "overflow",
-    "spike", "rewind"}."""
+    "spike", "rewind"} (and ``groups``: group -> "norm"/"coef" -> step -> value)."""
     log = GradLog(name, source)
     index: dict[int, int] = {}
     for step in sorted(records):
@@ -516,6 +538,10 @@ def _from_records(
     log.counted = {n for n, per in layers.items() if any("nonfinite" in v for v in per.values())}
     for lname, per in layers.items():
         log.layers[lname] = {f: array("d", (per.get(s, {}).get(f, _NAN) for s in rows)) for f in LAYER_FIELDS}
+    for g, kinds in sorted((groups or {}).items()):
+        log.groups[g] = {
+            k: array("d", (kinds.get(k, {}).get(s, _NAN) for s in log.steps)) for k in ("norm", "coef")
+        }
     return log
 
 
@@ -595,9 +621,12 @@ def _read_tensorboard(name: str) -> GradLog:
         for step, value in scalars.get(tag, []) if tag is not None else []:
             records.setdefault(step, {})[key] = value
     layers: dict[str, dict[int, dict[str, float]]] = {}
+    groups: dict[int, dict[str, dict[int, float]]] = {}
     for tag, events in scalars.items():
         parts = tag.split("/")
-        if len(parts) >= 4 and parts[0] == "clipopt" and parts[1] == "layers" and parts[-1] in LAYER_FIELDS:
+        if (m := _GROUP_TAG.fullmatch(tag)) is not None:
+            groups.setdefault(int(m.group(2)), {}).setdefault(m.group(1), {}).update(events)
+        elif len(parts) >= 4 and parts[0] == "clipopt" and parts[1] == "layers" and parts[-1] in LAYER_FIELDS:
             per = layers.setdefault("/".join(parts[2:-1]), {})
             for step, value in events:
                 per.setdefault(step, {})[parts[-1]] = value
@@ -605,7 +634,7 @@ def _read_tensorboard(name: str) -> GradLog:
             per = layers.setdefault(m.group(1), {})
             for step, value in events:
                 per.setdefault(step, {})["grad_norm"] = value
-    log = _from_records(name, "TensorBoard", records, layers)
+    log = _from_records(name, "TensorBoard", records, layers, groups)
     log.norm_column, log.loss_column = norm_tag, wanted["loss"]
     log.has_clipping = wanted["clipped"] is not None
     return log

@@ -913,4 +913,26 @@ def _summary(
         "loss_nonfinite": int((~torch.isfinite(given)).sum()),
         "layers": len(log.layers),
         "layer_rows": len(log.layer_rows),
+        "groups": _group_summary(log),
     }
+
+
+def _group_summary(log: GradLog) -> list[dict[str, Any]]:
+    """Per parameter group (per-group clipping): median finite norm, and how often its coefficient was
+    below 1 (the group was norm-clipped), over the rows that recorded it."""
+    out = []
+    for g, kinds in sorted(log.groups.items()):
+        norm, coef = _t(kinds["norm"]), _t(kinds["coef"])
+        finite = norm[torch.isfinite(norm)]
+        recorded = coef[~torch.isnan(coef)]
+        clipped = int((recorded < 1.0).sum())
+        out.append(
+            {
+                "group": g,
+                "norm_median": _median(finite) if finite.numel() else None,
+                "norm_max": float(finite.max()) if finite.numel() else None,
+                "clipped": clipped,
+                "clipped_fraction": clipped / int(recorded.numel()) if recorded.numel() else 0.0,
+            }
+        )
+    return out

@@ -26,6 +26,11 @@ def _as_bool(value: bool | Tensor) -> bool:
     return bool(value.item()) if isinstance(value, Tensor) else bool(value)
 
 
+def _vector(values: Tensor | None) -> tuple[float, ...] | Tensor:
+    """A per-group record: a detached 1-d tensor (read later), or ``()`` when there is none."""
+    return () if values is None else values.detach().reshape(-1)
+
+
 def _pick(flag: bool | Tensor, if_set: int | Tensor, otherwise: int | Tensor) -> int | Tensor:
     if isinstance(flag, Tensor):
         return torch.where(flag > 0, if_set, otherwise)
@@ -72,12 +77,21 @@ class StepStats:
         loss: the window's loss -- the micro-batch losses given to ``step(loss=...)``
             (or returned by the closure), combined like the gradients (mean or
             sum); ``nan`` when none was given.
+        group_norms: with per-group clipping (a parameter group carries its own
+            ``max_norm`` or ``clip_value``), each group's pre-clip norm, like
+            ``total_norm``; ``()`` without.
+        group_coefs: with per-group clipping, the norm-clipping coefficient each
+            group's gradients were multiplied by (the common ``clip_coef`` for the
+            groups sharing the wrapper's bound, 1.0 for a group left out); ``()`` without.
+            ``clip_coef`` and ``max_norm`` are then those of the shared groups.
     """
 
     __slots__ = (
         "_bad_row",
         "_clip_coef",
         "_clipped",
+        "_group_coefs",
+        "_group_norms",
         "_loss",
         "_lr",
         "_max_norm",
@@ -111,6 +125,8 @@ class StepStats:
         self._lr: tuple[float | Tensor, ...] = tuple(lr)
         self.layers = layers
         self._loss = decision.loss  # None: no loss was given
+        self._group_norms: tuple[float, ...] | Tensor = _vector(decision.group_norms)
+        self._group_coefs: tuple[float, ...] | Tensor = _vector(decision.group_coefs)
         self._bad_row = bad_row  # per-layer row to log if this window is non-finite (clipopt._badrow)
 
     def __setstate__(self, state: Any) -> None:
@@ -119,6 +135,8 @@ class StepStats:
         if "_reason" not in slots:
             old = slots.pop("_reason_if_skipped", "nonfinite"), slots.pop("_nonfinite", None)
             slots["_reason"] = _older_reason(*old, slots.pop("_divergence", None))
+        slots.setdefault("_group_norms", ())  # pickled before per-group clipping
+        slots.setdefault("_group_coefs", ())
         for name, value in slots.items():
             setattr(self, name, value)
 
@@ -164,6 +182,23 @@ class StepStats:
         return self._lr  # type: ignore[return-value]
 
     @property
+    def has_group_stats(self) -> bool:
+        """True when the window recorded per-group norms and coefficients (no device read)."""
+        return isinstance(self._group_norms, Tensor) or len(self._group_norms) > 0
+
+    @property
+    def group_norms(self) -> tuple[float, ...]:
+        if isinstance(self._group_norms, Tensor):
+            self._group_norms = tuple(self._group_norms.tolist())
+        return self._group_norms
+
+    @property
+    def group_coefs(self) -> tuple[float, ...]:
+        if isinstance(self._group_coefs, Tensor):
+            self._group_coefs = tuple(self._group_coefs.tolist())
+        return self._group_coefs
+
+    @property
     def max_norm(self) -> float | None:
         if isinstance(self._max_norm, Tensor):
             self._max_norm = _as_float(self._max_norm)
@@ -199,6 +234,8 @@ class StepStats:
             "max_norm": self.max_norm,
             "lr": list(self.lr),
             "loss": self.loss,
+            "group_norms": list(self.group_norms),
+            "group_coefs": list(self.group_coefs),
         }
 
     def __repr__(self) -> str:
@@ -218,20 +255,25 @@ _LAZY = (
 
 _FLAGS = ("_clipped", "_skipped")
 
+#: Per-group fields: 1-d tensors until read (per-group clipping).
+_VECTORS = ("_group_norms", "_group_coefs")
+
 
 def materialize(stats: Sequence[StepStats]) -> None:
     """Turn the device values of many :class:`StepStats` (and their layer statistics) into
     Python values with one host read."""
     pending = [(s, name) for s in stats for name in _LAZY if isinstance(getattr(s, name), Tensor)]
+    vectors = [(s, name) for s in stats for name in _VECTORS if isinstance(getattr(s, name), Tensor)]
     layers: list[tuple[LayerStats, Tensor]] = []
     for lay in (s.layers for s in stats):
         values = None if lay is None else lay.device_values()
         if lay is not None and values is not None:
             layers.append((lay, values))
-    if not pending and not layers:
+    if not pending and not layers and not vectors:
         return
     parts = [getattr(s, name).reshape(1) for s, name in pending]
     parts += [values.reshape(-1) for _, values in layers]
+    parts += [getattr(s, name) for s, name in vectors]
     device = parts[0].device
     flat = torch.cat([t.to(device, torch.float64, non_blocking=True) for t in parts]).tolist()
     for i, (s, name) in enumerate(pending):
@@ -240,4 +282,8 @@ def materialize(stats: Sequence[StepStats]) -> None:
     for lay, values in layers:
         width = values.numel()
         lay.fill_rows(flat[offset : offset + width])
+        offset += width
+    for s, name in vectors:
+        width = getattr(s, name).numel()
+        setattr(s, name, tuple(flat[offset : offset + width]))
         offset += width

@@ -38,7 +38,8 @@ class TensorBoardLogger:
     (0/1), ``clipopt/overflow`` (1, only in windows skipped for a GradScaler
     overflow), ``clipopt/micro_batches``, ``clipopt/max_norm`` (only when norm
     clipping is on) and ``clipopt/lr`` (group 0), ``clipopt/lr.1``, ... for
-    further parameter groups.  On windows with per-layer statistics
+    further parameter groups; with per-group clipping ``clipopt/group_norm/<g>``
+    and ``clipopt/group_coef/<g>`` for every group ``g``.  On windows with per-layer statistics
     (``layer_stats=k``, and a non-finite window's own row, as in the CSV):
     ``clipopt/layers/<name>/<field>`` for each field of
     :data:`~clipopt.LAYER_FIELDS` (statistics of the pre-clip gradient).
@@ -156,6 +157,9 @@ class TensorBoardLogger:
             add("loss", s.loss)
         for g, lr in enumerate(s.lr):
             add("lr" if g == 0 else f"lr.{g}", float(lr))
+        for g, (norm, coef) in enumerate(zip(s.group_norms, s.group_coefs, strict=True)):
+            add(f"group_norm/{g}", norm)
+            add(f"group_coef/{g}", coef)
         layers = s.logged_layers()  # also a non-finite window's own row, as CSVLogger writes it
         if layers is not None:
             for name, row in zip(layers.names, layers.rows(), strict=True):

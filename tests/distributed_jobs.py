@@ -269,6 +269,7 @@ def ddp_job(rank: int, port: int, out_dir: str) -> None:
         "unchanged": all(torch.equal(a, b) for a, b in zip(before, ddp.module.parameters(), strict=True)),
         "state_empty": len(opt.state) == 0,
     }
+    res["groups"] = {p: _per_group_case(_model(), rank, p, sharded=False) for p in (2.0, math.inf)}
     torch.save(res, os.path.join(out_dir, f"ddp{rank}.pt"))
     leave_process_group()
 
@@ -473,8 +474,43 @@ def fsdp_job(rank: int, port: int, out_dir: str) -> None:
             "params": _full(model),
             "ref_params": [p.detach().clone() for p in plain.parameters()],
         }
+    res["groups"] = {p: _per_group_case(base, rank, p, sharded=True) for p in (2.0, math.inf)}
     torch.save(res, os.path.join(out_dir, f"fsdp{rank}.pt"))
     leave_process_group()
+
+
+def _per_group_case(base: nn.Module, rank: int, p: float, *, sharded: bool) -> dict[str, Any]:
+    """Per-group clipping under FSDP2 (``sharded``) or DDP: the first layer shares MAX_NORM, the last has
+    its own bound 0.01; SGD with lr=1 applies the clipped gradient (fused under DDP: the groups' own
+    scales before the kernel; foreach under FSDP2, which has no fused SGD for DTensors).  The reference
+    is torch's clip_grad_norm_ per group on one process's full gradients."""
+    model = _fsdp(base) if sharded else nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    layers = list(model.children()) if sharded else list(model.module.children())
+    groups = [{"params": layers[0].parameters()}, {"params": layers[2].parameters(), "max_norm": 0.01}]
+    kind = {"foreach": True} if sharded else {"fused": True}
+    opt = ClippedOptimizer(torch.optim.SGD(groups, lr=1.0, **kind), MAX_NORM, norm_type=p)
+    _loss(model, rank, 1).backward()
+    opt.step()
+    plain = copy.deepcopy(base)
+    grads = _full_grads(plain, [1])
+    with torch.no_grad():
+        for param, g in zip(plain.parameters(), grads, strict=True):
+            param.grad = g.float()
+        params = list(plain.parameters())
+        norms = [float(torch.nn.utils.clip_grad_norm_(ps, bound, norm_type=p))
+                 for ps, bound in ((params[:2], MAX_NORM), (params[2:], 0.01))]
+        for param in params:
+            param -= param.grad
+    stats = opt.last_stats
+    assert stats is not None
+    return {
+        "group_norms": list(stats.group_norms),
+        "ref_norms": norms,
+        "total_norm": float(stats.total_norm),
+        "ref_total": _norm64(grads, p),
+        "params": _full(model) if sharded else [q.detach().clone() for q in model.parameters()],
+        "ref_params": [q.detach().clone() for q in plain.parameters()],
+    }
 
 
 # ============================================================================ hardening (issue #17)

@@ -328,3 +328,18 @@ def test_data_parallel_example_runs(flag: str, tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [str(i) for i in range(1, 9)]
     assert [r["reason"] for r in rows].count("nonfinite") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["grads.csv"]
+
+
+@pytest.mark.parametrize("job", ["ddp", "fsdp"])
+@pytest.mark.parametrize("p", [2.0, math.inf])
+def test_per_group_clipping_equals_one_process(
+    ddp: list[dict[str, Any]], fsdp: list[dict[str, Any]], job: str, p: float
+) -> None:
+    """A group with its own max_norm next to a group sharing the wrapper's: under DDP and FSDP2 (sharded
+    gradients: the group norms are reduced over the ranks) every rank records the full gradients'
+    group norms and total norm, and SGD (fused under DDP) applies torch's clip_grad_norm_ per group."""
+    for rank in ddp if job == "ddp" else fsdp:
+        res = rank["groups"][p]
+        assert res["group_norms"] == pytest.approx(res["ref_norms"], rel=1e-5)
+        assert res["total_norm"] == pytest.approx(res["ref_total"], rel=1e-5)
+        assert_tensors_close(res["params"], res["ref_params"])
