@@ -437,3 +437,28 @@ def test_load_state_dict_checks_the_guard_and_rewind_entries_first() -> None:
     history = opt.spike_guard.history
     opt.load_state_dict(older)
     assert opt.spike_guard.history == history
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_guard_composes_with_per_group_clipping(fused: bool) -> None:
+    """Groups with their own max_norm: the spike is skipped bit-exactly, other windows clip as without it."""
+
+    def build(model: nn.Module, **kw: Any) -> ClippedOptimizer:
+        first, second = list(model.parameters())[:2], list(model.parameters())[2:]
+        groups = [{"params": first, "max_norm": 0.5}, {"params": second}]
+        extra = {"fused": True} if fused else {}
+        return ClippedOptimizer(optim.AdamW(groups, lr=0.05, **extra), max_norm=1.0, **kw)
+
+    model, ref_model = _model(), _model()
+    opt, ref = build(model, spike_guard=_guard()), build(ref_model)
+    for i, b in enumerate(_batches(9, seed=8)):
+        if i == 6:
+            before = _state(opt, model)
+            _window(CASES[0], opt, model, _spike(b, False))
+            assert opt.last_stats is not None and opt.last_stats.reason == "spike"
+            _assert_identical(_state(opt, model), before)
+        _window(CASES[0], opt, model, b)
+        _window(CASES[0], ref, ref_model, b)
+        assert opt.last_stats is not None and ref.last_stats is not None
+        assert opt.last_stats.clip_coef == ref.last_stats.clip_coef
+    _assert_identical(_state(opt, model), _state(ref, ref_model))
