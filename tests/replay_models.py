@@ -51,6 +51,13 @@ class LogFeatures(nn.Module):
         return torch.log(h)
 
 
+class InPlaceLogFeatures(nn.Module):
+    """:class:`LogFeatures` computed in place (``log_`` of a copy of ``h``)."""
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h.clone().log_()
+
+
 class RadialFeature(nn.Module):
     """``[h, |h|]`` with ``|h| = sqrt(sum(h**2))`` per row: infinite gradient at ``h = 0``."""
 
@@ -117,6 +124,21 @@ def log_model() -> nn.Module:
     """``lin -> act (LogFeatures) -> out``."""
     torch.manual_seed(0)
     return nn.Sequential(OrderedDict(lin=_first_layer(), act=LogFeatures(), out=nn.Linear(HIDDEN, 1)))
+
+
+def inplace_log_model() -> nn.Module:
+    """``lin -> act (InPlaceLogFeatures) -> out``: ``log_model``'s parameters, its log in place."""
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict(lin=_first_layer(), act=InPlaceLogFeatures(), out=nn.Linear(HIDDEN, 1)))
+
+
+def dropout_log_model() -> nn.Module:
+    """``lin -> drop (Dropout 0.1) -> act (LogFeatures) -> out``: ``log_model``'s parameters, with a
+    dropout (its mask fills an uninitialized tensor in place) before the log."""
+    torch.manual_seed(0)
+    drop = nn.Dropout(0.1)
+    layers = OrderedDict(lin=_first_layer(), drop=drop, act=LogFeatures(), out=nn.Linear(HIDDEN, 1))
+    return nn.Sequential(layers)
 
 
 def masked_model() -> nn.Module:

@@ -38,7 +38,9 @@ from .replay_models import (
     batch,
     branch_model,
     buffer_masked_model,
+    dropout_log_model,
     half_model,
+    inplace_log_model,
     log_model,
     masked_model,
     mse,
@@ -145,6 +147,31 @@ def test_log_of_negative_is_named_in_the_forward(runs: dict[str, str]) -> None:
     assert (r.step, r.reason, r.rank, r.scale) == (3, "nonfinite", None, None)
     assert r.file == runs["log"]
     assert math.isnan(r.snapshot_norm) and math.isnan(r.replay_norm)
+
+
+def test_in_place_log_is_named_with_its_input_as_it_was(runs: dict[str, str]) -> None:
+    """``log_`` in place: the operator is named with its input's statistics from before it ran (the
+    hidden values, finite, smallest negative), not those of its own output."""
+    r = replay(runs["log"], inplace_log_model(), mse)
+    h = _hidden(clipopt.load_snapshot(runs["log"]))
+    assert (r.cause, r.phase, r.module, r.op) == ("operation", "forward", "act", "aten.log_.default")
+    assert r.inputs_finite is True and len(r.inputs) == 1
+    assert r.inputs[0].nonfinite == 0 and r.inputs[0].min == pytest.approx(h.min(), rel=1e-6)
+    assert r.output is not None and r.output.nan == LOG_BAD_UNITS
+
+
+def test_dropout_under_deterministic_algorithms_is_not_the_origin(runs: dict[str, str]) -> None:
+    """Under ``torch.use_deterministic_algorithms(True)`` uninitialized tensors are filled with NaN; the
+    one a training-mode Dropout fills with its mask (``empty_like``, then ``bernoulli_``) is no origin:
+    the log after it is."""
+    model = dropout_log_model()
+    torch.use_deterministic_algorithms(True)
+    try:
+        r = replay(runs["log"], model, mse)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert model.training and r.reproduced
+    assert (r.cause, r.phase, r.module, r.op) == ("operation", "forward", "act", "aten.log.default")
 
 
 def test_sqrt_at_zero_is_named_in_the_backward(runs: dict[str, str]) -> None:
