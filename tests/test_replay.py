@@ -457,6 +457,26 @@ def test_ddp_rank_files_replay_without_a_process_group(ddp_files: list[str]) -> 
 # ----------------------------------------------------------------------------- the model afterwards
 
 
+def test_training_mode_is_restored(runs: dict[str, str]) -> None:
+    """A loss_fn that switches the model to eval mode (or a submodule back to train) leaves every
+    module's training flag as it was before the replay."""
+    model = log_model()
+    model.out.eval()
+
+    def switching(m: nn.Module, attached: dict[str, Any]) -> torch.Tensor:
+        m.eval()
+        m.out.train()
+        return mse(m, attached)
+
+    replay(runs["log"], model, switching, repeats=1)
+    assert [(name, m.training) for name, m in model.named_modules()] == [
+        ("", True),
+        ("lin", True),
+        ("act", True),
+        ("out", False),
+    ]
+
+
 def test_model_is_left_as_it_was(runs: dict[str, str]) -> None:
     """Parameters, buffers, .grad and training mode are restored; no hook and no dispatch mode remain."""
     model = log_model()
@@ -573,6 +593,18 @@ def test_loss_fn_must_return_one_element(runs: dict[str, str]) -> None:
     with pytest.raises(TypeError) as info:
         replay(runs["log"], log_model(), lambda m, a: 1.0)
     assert str(info.value) == "replay(): loss_fn returned float; return the loss as a tensor with one element"
+
+
+def test_loss_fn_must_return_a_loss_with_a_gradient(runs: dict[str, str]) -> None:
+    """A detached loss (or one computed under no_grad) has no backward: a ValueError saying what to
+    return, not a replay without gradients read as "transient"."""
+    for detached in (lambda m, a: mse(m, a).detach(), lambda m, a: torch.no_grad()(mse)(m, a)):
+        with pytest.raises(ValueError) as info:
+            replay(runs["transient"], log_model(), detached)
+        assert str(info.value) == (
+            "replay(): loss_fn returned a loss that does not require grad (detached, or computed under "
+            "torch.no_grad()); return the loss whose backward gives the parameters' gradients"
+        )
 
 
 def test_an_error_in_loss_fn_restores_the_model(runs: dict[str, str]) -> None:
