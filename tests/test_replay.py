@@ -205,8 +205,8 @@ def test_float16_matmul_overflow_is_named(runs: dict[str, str]) -> None:
 
 
 def test_autocast_float16_overflow_is_named(runs: dict[str, str]) -> None:
-    """Under CPU autocast to float16 (no scaler) nn.Linear ``wide`` overflows: its addmm, in float16,
-    gives +inf for the bad row's 4 outputs (finite in float32); cause fp16-overflow."""
+    """Under CPU autocast to float16 (no scaler) nn.Linear ``wide`` (no bias) overflows: its mm, in
+    float16, gives +inf for the bad row's 4 outputs (finite in float32); cause fp16-overflow."""
     r = replay(runs["autocast"], autocast_model(), mse_fp16)
     assert r.reproduced and r.cause == "fp16-overflow" and r.scale is None
     assert (r.phase, r.module, r.module_type) == ("forward", "wide", "Linear")
@@ -536,6 +536,8 @@ def test_bad_arguments_are_refused_before_the_model_is_touched(runs: dict[str, s
         ),
         ({"repeats": 0}, ValueError, "replay() got repeats=0; pass a positive int, e.g. repeats=3"),
         ({"repeats": True}, TypeError, "replay() got repeats=True; pass a positive int, e.g. repeats=3"),
+        ({"repeats": -1}, ValueError, "replay() got repeats=-1; pass a positive int, e.g. repeats=3"),
+        ({"repeats": "3"}, TypeError, "replay() got repeats='3'; pass a positive int, e.g. repeats=3"),
         (
             {"snapshot": 5},
             TypeError,
