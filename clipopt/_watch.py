@@ -91,7 +91,7 @@ class TensorStats:
 
 def tensor_stats(t: Tensor) -> TensorStats:
     """The :class:`TensorStats` of a floating (or complex: of its real view) tensor."""
-    v = t.detach()
+    v = stored_values(t.detach())  # a sparse tensor: its stored values (the shape is the full one)
     if v.is_complex():
         v = torch.view_as_real(v)
     v = v.reshape(-1).to(torch.float64 if v.dtype == torch.float64 else torch.float32)
@@ -326,7 +326,17 @@ def _floats(tree: Any) -> list[Tensor]:
 def all_finite(t: Tensor) -> bool:
     """Whether every element is finite: a sum is finite only then (one reduction, no mask); a
     non-finite sum of finite elements (an overflow of the sum itself) is told apart by the full check."""
+    t = stored_values(t)
     return bool(t.sum().isfinite()) or bool(torch.isfinite(t).all())
+
+
+def stored_values(t: Tensor) -> Tensor:
+    """The values a sparse tensor stores (``nn.Embedding(sparse=True)``'s gradient), else ``t``."""
+    if t.layout == torch.sparse_coo:
+        return t.coalesce().values()
+    if t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        return t.values()
+    return t
 
 
 def _nonfinite_number(value: Any) -> bool:

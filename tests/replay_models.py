@@ -141,6 +141,21 @@ def dropout_log_model() -> nn.Module:
     return nn.Sequential(layers)
 
 
+#: The token whose embedding row of ``sparse_embedding_model`` has LOG_BAD_UNITS negative entries.
+BAD_TOKEN = 5
+
+
+def sparse_embedding_model() -> nn.Module:
+    """``emb (Embedding, sparse gradient) -> act (LogFeatures) -> out``: positive embedding rows except
+    :data:`BAD_TOKEN`'s, whose first :data:`LOG_BAD_UNITS` entries are negative."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(BAD_TOKEN + 1, HIDDEN, sparse=True)
+    with torch.no_grad():
+        emb.weight.abs_().add_(0.1)
+        emb.weight[BAD_TOKEN, :LOG_BAD_UNITS] *= -1
+    return nn.Sequential(OrderedDict(emb=emb, act=LogFeatures(), out=nn.Linear(HIDDEN, 1)))
+
+
 def masked_model() -> nn.Module:
     """``lin -> mix (MaskedLog) -> out``."""
     torch.manual_seed(0)

@@ -30,6 +30,7 @@ from clipopt._text import json_safe
 from . import replay_jobs
 from .replay_models import (
     BAD_ROW,
+    BAD_TOKEN,
     HALF_BAD_VALUE,
     HIDDEN,
     LOG_BAD_UNITS,
@@ -48,6 +49,7 @@ from .replay_models import (
     mse_window,
     radial_model,
     snapshots,
+    sparse_embedding_model,
     train,
 )
 
@@ -172,6 +174,29 @@ def test_dropout_under_deterministic_algorithms_is_not_the_origin(runs: dict[str
         torch.use_deterministic_algorithms(False)
     assert model.training and r.reproduced
     assert (r.cause, r.phase, r.module, r.op) == ("operation", "forward", "act", "aten.log.default")
+
+
+def test_sparse_embedding_gradient(tmp_path: Path) -> None:
+    """nn.Embedding(sparse=True) has a sparse gradient: the replay reads its stored values (it raised
+    NotImplementedError); the log of the bad token's row is named, the non-finite gradients are the
+    snapshot's."""
+    g = torch.Generator().manual_seed(7)
+    batches = [
+        (torch.randint(0, BAD_TOKEN, (8, 2), generator=g), torch.randn(8, 2, 1, generator=g))
+        for _ in range(3)
+    ]
+    batches[2][0][BAD_ROW, 1] = BAD_TOKEN
+    train(sparse_embedding_model(), batches, tmp_path)
+    r = replay(snapshots(tmp_path)[0], sparse_embedding_model(), mse)
+    assert (r.reproduced, r.cause, r.phase, r.module, r.op) == (
+        True,
+        "operation",
+        "forward",
+        "act",
+        "aten.log.default",
+    )
+    assert r.output is not None and r.output.nan == LOG_BAD_UNITS
+    assert r.replay_nonfinite_grads == r.snapshot_nonfinite_grads == ("emb.weight", "out.weight", "out.bias")
 
 
 def test_sqrt_at_zero_is_named_in_the_backward(runs: dict[str, str]) -> None:
