@@ -213,8 +213,8 @@ class NonFiniteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.origin is not None and self.first_in_model is not None:
-            return func(*args, **kwargs)
+        if self.origin is not None and (self.first_in_model is not None or self.phase == "backward"):
+            return func(*args, **kwargs)  # found (first_in_model is a forward operator)
         before = _inputs_before(func, args, kwargs)  # in-place and out= operators overwrite their inputs
         out = func(*args, **kwargs)
         if getattr(func, "_opname", None) in _UNINITIALIZED:  # garbage (NaN under deterministic mode)

@@ -213,6 +213,36 @@ def test_sqrt_at_zero_is_named_in_the_backward(runs: dict[str, str]) -> None:
     assert r.replay_nonfinite_grads == r.snapshot_nonfinite_grads == ("lin.weight",)
 
 
+def test_checks_stop_once_a_backward_origin_is_found(
+    runs: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the origin (sqrt's backward) no operator output is checked any more, as the module says;
+    the origin is still named."""
+    import clipopt._replay
+    import clipopt._watch
+
+    found: list[bool] = [False]
+    checked_after: list[str] = []
+
+    class Recording(clipopt._watch.NonFiniteWatch):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            found[0] = self.origin is not None
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    real = clipopt._watch.all_finite
+
+    def all_finite(t: torch.Tensor) -> bool:
+        if found[0]:
+            checked_after.append(str(tuple(t.shape)))
+        return real(t)
+
+    monkeypatch.setattr(clipopt._replay, "NonFiniteWatch", Recording)
+    monkeypatch.setattr(clipopt._watch, "all_finite", all_finite)
+    r = replay(runs["radial"], radial_model(), mse, repeats=1)
+    assert (r.phase, r.module, r.node) == ("backward", "radial", "SqrtBackward0")
+    assert checked_after == []
+
+
 def test_float16_matmul_overflow_is_named(runs: dict[str, str]) -> None:
     """A float16 matmul whose sums pass 65504: forward, module ``f16``, aten.mm, cause fp16-overflow;
     the infinite outputs are those whose float64 sum is past float16's largest value."""
