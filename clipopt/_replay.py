@@ -90,7 +90,8 @@ class ReplayResult:
     consistent: bool
     #: See the class docstring.
     cause: str
-    #: "forward" or "backward": where the first non-finite value was made (None: none was).
+    #: "forward" or "backward": where the first non-finite value was made (None: none was), in the
+    #: first replay that showed the anomaly (this and the fields down to ``output``).
     phase: str | None
     #: Qualified name of the module it was made in (for spikes: of the layer that grew most).
     module: str | None
@@ -387,8 +388,10 @@ def _result(
     reproduced = all(showed)
     first = runs[0]
     where = {_where(r) for r, s in zip(runs, showed, strict=True) if s}
-    # a replay that stays finite names no operator (an infinity made and absorbed on the way is harmless)
-    event = first.event if reason in NONFINITE_REASONS and showed[0] else None
+    # a replay that stays finite names no operator (an infinity made and absorbed on the way is harmless);
+    # when only some did, the first of those says where
+    shown = next((r for r, s in zip(runs, showed, strict=True) if s), None)
+    event = shown.event if reason in NONFINITE_REASONS and shown is not None else None
     attached_bad = tuple(nonfinite_entries(snap["attached"]))
     params_bad = tuple(n for n, t in snap["params"].items() if _has_nonfinite(t))
     unscaled_finite = None if unscaled is None else not _showed(unscaled, snap, reason)

@@ -688,7 +688,8 @@ def test_an_error_in_loss_fn_restores_the_model(runs: dict[str, str]) -> None:
 
 def test_some_replays_only_is_intermittent(runs: dict[str, str]) -> None:
     """A loss_fn that goes NaN in its second call only (a nondeterministic fault): 1 of 3 replays shows
-    it, so not reproduced, cause intermittent; the first replay (finite) names no operator."""
+    it, so not reproduced, cause intermittent; where is that replay's (the first one was finite): the
+    multiplication by NaN in loss_fn; the loss and norm fields are the first replay's."""
     calls = [0]
 
     def flaky(model: nn.Module, attached: dict[str, Any]) -> torch.Tensor:
@@ -698,4 +699,5 @@ def test_some_replays_only_is_intermittent(runs: dict[str, str]) -> None:
 
     r = replay(runs["transient"], log_model(), flaky)
     assert (r.reproduced, r.reproduced_runs, r.repeats, r.cause) == (False, 1, 3, "intermittent")
-    assert r.op is None and r.consistent
+    assert (r.phase, r.module, r.op) == ("forward", None, "aten.mul.Tensor") and r.consistent
+    assert r.loss_finite is True
