@@ -87,6 +87,16 @@ class MaskedLog(nn.Module):
         return weights * torch.log(h)
 
 
+class InPlaceMaskedLog(nn.Module):
+    """:class:`MaskedLog` with the mask applied in place (``masked_fill_``, as attention code does)."""
+
+    def forward(self, h: Tensor) -> Tensor:
+        mask = torch.zeros(h.shape[-1], dtype=torch.bool)
+        mask[-1] = True
+        weights = h.clone().masked_fill_(mask, float("-inf")).softmax(-1)  # before the log: made first
+        return weights * torch.log(h)
+
+
 class BufferMaskedLog(nn.Module):
     """:class:`MaskedLog` with the ``-inf`` mask in a registered buffer (added to ``h``)."""
 
@@ -160,6 +170,12 @@ def masked_model() -> nn.Module:
     """``lin -> mix (MaskedLog) -> out``."""
     torch.manual_seed(0)
     return nn.Sequential(OrderedDict(lin=_first_layer(), mix=MaskedLog(), out=nn.Linear(HIDDEN, 1)))
+
+
+def inplace_masked_model() -> nn.Module:
+    """``lin -> mix (InPlaceMaskedLog) -> out``."""
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict(lin=_first_layer(), mix=InPlaceMaskedLog(), out=nn.Linear(HIDDEN, 1)))
 
 
 def buffer_masked_model() -> nn.Module:

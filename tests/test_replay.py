@@ -42,6 +42,7 @@ from .replay_models import (
     dropout_log_model,
     half_model,
     inplace_log_model,
+    inplace_masked_model,
     log_model,
     masked_model,
     mse,
@@ -339,6 +340,16 @@ def test_a_minus_inf_mask_is_not_the_origin(runs: dict[str, str]) -> None:
     r = replay(runs["masked"], masked_model(), mse)
     assert r.reproduced and r.cause == "operation"
     assert (r.phase, r.module, r.module_type, r.op) == ("forward", "mix", "MaskedLog", "aten.log.default")
+    assert r.output is not None and r.output.nan == LOG_BAD_UNITS
+
+
+def test_an_in_place_minus_inf_mask_is_not_the_origin(runs: dict[str, str]) -> None:
+    """``masked_fill_(mask, -inf)`` in place: its input, before it ran, is finite, so its -inf is made on
+    purpose (it was named the origin, its input read after the fill): the origin is the log, in ``mix``."""
+    r = replay(runs["masked"], inplace_masked_model(), mse)
+    assert r.reproduced and r.cause == "operation"
+    assert (r.phase, r.module, r.op) == ("forward", "mix", "aten.log.default")
+    assert r.module_type == "InPlaceMaskedLog"
     assert r.output is not None and r.output.nan == LOG_BAD_UNITS
 
 
