@@ -835,6 +835,8 @@ class ClippedOptimizer(InnerOptimizerView):
         """Write this window's anomaly snapshot (``reason``), with its full per-layer statistics
         (``due``: the statistics computed already, or None, and whether the window is non-finite)."""
         layers, bad = due
+        if not writer.admit(reason):  # over max_snapshots: counted, nothing copied
+            return
         inv = 1.0 / self._divisor(n)
         if layers is None:
             layers = compute_layer_stats(params, self.layer_names(), inv, bad)

@@ -90,7 +90,8 @@ class ReplayResult:
     consistent: bool
     #: See the class docstring.
     cause: str
-    #: "forward" or "backward": where the first non-finite value was made (None: none was).
+    #: "forward" or "backward": where the first non-finite value was made (None: none was), in the
+    #: first replay that showed the anomaly (this and the fields down to ``output``).
     phase: str | None
     #: Qualified name of the module it was made in (for spikes: of the layer that grew most).
     module: str | None
@@ -289,12 +290,15 @@ def _scale(snap: Mapping[str, Any]) -> float | None:
 
 @contextmanager
 def _restored(model: nn.Module) -> Iterator[None]:
-    """Put the model's parameters, buffers and gradients back on exit."""
+    """Put the model's parameters, buffers, gradients and training modes back on exit."""
     params = {n: (p, p.detach().clone(), p.grad) for n, p in model.named_parameters()}
     buffers = {n: (b, b.detach().clone()) for n, b in model.named_buffers()}
+    modes = [(m, m.training) for m in model.modules()]
     try:
         yield
     finally:
+        for m, training in modes:  # loss_fn may call model.eval() or model.train()
+            m.training = training
         with torch.no_grad():
             for p, value, grad in params.values():
                 p.copy_(value)
@@ -329,7 +333,7 @@ def _run(
     attached = _copy(snap["attached"])
     with torch.random.fork_rng(), tracker.hooks(), watch:
         torch.manual_seed(0)  # every replay draws the same dropout masks
-        loss = _check_loss(loss_fn(model, attached))
+        loss = _check_loss(loss_fn(model, attached), targets)
         watch.phase = "backward"
         if loss.requires_grad:
             (loss if scale is None else loss * scale).reshape(()).backward()  # type: ignore[no-untyped-call]
@@ -345,10 +349,15 @@ def _run(
     )
 
 
-def _check_loss(loss: Any) -> Tensor:
+def _check_loss(loss: Any, targets: Mapping[str, tuple[str, nn.Parameter]]) -> Tensor:
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
         raise TypeError(f"replay(): loss_fn returned {what}; return the loss as a tensor with one element")
+    if not loss.requires_grad and any(p.requires_grad for _, p in targets.values()):
+        raise ValueError(  # its backward would give no gradient: every replay would read as transient
+            "replay(): loss_fn returned a loss that does not require grad (detached, or computed under "
+            "torch.no_grad()); return the loss whose backward gives the parameters' gradients"
+        )
     return loss
 
 
@@ -379,8 +388,10 @@ def _result(
     reproduced = all(showed)
     first = runs[0]
     where = {_where(r) for r, s in zip(runs, showed, strict=True) if s}
-    # a replay that stays finite names no operator (an infinity made and absorbed on the way is harmless)
-    event = first.event if reason in NONFINITE_REASONS and showed[0] else None
+    # a replay that stays finite names no operator (an infinity made and absorbed on the way is harmless);
+    # when only some did, the first of those says where
+    shown = next((r for r, s in zip(runs, showed, strict=True) if s), None)
+    event = shown.event if reason in NONFINITE_REASONS and shown is not None else None
     attached_bad = tuple(nonfinite_entries(snap["attached"]))
     params_bad = tuple(n for n, t in snap["params"].items() if _has_nonfinite(t))
     unscaled_finite = None if unscaled is None else not _showed(unscaled, snap, reason)

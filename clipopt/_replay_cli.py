@@ -4,7 +4,8 @@
 dotted module path importable from the current directory, or a ``.py`` file),
 as uvicorn and gunicorn do: ``factory()`` builds the model that was trained (not
 wrapped in DDP), ``fn(model, attached)`` returns the loss of the snapshot's
-attached batch.
+attached batch.  A ``.py`` file runs once (for both options) with its folder importable,
+as ``python file.py`` would.
 """
 
 from __future__ import annotations
@@ -45,15 +46,26 @@ def resolve(spec: str, option: str) -> Any:
     return obj
 
 
+#: The ``.py`` files loaded, by real path: ``--model`` and ``--loss`` naming one file run it once.
+_FILES: dict[str, Any] = {}
+
+
 def _import(name: str) -> Any:
     if name.endswith(".py"):
         if not os.path.isfile(name):
             raise ImportError(f"no such file {name}")
+        path = os.path.realpath(name)
+        if path in _FILES:
+            return _FILES[path]
         spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
         if spec is None or spec.loader is None:
             raise ImportError(f"{name} is not a Python file")
         module = importlib.util.module_from_spec(spec)
+        folder = os.path.dirname(path)
+        if folder not in sys.path:  # as `python file.py` does: the file imports its neighbours
+            sys.path.insert(0, folder)
         spec.loader.exec_module(module)
+        _FILES[path] = module
         return module
     if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` does for the current folder
         sys.path.insert(0, os.getcwd())

@@ -120,6 +120,22 @@ class SnapshotWriter:
         self._cleaned = False
         self._warn = WarnOnce()
 
+    def admit(self, reason: str, stacklevel: int = 8) -> bool:
+        """Whether a ``reason`` snapshot may still be written; if not, count it (and warn the first
+        time).  Asked before the payload is built, so anomalies over the limit (a GradScaler's
+        routine overflows) copy nothing."""
+        if len(self.saved.get(reason, [])) < self.max_snapshots:
+            return True
+        if not self.not_saved.get(reason):
+            warnings.warn(
+                f"clipopt: {self.max_snapshots} {reason} snapshots are in {self.directory}; "
+                f"further {reason} anomalies are not saved (raise max_snapshots to keep more)",
+                RuntimeWarning,
+                stacklevel=stacklevel,  # admit, _save_snapshot, _diagnose, ..., step(), the user
+            )
+        self.not_saved[reason] = self.not_saved.get(reason, 0) + 1
+        return False
+
     def save(self, payload: dict[str, Any]) -> str | None:
         """Write ``payload`` as ``anomaly-step<step>-<reason>.pt``; return its path, or None.
 
@@ -127,17 +143,9 @@ class SnapshotWriter:
         each rank saves its own attached batch.
         """
         reason = payload["reason"]
-        saved = self.saved.setdefault(reason, [])
-        if len(saved) >= self.max_snapshots:
-            if not self.not_saved.get(reason):
-                warnings.warn(
-                    f"clipopt: {self.max_snapshots} {reason} snapshots are in {self.directory}; "
-                    f"further {reason} anomalies are not saved (raise max_snapshots to keep more)",
-                    RuntimeWarning,
-                    stacklevel=6,  # the user's opt.step() line
-                )
-            self.not_saved[reason] = self.not_saved.get(reason, 0) + 1
+        if not self.admit(reason, stacklevel=9):
             return None
+        saved = self.saved.setdefault(reason, [])
         rank = process_rank()
         suffix = "" if rank is None else f"-rank{rank}"  # data parallel: every rank saves its own batch
         path = self.directory / f"anomaly-step{payload['step']:08d}-{reason}{suffix}.pt"
@@ -153,7 +161,7 @@ class SnapshotWriter:
                 exc,
                 f"clipopt could not write the anomaly snapshot {path} ({exc}); training continues "
                 "(this warning is shown once per cause)",
-                stacklevel=7,  # the user's opt.step() line
+                stacklevel=9,  # WarnOnce, save, _save_snapshot, _diagnose, ..., step(), the user
             )
             return None
         saved.append(str(path))

@@ -15,7 +15,10 @@ Used by :func:`clipopt.replay` only, and only while it runs:
   Python number (``masked_fill(mask, -inf)``, ``full(..., -inf)``) or a
   non-finite buffer of the model (a registered ``-inf`` mask, see
   :meth:`NonFiniteWatch.follow`) creates the value on purpose and is not an
-  origin; its output is still followed.
+  origin; its output is still followed.  An in-place or ``out=`` operator is
+  judged by its inputs as they were before it ran; the uninitialized output of
+  ``empty``/``empty_like`` (NaN under ``torch.use_deterministic_algorithms``) is
+  not checked.
 
 The backward attribution uses torch's autograd sequence numbers
 (``torch._C._autograd._get_sequence_nr``, ``Node._sequence_nr``) and
@@ -88,7 +91,7 @@ class TensorStats:
 
 def tensor_stats(t: Tensor) -> TensorStats:
     """The :class:`TensorStats` of a floating (or complex: of its real view) tensor."""
-    v = t.detach()
+    v = stored_values(t.detach())  # a sparse tensor: its stored values (the shape is the full one)
     if v.is_complex():
         v = torch.view_as_real(v)
     v = v.reshape(-1).to(torch.float64 if v.dtype == torch.float64 else torch.float32)
@@ -210,19 +213,23 @@ class NonFiniteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.origin is not None and (self.first_in_model is not None or self.phase == "backward"):
+            return func(*args, **kwargs)  # found (first_in_model is a forward operator)
+        before = _inputs_before(func, args, kwargs)  # in-place and out= operators overwrite their inputs
         out = func(*args, **kwargs)
-        if self.origin is not None and self.first_in_model is not None:
+        if getattr(func, "_opname", None) in _UNINITIALIZED:  # garbage (NaN under deterministic mode)
             return out
+        tainted = any(self._is_tainted(t) for t in _floats((args, kwargs)))
         if getattr(func, "is_view", False):  # shares its input's memory: checked there; taint follows
-            if any(self._is_tainted(t) for t in _floats((args, kwargs))):
+            if tainted:
                 for t in _floats(out):
                     self._taint(t)
             return out
         bad = [t for t in _floats(out) if not all_finite(t)]
         if not bad:
             return out
+        args, kwargs = before
         inputs = _floats((args, kwargs))
-        tainted = any(self._is_tainted(t) for t in inputs)
         for t in bad:
             self._taint(t)
         inputs_finite = all(all_finite(t) for t in inputs)
@@ -268,6 +275,29 @@ class NonFiniteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
 #: Dtypes whose overflow :func:`_finite_in_float32` checks.
 _HALF = (torch.float16, torch.bfloat16)
 
+#: Operators whose output is uninitialized memory (filled with NaN under
+#: ``torch.use_deterministic_algorithms(True)``): not checked, an in-place operator fills it.
+_UNINITIALIZED = frozenset(
+    ("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted")
+)
+
+
+def _inputs_before(func: Any, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """``func``'s inputs as they are before it runs: copies of the tensors it writes in place
+    (``self`` of ``log_``), and without its ``out=`` tensors (their old contents are no input)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        if arg.kwarg_only:
+            kwargs.pop(arg.name, None)
+        elif i < len(args):
+            args[i] = tree_map(lambda v: v.clone() if isinstance(v, Tensor) else v, args[i])
+    return tuple(args), kwargs
+
 
 def _finite_in_float32(func: Any, args: Any, kwargs: Any) -> bool | None:
     """Whether ``func`` on float32 copies of its half-precision inputs (and float32 for a
@@ -296,7 +326,17 @@ def _floats(tree: Any) -> list[Tensor]:
 def all_finite(t: Tensor) -> bool:
     """Whether every element is finite: a sum is finite only then (one reduction, no mask); a
     non-finite sum of finite elements (an overflow of the sum itself) is told apart by the full check."""
+    t = stored_values(t)
     return bool(t.sum().isfinite()) or bool(torch.isfinite(t).all())
+
+
+def stored_values(t: Tensor) -> Tensor:
+    """The values a sparse tensor stores (``nn.Embedding(sparse=True)``'s gradient), else ``t``."""
+    if t.layout == torch.sparse_coo:
+        return t.coalesce().values()
+    if t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        return t.values()
+    return t
 
 
 def _nonfinite_number(value: Any) -> bool:

@@ -51,6 +51,13 @@ class LogFeatures(nn.Module):
         return torch.log(h)
 
 
+class InPlaceLogFeatures(nn.Module):
+    """:class:`LogFeatures` computed in place (``log_`` of a copy of ``h``)."""
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h.clone().log_()
+
+
 class RadialFeature(nn.Module):
     """``[h, |h|]`` with ``|h| = sqrt(sum(h**2))`` per row: infinite gradient at ``h = 0``."""
 
@@ -77,6 +84,16 @@ class MaskedLog(nn.Module):
         mask = torch.zeros(h.shape[-1], dtype=torch.bool)
         mask[-1] = True
         weights = h.masked_fill(mask, float("-inf")).softmax(-1)  # before the log: made first
+        return weights * torch.log(h)
+
+
+class InPlaceMaskedLog(nn.Module):
+    """:class:`MaskedLog` with the mask applied in place (``masked_fill_``, as attention code does)."""
+
+    def forward(self, h: Tensor) -> Tensor:
+        mask = torch.zeros(h.shape[-1], dtype=torch.bool)
+        mask[-1] = True
+        weights = h.clone().masked_fill_(mask, float("-inf")).softmax(-1)  # before the log: made first
         return weights * torch.log(h)
 
 
@@ -119,10 +136,46 @@ def log_model() -> nn.Module:
     return nn.Sequential(OrderedDict(lin=_first_layer(), act=LogFeatures(), out=nn.Linear(HIDDEN, 1)))
 
 
+def inplace_log_model() -> nn.Module:
+    """``lin -> act (InPlaceLogFeatures) -> out``: ``log_model``'s parameters, its log in place."""
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict(lin=_first_layer(), act=InPlaceLogFeatures(), out=nn.Linear(HIDDEN, 1)))
+
+
+def dropout_log_model() -> nn.Module:
+    """``lin -> drop (Dropout 0.1) -> act (LogFeatures) -> out``: ``log_model``'s parameters, with a
+    dropout (its mask fills an uninitialized tensor in place) before the log."""
+    torch.manual_seed(0)
+    drop = nn.Dropout(0.1)
+    layers = OrderedDict(lin=_first_layer(), drop=drop, act=LogFeatures(), out=nn.Linear(HIDDEN, 1))
+    return nn.Sequential(layers)
+
+
+#: The token whose embedding row of ``sparse_embedding_model`` has LOG_BAD_UNITS negative entries.
+BAD_TOKEN = 5
+
+
+def sparse_embedding_model() -> nn.Module:
+    """``emb (Embedding, sparse gradient) -> act (LogFeatures) -> out``: positive embedding rows except
+    :data:`BAD_TOKEN`'s, whose first :data:`LOG_BAD_UNITS` entries are negative."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(BAD_TOKEN + 1, HIDDEN, sparse=True)
+    with torch.no_grad():
+        emb.weight.abs_().add_(0.1)
+        emb.weight[BAD_TOKEN, :LOG_BAD_UNITS] *= -1
+    return nn.Sequential(OrderedDict(emb=emb, act=LogFeatures(), out=nn.Linear(HIDDEN, 1)))
+
+
 def masked_model() -> nn.Module:
     """``lin -> mix (MaskedLog) -> out``."""
     torch.manual_seed(0)
     return nn.Sequential(OrderedDict(lin=_first_layer(), mix=MaskedLog(), out=nn.Linear(HIDDEN, 1)))
+
+
+def inplace_masked_model() -> nn.Module:
+    """``lin -> mix (InPlaceMaskedLog) -> out``."""
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict(lin=_first_layer(), mix=InPlaceMaskedLog(), out=nn.Linear(HIDDEN, 1)))
 
 
 def buffer_masked_model() -> nn.Module:

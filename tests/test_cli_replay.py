@@ -167,6 +167,29 @@ def test_replay_loads_a_python_file(
     assert code == 0 and "operator aten.log.default" in out
 
 
+def test_replay_python_file_imports_its_neighbours_and_runs_once(
+    files: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A .py file given to --model and --loss may import a module next to it (as ``python file.py``
+    can), and runs once for both options (its classes are the same objects for both)."""
+    folder = tmp_path / "elsewhere"
+    folder.mkdir()
+    (folder / "replay_neighbour_defs.py").write_text("from tests.replay_models import log_model, mse\n")
+    script = folder / "replay_neighbour_train.py"
+    script.write_text(
+        "import pathlib\n"
+        "import replay_neighbour_defs\n"
+        "with open(pathlib.Path(__file__).with_suffix('.runs'), 'a') as f:\n    f.write('ran\\n')\n"
+        "def build():\n    return replay_neighbour_defs.log_model()\n"
+        "def loss(model, attached):\n    return replay_neighbour_defs.mse(model, attached)\n"
+    )
+    argv = ["replay", files["log"], "--model", f"{script}:build", "--loss", f"{script}:loss"]
+    code, out, err = run(capsys, *argv)
+    assert (code, err) == (0, "")
+    assert (folder / "replay_neighbour_train.runs").read_text() == "ran\n"
+    assert "First non-finite value: forward, in act (LogFeatures), operator aten.log.default" in out
+
+
 def test_inspect_points_to_replay(files: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
     """``clipopt inspect`` ends with the replay command for its file."""
     code, out, _ = run(capsys, "inspect", files["log"])

@@ -30,6 +30,7 @@ from clipopt._text import json_safe
 from . import replay_jobs
 from .replay_models import (
     BAD_ROW,
+    BAD_TOKEN,
     HALF_BAD_VALUE,
     HIDDEN,
     LOG_BAD_UNITS,
@@ -38,7 +39,10 @@ from .replay_models import (
     batch,
     branch_model,
     buffer_masked_model,
+    dropout_log_model,
     half_model,
+    inplace_log_model,
+    inplace_masked_model,
     log_model,
     masked_model,
     mse,
@@ -46,6 +50,7 @@ from .replay_models import (
     mse_window,
     radial_model,
     snapshots,
+    sparse_embedding_model,
     train,
 )
 
@@ -147,6 +152,54 @@ def test_log_of_negative_is_named_in_the_forward(runs: dict[str, str]) -> None:
     assert math.isnan(r.snapshot_norm) and math.isnan(r.replay_norm)
 
 
+def test_in_place_log_is_named_with_its_input_as_it_was(runs: dict[str, str]) -> None:
+    """``log_`` in place: the operator is named with its input's statistics from before it ran (the
+    hidden values, finite, smallest negative), not those of its own output."""
+    r = replay(runs["log"], inplace_log_model(), mse)
+    h = _hidden(clipopt.load_snapshot(runs["log"]))
+    assert (r.cause, r.phase, r.module, r.op) == ("operation", "forward", "act", "aten.log_.default")
+    assert r.inputs_finite is True and len(r.inputs) == 1
+    assert r.inputs[0].nonfinite == 0 and r.inputs[0].min == pytest.approx(h.min(), rel=1e-6)
+    assert r.output is not None and r.output.nan == LOG_BAD_UNITS
+
+
+def test_dropout_under_deterministic_algorithms_is_not_the_origin(runs: dict[str, str]) -> None:
+    """Under ``torch.use_deterministic_algorithms(True)`` uninitialized tensors are filled with NaN; the
+    one a training-mode Dropout fills with its mask (``empty_like``, then ``bernoulli_``) is no origin:
+    the log after it is."""
+    model = dropout_log_model()
+    torch.use_deterministic_algorithms(True)
+    try:
+        r = replay(runs["log"], model, mse)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert model.training and r.reproduced
+    assert (r.cause, r.phase, r.module, r.op) == ("operation", "forward", "act", "aten.log.default")
+
+
+def test_sparse_embedding_gradient(tmp_path: Path) -> None:
+    """nn.Embedding(sparse=True) has a sparse gradient: the replay reads its stored values (it raised
+    NotImplementedError); the log of the bad token's row is named, the non-finite gradients are the
+    snapshot's."""
+    g = torch.Generator().manual_seed(7)
+    batches = [
+        (torch.randint(0, BAD_TOKEN, (8, 2), generator=g), torch.randn(8, 2, 1, generator=g))
+        for _ in range(3)
+    ]
+    batches[2][0][BAD_ROW, 1] = BAD_TOKEN
+    train(sparse_embedding_model(), batches, tmp_path)
+    r = replay(snapshots(tmp_path)[0], sparse_embedding_model(), mse)
+    assert (r.reproduced, r.cause, r.phase, r.module, r.op) == (
+        True,
+        "operation",
+        "forward",
+        "act",
+        "aten.log.default",
+    )
+    assert r.output is not None and r.output.nan == LOG_BAD_UNITS
+    assert r.replay_nonfinite_grads == r.snapshot_nonfinite_grads == ("emb.weight", "out.weight", "out.bias")
+
+
 def test_sqrt_at_zero_is_named_in_the_backward(runs: dict[str, str]) -> None:
     """sqrt of a zero length: finite forward, infinite d sqrt/dx: backward, module ``radial``,
     the division of SqrtBackward0, one infinite element (the zero row); only lin.weight ends non-finite."""
@@ -159,6 +212,36 @@ def test_sqrt_at_zero_is_named_in_the_backward(runs: dict[str, str]) -> None:
     assert r.output is not None and r.output.posinf == zero_rows == 1 and r.output.nan == 0
     assert r.loss_finite is True
     assert r.replay_nonfinite_grads == r.snapshot_nonfinite_grads == ("lin.weight",)
+
+
+def test_checks_stop_once_a_backward_origin_is_found(
+    runs: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the origin (sqrt's backward) no operator output is checked any more, as the module says;
+    the origin is still named."""
+    import clipopt._replay
+    import clipopt._watch
+
+    found: list[bool] = [False]
+    checked_after: list[str] = []
+
+    class Recording(clipopt._watch.NonFiniteWatch):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            found[0] = self.origin is not None
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    real = clipopt._watch.all_finite
+
+    def all_finite(t: torch.Tensor) -> bool:
+        if found[0]:
+            checked_after.append(str(tuple(t.shape)))
+        return real(t)
+
+    monkeypatch.setattr(clipopt._replay, "NonFiniteWatch", Recording)
+    monkeypatch.setattr(clipopt._watch, "all_finite", all_finite)
+    r = replay(runs["radial"], radial_model(), mse, repeats=1)
+    assert (r.phase, r.module, r.node) == ("backward", "radial", "SqrtBackward0")
+    assert checked_after == []
 
 
 def test_float16_matmul_overflow_is_named(runs: dict[str, str]) -> None:
@@ -178,8 +261,8 @@ def test_float16_matmul_overflow_is_named(runs: dict[str, str]) -> None:
 
 
 def test_autocast_float16_overflow_is_named(runs: dict[str, str]) -> None:
-    """Under CPU autocast to float16 (no scaler) nn.Linear ``wide`` overflows: its addmm, in float16,
-    gives +inf for the bad row's 4 outputs (finite in float32); cause fp16-overflow."""
+    """Under CPU autocast to float16 (no scaler) nn.Linear ``wide`` (no bias) overflows: its mm, in
+    float16, gives +inf for the bad row's 4 outputs (finite in float32); cause fp16-overflow."""
     r = replay(runs["autocast"], autocast_model(), mse_fp16)
     assert r.reproduced and r.cause == "fp16-overflow" and r.scale is None
     assert (r.phase, r.module, r.module_type) == ("forward", "wide", "Linear")
@@ -257,6 +340,16 @@ def test_a_minus_inf_mask_is_not_the_origin(runs: dict[str, str]) -> None:
     r = replay(runs["masked"], masked_model(), mse)
     assert r.reproduced and r.cause == "operation"
     assert (r.phase, r.module, r.module_type, r.op) == ("forward", "mix", "MaskedLog", "aten.log.default")
+    assert r.output is not None and r.output.nan == LOG_BAD_UNITS
+
+
+def test_an_in_place_minus_inf_mask_is_not_the_origin(runs: dict[str, str]) -> None:
+    """``masked_fill_(mask, -inf)`` in place: its input, before it ran, is finite, so its -inf is made on
+    purpose (it was named the origin, its input read after the fill): the origin is the log, in ``mix``."""
+    r = replay(runs["masked"], inplace_masked_model(), mse)
+    assert r.reproduced and r.cause == "operation"
+    assert (r.phase, r.module, r.op) == ("forward", "mix", "aten.log.default")
+    assert r.module_type == "InPlaceMaskedLog"
     assert r.output is not None and r.output.nan == LOG_BAD_UNITS
 
 
@@ -430,6 +523,26 @@ def test_ddp_rank_files_replay_without_a_process_group(ddp_files: list[str]) -> 
 # ----------------------------------------------------------------------------- the model afterwards
 
 
+def test_training_mode_is_restored(runs: dict[str, str]) -> None:
+    """A loss_fn that switches the model to eval mode (or a submodule back to train) leaves every
+    module's training flag as it was before the replay."""
+    model = log_model()
+    model.out.eval()
+
+    def switching(m: nn.Module, attached: dict[str, Any]) -> torch.Tensor:
+        m.eval()
+        m.out.train()
+        return mse(m, attached)
+
+    replay(runs["log"], model, switching, repeats=1)
+    assert [(name, m.training) for name, m in model.named_modules()] == [
+        ("", True),
+        ("lin", True),
+        ("act", True),
+        ("out", False),
+    ]
+
+
 def test_model_is_left_as_it_was(runs: dict[str, str]) -> None:
     """Parameters, buffers, .grad and training mode are restored; no hook and no dispatch mode remain."""
     model = log_model()
@@ -489,6 +602,8 @@ def test_bad_arguments_are_refused_before_the_model_is_touched(runs: dict[str, s
         ),
         ({"repeats": 0}, ValueError, "replay() got repeats=0; pass a positive int, e.g. repeats=3"),
         ({"repeats": True}, TypeError, "replay() got repeats=True; pass a positive int, e.g. repeats=3"),
+        ({"repeats": -1}, ValueError, "replay() got repeats=-1; pass a positive int, e.g. repeats=3"),
+        ({"repeats": "3"}, TypeError, "replay() got repeats='3'; pass a positive int, e.g. repeats=3"),
         (
             {"snapshot": 5},
             TypeError,
@@ -548,6 +663,18 @@ def test_loss_fn_must_return_one_element(runs: dict[str, str]) -> None:
     assert str(info.value) == "replay(): loss_fn returned float; return the loss as a tensor with one element"
 
 
+def test_loss_fn_must_return_a_loss_with_a_gradient(runs: dict[str, str]) -> None:
+    """A detached loss (or one computed under no_grad) has no backward: a ValueError saying what to
+    return, not a replay without gradients read as "transient"."""
+    for detached in (lambda m, a: mse(m, a).detach(), lambda m, a: torch.no_grad()(mse)(m, a)):
+        with pytest.raises(ValueError) as info:
+            replay(runs["transient"], log_model(), detached)
+        assert str(info.value) == (
+            "replay(): loss_fn returned a loss that does not require grad (detached, or computed under "
+            "torch.no_grad()); return the loss whose backward gives the parameters' gradients"
+        )
+
+
 def test_an_error_in_loss_fn_restores_the_model(runs: dict[str, str]) -> None:
     """loss_fn's own error propagates with a note naming the snapshot; the model's parameters (not the
     snapshot's, which were loaded for the replay), hooks and dispatch mode are as before."""
@@ -572,7 +699,8 @@ def test_an_error_in_loss_fn_restores_the_model(runs: dict[str, str]) -> None:
 
 def test_some_replays_only_is_intermittent(runs: dict[str, str]) -> None:
     """A loss_fn that goes NaN in its second call only (a nondeterministic fault): 1 of 3 replays shows
-    it, so not reproduced, cause intermittent; the first replay (finite) names no operator."""
+    it, so not reproduced, cause intermittent; where is that replay's (the first one was finite): the
+    multiplication by NaN in loss_fn; the loss and norm fields are the first replay's."""
     calls = [0]
 
     def flaky(model: nn.Module, attached: dict[str, Any]) -> torch.Tensor:
@@ -582,4 +710,5 @@ def test_some_replays_only_is_intermittent(runs: dict[str, str]) -> None:
 
     r = replay(runs["transient"], log_model(), flaky)
     assert (r.reproduced, r.reproduced_runs, r.repeats, r.cause) == (False, 1, 3, "intermittent")
-    assert r.op is None and r.consistent
+    assert (r.phase, r.module, r.op) == ("forward", None, "aten.mul.Tensor") and r.consistent
+    assert r.loss_finite is True

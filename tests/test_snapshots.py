@@ -331,6 +331,8 @@ def test_unwritable_snapshot_dir_warns_and_training_continues(tmp_path: Path) ->
         nan_window(model, opt)
     messages = _recorded(record, "could not write the anomaly snapshot")
     assert len(messages) == 1 and str(directory) in messages[0], [str(w.message) for w in record]
+    where = [w.filename for w in record if "could not write the anomaly snapshot" in str(w.message)]
+    assert where == [__file__]  # the line calling opt.step()
     assert opt.step_was_skipped and opt.last_snapshot is None
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n])
@@ -416,6 +418,48 @@ def test_nonfinite_error_names_the_latest_snapshot(tmp_path: Path) -> None:
     assert latest in str(info.value)
     assert info.value.count == 2 and info.value.step == 4
     assert os.path.exists(latest)
+
+
+def test_overflow_snapshots_over_the_limit_copy_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GradScaler run overflows routinely: past max_snapshots=1 its overflow windows build no
+    snapshot (no copy of the parameters, gradients and optimizer state), one warning (pointing at the
+    user's step() line) says so, and NonFiniteGradientError names the one overflow snapshot written."""
+    import clipopt._optimizer as optimizer_module
+
+    built: list[int] = []
+    real = optimizer_module.snapshot_payload
+    monkeypatch.setattr(
+        optimizer_module, "snapshot_payload", lambda **kw: built.append(kw["step"]) or real(**kw)
+    )
+    model = make_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        scaler=scaler,
+        snapshot_dir=tmp_path,
+        max_snapshots=1,
+        max_consecutive_nonfinite=4,
+    )
+    x, y = batch(1)
+    x[0, 0] = math.inf
+    with warnings.catch_warnings(record=True) as record, pytest.raises(NonFiniteGradientError) as info:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            scaler.scale(loss_of(model, x, y)).backward()
+            opt.step()
+            opt.zero_grad()
+    assert built == [1]
+    assert snapshot_files(tmp_path) == ["anomaly-step00000001-overflow.pt"]
+    runtime = [w for w in record if issubclass(w.category, RuntimeWarning)]
+    assert [str(w.message) for w in runtime] == [
+        f"clipopt: 1 overflow snapshots are in {tmp_path}; further overflow anomalies are not saved "
+        "(raise max_snapshots to keep more)"
+    ]
+    assert runtime[0].filename == __file__
+    assert info.value.snapshot == str(tmp_path / "anomaly-step00000001-overflow.pt")
+    assert str(info.value).endswith(f"; latest anomaly snapshot: {info.value.snapshot}")
 
 
 def test_scaler_overflow_snapshot(tmp_path: Path) -> None:
