@@ -193,7 +193,13 @@ def spawn_job(
     import torch.multiprocessing as mp
 
     args = (free_port(), str(out), world) if pass_world else (free_port(), str(out))
-    ctx = mp.spawn(job, args=args, nprocs=world, join=False)
+    join_spawned(mp.spawn(job, args=args, nprocs=world, join=False), name, timeout_s)
+    return [torch.load(out / f"{name}{rank}.pt", weights_only=weights_only) for rank in range(world)]
+
+
+def join_spawned(ctx: Any, name: str, timeout_s: float = 240) -> None:
+    """Wait for the processes of ``torch.multiprocessing.spawn(..., join=False)``; fail, killing
+    them, if they have not finished after ``timeout_s`` (a rank waiting for another never hangs CI)."""
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
         if time.monotonic() > deadline:
@@ -201,7 +207,6 @@ def spawn_job(
                 if proc.is_alive():
                     proc.kill()
             pytest.fail(f"the {name} job did not finish within {timeout_s:g} s (ranks wait for each other)")
-    return [torch.load(out / f"{name}{rank}.pt", weights_only=weights_only) for rank in range(world)]
 
 
 def assert_tensors_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import copy
 import math
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ from clipopt import ReplayResult, ZClip, replay
 from clipopt._text import json_safe
 
 from . import replay_jobs
+from .helpers import free_port, join_spawned
 from .replay_models import (
     BAD_ROW,
     BAD_TOKEN,
@@ -471,12 +470,6 @@ def test_spike_of_one_rank_is_not_compared_with_the_averaged_norm(spike: str) ->
 # ----------------------------------------------------------------------------- data parallel
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def ddp_files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """The two rank files of the DDP run of ``tests/replay_jobs.py`` (killed after 240 s)."""
@@ -484,15 +477,9 @@ def ddp_files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
         pytest.fail("this torch build has no torch.distributed with the gloo backend")
     out = tmp_path_factory.mktemp("ddp")
     ctx = mp.spawn(
-        replay_jobs.ddp_snapshot_job, args=(_free_port(), str(out)), nprocs=replay_jobs.WORLD, join=False
+        replay_jobs.ddp_snapshot_job, args=(free_port(), str(out)), nprocs=replay_jobs.WORLD, join=False
     )
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-            pytest.fail("the DDP snapshot job did not finish within 240 s")
+    join_spawned(ctx, "DDP snapshot")
     return snapshots(out)
 
 

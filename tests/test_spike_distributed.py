@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from . import spike_jobs as jobs
+from .helpers import free_port, join_spawned
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -19,23 +18,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out: Path = tmp_path_factory.mktemp("spike")
-    ctx = mp.spawn(jobs.spike_job, args=(_free_port(), str(out)), nprocs=jobs.WORLD, join=False)
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-            pytest.fail("the spike job did not finish within 240 s (ranks wait for each other)")
+    ctx = mp.spawn(jobs.spike_job, args=(free_port(), str(out)), nprocs=jobs.WORLD, join=False)
+    join_spawned(ctx, "spike")
     return [
         {kind: torch.load(out / f"{kind}{r}.pt", weights_only=True) for kind in ("ddp", "fsdp")}
         for r in range(jobs.WORLD)
