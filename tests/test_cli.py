@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import pickle
 import subprocess
 import sys
@@ -198,3 +199,16 @@ def test_demo_says_when_plots_are_skipped(
         "the CSV logs and reports are written"
     ]
     assert (tmp_path / "report.txt").exists() and not (tmp_path / "demo.png").exists()
+
+
+def test_command_line_page_documents_every_command() -> None:
+    """docs/cli.md has a section for each subcommand of the parser, and says how many there are."""
+    parser = _cli.build_parser()
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    commands = sorted(actions[0].choices)
+    text = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text(encoding="utf-8")
+    heads = [line for line in text.splitlines() if line.startswith("## clipopt ")]
+    sections = sorted(line.removeprefix("## clipopt ") for line in heads)
+    assert sections == commands
+    words = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
+    assert f"has {words[len(commands)]} commands" in text
