@@ -133,3 +133,13 @@ def test_quiet_run_prints_the_hypothesis_seed() -> None:
     assert (
         "hypothesis seed 1234 (replay: python -m pytest --hypothesis-seed=1234)" in proc.stdout.splitlines()
     )
+
+
+def test_api_reference_lists_every_public_name() -> None:
+    """docs/api.md has a ``::: clipopt.NAME`` entry for every name in ``clipopt.__all__`` (but the
+    version string), so the generated reference leaves none out."""
+    import clipopt
+
+    text = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
+    entries = set(re.findall(r"^::: clipopt\.(\w+)\s*$", text, re.M))
+    assert sorted(set(clipopt.__all__) - {"__version__"} - entries) == []
