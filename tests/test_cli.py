@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import pickle
+import re
 import subprocess
 import sys
 import traceback
@@ -212,3 +213,13 @@ def test_command_line_page_documents_every_command() -> None:
     assert sections == commands
     words = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
     assert f"has {words[len(commands)]} commands" in text
+
+
+def test_the_version_has_one_place() -> None:
+    """pyproject.toml takes the package version from clipopt/_version.py (``dynamic``) instead of
+    holding a second copy that could drift from ``clipopt.__version__`` and ``clipopt --version``."""
+    text = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    project = text.split("[project]", 1)[1].split("\n[", 1)[0]
+    assert not re.search(r"^version\s*=", project, re.M)
+    assert re.search(r'^dynamic\s*=\s*\[[^\]]*"version"', project, re.M)
+    assert 'version = { attr = "clipopt._version.__version__" }' in text
