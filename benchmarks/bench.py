@@ -227,7 +227,13 @@ def measure(
 
 
 def micro_call_time(model: ParamModel, opt_name: str, calls: int = 2000) -> float:
-    """Median over 5 batches of the time of one micro-batch step() call (a window that never closes)."""
+    """Median over 5 batches of the time of one micro-batch step() call (a window that never closes).
+
+    Every parameter has a gradient, as after a backward pass (without any, each call would look
+    for a parameter to watch again: a case no training loop has)."""
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     wrapped = ClippedOptimizer(OPTIMIZERS[opt_name](list(model.parameters())), accumulation_steps=10_000)
     samples = []
     for _ in range(5):

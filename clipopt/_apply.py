@@ -132,7 +132,8 @@ def step_fused(
     if isinstance(d.scale, Tensor):
         grad_scale = d.scale.to(torch.float32).reciprocal()
     elif d.scale != 1.0:
-        grad_scale = torch.tensor(1.0 / d.scale, dtype=torch.float32, device=d.total_norm.device)
+        # made on the device: torch.tensor(x, device=...) would be a blocking host-to-device copy
+        grad_scale = torch.full((), 1.0 / d.scale, dtype=torch.float32, device=d.total_norm.device)
     fused_step = _fused_inner_step_eager if is_compiling() else _fused_inner_step
     out = fused_step(inner, inner_closure, grad_scale, d.skip)
     return out, d.skip if d.skip is not None else False

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import pickle
+import re
 import subprocess
 import sys
 import traceback
@@ -198,3 +200,26 @@ def test_demo_says_when_plots_are_skipped(
         "the CSV logs and reports are written"
     ]
     assert (tmp_path / "report.txt").exists() and not (tmp_path / "demo.png").exists()
+
+
+def test_command_line_page_documents_every_command() -> None:
+    """docs/cli.md has a section for each subcommand of the parser, and says how many there are."""
+    parser = _cli.build_parser()
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    commands = sorted(actions[0].choices)
+    text = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text(encoding="utf-8")
+    heads = [line for line in text.splitlines() if line.startswith("## clipopt ")]
+    sections = sorted(line.removeprefix("## clipopt ") for line in heads)
+    assert sections == commands
+    words = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
+    assert f"has {words[len(commands)]} commands" in text
+
+
+def test_the_version_has_one_place() -> None:
+    """pyproject.toml takes the package version from clipopt/_version.py (``dynamic``) instead of
+    holding a second copy that could drift from ``clipopt.__version__`` and ``clipopt --version``."""
+    text = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    project = text.split("[project]", 1)[1].split("\n[", 1)[0]
+    assert not re.search(r"^version\s*=", project, re.M)
+    assert re.search(r'^dynamic\s*=\s*\[[^\]]*"version"', project, re.M)
+    assert 'version = { attr = "clipopt._version.__version__" }' in text

@@ -84,6 +84,26 @@ def test_clipped_fused_update_does_not_sync(name: str, policy: str) -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("name", list(FUSED))
+def test_unclipped_accumulated_fused_update_does_not_sync(name: str) -> None:
+    """max_norm=None with mean accumulation (a Python grad_scale of 1/2 for the kernel) under sync
+    debug mode "error": the scale is made on the device, not copied from the host."""
+    model = _model()
+    opt = ClippedOptimizer(FUSED[name](model.parameters()), max_norm=None, accumulation_steps=2)
+    for i in range(4):
+        _backward(model, i)
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    for i in range(4):
+        _backward(model, 10 + i)
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.set_sync_debug_mode(0)
+    assert (opt.num_updates, opt.num_skipped) == (4, 0)
+
+
 def test_fused_update_with_grad_scaler_does_not_sync() -> None:
     """With a GradScaler and float16 autocast, a fused update under sync debug mode "error" does not sync."""
     model = _model()

@@ -44,6 +44,39 @@ def test_block_extraction() -> None:
     assert python_blocks(text) == [(2, "x = 1\n"), (8, "y = x + 1\n")]
 
 
+#: Any fence opening (``` or ~~~, possibly indented) and its info string.
+_FENCE = re.compile(r"^[ \t]*(?:```|~~~)[ \t]*(?P<info>[^`\n]*?)[ \t]*$", re.M)
+_LANGUAGES = {"python", "text", "bash"}
+
+
+def fence_languages(text: str) -> list[str]:
+    """The info string of every opening fence of a Markdown text (closing fences have none)."""
+    infos, inside = [], False
+    for match in _FENCE.finditer(text):
+        if not inside:
+            infos.append(match["info"])
+        inside = not inside
+    return infos
+
+
+def test_fence_languages_flags_what_would_not_run() -> None:
+    """The fence check sees a block that would render as Python but is not run (```py, a title)."""
+    text = "```python\nx = 1\n```\n```py\ny = 2\n```\n~~~python title=\"a.py\"\nz = 3\n~~~\n"
+    assert fence_languages(text) == ["python", "py", 'python title="a.py"']
+    assert len(python_blocks(text)) == 1
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_block_is_run_or_marked_not_to_run(page: Path) -> None:
+    """Every fenced block is ```python (run by test_page_examples_run), ```text or ```bash; a block
+    fenced any other way (```py, ```python3, a title, ~~~) would render as code and never run, and
+    every ```python fence is one that the extractor finds."""
+    text = page.read_text(encoding="utf-8")
+    infos = fence_languages(text)
+    assert [i for i in infos if i not in _LANGUAGES] == []
+    assert len(python_blocks(text)) == infos.count("python")
+
+
 def test_the_teaching_pages_have_examples() -> None:
     """The pages that teach the API carry python examples (so this test file actually runs something)."""
     teaching = ["getting-started.md", "concepts.md", "choosing-max-norm.md", "diagnostics.md"]
@@ -100,3 +133,13 @@ def test_quiet_run_prints_the_hypothesis_seed() -> None:
     assert (
         "hypothesis seed 1234 (replay: python -m pytest --hypothesis-seed=1234)" in proc.stdout.splitlines()
     )
+
+
+def test_api_reference_lists_every_public_name() -> None:
+    """docs/api.md has a ``::: clipopt.NAME`` entry for every name in ``clipopt.__all__`` (but the
+    version string), so the generated reference leaves none out."""
+    import clipopt
+
+    text = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
+    entries = set(re.findall(r"^::: clipopt\.(\w+)\s*$", text, re.M))
+    assert sorted(set(clipopt.__all__) - {"__version__"} - entries) == []

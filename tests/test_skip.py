@@ -25,7 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn, optim
 
-from clipopt import ClippedOptimizer, NonFiniteGradientError
+from clipopt import ClippedOptimizer, NonFiniteGradientError, ZClip
 
 from .helpers import TwoHeads, mlp, mse, pairs, task_run
 from .optim_db import OPTIM_DB, OptimInfo, params, pick
@@ -573,3 +573,25 @@ def test_skip_on_a_parameter_without_state_is_clean(info: OptimInfo) -> None:
     assert len(opt.state) == len(ref_opt.state)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_window_without_gradients_under_a_spike_skipping_policy_is_nograd() -> None:
+    """An empty window after ZClip(skip_spikes=True) has flagged spikes is recorded as "nograd", not
+    "spike" (the code before issue 12's restructure, 2951178, said "spike" there), and it does
+    not extend max_consecutive_nonfinite's run."""
+    torch.manual_seed(0)
+    model = nn.Linear(2, 2)
+    opt = ClippedOptimizer(
+        optim.SGD(model.parameters(), lr=0.1),
+        max_norm=ZClip(warmup_steps=1, skip_spikes=True),
+        max_consecutive_nonfinite=1,
+    )
+    for _ in range(3):
+        model(torch.randn(3, 2)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert [s.reason for s in opt.stats] == [None, "spike", "spike"]
+    opt.step()  # no parameter has a gradient
+    assert opt.last_stats is not None and opt.last_stats.skipped
+    assert opt.last_stats.reason == "nograd"
+    assert opt.num_skipped == 3

@@ -119,3 +119,34 @@ def test_tensor_learning_rate_is_not_read_on_the_fused_path() -> None:
         opt.zero_grad()
     assert reads[1:] == [0, 0]
     assert opt.last_stats is not None and opt.last_stats.lr == (pytest.approx(0.01),)
+
+
+class _FromPythonData(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records ``aten.lift_fresh``: a tensor made from Python data (``torch.tensor(x, ...)``); on an
+    accelerator that is a blocking host-to-device copy, which sync debug mode "error" refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten.lift_fresh.default:
+            self.seen += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("info", params(FUSED))
+def test_fused_update_without_norm_clipping_makes_no_tensor_from_python_data(info: OptimInfo) -> None:
+    """max_norm=None with mean accumulation leaves a Python scale (1/2) for the fused kernel's
+    grad_scale: it is made on the device (torch.full), not copied from the host (torch.tensor)."""
+    model = _model()
+    opt = ClippedOptimizer(info.make(list(model.parameters())), max_norm=None, accumulation_steps=2)
+    for i in range(8):
+        _backward(model)
+        mode = _FromPythonData()
+        with mode:
+            opt.step()
+        opt.zero_grad()
+        if i >= 3:  # after the first update (state exists: the fused path)
+            assert mode.seen == 0, i
+    assert opt.num_updates == 4

@@ -1,0 +1,97 @@
+"""Checkpoints written by the clipopt of commit 2951178 (before issue 12's restructure) load and
+continue exactly as that code continued them.
+
+The files in ``tests/data`` were written by the old code (``tests/data/make_pre12_checkpoints.py``
+run with 2951178 on the path), the expected rows and parameter sums included: none of them is
+produced by the code under test.  Each cut has two micro-batches pending, a ZClip policy's state
+or a GradScaler's, and non-finite and spike skips before and after it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pickle
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+DATA = Path(__file__).parent / "data"
+NAMES = ("zclip", "scaler")
+
+
+def _maker() -> ModuleType:
+    """The generator module (its model, configurations and training loop, run here with the new code)."""
+    spec = importlib.util.spec_from_file_location("make_pre12", DATA / "make_pre12_checkpoints.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _expected(name: str) -> dict[str, Any]:
+    return json.loads((DATA / f"pre12_{name}.json").read_text())
+
+
+def _params(m: torch.nn.Module) -> list[str]:
+    return [repr(float(p.detach().double().sum())) for p in m.parameters()]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_old_state_dict_loads_and_continues_as_old_code_did(name: str) -> None:
+    """The old ``state_dict()`` loads into a fresh wrapper; the next 13 micro-batches give the old
+    code's counters, reasons, norms and losses, and bit-identical parameters."""
+    mk = _maker()
+    ck = torch.load(DATA / f"pre12_{name}.pt", weights_only=True)
+    m = mk.model()
+    opt = mk.make(name, m)
+    m.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optimizer"])
+    want = _expected(name)
+    assert [opt.micro_batches, opt.num_windows, opt.num_skipped] == want["before"][-1][1:4]
+    assert mk.run(m, opt, mk.CUT, mk.END) == [list(r) for r in want["after"]]
+    assert _params(m) == want["params"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_old_pickle_loads_with_its_history_and_continues(name: str) -> None:
+    """A wrapper pickled by the old code mid-window unpickles with its stats history's reasons
+    (non-finite, overflow and spike skips) and continues as the old code did."""
+    mk = _maker()
+    m, opt = pickle.loads((DATA / f"pre12_{name}.pkl").read_bytes())
+    want = _expected(name)
+    assert [s.reason for s in opt.stats] == want["reasons"][: len(opt.stats)]
+    assert [s.skipped for s in opt.stats] == [r is not None for r in want["reasons"][: len(opt.stats)]]
+    assert mk.run(m, opt, mk.CUT, mk.END) == [list(r) for r in want["after"]]
+    assert [s.reason for s in opt.stats] == want["reasons"]
+    assert _params(m) == want["params"]
+
+
+def _shape(value: Any) -> Any:
+    """Keys and value types of a nested state dict (tensors by dtype and shape)."""
+    if isinstance(value, dict):
+        return {k: _shape(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [type(value).__name__, [_shape(v) for v in value]]
+    if isinstance(value, torch.Tensor):
+        return ["Tensor", str(value.dtype), tuple(value.shape)]
+    return type(value).__name__
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_new_state_dict_has_the_old_format(name: str) -> None:
+    """The new code's ``state_dict()`` at the same cut has the old one's keys, types, dtypes and
+    shapes (so the old code can load it), and the same counter values."""
+    mk = _maker()
+    m = mk.model()
+    opt = mk.make(name, m)
+    before = mk.run(m, opt, 0, mk.CUT)
+    assert before == [list(r) for r in _expected(name)["before"]]
+    old = torch.load(DATA / f"pre12_{name}.pt", weights_only=True)["optimizer"]
+    new = opt.state_dict()
+    assert _shape(new) == _shape(old)
+    scalars = {k: v for k, v in old["clipopt"].items() if isinstance(v, (int, float, str))}
+    assert {k: new["clipopt"][k] for k in scalars} == scalars
