@@ -1,13 +1,18 @@
-"""Per-group clipping, windows in which no gradient shares the wrapper's bound (review of issue 16).
+"""Per-group clipping, defects found in the review of issue 16.
 
-When every group with a gradient has its own ``max_norm`` (or is left out), the wrapper's bound --
+Windows in which no gradient shares the wrapper's bound: when every group with a gradient has its
+own ``max_norm`` (or is left out), the wrapper's bound --
 a float or a policy's threshold -- bounds nothing: a policy must not record the shared groups'
 norm of 0 as a sample, the shared coefficient stays 1 (a 0 there used to reach a fused kernel's
 ``grad_scale`` as ``1/0``) and the recorded ``max_norm`` is None.  References are torch's own
-``clip_grad_norm_`` on a copy of the gradients.
+``clip_grad_norm_`` on a copy of the gradients.  And a checkpoint with per-group keys loaded into a
+wrapper with ``norm_group``, refused at the load as at construction.
 """
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,3 +102,32 @@ def test_every_group_with_its_own_bound_records_no_max_norm() -> None:
     assert stats.clip_coef == 1.0
     assert stats.clipped
     assert stats.group_coefs[0] == pytest.approx(0.5 / (na + 1e-6), rel=1e-5)
+
+
+def test_load_refuses_group_keys_with_norm_group(tmp_path: Path) -> None:
+    """A wrapper with norm_group (pipeline stages) refuses, at load_state_dict and before anything
+    loads, a checkpoint whose groups carry per-group keys -- as its constructor would; before the fix
+    the load succeeded and every later window raised."""
+    import torch.distributed as dist
+
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        a, b = _model()
+        saved = ClippedOptimizer(
+            torch.optim.SGD([{"params": a.parameters()}, {"params": b.parameters(), "max_norm": 0.5}], lr=0.1)
+        ).state_dict()
+        inner = torch.optim.SGD([{"params": a.parameters()}, {"params": b.parameters()}], lr=0.2)
+        opt = ClippedOptimizer(inner, norm_group=dist.group.WORLD)
+        message = (
+            "invalid state_dict: per-group 'max_norm'/'clip_value' (parameter group 1) cannot be combined "
+            "with norm_group yet: the stages would have to agree on every group; pass norm_group=None, "
+            "or remove the keys"
+        )
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            opt.load_state_dict(saved)
+        assert "max_norm" not in opt.param_groups[1] and opt.param_groups[1]["lr"] == 0.2  # nothing loaded
+    finally:
+        if mine:
+            dist.destroy_process_group()
