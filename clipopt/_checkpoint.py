@@ -81,11 +81,12 @@ def read_checkpoint(
     policy: ClipPolicy | None,
     scaler: torch.amp.GradScaler | None,
     recovery: SpikeRecovery | None = None,
+    norm_group: Any = None,
 ) -> Checkpoint:
     """Validate ``state_dict`` completely (``ValueError``, touching nothing) and return its parts."""
     wrapper = read_wrapper_state(state_dict, params, accumulation_steps)
     validate_inner_state(state_dict, inner)
-    kept = _check_group_options(state_dict, inner, policy)
+    kept = _check_group_options(state_dict, inner, policy, norm_group)
     policy_state = _checked_policy_state(state_dict, policy)
     _check_scaler_state(wrapper, scaler)
     ext = state_dict.get("clipopt")
@@ -106,7 +107,7 @@ def read_checkpoint(
 
 
 def _check_group_options(
-    state_dict: dict[str, Any], inner: Optimizer, policy: ClipPolicy | None
+    state_dict: dict[str, Any], inner: Optimizer, policy: ClipPolicy | None, norm_group: Any
 ) -> list[dict[str, Any]]:
     """The groups' ``max_norm``/``clip_value`` after loading -- torch restores every group option from
     the saved dict; options set now that a saved group lacks are kept (returned) -- checked as the
@@ -115,7 +116,7 @@ def _check_group_options(
     kept = kept_options(saved, inner.param_groups, group_keys(inner.defaults))
     try:
         merged = [{**extra, **group} for group, extra in zip(saved, kept, strict=False)]
-        check_groups(merged, inner.defaults, policy=policy, norm_group=None, clip_value=None)
+        check_groups(merged, inner.defaults, policy=policy, norm_group=norm_group, clip_value=None)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"invalid state_dict: {exc}") from None
     return kept

@@ -277,13 +277,16 @@ def measured_groups(
     """Step 2 with per-group options, from each gradient's norm (``norms``, one read; ``sizes``: how
     many belong to each group): the total norm, each group's norm and the shared groups' common
     norm are p-norms of those, divided by ``divisor`` (micro-batches, ``mean``).  A policy sees the
-    common norm, ``nan`` when the window is not finite (it never enters a policy's statistics)."""
+    common norm, ``nan`` when the window is not finite or no shared group has a gradient (it never
+    enters a policy's statistics)."""
     raw: Tensor = torch.linalg.vector_norm(norms, norm_type)
     total = raw / divisor if divisor != 1.0 else raw
     d = WindowDecision(total, F.nonfinite_flag(total))
     groups = F.group_norms(norms, sizes, norm_type)
     d.group_norms = groups / divisor if divisor != 1.0 else groups
     common = F.shared_norm(d.group_norms, shared, norm_type)
+    if not any(s and size for s, size in zip(shared, sizes, strict=True)):  # nothing for a policy to see
+        common = torch.full_like(common, math.nan)
     d.shared_norm = torch.where(d.nonfinite > 0, math.nan, common)
     return d
 
@@ -325,6 +328,8 @@ def clip_groups_(
     if policy is not None:
         shared = d.shared_norm if d.shared_norm is not None else d.total_norm
         max_norm = policy.threshold(shared)
+    if not any(s and grads[j] for j, s in enumerate(plan.shared)):
+        max_norm = None  # no gradient shares the wrapper's bound this window: it bounds nothing
     coefs = F.group_clip_coefs(post, plan.bounds, plan.shared, max_norm, norm_type)
     first = next((j for j, s in enumerate(plan.shared) if s), None)
     coef: float | Tensor = coefs[first] if first is not None and max_norm is not None else 1.0

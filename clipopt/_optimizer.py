@@ -1062,6 +1062,7 @@ class ClippedOptimizer(InnerOptimizerView):
             policy=self._policy,
             scaler=self.scaler,
             recovery=self._recovery,
+            norm_group=self.norm_group,
         )
         with restore_on_failure(self.optimizer), keep_group_keys(self.optimizer):
             self.optimizer.load_state_dict(ckpt.inner)

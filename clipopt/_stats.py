@@ -83,7 +83,8 @@ class StepStats:
         group_coefs: with per-group clipping, the norm-clipping coefficient each
             group's gradients were multiplied by (the common ``clip_coef`` for the
             groups sharing the wrapper's bound, 1.0 for a group left out); ``()`` without.
-            ``clip_coef`` and ``max_norm`` are then those of the shared groups.
+            ``clip_coef`` and ``max_norm`` are then those of the shared groups
+            (``1.0`` and None in a window where no shared group has a gradient).
     """
 
     __slots__ = (

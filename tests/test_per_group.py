@@ -165,7 +165,8 @@ def test_window_equals_torch_group_by_group(
         assert stats.group_norms == () and stats.group_coefs == ()
         return
     assert list(stats.group_norms) == pytest.approx(norms, rel=1e-4, abs=1e-6)
-    assert list(stats.group_coefs) == pytest.approx(coefs, rel=1e-3, abs=1e-6)
+    # bf16 gradients hold a clamped value rounded (64.25 -> 64): the coefficient follows the gradient
+    assert list(stats.group_coefs) == pytest.approx(coefs, rel=max(1e-3, _RTOL[dtype]), abs=1e-6)
 
 
 def _two_groups(
