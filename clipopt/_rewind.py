@@ -120,6 +120,12 @@ class Rewind:
         self.keep = check_positive_int("keep", keep, 2)
         self.spikes = check_positive_int("spikes", spikes, 3)
         self.within = check_positive_int("within", within, 50)
+        if self.spikes > self.within:
+            raise ValueError(
+                f"spikes must be <= within: {self.spikes} spike skips can never fall within {self.within} "
+                f"windows (spikes={self.spikes}, within={self.within}), so this Rewind would never rewind; "
+                f"pass e.g. spikes=3, within=50, or within={self.spikes * 10}"
+            )
         self.skip_batches = _check_count("skip_batches", skip_batches, 200)
         if module is not None and not isinstance(module, torch.nn.Module):
             raise TypeError(

@@ -340,6 +340,14 @@ def test_load_state_dict_rejects_bad_state_and_keeps_own() -> None:
             "pass e.g. module=model to copy its buffers too",
         ),
         ({"check_every": 0}, ValueError, "check_every must be an int >= 1, got 0; pass e.g. check_every=10"),
+        (
+            {"spikes": 6, "within": 5},
+            ValueError,
+            "spikes must be <= within: 6 spike skips can never fall within 5 windows "
+            "(spikes=6, within=5), so this Rewind would never rewind; pass e.g. spikes=3, within=50, "
+            "or within=60",
+        ),
+        ({"every": True}, TypeError, "every must be an int >= 1, got True (bool); pass e.g. every=100"),
     ],
 )
 def test_argument_validation(kwargs: dict[str, Any], exc: type, message: str) -> None:
