@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ._checks import check_positive_int
-from ._host_copy import HostCopy, TrainingState, capture, restore
+from ._host_copy import HostCopy, TrainingState, capture, copy_problem, restore
 
 __all__ = ["Rewind", "RewindEvent", "rewind_target"]
 
@@ -364,22 +364,19 @@ def _parse_copy(entry: Any, target: TrainingState | None) -> HostCopy:
         raise _bad("a copy's 'devices' must name one device per leaf")
     if not (isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "d"):
         raise _bad("a copy's 'spec' is not a structure saved by Rewind")
-    body = dict(spec[1])
-    if set(body) != {"params", "buffers", "state", "extra"}:
-        raise _bad("a copy's 'spec' must hold params, buffers, state and extra")
-    if target is not None:
-        params = [s[1] for s in body["params"][1]]
-        if len(params) != len(target.params) or any(
-            not (0 <= i < len(leaves)) or leaves[i].shape != p.shape or leaves[i].dtype != p.dtype
-            for i, p in zip(params, target.params, strict=True)
-        ):
-            raise _bad("its copies hold parameters of other shapes or dtypes than this optimizer's")
+    why = copy_problem(spec, leaves, target)
+    if why is not None:
+        raise _bad(why)
+    try:
+        places = [torch.device(str(d)) for d in devices]
+    except RuntimeError:
+        raise _bad(f"a copy's 'devices' must name devices, got {devices!r:.80}") from None
     step, applied = _int_field(entry, "step"), _int_field(entry, "applied")
     pin = torch.cuda.is_available()
     host = [t.detach().to("cpu", copy=True) for t in leaves]
     if pin:
         host = [t.pin_memory() for t in host]
-    return HostCopy(step, applied, spec, host, [torch.device(str(d)) for d in devices])
+    return HostCopy(step, applied, spec, host, places)
 
 
 def _parse_state(state: Any, target: TrainingState | None) -> tuple[Any, ...]:
