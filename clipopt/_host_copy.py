@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["HostCopy", "TrainingState", "capture", "copy_problem", "restore"]
+__all__ = ["HostCopy", "TrainingState", "capture", "copy_extra", "copy_problem", "restore"]
 
 
 @dataclasses.dataclass
@@ -169,6 +169,12 @@ def copy_problem(spec: Any, leaves: Sequence[Tensor], target: TrainingState | No
     ):
         return "its copies hold optimizer state of parameters this optimizer does not have"
     return None
+
+
+def copy_extra(spec: Any, leaves: Sequence[Tensor]) -> Any:
+    """The ``extra`` (wrapper state) of a copy whose structure :func:`copy_problem` accepted,
+    over its own ``leaves`` (not cloned: for checking it)."""
+    return _unflatten(dict(spec[1])["extra"], lambda number: leaves[number])
 
 
 def _host_buffer(src: Tensor, old: Tensor | None) -> Tensor:

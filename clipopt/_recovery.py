@@ -155,13 +155,24 @@ class SpikeRecovery:
         guard_state, rewind_state = entry.get("spike_guard"), entry.get("rewind")
         guard_ok = None
         if self.guard is not None and guard_state is not None:
-            probe = SpikeGuard(window=self.guard.window, signals=self.guard.signals, warmup=2)
-            probe.load_state_dict(guard_state)  # raises ValueError, touching nothing of ours
+            self._check_guard_state(guard_state)
             guard_ok = guard_state
         rewind_ok = None
         if self.rewind is not None and rewind_state is not None:
-            rewind_ok = (rewind_state, self.rewind.validate_state(rewind_state))
+            rewind_ok = (rewind_state, self.rewind.validate_state(rewind_state, self._check_copied))
         return guard_ok, rewind_ok
+
+    def _check_guard_state(self, guard_state: Any) -> None:
+        """``ValueError`` (touching nothing of ours) unless this guard could load ``guard_state``."""
+        if self.guard is not None:
+            probe = SpikeGuard(window=self.guard.window, signals=self.guard.signals, warmup=2)
+            probe.load_state_dict(guard_state)
+
+    def _check_copied(self, extra: Any) -> None:
+        """A Rewind copy's wrapper state: its guard part must be loadable (it is, at a rewind)."""
+        guard_state = extra.get("spike_guard") if isinstance(extra, dict) else None
+        if guard_state is not None:
+            self._check_guard_state(guard_state)
 
     def load(self, checked: tuple[Any, Any]) -> None:
         guard_state, rewind_state = checked

@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ._checks import check_positive_int
-from ._host_copy import HostCopy, TrainingState, capture, copy_problem, restore
+from ._host_copy import HostCopy, TrainingState, capture, copy_extra, copy_problem, restore
 
 __all__ = ["Rewind", "RewindEvent", "rewind_target"]
 
@@ -298,12 +298,18 @@ class Rewind:
             "copies": copies,
         }
 
-    def validate_state(self, state: Any) -> tuple[Any, ...]:
+    def validate_state(self, state: Any, check_extra: Callable[[Any], None] | None = None) -> tuple[Any, ...]:
         """Check a state from :meth:`state_dict` (``ValueError`` naming the cause); changes nothing.
 
-        Returns what :meth:`load_state_dict` loads (its parsed form).
+        ``check_extra``: called with each copy's wrapper state (what ``check``'s
+        ``wrapper_state()`` gave), raises ``ValueError`` when it could not be loaded
+        at a rewind.  Returns what :meth:`load_state_dict` loads (its parsed form).
         """
-        return _parse_state(state, self._target)
+        parsed = _parse_state(state, self._target)
+        if check_extra is not None:
+            for c in parsed[-1]:
+                check_extra(copy_extra(c.spec, c.leaves))
+        return parsed
 
     def load_state_dict(self, state: Any, parsed: tuple[Any, ...] | None = None) -> None:
         """Load a state from :meth:`state_dict`; everything is checked before anything changes.

@@ -165,7 +165,7 @@ def test_no_spike_during_warmup() -> None:
     guard = SpikeGuard(window=128)
     assert guard.warmup == 64
     assert SpikeGuard(window=10).warmup == 10
-    g = SpikeGuard(z_thresh=2.0, window=10, warmup=4)
+    g = SpikeGuard(z_thresh=2.0, window=10, warmup=4, signals=("grad_norm",))
     for v in [1.0, 1.1, 0.9]:
         assert g.decide(None, torch.tensor(v)).item() == 0.0
         g.commit(False)

@@ -462,3 +462,26 @@ def test_guard_composes_with_per_group_clipping(fused: bool) -> None:
         assert opt.last_stats is not None and ref.last_stats is not None
         assert opt.last_stats.clip_coef == ref.last_stats.clip_coef
     _assert_identical(_state(opt, model), _state(ref, ref_model))
+
+
+def test_load_state_dict_checks_the_guard_state_inside_rewind_copies() -> None:
+    """A Rewind copy whose SpikeGuard part is corrupt is refused at load (ValueError, nothing changed),
+    not loaded after the parameters were already restored at a rewind."""
+    model = _model()
+    opt = ClippedOptimizer(
+        optim.Adam(model.parameters(), lr=0.01), spike_guard=_guard(), rewind=Rewind(every=2, check_every=1)
+    )
+    for b in _batches(6, seed=7):
+        _window(CASES[0], opt, model, b)
+    good = opt.state_dict()
+    assert opt.rewind is not None and len(good["clipopt"]["rewind"]["copies"]) == 2
+    before, copies = _state(opt, model), opt.rewind.copies
+    bad = copy.deepcopy(good)
+    entry = bad["clipopt"]["rewind"]["copies"][0]
+    extra = dict(dict(entry["spec"][1])["extra"][1])
+    count_leaf = dict(extra["spike_guard"][1])["count"][1]  # ("t", number)
+    entry["leaves"][count_leaf] = torch.tensor([-1, 0])
+    with pytest.raises(ValueError, match=re.escape("invalid SpikeGuard state: expected signals")):
+        opt.load_state_dict(bad)
+    _assert_identical(_state(opt, model), before)
+    assert opt.rewind.copies == copies
