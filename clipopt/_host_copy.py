@@ -8,9 +8,11 @@ not wait and the device is not stalled (later kernels on the same stream run
 after the copies, so the values are those of the moment of the capture).  A
 new copy reuses the host buffers of the one it replaces when the shapes match.
 Restoring is exact, bit for bit: parameters and buffers are written in place
-(their identity is kept), and so is every optimizer state tensor whose shape,
-dtype and device still match (no new device memory at a rewind); the others
-get new tensors of the captured dtypes on the captured devices.
+(their identity is kept), and so is every optimizer state tensor whose shape
+and dtype still match, on its live device (no new device memory at a rewind;
+a copy loaded from a checkpoint of another device goes where the state is
+now); the others get new tensors of the captured dtypes on the captured
+devices (those of the parameters, for a loaded copy).
 """
 
 from __future__ import annotations
@@ -235,10 +237,10 @@ def restore(copy_: HostCopy, target: TrainingState) -> Any:
     leaves, devices = copy_.leaves, copy_.devices
 
     def put(leaf: _Leaf, live: Any) -> Tensor:
-        """Into the live tensor when it fits (no new device memory), else into a new one."""
+        """Into the live tensor when shape and dtype fit (no new device memory), else into a new one."""
         src, device = leaves[leaf.number], devices[leaf.number]
-        if type(live) is Tensor and (live.shape, live.dtype, live.device) == (src.shape, src.dtype, device):
-            return live.copy_(src)
+        if type(live) is Tensor and (live.shape, live.dtype) == (src.shape, src.dtype):
+            return live.copy_(src)  # where the live state is (a copy loaded from another device)
         return src.to(device, copy=True)
 
     tree = _unflatten(copy_.spec, _Leaf)

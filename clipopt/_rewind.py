@@ -360,6 +360,11 @@ def _int_field(state: dict[str, Any], key: str) -> int:
     return value
 
 
+def _leaf_numbers(spec: Any, part: str) -> list[int]:
+    """The leaf numbers of the ``params`` or ``buffers`` of a structure :func:`copy_problem` accepted."""
+    return [child[1] for child in dict(spec[1])[part][1]]
+
+
 def _parse_copy(entry: Any, target: TrainingState | None) -> HostCopy:
     if not isinstance(entry, dict):
         raise _bad(f"a copy must be a dict, got {type(entry).__name__}")
@@ -377,6 +382,10 @@ def _parse_copy(entry: Any, target: TrainingState | None) -> HostCopy:
         places = [torch.device(str(d)) for d in devices]
     except RuntimeError:
         raise _bad(f"a copy's 'devices' must name devices, got {devices!r:.80}") from None
+    if target is not None:  # saved on other devices (a GPU run resumed on the CPU): the parameters' now
+        params = _leaf_numbers(spec, "params")
+        moved = {places[i]: p.device for i, p in zip(params, target.params, strict=True)}
+        places = [moved.get(d, d) for d in places]
     step, applied = _int_field(entry, "step"), _int_field(entry, "applied")
     pin = torch.cuda.is_available()
     host = [t.detach().to("cpu", copy=True) for t in leaves]

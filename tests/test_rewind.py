@@ -495,3 +495,26 @@ def test_state_with_copies_loads_with_weights_only_into_a_fresh_optimizer() -> N
     with pytest.raises(ValueError, match="its copies hold buffers of other shapes or dtypes"):
         other.load_state_dict(saved["rewind"])
     assert other.copies == []
+
+
+def test_copy_loaded_from_other_devices_restores_onto_the_live_state() -> None:
+    """A state saved on another device (here its device names rewritten to 'meta', as a GPU checkpoint
+    resumed on the CPU names 'cuda:0') restores onto the parameters' and live state's devices, bit for
+    bit, not onto the saved device names."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    rewind = _bound(Rewind(every=5, spikes=2, check_every=5, module=model), model, opt)
+    _drive(rewind, model, opt, set(), 1, 6)
+    want = _snapshot(model, opt)
+    saved = rewind.state_dict()
+    for entry in saved["copies"]:
+        entry["devices"] = ["meta"] * len(entry["devices"])
+    fresh = _model()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    fresh_opt.load_state_dict(opt.state_dict())
+    fresh_rewind = _bound(Rewind(every=5, spikes=2, check_every=5, module=fresh), fresh, fresh_opt)
+    fresh_rewind.load_state_dict(saved)
+    events = _drive(fresh_rewind, fresh, fresh_opt, {6, 7}, 6, 11)
+    assert [(s, e.restored) for s, e in events] == [(10, 5)]
+    assert all(t.device.type == "cpu" for st in fresh_opt.state.values() for t in st.values())
+    _assert_same(fresh, fresh_opt, want)
