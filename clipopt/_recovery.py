@@ -147,10 +147,13 @@ class SpikeRecovery:
             "rewind": None if self.rewind is None else self.rewind.state_dict(),
         }
 
-    def validate(self, entry: dict[str, Any]) -> tuple[Any, Any]:
+    def validate(
+        self, entry: dict[str, Any], check_wrapper: Callable[[Any], None] | None = None
+    ) -> tuple[Any, Any]:
         """Check the saved parts (``ValueError``, changing nothing); returns what :meth:`load` takes.
 
         A part saved without one here (or missing from an older state dict) is ignored.
+        ``check_wrapper``: checks the rest of each Rewind copy's wrapper state (policy, scaler).
         """
         guard_state, rewind_state = entry.get("spike_guard"), entry.get("rewind")
         guard_ok = None
@@ -159,7 +162,8 @@ class SpikeRecovery:
             guard_ok = guard_state
         rewind_ok = None
         if self.rewind is not None and rewind_state is not None:
-            rewind_ok = (rewind_state, self.rewind.validate_state(rewind_state, self._check_copied))
+            parsed = self.rewind.validate_state(rewind_state, lambda e: self._check_copied(e, check_wrapper))
+            rewind_ok = (rewind_state, parsed)
         return guard_ok, rewind_ok
 
     def _check_guard_state(self, guard_state: Any) -> None:
@@ -168,11 +172,14 @@ class SpikeRecovery:
             probe = SpikeGuard(window=self.guard.window, signals=self.guard.signals, warmup=2)
             probe.load_state_dict(guard_state)
 
-    def _check_copied(self, extra: Any) -> None:
-        """A Rewind copy's wrapper state: its guard part must be loadable (it is, at a rewind)."""
+    def _check_copied(self, extra: Any, check_wrapper: Callable[[Any], None] | None) -> None:
+        """A Rewind copy's wrapper state must be loadable (it is, at a rewind): the guard's part here,
+        the rest by ``check_wrapper``."""
         guard_state = extra.get("spike_guard") if isinstance(extra, dict) else None
         if guard_state is not None:
             self._check_guard_state(guard_state)
+        if check_wrapper is not None:
+            check_wrapper(extra)
 
     def load(self, checked: tuple[Any, Any]) -> None:
         guard_state, rewind_state = checked

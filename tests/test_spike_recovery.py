@@ -485,3 +485,30 @@ def test_load_state_dict_checks_the_guard_state_inside_rewind_copies() -> None:
         opt.load_state_dict(bad)
     _assert_identical(_state(opt, model), before)
     assert opt.rewind.copies == copies
+
+
+def test_load_state_dict_checks_the_policy_state_inside_rewind_copies() -> None:
+    """A Rewind copy whose policy (ZClip) state is corrupt is refused at load (ValueError, nothing
+    changed), not loaded after the parameters were already restored at a rewind."""
+    model = _model()
+    opt = ClippedOptimizer(
+        optim.Adam(model.parameters(), lr=0.01),
+        max_norm=ZClip(warmup_steps=2),
+        spike_guard=_guard(),
+        rewind=Rewind(every=2, check_every=1),
+    )
+    for b in _batches(6, seed=7):
+        _window(CASES[0], opt, model, b)
+    good = opt.state_dict()
+    assert opt.rewind is not None and len(good["clipopt"]["rewind"]["copies"]) == 2
+    before, copies = _state(opt, model), opt.rewind.copies
+    bad = copy.deepcopy(good)
+    entry = bad["clipopt"]["rewind"]["copies"][1]
+    extra = dict(dict(entry["spec"][1])["extra"][1])
+    stats_leaf = dict(extra["policy"][1])["stats"][1]  # ("t", number)
+    entry["leaves"][stats_leaf] = torch.zeros(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=re.escape("invalid ZClip state: expected 5 statistics")):
+        opt.load_state_dict(bad)
+    _assert_identical(_state(opt, model), before)
+    assert opt.rewind.copies == copies
+    opt.load_state_dict(good)  # the intact state still loads
