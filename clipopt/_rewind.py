@@ -402,7 +402,7 @@ def _parse_state(state: Any, target: TrainingState | None) -> tuple[Any, ...]:
         for k in ("rewinds", "pending_skip", "batches_dropped", "copies_taken", "applied")
     ]
     spikes = state.get("spike_steps")
-    if not isinstance(spikes, list) or not all(isinstance(s, int) for s in spikes):
+    if not isinstance(spikes, list) or not all(type(s) is int for s in spikes):
         raise _bad("'spike_steps' must be a list of window numbers")
     flags = state.get("flags")
     if not isinstance(flags, list) or not all(
@@ -411,6 +411,7 @@ def _parse_state(state: Any, target: TrainingState | None) -> tuple[Any, ...]:
         and isinstance(f[0], int)
         and isinstance(f[1], Tensor)
         and f[1].shape == (2,)
+        and not (f[1].is_meta or f[1].is_complex())
         for f in flags
     ):
         raise _bad("'flags' must be a list of [window, tensor of 2 flags]")
@@ -419,9 +420,11 @@ def _parse_state(state: Any, target: TrainingState | None) -> tuple[Any, ...]:
         events = [RewindEvent(**e) for e in log]  # type: ignore[union-attr]
     except TypeError as exc:
         raise _bad(f"'log' must be a list of rewind records ({exc})") from None
+    if not all(type(v) is int for e in events for v in e.to_dict().values()):
+        raise _bad("'log' must be a list of rewind records of ints")
     copies = state.get("copies")
     if not isinstance(copies, list):
         raise _bad("'copies' must be a list")
     parsed = [_parse_copy(c, target) for c in copies]
-    pending = [(step, f.detach().to(torch.float32, copy=True)) for step, f in flags]
+    pending = [(step, f.detach().to("cpu", torch.float32, copy=True)) for step, f in flags]
     return (*ints, list(spikes), pending, events, parsed)

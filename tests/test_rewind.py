@@ -303,6 +303,18 @@ def test_load_state_dict_rejects_bad_state_and_keeps_own() -> None:
             dict(good, spike_steps=[1.5]),
             "invalid Rewind state: 'spike_steps' must be a list of window numbers",
         ),
+        (
+            dict(good, spike_steps=[True]),
+            "invalid Rewind state: 'spike_steps' must be a list of window numbers",
+        ),
+        (
+            dict(good, flags=[[3, torch.zeros(2, device="meta")]]),
+            "invalid Rewind state: 'flags' must be a list of [window, tensor of 2 flags]",
+        ),
+        (
+            dict(good, log=[{"step": "9", "restored": 5, "first_spike": 6, "spikes": 3, "undone": 2}]),
+            "invalid Rewind state: 'log' must be a list of rewind records of ints",
+        ),
     ]
     other = torch.nn.Linear(2, 2)
     foreign = Rewind()
