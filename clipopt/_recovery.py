@@ -16,6 +16,7 @@ Options are checked by :func:`check_recovery` before the optimizer exists.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -136,7 +137,13 @@ class SpikeRecovery:
         if self.rewind is None:
             return None
         self.rewind.bind(params, optimizer)  # parameter groups may have been added since
-        return self.rewind.check(closed, wrapper_state)
+        hit = self.rewind.check(closed, wrapper_state)
+        if hit is None:
+            return None
+        # the check runs in the close of window closed + 1, the one discarded (StepStats, CSV: "rewind")
+        event = dataclasses.replace(hit[0], step=closed + 1)
+        self.rewind.log[-1] = event
+        return event, hit[1]
 
     # ------------------------------------------------------------------ checkpoints
 

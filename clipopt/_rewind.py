@@ -45,7 +45,7 @@ T = TypeVar("T")
 class RewindEvent:
     """One rewind, as logged."""
 
-    step: int  #: the window at whose check the rewind happened
+    step: int  #: the window at whose check the rewind happened (in an optimizer: the discarded window)
     restored: int  #: the window count of the copy that was restored
     first_spike: int  #: the first spike skip of the group that triggered it
     spikes: int  #: spike skips in that group

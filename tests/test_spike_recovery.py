@@ -262,7 +262,8 @@ def test_rewind_restores_the_copy_before_the_first_spike(tmp_path: Path) -> None
     assert opt.rewinds == 1 and opt.num_skipped == 3
     (event,) = rewind.log
     # copies at the start of windows 2, 7, 12 (after 1, 6, 11 windows): the newest before window 13 is 11
-    assert (event.step, event.restored, event.first_spike, event.spikes) == (15, 11, 13, 2)
+    # its step is the rewinding window's, as in StepStats, the CSV log and the report
+    assert (event.step, event.restored, event.first_spike, event.spikes) == (16, 11, 13, 2)
     assert event.undone == 2  # windows 12 and 14 were applied after the copy
     _assert_identical(after[16], after[11])  # bit-identical to the state the copy was taken of
     assert rewind.batches_dropped == 3 and len(reasons) == 27  # batches 16-18 dropped
