@@ -98,7 +98,7 @@ def read_checkpoint(
         loss_sum = LossSum.from_dict(ext, wrapper[0].micro_batches)
     checked: tuple[Any, Any] = (None, None)
     if wrapper is not None and isinstance(ext, dict) and recovery is not None:
-        checked = recovery.validate(ext)
+        checked = recovery.validate(ext, _copied_wrapper_check(policy, scaler))
     inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
     counters, pending, scaler_state = wrapper if wrapper is not None else (None, None, None)
     return Checkpoint(
@@ -120,6 +120,19 @@ def _check_group_options(
     except (TypeError, ValueError) as exc:
         raise ValueError(f"invalid state_dict: {exc}") from None
     return kept
+
+
+def _copied_wrapper_check(policy: ClipPolicy | None, scaler: torch.amp.GradScaler | None) -> Any:
+    """A check of the policy and scaler state inside a Rewind copy (loaded at a rewind, after the
+    parameters are restored: it must be loadable before anything changes)."""
+
+    def check(extra: Any) -> None:
+        if not isinstance(extra, dict):
+            return
+        _checked_policy_state({"clipopt": {"policy": extra.get("policy")}}, policy)
+        _check_scaler_state((None, None, extra.get("scaler")), scaler)
+
+    return check
 
 
 def _check_scaler_state(wrapper: Any, scaler: torch.amp.GradScaler | None) -> None:

@@ -8,9 +8,11 @@ not wait and the device is not stalled (later kernels on the same stream run
 after the copies, so the values are those of the moment of the capture).  A
 new copy reuses the host buffers of the one it replaces when the shapes match.
 Restoring is exact, bit for bit: parameters and buffers are written in place
-(their identity is kept), and so is every optimizer state tensor whose shape,
-dtype and device still match (no new device memory at a rewind); the others
-get new tensors of the captured dtypes on the captured devices.
+(their identity is kept), and so is every optimizer state tensor whose shape
+and dtype still match, on its live device (no new device memory at a rewind;
+a copy loaded from a checkpoint of another device goes where the state is
+now); the others get new tensors of the captured dtypes on the captured
+devices (those of the parameters, for a loaded copy).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["HostCopy", "TrainingState", "capture", "restore"]
+__all__ = ["HostCopy", "TrainingState", "capture", "copy_extra", "copy_problem", "restore"]
 
 
 @dataclasses.dataclass
@@ -105,6 +107,78 @@ def _unflatten(spec: Any, leaf: Any) -> Any:
     return copy.deepcopy(body)
 
 
+_KINDS = ("t", "d", "l", "u", "v")
+
+
+def _spec_problem(spec: Any, n: int) -> str | None:
+    """Why ``spec`` is not a structure :func:`_flatten` makes over ``n`` leaves, or None."""
+    if not (isinstance(spec, tuple) and len(spec) == 2 and spec[0] in _KINDS):
+        return "a node of its 'spec' is not a (kind, body) pair"
+    kind, body = spec
+    if kind == "t":
+        ok = isinstance(body, int) and not isinstance(body, bool) and 0 <= body < n
+        return None if ok else f"its 'spec' refers to leaf {body!r}, not one of its {n} leaves"
+    if kind == "v":
+        return None
+    if not isinstance(body, list):
+        return f"a {kind!r} node of its 'spec' does not hold a list"
+    if kind == "d" and not all(isinstance(e, (tuple, list)) and len(e) == 2 for e in body):
+        return "a dict node of its 'spec' does not hold (key, value) pairs"
+    for child in [e[1] for e in body] if kind == "d" else body:
+        why = _spec_problem(child, n)
+        if why is not None:
+            return why
+    return None
+
+
+def _leaf_list(node: Any) -> list[int] | None:
+    """The leaf numbers of a ``("l", [("t", i), ...])`` node, or None for any other node."""
+    if node[0] != "l" or not all(child[0] == "t" for child in node[1]):
+        return None
+    return [child[1] for child in node[1]]
+
+
+def copy_problem(spec: Any, leaves: Sequence[Tensor], target: TrainingState | None) -> str | None:
+    """Why a loaded copy (``spec`` and ``leaves``) cannot be restored into ``target``, or None.
+
+    Checks the whole structure (every leaf reference in range) and, with a
+    ``target``, that its parameters and buffers have the target's count, shapes
+    and dtypes and that its state belongs to parameters the target has.
+    """
+    try:
+        why = _spec_problem(spec, len(leaves))
+    except RecursionError:
+        why = "its 'spec' is nested too deeply"
+    if why is not None:
+        return why
+    body = dict(spec[1]) if spec[0] == "d" else {}
+    if set(body) != {"params", "buffers", "state", "extra"}:
+        return "its 'spec' must hold params, buffers, state and extra"
+    params, buffers, state = _leaf_list(body["params"]), _leaf_list(body["buffers"]), body["state"]
+    entries = state[1] if state[0] == "l" else None
+    if params is None or buffers is None or entries is None:
+        return "its 'spec' holds params, buffers or state of another structure than Rewind's"
+    numbers = [e[1][0][1] if e[0] == "u" and len(e[1]) == 2 and e[1][0][0] == "v" else None for e in entries]
+    if target is None:
+        return None
+    for name, live, saved in (("parameters", target.params, params), ("buffers", target.buffers, buffers)):
+        if len(live) != len(saved) or any(
+            t.shape != leaves[i].shape or t.dtype != leaves[i].dtype for t, i in zip(live, saved, strict=True)
+        ):
+            return f"its copies hold {name} of other shapes or dtypes than this optimizer's"
+    if any(type(i) is not int or not 0 <= i < len(params) for i in numbers) or len(set(numbers)) != len(
+        numbers
+    ):
+        return "its copies hold optimizer state of parameters this optimizer does not have"
+    return None
+
+
+def copy_extra(spec: Any, leaves: Sequence[Tensor]) -> Any:
+    """The ``extra`` (wrapper state) of a copy whose structure :func:`copy_problem` accepted,
+    over its own ``leaves`` (not cloned: for checking it)."""
+    return _unflatten(dict(spec[1])["extra"], lambda number: leaves[number])
+
+
 def _host_buffer(src: Tensor, old: Tensor | None) -> Tensor:
     """A host tensor for ``src``: ``old`` when it fits, else a new one (pinned for accelerator sources)."""
     if old is not None and old.shape == src.shape and old.dtype == src.dtype:
@@ -163,10 +237,10 @@ def restore(copy_: HostCopy, target: TrainingState) -> Any:
     leaves, devices = copy_.leaves, copy_.devices
 
     def put(leaf: _Leaf, live: Any) -> Tensor:
-        """Into the live tensor when it fits (no new device memory), else into a new one."""
+        """Into the live tensor when shape and dtype fit (no new device memory), else into a new one."""
         src, device = leaves[leaf.number], devices[leaf.number]
-        if type(live) is Tensor and (live.shape, live.dtype, live.device) == (src.shape, src.dtype, device):
-            return live.copy_(src)
+        if type(live) is Tensor and (live.shape, live.dtype) == (src.shape, src.dtype):
+            return live.copy_(src)  # where the live state is (a copy loaded from another device)
         return src.to(device, copy=True)
 
     tree = _unflatten(copy_.spec, _Leaf)

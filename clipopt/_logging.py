@@ -139,7 +139,8 @@ class CSVLogger:
 
     Columns, stable across versions: :data:`BASE_COLUMNS` — ``step``,
     ``micro_batches``, ``total_norm`` (pre-clip), ``clip_coef``, ``clipped``
-    (0/1), ``skipped`` (0/1), ``reason`` (empty, ``nonfinite``, ``overflow`` or ``spike``),
+    (0/1), ``skipped`` (0/1), ``reason`` (empty or a ``StepStats.reason``: ``nonfinite``,
+    ``overflow``, ``spike``, ``divergence``, ``nograd``, ``rewind``),
     ``max_norm`` (empty when off), ``lr`` (group 0), ``loss`` (the window's loss, empty when
     none was given to ``step(loss=...)``) — then ``lr.<g>`` for further
     parameter groups, then, with per-group clipping (a group carries its own

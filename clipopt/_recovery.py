@@ -16,6 +16,7 @@ Options are checked by :func:`check_recovery` before the optimizer exists.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -136,7 +137,13 @@ class SpikeRecovery:
         if self.rewind is None:
             return None
         self.rewind.bind(params, optimizer)  # parameter groups may have been added since
-        return self.rewind.check(closed, wrapper_state)
+        hit = self.rewind.check(closed, wrapper_state)
+        if hit is None:
+            return None
+        # the check runs in the close of window closed + 1, the one discarded (StepStats, CSV: "rewind")
+        event = dataclasses.replace(hit[0], step=closed + 1)
+        self.rewind.log[-1] = event
+        return event, hit[1]
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -147,21 +154,39 @@ class SpikeRecovery:
             "rewind": None if self.rewind is None else self.rewind.state_dict(),
         }
 
-    def validate(self, entry: dict[str, Any]) -> tuple[Any, Any]:
+    def validate(
+        self, entry: dict[str, Any], check_wrapper: Callable[[Any], None] | None = None
+    ) -> tuple[Any, Any]:
         """Check the saved parts (``ValueError``, changing nothing); returns what :meth:`load` takes.
 
         A part saved without one here (or missing from an older state dict) is ignored.
+        ``check_wrapper``: checks the rest of each Rewind copy's wrapper state (policy, scaler).
         """
         guard_state, rewind_state = entry.get("spike_guard"), entry.get("rewind")
         guard_ok = None
         if self.guard is not None and guard_state is not None:
-            probe = SpikeGuard(window=self.guard.window, signals=self.guard.signals, warmup=2)
-            probe.load_state_dict(guard_state)  # raises ValueError, touching nothing of ours
+            self._check_guard_state(guard_state)
             guard_ok = guard_state
         rewind_ok = None
         if self.rewind is not None and rewind_state is not None:
-            rewind_ok = (rewind_state, self.rewind.validate_state(rewind_state))
+            parsed = self.rewind.validate_state(rewind_state, lambda e: self._check_copied(e, check_wrapper))
+            rewind_ok = (rewind_state, parsed)
         return guard_ok, rewind_ok
+
+    def _check_guard_state(self, guard_state: Any) -> None:
+        """``ValueError`` (touching nothing of ours) unless this guard could load ``guard_state``."""
+        if self.guard is not None:
+            probe = SpikeGuard(window=self.guard.window, signals=self.guard.signals, warmup=2)
+            probe.load_state_dict(guard_state)
+
+    def _check_copied(self, extra: Any, check_wrapper: Callable[[Any], None] | None) -> None:
+        """A Rewind copy's wrapper state must be loadable (it is, at a rewind): the guard's part here,
+        the rest by ``check_wrapper``."""
+        guard_state = extra.get("spike_guard") if isinstance(extra, dict) else None
+        if guard_state is not None:
+            self._check_guard_state(guard_state)
+        if check_wrapper is not None:
+            check_wrapper(extra)
 
     def load(self, checked: tuple[Any, Any]) -> None:
         guard_state, rewind_state = checked

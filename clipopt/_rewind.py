@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ._checks import check_positive_int
-from ._host_copy import HostCopy, TrainingState, capture, restore
+from ._host_copy import HostCopy, TrainingState, capture, copy_extra, copy_problem, restore
 
 __all__ = ["Rewind", "RewindEvent", "rewind_target"]
 
@@ -45,7 +45,7 @@ T = TypeVar("T")
 class RewindEvent:
     """One rewind, as logged."""
 
-    step: int  #: the window at whose check the rewind happened
+    step: int  #: the window at whose check the rewind happened (in an optimizer: the discarded window)
     restored: int  #: the window count of the copy that was restored
     first_spike: int  #: the first spike skip of the group that triggered it
     spikes: int  #: spike skips in that group
@@ -120,6 +120,12 @@ class Rewind:
         self.keep = check_positive_int("keep", keep, 2)
         self.spikes = check_positive_int("spikes", spikes, 3)
         self.within = check_positive_int("within", within, 50)
+        if self.spikes > self.within:
+            raise ValueError(
+                f"spikes must be <= within: {self.spikes} spike skips can never fall within {self.within} "
+                f"windows (spikes={self.spikes}, within={self.within}), so this Rewind would never rewind; "
+                f"pass e.g. spikes=3, within=50, or within={self.spikes * 10}"
+            )
         self.skip_batches = _check_count("skip_batches", skip_batches, 200)
         if module is not None and not isinstance(module, torch.nn.Module):
             raise TypeError(
@@ -292,12 +298,18 @@ class Rewind:
             "copies": copies,
         }
 
-    def validate_state(self, state: Any) -> tuple[Any, ...]:
+    def validate_state(self, state: Any, check_extra: Callable[[Any], None] | None = None) -> tuple[Any, ...]:
         """Check a state from :meth:`state_dict` (``ValueError`` naming the cause); changes nothing.
 
-        Returns what :meth:`load_state_dict` loads (its parsed form).
+        ``check_extra``: called with each copy's wrapper state (what ``check``'s
+        ``wrapper_state()`` gave), raises ``ValueError`` when it could not be loaded
+        at a rewind.  Returns what :meth:`load_state_dict` loads (its parsed form).
         """
-        return _parse_state(state, self._target)
+        parsed = _parse_state(state, self._target)
+        if check_extra is not None:
+            for c in parsed[-1]:
+                check_extra(copy_extra(c.spec, c.leaves))
+        return parsed
 
     def load_state_dict(self, state: Any, parsed: tuple[Any, ...] | None = None) -> None:
         """Load a state from :meth:`state_dict`; everything is checked before anything changes.
@@ -348,6 +360,11 @@ def _int_field(state: dict[str, Any], key: str) -> int:
     return value
 
 
+def _leaf_numbers(spec: Any, part: str) -> list[int]:
+    """The leaf numbers of the ``params`` or ``buffers`` of a structure :func:`copy_problem` accepted."""
+    return [child[1] for child in dict(spec[1])[part][1]]
+
+
 def _parse_copy(entry: Any, target: TrainingState | None) -> HostCopy:
     if not isinstance(entry, dict):
         raise _bad(f"a copy must be a dict, got {type(entry).__name__}")
@@ -358,22 +375,23 @@ def _parse_copy(entry: Any, target: TrainingState | None) -> HostCopy:
         raise _bad("a copy's 'devices' must name one device per leaf")
     if not (isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "d"):
         raise _bad("a copy's 'spec' is not a structure saved by Rewind")
-    body = dict(spec[1])
-    if set(body) != {"params", "buffers", "state", "extra"}:
-        raise _bad("a copy's 'spec' must hold params, buffers, state and extra")
-    if target is not None:
-        params = [s[1] for s in body["params"][1]]
-        if len(params) != len(target.params) or any(
-            not (0 <= i < len(leaves)) or leaves[i].shape != p.shape or leaves[i].dtype != p.dtype
-            for i, p in zip(params, target.params, strict=True)
-        ):
-            raise _bad("its copies hold parameters of other shapes or dtypes than this optimizer's")
+    why = copy_problem(spec, leaves, target)
+    if why is not None:
+        raise _bad(why)
+    try:
+        places = [torch.device(str(d)) for d in devices]
+    except RuntimeError:
+        raise _bad(f"a copy's 'devices' must name devices, got {devices!r:.80}") from None
+    if target is not None:  # saved on other devices (a GPU run resumed on the CPU): the parameters' now
+        params = _leaf_numbers(spec, "params")
+        moved = {places[i]: p.device for i, p in zip(params, target.params, strict=True)}
+        places = [moved.get(d, d) for d in places]
     step, applied = _int_field(entry, "step"), _int_field(entry, "applied")
     pin = torch.cuda.is_available()
     host = [t.detach().to("cpu", copy=True) for t in leaves]
     if pin:
         host = [t.pin_memory() for t in host]
-    return HostCopy(step, applied, spec, host, [torch.device(str(d)) for d in devices])
+    return HostCopy(step, applied, spec, host, places)
 
 
 def _parse_state(state: Any, target: TrainingState | None) -> tuple[Any, ...]:
@@ -384,7 +402,7 @@ def _parse_state(state: Any, target: TrainingState | None) -> tuple[Any, ...]:
         for k in ("rewinds", "pending_skip", "batches_dropped", "copies_taken", "applied")
     ]
     spikes = state.get("spike_steps")
-    if not isinstance(spikes, list) or not all(isinstance(s, int) for s in spikes):
+    if not isinstance(spikes, list) or not all(type(s) is int for s in spikes):
         raise _bad("'spike_steps' must be a list of window numbers")
     flags = state.get("flags")
     if not isinstance(flags, list) or not all(
@@ -393,6 +411,7 @@ def _parse_state(state: Any, target: TrainingState | None) -> tuple[Any, ...]:
         and isinstance(f[0], int)
         and isinstance(f[1], Tensor)
         and f[1].shape == (2,)
+        and not (f[1].is_meta or f[1].is_complex())
         for f in flags
     ):
         raise _bad("'flags' must be a list of [window, tensor of 2 flags]")
@@ -401,9 +420,11 @@ def _parse_state(state: Any, target: TrainingState | None) -> tuple[Any, ...]:
         events = [RewindEvent(**e) for e in log]  # type: ignore[union-attr]
     except TypeError as exc:
         raise _bad(f"'log' must be a list of rewind records ({exc})") from None
+    if not all(type(v) is int for e in events for v in e.to_dict().values()):
+        raise _bad("'log' must be a list of rewind records of ints")
     copies = state.get("copies")
     if not isinstance(copies, list):
         raise _bad("'copies' must be a list")
     parsed = [_parse_copy(c, target) for c in copies]
-    pending = [(step, f.detach().to(torch.float32, copy=True)) for step, f in flags]
+    pending = [(step, f.detach().to("cpu", torch.float32, copy=True)) for step, f in flags]
     return (*ints, list(spikes), pending, events, parsed)

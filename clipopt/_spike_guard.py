@@ -19,6 +19,7 @@ are ``skip_nonfinite``'s, reason ``"nonfinite"``); a missing loss (``nan``,
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from numbers import Integral, Real
 from typing import Any
@@ -117,7 +118,11 @@ class SpikeGuard:
         self.window = _check_window(window)
         self.signals = _check_signals(signals)
         self.warmup = _check_warmup(warmup, self.window)
-        if not isinstance(eps, Real) or isinstance(eps, bool) or not (float(eps) > 0 and math.isfinite(eps)):
+        if not isinstance(eps, Real) or isinstance(eps, bool):
+            raise TypeError(
+                f"eps must be a positive finite float, got {eps!r} ({type(eps).__name__}); pass e.g. eps=1e-8"
+            )
+        if not (float(eps) > 0 and math.isfinite(eps)):
             raise ValueError(f"eps must be a positive finite float, got {eps!r}; pass e.g. eps=1e-8")
         self.eps: float = float(eps)
         # replaced, never written into: an optimizer undoing a failed step puts the old tensors back
@@ -126,6 +131,7 @@ class SpikeGuard:
         self._values: Tensor | None = None  # the latest window's values, until commit()
         #: The latest window's z-scores (one per signal; 0 where not scored), or None.
         self.last_z: Tensor | None = None
+        self._loss_seen: bool = False  # a window with a loss was decided, or the no-loss warning was given
 
     def _to(self, device: torch.device) -> None:
         if self._buffer.device != device:
@@ -155,11 +161,28 @@ class SpikeGuard:
         Remembers the window's values for :meth:`commit`; the history is unchanged.
         """
         self._to(grad_norm.device)
+        self._check_loss_given(loss)
         values = self.values(loss, grad_norm)
         z, scored = spike_scores(values, self._buffer, self._count, self.warmup, self.eps)
         self._values = values
         self.last_z = z
         return (scored & (z > self.z_thresh)).any().to(torch.float32)
+
+    def _check_loss_given(self, loss: Tensor | float | None) -> None:
+        """Warn once when the guard watches the loss and a window comes without one before any had one."""
+        if loss is not None or "loss" not in self.signals:
+            self._loss_seen = self._loss_seen or loss is not None
+            return
+        if not self._loss_seen:
+            self._loss_seen = True  # once
+            alone = " and this guard skips nothing" if self.signals == ("loss",) else ""
+            warnings.warn(
+                f"SpikeGuard watches the loss (signals={self.signals!r}) but step() was called without "
+                f"loss=: the loss signal sits out such windows{alone}; pass opt.step(loss=loss), "
+                "or signals=('grad_norm',) to watch the gradient norm only",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def is_spike(self, loss: Tensor | float | None, grad_norm: Tensor) -> Tensor:
         """Like :meth:`decide`, but remembers nothing (for diagnostics)."""

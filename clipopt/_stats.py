@@ -69,7 +69,7 @@ class StepStats:
         skipped: True when the update was skipped.
         reason: why it was skipped (``"nonfinite"``, ``"overflow"``, ``"spike"``,
             ``"divergence"``: data-parallel replicas disagreed, ``"nograd"``: no parameter had a
-            gradient), or None.
+            gradient, ``"rewind"``: a Rewind restored a copy and discarded the window), or None.
         max_norm: the norm bound used for this window (a policy's threshold), or None when off.
         lr: the learning rate of each parameter group when the window closed.
         layers: per-parameter :class:`~clipopt.LayerStats` when they were due

@@ -303,6 +303,18 @@ def test_load_state_dict_rejects_bad_state_and_keeps_own() -> None:
             dict(good, spike_steps=[1.5]),
             "invalid Rewind state: 'spike_steps' must be a list of window numbers",
         ),
+        (
+            dict(good, spike_steps=[True]),
+            "invalid Rewind state: 'spike_steps' must be a list of window numbers",
+        ),
+        (
+            dict(good, flags=[[3, torch.zeros(2, device="meta")]]),
+            "invalid Rewind state: 'flags' must be a list of [window, tensor of 2 flags]",
+        ),
+        (
+            dict(good, log=[{"step": "9", "restored": 5, "first_spike": 6, "spikes": 3, "undone": 2}]),
+            "invalid Rewind state: 'log' must be a list of rewind records of ints",
+        ),
     ]
     other = torch.nn.Linear(2, 2)
     foreign = Rewind()
@@ -340,6 +352,14 @@ def test_load_state_dict_rejects_bad_state_and_keeps_own() -> None:
             "pass e.g. module=model to copy its buffers too",
         ),
         ({"check_every": 0}, ValueError, "check_every must be an int >= 1, got 0; pass e.g. check_every=10"),
+        (
+            {"spikes": 6, "within": 5},
+            ValueError,
+            "spikes must be <= within: 6 spike skips can never fall within 5 windows "
+            "(spikes=6, within=5), so this Rewind would never rewind; pass e.g. spikes=3, within=50, "
+            "or within=60",
+        ),
+        ({"every": True}, TypeError, "every must be an int >= 1, got True (bool); pass e.g. every=100"),
     ],
 )
 def test_argument_validation(kwargs: dict[str, Any], exc: type, message: str) -> None:
@@ -402,3 +422,111 @@ def test_spikes_back_soon_after_a_rewind_go_to_an_older_copy(
     rewind.every = 100  # no new copy from here on
     events = _drive(rewind, model, opt, set(spikes_again), 20, 33)
     assert [e.restored for _, e in events] == [restored]
+
+
+def _with_copy(good: dict[str, Any], **change: Any) -> dict[str, Any]:
+    """``good`` with its first copy's entries replaced by ``change``."""
+    first = dict(good["copies"][0], **change)
+    return dict(good, copies=[first, *good["copies"][1:]])
+
+
+def test_load_state_dict_refuses_corrupt_copies_before_anything_changes() -> None:
+    """A copy whose structure refers to missing leaves, misses buffers, holds state of a parameter the
+    optimizer lacks, or names no device is refused at load (ValueError, nothing changed), not at the
+    rewind that would restore it half-way."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    rewind = _bound(Rewind(every=5, check_every=5, module=model), model, opt)
+    _drive(rewind, model, opt, set(), 1, 6)
+    good = rewind.state_dict()
+    spec = good["copies"][0]["spec"]
+    body = dict(spec[1])
+    n = len(good["copies"][0]["leaves"])
+
+    def respec(**parts: Any) -> tuple[str, list[tuple[str, Any]]]:
+        return ("d", [(k, parts.get(k, v)) for k, v in spec[1]])
+
+    state_entries = body["state"][1]
+    stray = ("u", [("v", 99), state_entries[0][1][1]])  # state of parameter 99
+    pointer = ("l", [*body["buffers"][1][:-1], ("t", n + 5)])  # a buffer referring past the leaves
+    tail = "; pass the state saved by Rewind.state_dict() (opt.state_dict()['clipopt'])"
+    cases = [
+        (
+            _with_copy(good, spec=respec(buffers=pointer)),
+            f"its 'spec' refers to leaf {n + 5}, not one of its {n} leaves",
+        ),
+        (
+            _with_copy(good, spec=respec(buffers=("l", []))),
+            "its copies hold buffers of other shapes or dtypes than this optimizer's",
+        ),
+        (
+            _with_copy(good, spec=respec(params=("v", 3))),
+            "its 'spec' holds params, buffers or state of another structure than Rewind's",
+        ),
+        (
+            _with_copy(good, spec=respec(state=("l", [stray]))),
+            "its copies hold optimizer state of parameters this optimizer does not have",
+        ),
+        (_with_copy(good, spec=("d", "x")), "a 'd' node of its 'spec' does not hold a list"),
+        (
+            _with_copy(good, devices=["no-such-device"] * n),
+            "a copy's 'devices' must name devices, got ['no-such-device'",
+        ),
+    ]
+    for state, message in cases:
+        with pytest.raises(ValueError, match=re.escape("invalid Rewind state: " + message)) as info:
+            rewind.load_state_dict(state)
+        assert str(info.value).endswith(tail)
+    assert rewind.copies == [(5, 5)] and rewind.applied == 5
+
+
+def test_state_with_copies_loads_with_weights_only_into_a_fresh_optimizer() -> None:
+    """torch.load(weights_only=True) of the state, loaded by a fresh Rewind on a fresh model, restores
+    what the original held, bit for bit; a Rewind with another module's buffers refuses it at load."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    rewind = _bound(Rewind(every=5, check_every=5, module=model), model, opt)
+    _drive(rewind, model, opt, set(), 1, 6)
+    want = _snapshot(model, opt)
+    buf = io.BytesIO()
+    torch.save({"opt": opt.state_dict(), "rewind": rewind.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    fresh = _model()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1.0)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    fresh_opt.load_state_dict(saved["opt"])
+    fresh_rewind = _bound(Rewind(every=5, spikes=2, check_every=5, module=fresh), fresh, fresh_opt)
+    fresh_rewind.load_state_dict(saved["rewind"])
+    events = _drive(fresh_rewind, fresh, fresh_opt, {6, 7}, 6, 11)  # trains 8-9, rewinds at 10
+    assert [(s, e.restored) for s, e in events] == [(10, 5)]
+    _assert_same(fresh, fresh_opt, want)
+    other = _bound(Rewind(every=5, check_every=5), fresh, fresh_opt)  # no module: no buffers
+    with pytest.raises(ValueError, match="its copies hold buffers of other shapes or dtypes"):
+        other.load_state_dict(saved["rewind"])
+    assert other.copies == []
+
+
+def test_copy_loaded_from_other_devices_restores_onto_the_live_state() -> None:
+    """A state saved on another device (here its device names rewritten to 'meta', as a GPU checkpoint
+    resumed on the CPU names 'cuda:0') restores onto the parameters' and live state's devices, bit for
+    bit, not onto the saved device names."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    rewind = _bound(Rewind(every=5, spikes=2, check_every=5, module=model), model, opt)
+    _drive(rewind, model, opt, set(), 1, 6)
+    want = _snapshot(model, opt)
+    saved = rewind.state_dict()
+    for entry in saved["copies"]:
+        entry["devices"] = ["meta"] * len(entry["devices"])
+    fresh = _model()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    fresh_opt.load_state_dict(opt.state_dict())
+    fresh_rewind = _bound(Rewind(every=5, spikes=2, check_every=5, module=fresh), fresh, fresh_opt)
+    fresh_rewind.load_state_dict(saved)
+    events = _drive(fresh_rewind, fresh, fresh_opt, {6, 7}, 6, 11)
+    assert [(s, e.restored) for s, e in events] == [(10, 5)]
+    assert all(t.device.type == "cpu" for st in fresh_opt.state.values() for t in st.values())
+    _assert_same(fresh, fresh_opt, want)

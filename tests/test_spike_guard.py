@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 import re
+import warnings
 from collections import deque
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from clipopt import ClippedOptimizer
 from clipopt._spike_guard import SpikeGuard
 from clipopt._spike_stats import history_mean_std, push_history, spike_scores
 
@@ -163,7 +165,7 @@ def test_no_spike_during_warmup() -> None:
     guard = SpikeGuard(window=128)
     assert guard.warmup == 64
     assert SpikeGuard(window=10).warmup == 10
-    g = SpikeGuard(z_thresh=2.0, window=10, warmup=4)
+    g = SpikeGuard(z_thresh=2.0, window=10, warmup=4, signals=("grad_norm",))
     for v in [1.0, 1.1, 0.9]:
         assert g.decide(None, torch.tensor(v)).item() == 0.0
         g.commit(False)
@@ -272,6 +274,16 @@ def test_load_state_dict_rejects_mismatch_and_keeps_state() -> None:
             "pass e.g. warmup=20, or warmup=None for max(20, window // 2)",
         ),
         ({"eps": -1.0}, ValueError, "eps must be a positive finite float, got -1.0; pass e.g. eps=1e-8"),
+        (
+            {"eps": True},
+            TypeError,
+            "eps must be a positive finite float, got True (bool); pass e.g. eps=1e-8",
+        ),
+        (
+            {"eps": "1e-8"},
+            TypeError,
+            "eps must be a positive finite float, got '1e-8' (str); pass e.g. eps=1e-8",
+        ),
     ],
 )
 def test_argument_validation(kwargs: dict, exc: type, message: str) -> None:
@@ -285,3 +297,49 @@ def test_signals_are_stored_in_canonical_order() -> None:
     g = SpikeGuard(signals=("grad_norm", "loss"), window=32)
     assert g.signals == ("loss", "grad_norm")
     assert repr(g) == "SpikeGuard(z_thresh=6, window=32, signals=('loss', 'grad_norm'), warmup=20)"
+
+
+def _train_without_loss(signals: tuple[str, ...], windows: int) -> tuple[ClippedOptimizer, list[str]]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        max_norm=1.0,
+        spike_guard=SpikeGuard(window=4, warmup=2, signals=signals),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(windows):
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()  # no loss=
+            opt.zero_grad()
+    return opt, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+def test_guard_watching_the_loss_warns_once_when_no_loss_is_given() -> None:
+    """signals=("loss",), step() without loss=: the guard can skip nothing; it says so once."""
+    opt, messages = _train_without_loss(("loss",), 10)
+    assert messages == [
+        "SpikeGuard watches the loss (signals=('loss',)) but step() was called without loss=: the loss "
+        "signal sits out such windows and this guard skips nothing; pass opt.step(loss=loss), or "
+        "signals=('grad_norm',) to watch the gradient norm only"
+    ]
+    assert opt.spike_guard is not None and opt.spike_guard.history == {"loss": []}
+    _, both = _train_without_loss(("loss", "grad_norm"), 5)
+    assert both == [
+        "SpikeGuard watches the loss (signals=('loss', 'grad_norm')) but step() was called without "
+        "loss=: the loss signal sits out such windows; pass opt.step(loss=loss), or "
+        "signals=('grad_norm',) to watch the gradient norm only"
+    ]
+    _, none = _train_without_loss(("grad_norm",), 5)
+    assert none == []
+
+
+def test_guard_does_not_warn_about_a_gap_after_losses_were_given() -> None:
+    """A window without a loss after windows with one (a documented gap) does not warn."""
+    guard = SpikeGuard(window=4, warmup=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        guard.commit(guard.decide(torch.tensor(1.0), torch.tensor(1.0)))
+        guard.commit(guard.decide(None, torch.tensor(1.0)))
+    assert [w for w in caught if issubclass(w.category, UserWarning)] == []

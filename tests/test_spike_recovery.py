@@ -262,7 +262,8 @@ def test_rewind_restores_the_copy_before_the_first_spike(tmp_path: Path) -> None
     assert opt.rewinds == 1 and opt.num_skipped == 3
     (event,) = rewind.log
     # copies at the start of windows 2, 7, 12 (after 1, 6, 11 windows): the newest before window 13 is 11
-    assert (event.step, event.restored, event.first_spike, event.spikes) == (15, 11, 13, 2)
+    # its step is the rewinding window's, as in StepStats, the CSV log and the report
+    assert (event.step, event.restored, event.first_spike, event.spikes) == (16, 11, 13, 2)
     assert event.undone == 2  # windows 12 and 14 were applied after the copy
     _assert_identical(after[16], after[11])  # bit-identical to the state the copy was taken of
     assert rewind.batches_dropped == 3 and len(reasons) == 27  # batches 16-18 dropped
@@ -462,3 +463,53 @@ def test_guard_composes_with_per_group_clipping(fused: bool) -> None:
         assert opt.last_stats is not None and ref.last_stats is not None
         assert opt.last_stats.clip_coef == ref.last_stats.clip_coef
     _assert_identical(_state(opt, model), _state(ref, ref_model))
+
+
+def test_load_state_dict_checks_the_guard_state_inside_rewind_copies() -> None:
+    """A Rewind copy whose SpikeGuard part is corrupt is refused at load (ValueError, nothing changed),
+    not loaded after the parameters were already restored at a rewind."""
+    model = _model()
+    opt = ClippedOptimizer(
+        optim.Adam(model.parameters(), lr=0.01), spike_guard=_guard(), rewind=Rewind(every=2, check_every=1)
+    )
+    for b in _batches(6, seed=7):
+        _window(CASES[0], opt, model, b)
+    good = opt.state_dict()
+    assert opt.rewind is not None and len(good["clipopt"]["rewind"]["copies"]) == 2
+    before, copies = _state(opt, model), opt.rewind.copies
+    bad = copy.deepcopy(good)
+    entry = bad["clipopt"]["rewind"]["copies"][0]
+    extra = dict(dict(entry["spec"][1])["extra"][1])
+    count_leaf = dict(extra["spike_guard"][1])["count"][1]  # ("t", number)
+    entry["leaves"][count_leaf] = torch.tensor([-1, 0])
+    with pytest.raises(ValueError, match=re.escape("invalid SpikeGuard state: expected signals")):
+        opt.load_state_dict(bad)
+    _assert_identical(_state(opt, model), before)
+    assert opt.rewind.copies == copies
+
+
+def test_load_state_dict_checks_the_policy_state_inside_rewind_copies() -> None:
+    """A Rewind copy whose policy (ZClip) state is corrupt is refused at load (ValueError, nothing
+    changed), not loaded after the parameters were already restored at a rewind."""
+    model = _model()
+    opt = ClippedOptimizer(
+        optim.Adam(model.parameters(), lr=0.01),
+        max_norm=ZClip(warmup_steps=2),
+        spike_guard=_guard(),
+        rewind=Rewind(every=2, check_every=1),
+    )
+    for b in _batches(6, seed=7):
+        _window(CASES[0], opt, model, b)
+    good = opt.state_dict()
+    assert opt.rewind is not None and len(good["clipopt"]["rewind"]["copies"]) == 2
+    before, copies = _state(opt, model), opt.rewind.copies
+    bad = copy.deepcopy(good)
+    entry = bad["clipopt"]["rewind"]["copies"][1]
+    extra = dict(dict(entry["spec"][1])["extra"][1])
+    stats_leaf = dict(extra["policy"][1])["stats"][1]  # ("t", number)
+    entry["leaves"][stats_leaf] = torch.zeros(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=re.escape("invalid ZClip state: expected 5 statistics")):
+        opt.load_state_dict(bad)
+    _assert_identical(_state(opt, model), before)
+    assert opt.rewind.copies == copies
+    opt.load_state_dict(good)  # the intact state still loads
