@@ -148,11 +148,14 @@ class SpikeRecovery:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"spike_guard": ..., "rewind": ...}`` (None for a part that is off)."""
-        return {
-            "spike_guard": None if self.guard is None else self.guard.state_dict(),
-            "rewind": None if self.rewind is None else self.rewind.state_dict(),
-        }
+        """``{"spike_guard": ..., "rewind": ...}``, each only when that part is on: a wrapper
+        without them writes the same ``"clipopt"`` entry as before they existed."""
+        out: dict[str, Any] = {}
+        if self.guard is not None:
+            out["spike_guard"] = self.guard.state_dict()
+        if self.rewind is not None:
+            out["rewind"] = self.rewind.state_dict()
+        return out
 
     def validate(
         self, entry: dict[str, Any], check_wrapper: Callable[[Any], None] | None = None
