@@ -465,36 +465,24 @@ def test_guard_composes_with_per_group_clipping(fused: bool) -> None:
     _assert_identical(_state(opt, model), _state(ref, ref_model))
 
 
-def test_load_state_dict_checks_the_guard_state_inside_rewind_copies() -> None:
-    """A Rewind copy whose SpikeGuard part is corrupt is refused at load (ValueError, nothing changed),
-    not loaded after the parameters were already restored at a rewind."""
-    model = _model()
-    opt = ClippedOptimizer(
-        optim.Adam(model.parameters(), lr=0.01), spike_guard=_guard(), rewind=Rewind(every=2, check_every=1)
-    )
-    for b in _batches(6, seed=7):
-        _window(CASES[0], opt, model, b)
-    good = opt.state_dict()
-    assert opt.rewind is not None and len(good["clipopt"]["rewind"]["copies"]) == 2
-    before, copies = _state(opt, model), opt.rewind.copies
-    bad = copy.deepcopy(good)
-    entry = bad["clipopt"]["rewind"]["copies"][0]
-    extra = dict(dict(entry["spec"][1])["extra"][1])
-    count_leaf = dict(extra["spike_guard"][1])["count"][1]  # ("t", number)
-    entry["leaves"][count_leaf] = torch.tensor([-1, 0])
-    with pytest.raises(ValueError, match=re.escape("invalid SpikeGuard state: expected signals")):
-        opt.load_state_dict(bad)
-    _assert_identical(_state(opt, model), before)
-    assert opt.rewind.copies == copies
-
-
-def test_load_state_dict_checks_the_policy_state_inside_rewind_copies() -> None:
-    """A Rewind copy whose policy (ZClip) state is corrupt is refused at load (ValueError, nothing
-    changed), not loaded after the parameters were already restored at a rewind."""
+@pytest.mark.parametrize(
+    ("part", "leaf", "copy_index", "bad_value", "message"),
+    [
+        ("spike_guard", "count", 0, torch.tensor([-1, 0]), "invalid SpikeGuard state: expected signals"),
+        ("policy", "stats", 1, torch.zeros(3, dtype=torch.float64),
+         "invalid ZClip state: expected 5 statistics"),
+    ],
+)
+def test_load_state_dict_checks_the_wrapper_parts_inside_rewind_copies(
+    part: str, leaf: str, copy_index: int, bad_value: torch.Tensor, message: str
+) -> None:
+    """A Rewind copy whose SpikeGuard or policy (ZClip) part is corrupt is refused at load
+    (ValueError, nothing changed), not loaded after the parameters were already restored at a
+    rewind; the intact state still loads."""
     model = _model()
     opt = ClippedOptimizer(
         optim.Adam(model.parameters(), lr=0.01),
-        max_norm=ZClip(warmup_steps=2),
+        max_norm=ZClip(warmup_steps=2) if part == "policy" else 1.0,
         spike_guard=_guard(),
         rewind=Rewind(every=2, check_every=1),
     )
@@ -504,12 +492,12 @@ def test_load_state_dict_checks_the_policy_state_inside_rewind_copies() -> None:
     assert opt.rewind is not None and len(good["clipopt"]["rewind"]["copies"]) == 2
     before, copies = _state(opt, model), opt.rewind.copies
     bad = copy.deepcopy(good)
-    entry = bad["clipopt"]["rewind"]["copies"][1]
+    entry = bad["clipopt"]["rewind"]["copies"][copy_index]
     extra = dict(dict(entry["spec"][1])["extra"][1])
-    stats_leaf = dict(extra["policy"][1])["stats"][1]  # ("t", number)
-    entry["leaves"][stats_leaf] = torch.zeros(3, dtype=torch.float64)
-    with pytest.raises(ValueError, match=re.escape("invalid ZClip state: expected 5 statistics")):
+    index = dict(extra[part][1])[leaf][1]  # ("t", number)
+    entry["leaves"][index] = bad_value
+    with pytest.raises(ValueError, match=re.escape(message)):
         opt.load_state_dict(bad)
     _assert_identical(_state(opt, model), before)
     assert opt.rewind.copies == copies
-    opt.load_state_dict(good)  # the intact state still loads
+    opt.load_state_dict(good)
