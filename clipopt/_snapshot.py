@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._caller import user_stacklevel
 from ._files import WarnOnce, remove_stale_temps, write_atomic
 
 __all__ = [
@@ -120,7 +121,7 @@ class SnapshotWriter:
         self._cleaned = False
         self._warn = WarnOnce()
 
-    def admit(self, reason: str, stacklevel: int = 8) -> bool:
+    def admit(self, reason: str) -> bool:
         """Whether a ``reason`` snapshot may still be written; if not, count it (and warn the first
         time).  Asked before the payload is built, so anomalies over the limit (a GradScaler's
         routine overflows) copy nothing."""
@@ -131,7 +132,7 @@ class SnapshotWriter:
                 f"clipopt: {self.max_snapshots} {reason} snapshots are in {self.directory}; "
                 f"further {reason} anomalies are not saved (raise max_snapshots to keep more)",
                 RuntimeWarning,
-                stacklevel=stacklevel,  # admit, _save_snapshot, _diagnose, ..., step(), the user
+                stacklevel=user_stacklevel(),  # the user's step() call
             )
         self.not_saved[reason] = self.not_saved.get(reason, 0) + 1
         return False
@@ -143,7 +144,7 @@ class SnapshotWriter:
         each rank saves its own attached batch.
         """
         reason = payload["reason"]
-        if not self.admit(reason, stacklevel=9):
+        if not self.admit(reason):
             return None
         saved = self.saved.setdefault(reason, [])
         rank = process_rank()
@@ -161,7 +162,7 @@ class SnapshotWriter:
                 exc,
                 f"clipopt could not write the anomaly snapshot {path} ({exc}); training continues "
                 "(this warning is shown once per cause)",
-                stacklevel=9,  # WarnOnce, save, _save_snapshot, _diagnose, ..., step(), the user
+                stacklevel=user_stacklevel() + 1,  # WarnOnce, then the user's step() call
             )
             return None
         saved.append(str(path))

@@ -20,6 +20,7 @@ import copy
 import datetime
 import math
 import os
+import sys
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -341,6 +342,36 @@ def test_unwritable_snapshot_dir_warns_and_training_continues(tmp_path: Path) ->
     assert not torch.equal(model.lin2.weight, before["lin2.weight"])
     assert blocker.read_text() == "a file" and sorted(os.listdir(tmp_path)) == ["not-a-dir"]
     assert opt.last_snapshot is None
+
+
+@pytest.mark.parametrize("entry", ["step", "step with a hook", "flush"])
+def test_snapshot_warnings_point_at_the_users_line(tmp_path: Path, entry: str) -> None:
+    """Both snapshot warnings (a write that fails, the max_snapshots limit reached) name the user's
+    line however the window closes: ``step()``, ``step()`` through torch's hook wrapper (a step hook
+    is registered), or ``flush()`` (a shorter call path)."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file")
+    model = make_model()
+    sgd = lambda: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
+    failing = ClippedOptimizer(sgd(), accumulation_steps=2, snapshot_dir=blocker / "s")
+    limited = ClippedOptimizer(sgd(), accumulation_steps=2, snapshot_dir=tmp_path / "ok", max_snapshots=1)
+    lines: list[int] = []
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for opt in (failing, limited, limited):
+            if entry == "step with a hook":
+                opt.register_step_pre_hook(lambda *args: None)
+            x, y = batch(99)
+            x[0, 0] = math.nan
+            loss_of(model, x, y).backward()
+            opt.step()  # the window's first micro-batch
+            loss_of(model, x, y).backward()
+            lines.append(sys._getframe().f_lineno + 1)
+            opt.flush() if entry == "flush" else opt.step()
+            opt.zero_grad()
+    runtime = [w for w in record if issubclass(w.category, RuntimeWarning)]
+    assert [str(w.message).split(" ")[1] for w in runtime] == ["could", "1"]  # the write failed; the limit
+    assert [(w.filename, w.lineno) for w in runtime] == [(__file__, lines[0]), (__file__, lines[2])]
 
 
 def test_failed_write_leaves_no_partial_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
