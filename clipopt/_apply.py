@@ -3,6 +3,8 @@
 * Fused optimizers (Adam, AdamW, SGD, Adagrad with ``fused=True``) get the skip
   flag as their ``found_inf`` and the remaining scale as ``grad_scale``, as
   ``GradScaler`` hands them: no host read (:func:`step_fused`).
+* :func:`apply_window` picks one of them for a window and returns what
+  ``step()`` returns, the outcome and which path ran.
 * Every other optimizer gets its gradients scaled, the skip flag read once,
   then a step or the gradients discarded (:func:`step_host`).  An optimizer
   that re-evaluates its closure (LBFGS) has each re-evaluation clipped like
@@ -22,10 +24,12 @@ from torch.compiler import is_compiling
 from torch.optim import Optimizer
 
 from . import functional as F
+from ._config import WindowSettings
 from ._decision import NONFINITE, WindowDecision
 from ._rollback import InnerBackup, nonfinite_loss, reevaluates
+from ._window_grads import WindowGrads
 
-__all__ = ["StateReadiness", "is_fused", "reevaluating_closure", "step_fused", "step_host"]
+__all__ = ["StateReadiness", "apply_window", "is_fused", "reevaluating_closure", "step_fused", "step_host"]
 
 #: torch optimizers whose fused implementation takes ``grad_scale`` and ``found_inf``.
 _FUSED_CAPABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
@@ -220,3 +224,42 @@ def reevaluating_closure(
         return out
 
     return reevaluate
+
+
+def apply_window(
+    inner: Optimizer,
+    s: WindowSettings,
+    d: WindowDecision,
+    g: WindowGrads,
+    step_result: tuple[Any, Callable[[], Any] | None],
+    reclip: Callable[[float | Tensor | None], tuple[Tensor, list[Tensor]]],
+    readiness: StateReadiness,
+) -> tuple[Any, bool | Tensor, bool]:
+    """Step 5: the inner step or the skip of the window decided as ``d`` (settings ``s``).
+
+    ``step_result``: the loss the wrapper's ``step()`` computed and the user's closure (or
+    None); ``reclip(max_norm)`` clips a closure's re-evaluation (:func:`reevaluating_closure`).
+    Returns ``step()``'s result, the outcome (a bool, or a 0/1 device flag) and whether the
+    fused, host-read-free path ran.
+    """
+    loss, closure = step_result
+    fused = is_fused(inner) and readiness.ready(inner, g.params)
+
+    def make_closure(bad: list[bool] | None = None) -> Any:
+        return reevaluating_closure(loss, closure, lambda: reclip(d.max_norm), bad)
+
+    if fused:
+        out, skipped = step_fused(inner, d, make_closure(), g.by_group, foreach=s.foreach)
+        return (out if closure is not None else loss), skipped, True
+    out, skipped = step_host(
+        inner,
+        d,
+        g.grads,
+        g.params,
+        loss,
+        None if closure is None else make_closure,
+        guard=s.skip_enabled,
+        foreach=s.foreach,
+        grad_groups=g.by_group,
+    )
+    return out, skipped, False

@@ -20,7 +20,13 @@ from ._distributed import Unsynced
 from ._group_options import check_groups, group_keys, kept_options
 from ._loss import LossSum
 from ._recovery import SpikeRecovery
-from ._state import WrapperState, read_wrapper_state, validate_inner_state
+from ._state import (
+    WrapperState,
+    keep_group_keys,
+    read_wrapper_state,
+    restore_on_failure,
+    validate_inner_state,
+)
 
 if TYPE_CHECKING:
     from ._policies import ClipPolicy
@@ -70,6 +76,34 @@ class Checkpoint(NamedTuple):
     kept_options: list[dict[str, Any]]
     #: The SpikeGuard's and Rewind's checked state (see ``SpikeRecovery.validate``).
     recovery: tuple[Any, Any] = (None, None)
+
+    def take_over(
+        self,
+        inner: Optimizer,
+        params: list[Tensor],
+        *,
+        scaler: torch.amp.GradScaler | None,
+        policy: ClipPolicy | None,
+        recovery: SpikeRecovery,
+    ) -> WrapperState:
+        """Load the checked state: the inner optimizer's (the groups' current clipping options
+        kept; a failure leaves it as it was), the open window's gradients into ``params``, the
+        scaler's, the policy's and the recovery's; return the counters to take over."""
+        with restore_on_failure(inner), keep_group_keys(inner):
+            inner.load_state_dict(self.inner)
+            for group, kept in zip(inner.param_groups, self.kept_options, strict=False):
+                group.update(kept)  # per-group clipping set now, absent from the checkpoint
+        counters = self.counters if self.counters is not None else WrapperState()
+        if self.pending_grads is not None:
+            for p, g in zip(params, self.pending_grads, strict=True):
+                p.grad = None if g is None else g.detach().to(p.device, p.dtype, copy=True)
+        if self.counters is not None and self.scaler_state is not None and scaler is not None:
+            scaler.load_state_dict(self.scaler_state)
+        if self.counters is not None and self.policy_state is not None and policy is not None:
+            policy.load_state_dict(self.policy_state)
+        if self.counters is not None:
+            recovery.load(self.recovery)
+        return counters
 
 
 def read_checkpoint(

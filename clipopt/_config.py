@@ -28,12 +28,19 @@ from ._checks import (
 )
 from ._distributed import has_dtensor
 from ._distributed_decision import check_norm_group, check_replica_group
-from ._group_options import check_groups
+from ._group_options import GroupPlan, check_groups
 from ._layers import resolve_param_names
 from ._logging import Logger
 from ._policies import ClipPolicy
 
-__all__ = ["DTENSOR_DIAGNOSTICS", "WrapperConfig", "check_max_norm", "configure"]
+__all__ = [
+    "DTENSOR_DIAGNOSTICS",
+    "WindowSettings",
+    "WrapperConfig",
+    "check_closure",
+    "check_max_norm",
+    "configure",
+]
 
 #: Why ``snapshot_dir`` is refused with DTensor parameters.
 DTENSOR_DIAGNOSTICS = (
@@ -62,6 +69,76 @@ class WrapperConfig:
     replica_group: Any  #: ``"auto"``, a process group, or None
     backward_passes_per_step: int
     names: dict[Tensor, str]  #: parameter -> name (see ``param_names``)
+
+
+@dataclass(frozen=True)
+class WindowSettings:
+    """What one window closes with: the wrapper's settings when the window closes.
+
+    They may change between windows (``opt.norm_type = 1.0``, a group's
+    ``max_norm``), so the optimizer reads them afresh at every close; every
+    stage of the close (:mod:`clipopt._window`, :mod:`clipopt._diagnostics`)
+    gets them from this record, never from the optimizer.
+    """
+
+    norm_type: float  #: ``p`` of every norm
+    clip_value: float | None  #: the element-wise bound of the groups without their own
+    divisor: float  #: the summed gradients are divided by it: the micro-batches (``"mean"``) or 1 (``"sum"``)
+    foreach: bool | None  #: passed to the foreach kernels
+    policy: ClipPolicy | None  #: ``max_norm`` when it is a policy
+    max_norm: float | None  #: ``max_norm`` when it is a float (None: off, or a policy)
+    skip_enabled: bool  #: a non-finite window is skipped (``skip_nonfinite`` or a GradScaler)
+    scaled: bool  #: a GradScaler unscaled the gradients: a non-finite window is an ``"overflow"``
+    norm_group: Any  #: the pipeline stages' process group, or None
+    plan: GroupPlan | None  #: the groups' own ``max_norm``/``clip_value`` (None: no group has one)
+    layer_stats: int  #: per-layer statistics every ``layer_stats`` windows (0: never)
+    rows: bool  #: a logger writes per-layer rows: the measure keeps each gradient's norm (a candidate row)
+
+    @classmethod
+    def read(cls, opt: Any, n: int, plan: GroupPlan | None) -> WindowSettings:
+        """The settings of a window of ``n`` micro-batches (per-group options: ``plan``), read from
+        the public attributes of the :class:`~clipopt.ClippedOptimizer` ``opt``."""
+        bound = opt.max_norm
+        policy = bound if isinstance(bound, ClipPolicy) else None
+        return cls(
+            norm_type=opt.norm_type,
+            clip_value=opt.clip_value,
+            divisor=float(n) if opt.reduction == "mean" else 1.0,
+            foreach=opt.foreach,
+            policy=policy,
+            max_norm=None if policy is not None else bound,
+            skip_enabled=opt.skip_nonfinite or opt.scaler is not None,
+            scaled=opt.scaler is not None,
+            norm_group=opt.norm_group,
+            plan=plan,
+            layer_stats=opt.layer_stats,
+            rows=bool(opt.layer_stats and opt.loggers),
+        )
+
+    @property
+    def unitwise(self) -> bool:
+        """The policy clips unit by unit (AGC), in place."""
+        return self.policy is not None and self.policy.unitwise
+
+    @property
+    def clips_in_place(self) -> bool:
+        """Clipping changes the gradients before the inner step (value clipping or AGC)."""
+        value = self.clip_value is not None or (self.plan is not None and self.plan.any_value_clipping)
+        return value or self.unitwise
+
+
+def check_closure(closure: Any, scaler: Any) -> None:
+    """``step(closure)``: a callable or None, and not together with a GradScaler."""
+    if closure is not None and not callable(closure):
+        raise TypeError(
+            f"closure must be a callable or None, got {type(closure).__name__}; pass a function that "
+            "computes the loss and calls backward(), e.g. opt.step(closure), or call opt.step()"
+        )
+    if closure is not None and scaler is not None:
+        raise TypeError(
+            "step(closure) cannot be used with scaler=...: GradScaler does not support "
+            "closures; call loss.backward() yourself and then opt.step()"
+        )
 
 
 def check_max_norm(value: Any) -> tuple[ClipPolicy | None, float | None]:
@@ -161,8 +238,10 @@ def _check_names(
         )
     if snapshot_dir is not None and has_dtensor(list(names)):
         raise ValueError(DTENSOR_DIAGNOSTICS)
-    if snapshot_dir is not None and param_names is None and not any(
-        g.get("param_names") for g in optimizer.param_groups
+    if (
+        snapshot_dir is not None
+        and param_names is None
+        and not any(g.get("param_names") for g in optimizer.param_groups)
     ):
         warnings.warn(
             "snapshot_dir is set but the parameters have no names, so snapshots name them "

@@ -1,11 +1,15 @@
-"""``ClippedOptimizer``: clipping, accumulation and skipping around any ``torch.optim`` optimizer."""
+"""``ClippedOptimizer``: clipping, accumulation and skipping around any ``torch.optim`` optimizer.
+
+The class is the orchestration: ``step()`` gathers micro-batches and the last
+one closes the window in SPEC §1's order (:meth:`ClippedOptimizer._finish_window`),
+each stage a call into the module that owns it (see ARCHITECTURE.md).
+"""
 
 from __future__ import annotations
 
 import collections
 import copy
 import dataclasses
-import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -17,36 +21,12 @@ from torch.compiler import is_compiling
 from torch.optim import Optimizer
 from torch.optim import optimizer as _optim_module
 
-from . import functional as F
-from ._apply import StateReadiness, is_fused, reevaluating_closure, step_fused, step_host
+from ._apply import StateReadiness, apply_window
 from ._checkpoint import read_checkpoint, wrapper_entry
-from ._config import DTENSOR_DIAGNOSTICS, check_max_norm, configure
-from ._decision import (
-    DIVERGENCE,
-    NOGRAD,
-    NONFINITE,
-    OVERFLOW,
-    REWIND,
-    SPIKE,
-    SkipSignal,
-    SkipSource,
-    WindowDecision,
-    clip_,
-    clip_groups_,
-    decide_skip,
-    measured_groups,
-    policy_spike,
-    read_anomaly,
-)
-from ._diagnostics import layer_names, norm_with_row, row_of_norms, snapshot_payload
-from ._distributed import (
-    ShardedGrads,
-    Unsynced,
-    allreduce_mean_,
-    has_dtensor,
-    reduce_norm_over,
-    sharded_layer_stats,
-)
+from ._config import DTENSOR_DIAGNOSTICS, WindowSettings, check_closure, check_max_norm, configure
+from ._decision import NOGRAD, REWIND, SkipSource, WindowDecision
+from ._diagnostics import Diagnostics, layer_names
+from ._distributed import Unsynced, allreduce_mean_
 from ._distributed_decision import ReplicaDecision, settings_of
 from ._errors import NonFiniteGradientError
 from ._grad_sync import (
@@ -57,37 +37,27 @@ from ._grad_sync import (
     plan_no_sync,
 )
 from ._group_options import GroupPlan, check_groups
-from ._layers import LayerStats, compute_layer_stats
+from ._layers import LayerStats
 from ._logging import Logger, log_window
 from ._loss import LossSum, check_loss, loss_of_closure
+from ._pickling import upgrade_pickled
 from ._policies import ClipPolicy
 from ._recovery import SpikeRecovery, check_recovery
-from ._rewind import Rewind, RewindEvent
-from ._rollback import UndoPoint
-from ._snapshot import SnapshotWriter, check_saveable
+from ._rewind import Rewind
+from ._rollback import UndoPoint, note_discarded
+from ._snapshot import SnapshotWriter
 from ._spike_guard import SpikeGuard
-from ._state import (
-    WrapperState,
-    keep_group_keys,
-    restore_on_failure,
-)
+from ._state import WrapperState
 from ._stats import StepStats
+from ._window import agree, check_clippable, clip_and_decide, measure, reclip
+from ._window_grads import ParamIndex, WindowGrads
 from ._window_guard import WindowGuard
 from ._wrapping import InnerOptimizerView
 
 __all__ = ["ClippedOptimizer"]
 
 #: What closing a window replaces in the wrapper: put back when it fails (see ``_rollback.UndoPoint``).
-_UNDO_FIELDS = (
-    "_counters",
-    "_update_applied",
-    "_last_skipped",
-    "_unsynced",
-    "last_stats",
-    "last_snapshot",
-    "_last_nonfinite_snapshot",
-)
-
+_UNDO_FIELDS = ("_counters", "_update_applied", "_last_skipped", "_unsynced", "last_stats", "_diagnostics")
 
 
 def _lr_value(lr: Any) -> float | Tensor:
@@ -238,7 +208,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self.foreach = foreach
         self._init_hooks()
         self._init_state(snapshot_dir)
-        self._recovery = SpikeRecovery.attach(spike_guard, rewind, self._params(), optimizer)  # _recovery
+        self._recovery = SpikeRecovery.attach(spike_guard, rewind, self._params(), optimizer)
         if spike_guard is not None:
             self._skip_sources.append(self._recovery)  # reason "spike"
 
@@ -251,17 +221,10 @@ class ClippedOptimizer(InnerOptimizerView):
         self._update_applied: bool | None = False  # None: read _last_skipped
         self._last_skipped: bool | Tensor = False
         self._readiness = StateReadiness()  # whether the fused path may skip (see _apply)
-        self._params_key: tuple[int, ...] = ()
-        self._params_cache: list[Tensor] = []
-        self._has_dtensor = False  # some parameter is a DTensor (FSDP2): norms are reduced across ranks
-        self._shards: ShardedGrads | None = None  # the open window's sharded gradients
+        self._index = ParamIndex()  # the parameters, in group order (see _window_grads)
         self._unsynced: Unsynced | None = None  # the latest micro-batch that skipped its sync, see no_sync()
-        self._snapshots = None if snapshot_dir is None else SnapshotWriter(snapshot_dir, self.max_snapshots)
-        self._attached: dict[str, list[Any]] = {}
-        self._bad_row: LayerStats | None = None  # the window's candidate per-layer row, see _measure
-        #: Path of the latest anomaly snapshot written, or None.
-        self.last_snapshot: str | None = None
-        self._last_nonfinite_snapshot: str | None = None  # what NonFiniteGradientError names
+        writer = None if snapshot_dir is None else SnapshotWriter(snapshot_dir, self.max_snapshots)
+        self._diagnostics = Diagnostics(writer)  # snapshots, attachments, the candidate bad row
         self._window_guard = WindowGuard()  # outside clearing and stacked accumulation, see _window_guard
         self._skip_sources: list[SkipSource] = []  # extra skip signals after the built-in ones (_decision)
 
@@ -277,24 +240,13 @@ class ClippedOptimizer(InnerOptimizerView):
         state = super().__getstate__()
         if self._unsynced is not None:  # the model and its process group do not travel; the fact does
             state["_unsynced"] = self._unsynced.detached()
-        state["_shards"] = None
         if self._counters.micro_batches > 0:
             state["_pending_grads"] = [p.grad for p in self._params()]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         pending = state.pop("_pending_grads", None)
-        state.setdefault("norm_group", None)  # pickled before these existed
-        state.setdefault("_replicas", ReplicaDecision("auto"))
-        state.setdefault("backward_passes_per_step", 1)  # pickled before these existed
-        state.setdefault("_window_guard", WindowGuard())
-        state.pop("_ready_state", None)  # pickled before StateReadiness
-        state.pop("_ready_size", None)
-        state.setdefault("_readiness", StateReadiness())
-        state.setdefault("_skip_sources", [])
-        state.setdefault("_loss", LossSum())  # pickled by a clipopt without the loss
-        state.setdefault("_recovery", SpikeRecovery(None, None))  # pickled before SpikeGuard / Rewind
-        super().__setstate__(state)
+        super().__setstate__(upgrade_pickled(state))  # pickled by an earlier clipopt: today's layout
         if pending is not None:
             for p, g in zip(self._params(), pending, strict=True):
                 p.grad = g
@@ -368,6 +320,16 @@ class ClippedOptimizer(InnerOptimizerView):
         return self._update_applied
 
     @property
+    def step_was_skipped(self) -> bool:
+        """True when the latest closed window ended in a skip (may wait for the device)."""
+        return bool(self._last_skipped)
+
+    @property
+    def last_snapshot(self) -> str | None:
+        """Path of the latest anomaly snapshot written, or None."""
+        return self._diagnostics.last_snapshot
+
+    @property
     def spike_guard(self) -> SpikeGuard | None:
         """The :class:`SpikeGuard` given as ``spike_guard``, or None."""
         return self._recovery.guard
@@ -381,11 +343,6 @@ class ClippedOptimizer(InnerOptimizerView):
     def rewinds(self) -> int:
         """Rewinds so far (0 without a ``rewind``)."""
         return 0 if self._recovery.rewind is None else self._recovery.rewind.rewinds
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """True when the latest closed window ended in a skip (may wait for the device)."""
-        return bool(self._last_skipped)
 
     # ------------------------------------------------------------------ step
 
@@ -420,21 +377,12 @@ class ClippedOptimizer(InnerOptimizerView):
         if not self._replicas.checked:
             self._check_replicas()
         given = check_loss(loss)
-        if closure is not None and not callable(closure):
-            raise TypeError(
-                f"closure must be a callable or None, got {type(closure).__name__}; pass a function that "
-                "computes the loss and calls backward(), e.g. opt.step(closure), or call opt.step()"
-            )
-        if closure is not None and self.scaler is not None:
-            raise TypeError(
-                "step(closure) cannot be used with scaler=...: GradScaler does not support "
-                "closures; call loss.backward() yourself and then opt.step()"
-            )
+        check_closure(closure, self.scaler)
         out = None
         if closure is not None:
             with torch.enable_grad():
                 out = closure()
-        if self.accumulation_steps > 1 and not self._has_dtensor and not is_compiling():
+        if self.accumulation_steps > 1 and not self._index.has_dtensor and not is_compiling():
             # host bookkeeping only (see _window_guard); FSDP2 writes .grad outside autograd
             guard, allowed = self._window_guard, self.backward_passes_per_step
             guard.step(self._counters.micro_batches, self.accumulation_steps, allowed, self._params)
@@ -548,13 +496,9 @@ class ClippedOptimizer(InnerOptimizerView):
 
     def _params(self) -> list[Tensor]:
         """All parameters, in group order; cached until the groups change."""
-        groups = self.param_groups
-        key = (id(groups), *[id(g["params"]) for g in groups], *[len(g["params"]) for g in groups])
-        if key != self._params_key:
-            self._params_cache = [p for group in groups for p in group["params"]]
-            self._params_key = key
-            self._has_dtensor = has_dtensor(self._params_cache)
-        return self._params_cache
+        return self._index.of(self.param_groups)
+
+    # ------------------------------------------------------------------ the window's close
 
     def _close_window(self, loss: Any, closure: Callable[[], Any] | None) -> Any:
         """Close the window; an error before the inner step returned leaves the wrapper as it was.
@@ -568,7 +512,8 @@ class ClippedOptimizer(InnerOptimizerView):
         an update that cannot be taken back, and the window is counted.
         """
         fields = {name: getattr(self, name) for name in _UNDO_FIELDS}
-        fields["_counters"] = dataclasses.replace(self._counters)  # changed in place: a copy
+        for name in ("_counters", "_diagnostics"):  # changed in place: copies
+            fields[name] = dataclasses.replace(fields[name])
         undo = UndoPoint(self, fields, self._policy, self.stats)
         try:
             return self._finish_window(loss, closure, undo)
@@ -585,47 +530,38 @@ class ClippedOptimizer(InnerOptimizerView):
             p.grad = None
         self._counters.micro_batches = 0
         self._loss = LossSum()
-        self._attached.clear()
-        if hasattr(exc, "add_note"):
-            exc.add_note(
-                "clipopt: the window's gradients were already changed in place (unscaled or clipped) "
-                "when this error was raised; they were discarded and the window's micro-batches are "
-                "not counted"
-            )
+        self._diagnostics.attached.clear()
+        note_discarded(exc)
 
     def _finish_window(self, loss: Any, closure: Callable[[], Any] | None, undo: UndoPoint) -> Any:
         """SPEC §1's order: combine -> measure -> diagnose -> clip and decide -> apply -> record."""
         n, params = self._counters.micro_batches, self._params()
-        plan = self._group_plan()  # per-group options: checked before anything changes
+        s = WindowSettings.read(self, n, self._group_plan())  # group options checked before any change
         if self._recovery.due(self._counters.windows):  # Rewind: a copy, or back to one
-            hit = self._recovery.check(self._counters.windows, params, self.optimizer, self._copied_state)
+            hit = self._recovery.check(
+                self._counters.windows, params, self.optimizer, self._policy, self.scaler
+            )
             if hit is not None:
                 undo.committed = True  # the training state was restored: this window is discarded
-                return self._close_rewound(n, loss, *hit)
-        grads = self._combine(params, undo, plan)
-        if grads is None:
+                return self._close_rewound(n, loss, hit[1])
+        g = self._combine(s, params, undo)
+        if g is None:
             undo.committed = True
             return self._close_empty(n, loss)
-        by_group = self._split(grads) if plan is not None else []
         try:
             with torch.no_grad():
-                window_loss = self._loss.combined(self.reduction)  # kept in the sum until the close commits
-                d = self._agree(self._measure(grads, n, params, (plan, by_group)), n, window_loss)
-                d.loss = window_loss  # before the decision: SpikeGuard scores it
-                layers = self._diagnose(params, d, n)
-                unitwise = self._policy is not None and self._policy.unitwise  # AGC clips in place
-                value = self.clip_value is not None or (plan is not None and plan.any_value_clipping)
-                undo.touched |= value or unitwise
-                self._clip(d, params, grads, n, plan=plan, by_group=by_group)
+                d = self._measure(s, g, n)
+                layers = self._diagnose(s, d, params, n)
+                undo.touched |= s.clips_in_place
+                clip_and_decide(s, d, g, self.param_groups, self._skip_sources)
             undo.touched = True  # scaling and the inner step change the gradients
             self._counters.micro_batches = 0
             self._counters.windows += 1
             self._loss.clear()
-            loss, fused = self._apply(d, grads, params, loss, closure, by_group)
+            loss, fused = self._apply(s, d, g, loss, closure)
             undo.committed = True
             self._recovery.commit(d, self._counters.windows, self._last_skipped)
         finally:  # also after an error: an unscaled scaler without update() would refuse every later window
-            self._shards = None  # views of the gradients: do not keep them past the window
             self._window_guard.reset()
             if self.scaler is not None:
                 self.scaler.update()
@@ -634,69 +570,81 @@ class ClippedOptimizer(InnerOptimizerView):
         self._check_consecutive_nonfinite()
         return loss
 
-    def _close_rewound(self, n: int, loss: Any, event: RewindEvent, restored: dict[str, Any]) -> Any:
-        """The Rewind restored an earlier copy: load its wrapper state; this window (computed on the
-        abandoned state) is discarded and recorded as skipped with reason ``"rewind"``."""
-        if restored.get("policy") is not None and self._policy is not None:
-            self._policy.load_state_dict(restored["policy"])
-        if restored.get("spike_guard") is not None and self._recovery.guard is not None:
-            self._recovery.guard.load_state_dict(restored["spike_guard"])
-        if restored.get("scaler") is not None and self.scaler is not None:
-            self.scaler.load_state_dict(restored["scaler"])
-        self._readiness.reset()  # the inner state holds new tensors
-        self._window_guard.reset()
-        self._attached.clear()
-        return self._close_empty(n, loss, REWIND)
-
-    def _copied_state(self) -> dict[str, Any]:
-        """The wrapper state a Rewind copy holds: policy, SpikeGuard and scaler (device tensors)."""
-        guard = self._recovery.guard
-        return {
-            "policy": None if self._policy is None else self._policy.state_dict(),
-            "spike_guard": None if guard is None else guard.state_dict(),
-            "scaler": None if self.scaler is None else self.scaler.state_dict(),
-        }
-
-    def _combine(self, params: list[Tensor], undo: UndoPoint, plan: GroupPlan | None) -> list[Tensor] | None:
+    def _combine(self, s: WindowSettings, params: list[Tensor], undo: UndoPoint) -> WindowGrads | None:
         """Step 1: the window's gradients, synchronised (``no_sync``) and unscaled (``scaler``);
         None when no parameter has one.  Raises before anything changed when they cannot be used."""
-        if self._has_dtensor and self._snapshots is not None:
+        if self._index.has_dtensor and self._diagnostics.writer is not None:
             raise ValueError(DTENSOR_DIAGNOSTICS)
         self._sync_unsynced()
-        grads = self._window_grads(params)  # may raise: before the scaler is unscaled
-        if plan is not None and plan.any_value_clipping:  # before anything is measured, saved or clamped
-            for group, value in zip(self._split(grads), plan.clip_values, strict=True):
-                if value is not None:
-                    F.check_value_clippable(group)
-        elif plan is None and self.clip_value is not None:
-            F.check_value_clippable(grads)  # before anything is measured, saved or clamped
-        if not grads:
+        g = WindowGrads.of(
+            params, self.param_groups, sharded=self._index.has_dtensor, split=s.plan is not None
+        )
+        check_clippable(s, g)  # before anything is measured, saved or clamped
+        if not g.grads:
             return None
         if self.scaler is not None:
             undo.touched = True
             self.scaler.unscale_(self.optimizer)
-        return grads
+        return g
 
-    def _agree(self, d: WindowDecision, n: int, loss: Tensor | float | None) -> WindowDecision:
-        """DDP replicas: one decision on every rank (one scalar collective), with their divergence.
-
-        A SpikeGuard watching the loss gets the largest window ``loss`` over the ranks from the
-        same collective (``SpikeRecovery.shared_loss``), so every rank scores the same value.
-        """
+    def _measure(self, s: WindowSettings, g: WindowGrads, n: int) -> WindowDecision:
+        """Step 2: the decision's norms and flag (agreed by DDP replicas) and the window's loss."""
+        loss = self._loss.combined(self.reduction)  # kept in the sum until the close commits
+        rows = s.rows and g.shards is None  # the candidate bad row: plain tensors only
+        d, self._diagnostics.bad_row = measure(s, g, self.layer_names() if rows else None)
         self._recovery.shared_loss = None
-        if self._replicas.active and self._has_dtensor and self._recovery.watches_loss():  # FSDP2
-            self._recovery.shared_loss = self._replicas.agree_loss(loss, d.total_norm.device)
-        if not self._replicas.active or self._has_dtensor:
-            return d
-        shared = loss if self._recovery.watches_loss() else None  # SpikeGuard: one loss on every rank
-        window = self._counters.windows + 1
-        norm, nonfinite = self._replicas.agree(d.total_norm, d.nonfinite, n, window, shared)
-        self._recovery.shared_loss = self._replicas.agreed_loss if shared is not None else None
-        agreed = WindowDecision(norm, nonfinite, self._replicas.divergence)
-        if d.shared_norm is not None:  # per-group clipping: a policy sees no window some rank found bad
-            agreed.group_norms = d.group_norms
-            agreed.shared_norm = torch.where(nonfinite > 0, math.nan, d.shared_norm)
-        return agreed
+        watch, sharded = self._recovery.watches_loss(), self._index.has_dtensor
+        d, self._recovery.shared_loss = agree(
+            self._replicas, d, n, self._counters.windows + 1, loss, watch_loss=watch, sharded=sharded
+        )
+        d.loss = loss  # before the decision: SpikeGuard scores it
+        return d
+
+    def _diagnose(
+        self, s: WindowSettings, d: WindowDecision, params: list[Tensor], n: int
+    ) -> LayerStats | None:
+        """Step 3: per-layer statistics when due, and an anomaly snapshot of a non-finite or
+        spiking window (:class:`clipopt._diagnostics.Diagnostics`); both see the pre-clip gradients."""
+        recovery = self._recovery
+        return self._diagnostics.diagnose(
+            s,
+            d,
+            params,
+            self.layer_names,
+            window=(self._counters.windows + 1, n),
+            sharded=self._index.has_dtensor,
+            spike=lambda: recovery.is_spike(d, recovery.shared_loss),
+            saved=(self.optimizer, self._counters, self.scaler),
+        )
+
+    def _apply(
+        self, s: WindowSettings, d: WindowDecision, g: WindowGrads, loss: Any, closure: Any
+    ) -> tuple[Any, bool]:
+        """Step 5: the inner step or the skip (see :mod:`clipopt._apply`), then the counters; returns
+        ``step()``'s result and whether the fused (host-read-free) path ran."""
+        step_result = (loss, closure)
+        out, skipped, fused = apply_window(
+            self.optimizer, s, d, g, step_result, self._reclip, self._readiness
+        )
+        self._last_skipped = skipped
+        self._update_applied = not skipped if isinstance(skipped, bool) else None
+        self._counters.record(skipped, d.counted_nonfinite(skipped, s.skip_enabled))
+        return out, fused
+
+    def _reclip(self, max_norm: float | Tensor | None) -> tuple[Tensor, list[Tensor]]:
+        """A closure's re-evaluation: measured and clipped with the window's bound ``max_norm``."""
+        params, plan = self._params(), self._group_plan()
+        g = WindowGrads.of(params, self.param_groups, sharded=self._index.has_dtensor, split=plan is not None)
+        return reclip(WindowSettings.read(self, 1, plan), g, self.param_groups, max_norm)
+
+    def _close_rewound(self, n: int, loss: Any, restored: dict[str, Any]) -> Any:
+        """The Rewind restored an earlier copy: load its wrapper state; this window (computed on the
+        abandoned state) is discarded and recorded as skipped with reason ``"rewind"``."""
+        self._recovery.restore_wrapper(restored, self._policy, self.scaler)
+        self._readiness.reset()  # the inner state holds new tensors
+        self._window_guard.reset()
+        self._diagnostics.attached.clear()
+        return self._close_empty(n, loss, REWIND)
 
     def _close_empty(self, n: int, loss: Any, reason: int = NOGRAD) -> Any:
         """A window in which no parameter has a gradient: nothing to apply, so the inner step is not
@@ -714,267 +662,8 @@ class ClippedOptimizer(InnerOptimizerView):
         self._record(d, n, None)
         return loss
 
-    def _split(self, grads: list[Tensor]) -> list[list[Tensor]]:
-        """``grads`` (one per parameter with a gradient, in group order) per parameter group."""
-        out, start = [], 0
-        for group in self.param_groups:
-            size = sum(1 for p in group["params"] if p.grad is not None)
-            out.append(grads[start : start + size])
-            start += size
-        return out
-
-    def _tensor_norms(self, grads: list[Tensor]) -> Tensor:
-        """Each gradient's norm over all ranks holding shards of it (collective for DTensors)."""
-        if self._shards is not None:
-            return self._shards.norms(grads, self.norm_type, self.foreach)
-        return F.get_norms(grads, self.norm_type, foreach=self.foreach)
-
-    def _window_grads(self, params: list[Tensor]) -> list[Tensor]:
-        """The gradients to measure and clip: ``p.grad``, or their local shards for DTensors."""
-        grads = [p.grad for p in params if p.grad is not None]
-        self._shards = ShardedGrads(grads) if self._has_dtensor else None
-        return grads if self._shards is None else self._shards.locals
-
-    def _total_norm(self, grads: list[Tensor]) -> Tensor:
-        """The norm of ``grads`` over all ranks holding shards of them (collective for DTensors)."""
-        if self._shards is not None:
-            norm = self._shards.total_norm(grads, self.norm_type, self.foreach)
-        else:
-            norm = F.get_total_norm(grads, self.norm_type, foreach=self.foreach)
-        if self.norm_group is not None:  # pipeline stages: every stage gets the norm of all of them
-            norm = reduce_norm_over(norm, self.norm_type, self.norm_group)
-        return norm
-
-    def _check_consecutive_nonfinite(self) -> None:
-        """Raise once ``max_consecutive_nonfinite`` windows in a row were skipped (reads one counter)."""
-        limit = self.max_consecutive_nonfinite
-        if limit is not None:
-            count = int(self._counters.consecutive)
-            if count >= limit:
-                raise NonFiniteGradientError(count, self._counters.windows, self._last_nonfinite_snapshot)
-
-    def _divisor(self, n: int) -> float:
-        return float(n) if self.reduction == "mean" else 1.0
-
-    def _measure(
-        self,
-        grads: list[Tensor],
-        n: int,
-        params: list[Tensor] | None = None,
-        groups: tuple[GroupPlan | None, list[list[Tensor]] | None] = (None, None),
-    ) -> WindowDecision:
-        """Steps 1-2: the pre-clip norm of the combined gradient and its non-finite flag.
-
-        Given ``params`` while per-layer statistics are on and a logger writes them,
-        the same pass keeps each gradient's norm for the window's candidate bad row
-        (see :mod:`clipopt._badrow`).  With per-group options (``groups``: the plan and the
-        gradients per group) the groups' norms come from the same per-gradient norms
-        (:meth:`_measure_groups`).
-        """
-        plan, by_group = groups
-        if plan is not None and by_group is not None:
-            return self._measure_groups(grads, n, params, plan, [len(g) for g in by_group])
-        divisor = self._divisor(n)
-        if params is not None:
-            self._bad_row = None
-        if params is not None and self.layer_stats and self.loggers and self._shards is None:
-            names, inv = self.layer_names(), 1.0 / divisor
-            raw_norm, self._bad_row = norm_with_row(
-                grads, params, names, norm_type=self.norm_type, foreach=self.foreach, inv=inv
-            )
-        else:
-            raw_norm = self._total_norm(grads)
-        total_norm = raw_norm / divisor if divisor != 1.0 else raw_norm
-        return WindowDecision(total_norm, F.nonfinite_flag(total_norm))
-
-    def _measure_groups(
-        self, grads: list[Tensor], n: int, params: list[Tensor] | None, plan: GroupPlan, sizes: list[int]
-    ) -> WindowDecision:
-        """Steps 1-2 with per-group options: one read of the gradients gives each one's norm; the
-        total norm, each group's norm and the shared groups' common norm are p-norms of those."""
-        divisor, p = self._divisor(n), self.norm_type
-        norms = self._tensor_norms(grads)
-        if params is not None:
-            self._bad_row = None
-            if self.layer_stats and self.loggers and self._shards is None:
-                names = self.layer_names()
-                self._bad_row = row_of_norms(norms, params, names, norm_type=p, inv=1.0 / divisor)
-        return measured_groups(norms, sizes, plan.shared, norm_type=p, divisor=divisor)
-
-    def _diagnose(self, params: list[Tensor], d: WindowDecision, n: int) -> LayerStats | None:
-        """Per-layer statistics when due, and an anomaly snapshot of a non-finite or spiking window.
-
-        Both see the pre-clip gradients.  Either one reads the decision's ``nonfinite``
-        (and divergence, and the policy's spike rule) from the device, once (``read_anomaly``).
-        """
-        due = bool(self.layer_stats) and (self._counters.windows + 1) % self.layer_stats == 0
-        if due:
-            self._bad_row = None  # the full statistics are this window's row
-        if not due and self._snapshots is None:
-            return None
-        snapshots = self._snapshots is not None
-        guard_spike = self._recovery.is_spike(d, self._recovery.shared_loss) if snapshots else None
-        policy = self._policy if snapshots else None
-        bad, reason = read_anomaly(d, policy, snapshots, self.scaler is not None, guard_spike)
-        inv = 1.0 / self._divisor(n)
-        stats_of = sharded_layer_stats if self._has_dtensor else compute_layer_stats  # the former: collective
-        layers = stats_of(params, self.layer_names(), inv, bad) if due else None
-        if reason is not None and self._snapshots is not None:
-            self._save_snapshot(self._snapshots, params, d, n, (layers, bad), reason)
-        return layers
-
-    def _save_snapshot(
-        self,
-        writer: SnapshotWriter,
-        params: list[Tensor],
-        d: WindowDecision,
-        n: int,
-        due: tuple[LayerStats | None, bool],
-        reason: str,
-    ) -> None:
-        """Write this window's anomaly snapshot (``reason``), with its full per-layer statistics
-        (``due``: the statistics computed already, or None, and whether the window is non-finite)."""
-        layers, bad = due
-        if not writer.admit(reason):  # over max_snapshots: counted, nothing copied
-            return
-        inv = 1.0 / self._divisor(n)
-        if layers is None:
-            layers = compute_layer_stats(params, self.layer_names(), inv, bad)
-            self._bad_row = layers if self.layer_stats else None  # the full row, computed anyway
-        payload = snapshot_payload(
-            step=self._counters.windows + 1,
-            reason=reason,
-            micro_batches=n,
-            total_norm=d.total_norm,
-            names=self.layer_names(),
-            params=params,
-            inv=inv,
-            optimizer_state={
-                **self.optimizer.state_dict(),
-                "clipopt": self._counters.to_dict(pending_grads=None, scaler=None),
-            },
-            layers=layers,
-            attached=self._attached,
-            scale=None if self.scaler is None else float(self.scaler.get_scale()),
-        )
-        path = writer.save(payload)
-        self.last_snapshot = path or self.last_snapshot
-        if path is not None and reason in ("nonfinite", "overflow"):
-            self._last_nonfinite_snapshot = path
-
-    def _clip(
-        self,
-        d: WindowDecision,
-        params: list[Tensor],
-        grads: list[Tensor],
-        n: int,
-        reevaluated: tuple[float | Tensor | None] | None = None,
-        *,
-        plan: GroupPlan | None = None,
-        by_group: list[list[Tensor]] | None = None,
-    ) -> None:
-        """Steps 3-4 and the skip decision, all on the device (see :mod:`clipopt._decision`).
-
-        ``reevaluated=(max_norm,)``: a closure's re-evaluation, clipped with the window's own
-        bound; a global-norm policy and the window-level skip signals saw the window once already.
-        With per-group options (``plan``, ``by_group``: the gradients per group) each group is
-        clipped by its own bound or with the others sharing the wrapper's (``clip_groups_``).
-        """
-        unitwise = self._policy is not None and self._policy.unitwise
-        policy = self._policy if reevaluated is None or unitwise else None  # unit-wise: stateless
-        max_norm = self._bound if reevaluated is None else reevaluated[0]
-        if plan is not None:
-            clip_groups_(
-                d,
-                by_group or [],
-                [g["params"] for g in self.param_groups],
-                plan,
-                norm_type=self.norm_type,
-                divisor=self._divisor(n),
-                foreach=self.foreach,
-                norms_of=self._tensor_norms,
-                policy=policy,
-                max_norm=max_norm,
-            )
-        else:
-            clip_(
-                d,
-                grads,
-                params,
-                clip_value=self.clip_value,
-                divisor=self._divisor(n),
-                foreach=self.foreach,
-                norm_of=self._total_norm,
-                policy=policy,
-                max_norm=max_norm,
-            )
-        enabled = self._skip_enabled()
-        code = OVERFLOW if self.scaler is not None else NONFINITE
-        signals = [SkipSignal(code, d.nonfinite if enabled else None)]
-        if reevaluated is None:
-            signals.insert(0, SkipSignal(DIVERGENCE, d.divergence))
-            signals.append(SkipSignal(SPIKE, policy_spike(None if unitwise else policy)))
-            signals += [SkipSignal(source.code, source.flag(d)) for source in self._skip_sources]
-        decide_skip(d, signals)
-
-    def _skip_enabled(self) -> bool:
-        return self.skip_nonfinite or self.scaler is not None
-
-    def _apply(
-        self,
-        d: WindowDecision,
-        grads: list[Tensor],
-        params: list[Tensor],
-        loss: Any,
-        closure: Any,
-        by_group: list[list[Tensor]],
-    ) -> tuple[Any, bool]:
-        """Step 5: the inner step or the skip (see :mod:`clipopt._apply`); returns ``step()``'s result
-        and whether the fused (host-read-free) path ran."""
-        fused = is_fused(self.optimizer) and self._readiness.ready(self.optimizer, params)
-
-        def make_closure(bad: list[bool] | None = None) -> Any:
-            return reevaluating_closure(loss, closure, lambda: self._reclip(d.max_norm), bad)
-
-        if fused:
-            out, skipped = step_fused(self.optimizer, d, make_closure(), by_group, foreach=self.foreach)
-            out = out if closure is not None else loss
-        else:
-            out, skipped = step_host(
-                self.optimizer,
-                d,
-                grads,
-                params,
-                loss,
-                None if closure is None else make_closure,
-                guard=self._skip_enabled(),
-                foreach=self.foreach,
-                grad_groups=by_group,
-            )
-        self._set_outcome(skipped, d)
-        return out, fused
-
-    def _reclip(self, max_norm: float | Tensor | None) -> tuple[Tensor, list[Tensor]]:
-        """A closure's re-evaluation: measured and clipped with the window's bound ``max_norm``."""
-        params, plan = self._params(), self._group_plan()
-        grads = self._window_grads(params)
-        by_group = self._split(grads) if plan is not None else None
-        d = self._measure(grads, 1, None, (plan, by_group))
-        self._clip(d, params, grads, 1, reevaluated=(max_norm,), plan=plan, by_group=by_group)
-        if d.group_scales is not None and by_group is not None:
-            F.scale_groups_(by_group, d.group_scales, foreach=self.foreach)
-        elif isinstance(d.scale, Tensor) or d.scale != 1.0:
-            F.scale_grads_(grads, d.scale, foreach=self.foreach)
-        self._shards = None
-        return d.nonfinite, grads
-
-    def _set_outcome(self, skipped: bool | Tensor, d: WindowDecision) -> None:
-        """Count the window; ``skipped`` is a bool, or a 0/1 float tensor decided on the device."""
-        self._last_skipped = skipped
-        self._update_applied = not skipped if isinstance(skipped, bool) else None
-        self._counters.record(skipped, d.counted_nonfinite(skipped, self._skip_enabled()))
-
     def _record(self, d: WindowDecision, n: int, layers: LayerStats | None) -> StepStats:
+        """Step 6: the window's :class:`StepStats`, its history, the loggers."""
         stats = StepStats(
             step=self._counters.windows,
             micro_batches=n,
@@ -982,13 +671,22 @@ class ClippedOptimizer(InnerOptimizerView):
             skipped=self._last_skipped,
             lr=[_lr_value(g["lr"]) for g in self.param_groups],
             layers=layers,
-            bad_row=self._bad_row,
+            bad_row=self._diagnostics.bad_row,
         )
         self.last_stats = stats
         self.stats.append(stats)
         log_window(self.loggers, stats, self)  # I/O failures warn; the window is complete either way
-        self._attached.clear()
+        self._diagnostics.attached.clear()
         return stats
+
+    def _check_consecutive_nonfinite(self) -> None:
+        """Raise once ``max_consecutive_nonfinite`` windows in a row were skipped (reads one counter)."""
+        limit = self.max_consecutive_nonfinite
+        if limit is not None:
+            count = int(self._counters.consecutive)
+            if count >= limit:
+                snapshot = self._diagnostics.last_nonfinite_snapshot
+                raise NonFiniteGradientError(count, self._counters.windows, snapshot)
 
     # ------------------------------------------------------------------ diagnostics
 
@@ -1004,10 +702,7 @@ class ClippedOptimizer(InnerOptimizerView):
         name keeps a list of what it received, in order.  Only read when a
         snapshot is written (``snapshot_dir``); copies are made then.
         """
-        for name, value in tensors.items():  # check every value before keeping any
-            check_saveable(value, name)
-        for name, value in tensors.items():
-            self._attached.setdefault(name, []).append(value)
+        self._diagnostics.attach(tensors)
 
     def close(self) -> None:
         """Close every logger (flushes buffered rows)."""
@@ -1024,8 +719,9 @@ class ClippedOptimizer(InnerOptimizerView):
         dicts, so ``torch.load(..., weights_only=True)`` reads it.  Taken
         mid-window it holds a copy of the gradients accumulated so far.
         """
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
+        return self._hooked_state_dict(self._state_dict)
+
+    def _state_dict(self) -> dict[str, Any]:
         self._check_checkpointable()
         sd = dict(self.optimizer.state_dict())
         sd["clipopt"] = wrapper_entry(
@@ -1037,10 +733,6 @@ class ClippedOptimizer(InnerOptimizerView):
             unsynced=self._pending_unsynced(),
             recovery=self._recovery,
         )
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, sd)
-            if result is not None:
-                sd = result
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1049,10 +741,9 @@ class ClippedOptimizer(InnerOptimizerView):
         Everything is validated before anything changes: a mismatched or corrupt
         state dict raises ``ValueError`` and leaves this optimizer as it was.
         """
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
+        self._hooked_load(state_dict, self._load_state_dict)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         params = self._params()
         ckpt = read_checkpoint(
             state_dict,
@@ -1064,28 +755,14 @@ class ClippedOptimizer(InnerOptimizerView):
             recovery=self._recovery,
             norm_group=self.norm_group,
         )
-        with restore_on_failure(self.optimizer), keep_group_keys(self.optimizer):
-            self.optimizer.load_state_dict(ckpt.inner)
-            for group, kept in zip(self.param_groups, ckpt.kept_options, strict=False):
-                group.update(kept)  # per-group clipping set now, absent from the checkpoint
+        self._counters = ckpt.take_over(
+            self.optimizer, params, scaler=self.scaler, policy=self._policy, recovery=self._recovery
+        )
         self._readiness.reset()
         self._window_guard.reset()  # loaded gradients are new tensors
-        self._counters = ckpt.counters if ckpt.counters is not None else WrapperState()
-        if ckpt.pending_grads is not None:
-            for p, g in zip(params, ckpt.pending_grads, strict=True):
-                p.grad = None if g is None else g.detach().to(p.device, p.dtype, copy=True)
-        if ckpt.counters is not None and ckpt.scaler_state is not None and self.scaler is not None:
-            self.scaler.load_state_dict(ckpt.scaler_state)
-        if ckpt.counters is not None and ckpt.policy_state is not None and self._policy is not None:
-            self._policy.load_state_dict(ckpt.policy_state)
-        if ckpt.counters is not None:
-            self._recovery.load(ckpt.recovery)
         self._loss = ckpt.loss_sum
-        self._update_applied = False
-        self._last_skipped = False
+        self._update_applied, self._last_skipped = False, False
         self._unsynced = ckpt.unsynced
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ClippedOptimizer:
         new = type(self).__new__(type(self))
@@ -1096,6 +773,3 @@ class ClippedOptimizer(InnerOptimizerView):
             memo[id(self.norm_group)] = self.norm_group
         new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return new
-
-
-

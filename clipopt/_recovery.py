@@ -130,20 +130,38 @@ class SpikeRecovery:
         return self.rewind is not None and closed > 0 and closed % self.rewind.check_every == 0
 
     def check(
-        self, closed: int, params: list[Tensor], optimizer: Optimizer, wrapper_state: Callable[[], Any]
+        self, closed: int, params: list[Tensor], optimizer: Optimizer, policy: Any, scaler: Any
     ) -> tuple[RewindEvent, Any] | None:
         """The Rewind's check after ``closed`` windows: a copy or a rewind (then the event and the
-        restored wrapper state, which the optimizer loads)."""
+        restored wrapper state, which :meth:`restore_wrapper` loads).  A copy holds the wrapper's
+        ``policy``, guard and ``scaler`` state beside the parameters and the inner state."""
         if self.rewind is None:
             return None
         self.rewind.bind(params, optimizer)  # parameter groups may have been added since
-        hit = self.rewind.check(closed, wrapper_state)
+        hit = self.rewind.check(closed, lambda: self.wrapper_state(policy, scaler))
         if hit is None:
             return None
         # the check runs in the close of window closed + 1, the one discarded (StepStats, CSV: "rewind")
         event = dataclasses.replace(hit[0], step=closed + 1)
         self.rewind.log[-1] = event
         return event, hit[1]
+
+    def wrapper_state(self, policy: Any, scaler: Any) -> dict[str, Any]:
+        """The wrapper state a Rewind copy holds: policy, SpikeGuard and scaler (device tensors)."""
+        return {
+            "policy": None if policy is None else policy.state_dict(),
+            "spike_guard": None if self.guard is None else self.guard.state_dict(),
+            "scaler": None if scaler is None else scaler.state_dict(),
+        }
+
+    def restore_wrapper(self, restored: dict[str, Any], policy: Any, scaler: Any) -> None:
+        """Load the wrapper state of the copy a rewind went back to (see :meth:`wrapper_state`)."""
+        if restored.get("policy") is not None and policy is not None:
+            policy.load_state_dict(restored["policy"])
+        if restored.get("spike_guard") is not None and self.guard is not None:
+            self.guard.load_state_dict(restored["spike_guard"])
+        if restored.get("scaler") is not None and scaler is not None:
+            scaler.load_state_dict(restored["scaler"])
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["InnerBackup", "UndoPoint", "reevaluates", "nonfinite_loss"]
+__all__ = ["InnerBackup", "UndoPoint", "note_discarded", "reevaluates", "nonfinite_loss"]
 
 #: Optimizers whose ``step(closure)`` calls the closure again after moving the parameters.
 REEVALUATING = (torch.optim.LBFGS,)
@@ -85,6 +85,16 @@ class UndoPoint:
             vars(self._policy).update(self._policy_state)
         while len(self._stats) > self._stats_len:
             self._stats.pop()
+
+
+def note_discarded(exc: BaseException) -> None:
+    """Say on ``exc`` that the failed close discarded the window (its gradients were changed in place)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(
+            "clipopt: the window's gradients were already changed in place (unscaled or clipped) "
+            "when this error was raised; they were discarded and the window's micro-batches are "
+            "not counted"
+        )
 
 
 def _copy_entry(entry: dict[str, Any]) -> dict[str, Any]:

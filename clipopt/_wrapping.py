@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
@@ -67,6 +68,27 @@ class InnerOptimizerView(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group to the inner optimizer."""
         self.optimizer.add_param_group(param_group)
+
+    def _hooked_state_dict(self, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``build()`` with torch's state-dict hooks around it, as ``Optimizer.state_dict`` runs them."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        sd = build()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
+
+    def _hooked_load(self, state_dict: dict[str, Any], load: Callable[[dict[str, Any]], None]) -> None:
+        """``load(state_dict)`` with torch's load hooks around it (as ``Optimizer.load_state_dict``)."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        load(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the hooks (as torch does)."""

@@ -670,7 +670,7 @@ def _inject(monkeypatch: pytest.MonkeyPatch, opt: ClippedOptimizer, stage: str) 
     if stage == "norm":
         monkeypatch.setattr(clipopt.functional, "get_total_norm", boom)
     elif stage == "layer_stats":
-        monkeypatch.setattr("clipopt._optimizer.compute_layer_stats", boom)
+        monkeypatch.setattr("clipopt._diagnostics.compute_layer_stats", boom)
     elif stage == "snapshot":
         monkeypatch.setattr("clipopt._optimizer.SnapshotWriter.save", boom)
     elif stage == "policy":

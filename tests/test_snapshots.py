@@ -457,12 +457,12 @@ def test_overflow_snapshots_over_the_limit_copy_nothing(
     """A GradScaler run overflows routinely: past max_snapshots=1 its overflow windows build no
     snapshot (no copy of the parameters, gradients and optimizer state), one warning (pointing at the
     user's step() line) says so, and NonFiniteGradientError names the one overflow snapshot written."""
-    import clipopt._optimizer as optimizer_module
+    import clipopt._diagnostics as diagnostics_module
 
     built: list[int] = []
-    real = optimizer_module.snapshot_payload
+    real = diagnostics_module.snapshot_payload
     monkeypatch.setattr(
-        optimizer_module, "snapshot_payload", lambda **kw: built.append(kw["step"]) or real(**kw)
+        diagnostics_module, "snapshot_payload", lambda **kw: built.append(kw["step"]) or real(**kw)
     )
     model = make_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
