@@ -324,7 +324,8 @@ def sharded_layer_stats(
         local_grads.append(grad.to_local() if key and grad is not None else grad)
         if key:
             rows.setdefault(key, []).append(i)
-    values = compute_layer_stats(local_params, names, scale, count_nonfinite, grads=local_grads)._values
+    local = compute_layer_stats(local_params, names, scale, count_nonfinite, grads=local_grads)
+    values = local.device_values()
     if values is None or not rows:
         return LayerStats(names, [] if values is None else values)
     for key, indices in rows.items():

@@ -148,3 +148,53 @@ def test_decide_skip_takes_the_first_signal_that_is_on() -> None:
     assert decided((divergence, None), (nonfinite, 0.0), (spike, 1.0)) == (1.0, "spike")
     assert decided((divergence, 0.0), (nonfinite, 0.0), (spike, 0.0)) == (0.0, None)
     assert decided((divergence, None), (nonfinite, None)) == (None, None)
+
+
+#: Private attributes of torch tensors the window guard reads (torch's, not another clipopt module's).
+_TORCH_PRIVATE = {"_base", "_version"}
+
+
+def _private_reaches(path: Path) -> list[str]:
+    """``obj._name`` in ``path`` where ``_name`` is not defined in that module and ``obj`` is not
+    ``self``/``cls`` or an imported third-party module (torch's own private API is torch's business)."""
+    tree = ast.parse(path.read_text())
+    external: set[str] = set()
+    own: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            external |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            external |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")) or node.attr.startswith("__"):
+            continue
+        base = node.value
+        while isinstance(base, ast.Attribute):
+            base = base.value
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        if isinstance(base, ast.Name) and base.id in external or node.attr in own | _TORCH_PRIVATE:
+            continue
+        found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_private_attribute_is_reached_across_modules() -> None:
+    """No module reads a private attribute that another clipopt module defines (``obj._x``, or
+    ``self.part._x``): each module is reached through its public names (ARCHITECTURE.md)."""
+    found = [hit for path in sorted(PACKAGE.rglob("*.py")) for hit in _private_reaches(path)]
+    assert found == []
+
+
+def test_the_private_reach_check_can_fail(tmp_path: Path) -> None:
+    """The check reports a reach into another object's private attribute and one through ``self``."""
+    path = tmp_path / "mod.py"
+    path.write_text("import torch\n\ndef f(stats, self):\n    torch._C\n    return stats._values, self.part._x\n")
+    assert _private_reaches(path) == ["mod.py:5: stats._values", "mod.py:5: self.part._x"]
