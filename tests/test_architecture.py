@@ -180,7 +180,7 @@ def _private_reaches(path: Path) -> list[str]:
             base = base.value
         if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
             continue
-        if isinstance(base, ast.Name) and base.id in external or node.attr in own | _TORCH_PRIVATE:
+        if (isinstance(base, ast.Name) and base.id in external) or node.attr in own | _TORCH_PRIVATE:
             continue
         found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     return found
@@ -196,5 +196,7 @@ def test_no_private_attribute_is_reached_across_modules() -> None:
 def test_the_private_reach_check_can_fail(tmp_path: Path) -> None:
     """The check reports a reach into another object's private attribute and one through ``self``."""
     path = tmp_path / "mod.py"
-    path.write_text("import torch\n\ndef f(stats, self):\n    torch._C\n    return stats._values, self.part._x\n")
+    path.write_text(
+        "import torch\n\ndef f(stats, self):\n    torch._C\n    return stats._values, self.part._x\n"
+    )
     assert _private_reaches(path) == ["mod.py:5: stats._values", "mod.py:5: self.part._x"]
