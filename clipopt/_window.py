@@ -44,6 +44,7 @@ from ._decision import (
     policy_spike,
 )
 from ._diagnostics import norm_with_row, row_of_norms
+from ._distributed import reduce_norm_over
 from ._distributed_decision import ReplicaDecision
 from ._layers import LayerStats
 from ._window_grads import WindowGrads
@@ -81,6 +82,8 @@ def measure(
         raw_norm, row = norm_with_row(
             g.grads, g.params, names, norm_type=s.norm_type, foreach=s.foreach, inv=inv
         )
+        if s.norm_group is not None:  # pipeline stages: the norm of all of them (the row stays local)
+            raw_norm = reduce_norm_over(raw_norm, s.norm_type, s.norm_group)
     else:
         raw_norm = g.total_norm(g.grads, s.norm_type, s.foreach, s.norm_group)
     total_norm = raw_norm / s.divisor if s.divisor != 1.0 else raw_norm

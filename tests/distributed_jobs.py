@@ -740,17 +740,23 @@ def _policy_case(rank: int) -> dict[str, Any]:
     }
 
 
-def _pipeline_case(rank: int, p: float, nan: bool) -> dict[str, Any]:
+def _pipeline_case(rank: int, p: float, nan: bool, rows: str | None = None) -> dict[str, Any]:
     """Rank r holds pipeline stage r (layer 2r of the model) and optimizes only its parameters;
     ``norm_group`` combines the stages' partial norms.  Activations would travel between the stages
     in a real pipeline; here every rank runs the whole model on the same data, so each stage's
-    gradients are exactly those a pipeline computes."""
+    gradients are exactly those a pipeline computes.  With ``rows`` (a folder) each stage also logs
+    per-layer rows (``layer_stats=2`` and a CSV logger: the norm pass keeps a candidate row)."""
+    from clipopt import CSVLogger
+
     base = _model()
     model = copy.deepcopy(base)
     stage = model[2 * rank]
+    logging: dict[str, Any] = {}
+    if rows is not None:
+        logging = {"layer_stats": 2, "loggers": [CSVLogger(os.path.join(rows, f"{rank}.csv"), ranks="all")]}
     opt = ClippedOptimizer(
         torch.optim.AdamW(stage.parameters(), lr=LR, foreach=True), MAX_NORM, norm_type=p,
-        norm_group=dist.group.WORLD,
+        norm_group=dist.group.WORLD, **logging,
     )
     plain = copy.deepcopy(base)
     ref = torch.optim.AdamW(plain.parameters(), lr=LR, foreach=True)
@@ -814,6 +820,7 @@ def ddp_hardening_job(rank: int, port: int, out_dir: str, world: int) -> None:
     for p in (2.0, math.inf):
         res[f"pipeline-{p}"] = _pipeline_case(rank, p, False)
     res["pipeline-nan"] = _pipeline_case(rank, 2.0, True)
+    res["pipeline-rows"] = _pipeline_case(rank, 2.0, False, os.path.join(out_dir, "pipeline-rows"))
     res["loggers"] = _loggers_case(rank, os.path.join(out_dir, "logs"))
     res["logs_dir"] = os.path.join(out_dir, "logs")
 
