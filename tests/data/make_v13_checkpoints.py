@@ -208,11 +208,11 @@ def resume(name: str, how: str, blob: bytes, ck: dict[str, Any]) -> dict[str, An
 
 
 def after_cut(m: torch.nn.Sequential, opt: ClippedOptimizer, name: str) -> dict[str, Any]:
-    """Train from the cut to the end: the rows, the warnings, the final parameters, the outputs."""
+    """Train from the cut to the end: the rows, clipopt's warnings, the final parameters, the outputs."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rows = run(m, opt, name, CUT[name], END[name])
-    said = [f"{w.category.__name__}: {w.message}" for w in caught]
+    said = [f"{w.category.__name__}: {w.message}" for w in caught if "clipopt" in str(w.message)]
     return {"rows": rows, "warnings": said, "params": params(m), **outputs(opt)}
 
 
