@@ -311,7 +311,24 @@ def sharded_layer_stats(
     the shard groups: squared norms and non-finite counts summed, max |g| and
     min |g| by MAX (of ``|g|`` and ``-|g|``).  Collective: every rank calls it.
     """
-    dist = torch.distributed
+    local_params, local_grads, rows = _local_shards(params)
+    local = compute_layer_stats(local_params, names, scale, count_nonfinite, grads=local_grads)
+    values = local.device_values()
+    if values is None or not rows:
+        return LayerStats(names, [] if values is None else values)
+    for key, indices in rows.items():
+        index = torch.tensor(indices, device=values.device)
+        sub = values.index_select(0, index).double()
+        full = _combined_rows(sub, [local_grads[i] for i in indices], key)
+        values.index_copy_(0, index, full.to(values.dtype))
+    return LayerStats(names, values)
+
+
+def _local_shards(
+    params: Sequence[Tensor],
+) -> tuple[list[Tensor], list[Tensor | None], dict[tuple[Any, ...], list[int]]]:
+    """Each parameter's local shard and its gradient's (the tensors themselves when not sharded),
+    and the indices of the sharded parameters by their shard groups."""
     dtensor = _dtensor_type()
     local_params: list[Tensor] = []
     local_grads: list[Tensor | None] = []
@@ -324,36 +341,32 @@ def sharded_layer_stats(
         local_grads.append(grad.to_local() if key and grad is not None else grad)
         if key:
             rows.setdefault(key, []).append(i)
-    local = compute_layer_stats(local_params, names, scale, count_nonfinite, grads=local_grads)
-    values = local.device_values()
-    if values is None or not rows:
-        return LayerStats(names, [] if values is None else values)
-    for key, indices in rows.items():
-        index = torch.tensor(indices, device=values.device)
-        sub = values.index_select(0, index).double()
-        numel = torch.tensor(
-            [float(g.numel()) if (g := local_grads[i]) is not None else 0.0 for i in indices],
-            dtype=torch.float64,
-            device=values.device,
-        )
-        has_grad = torch.tensor([local_grads[i] is not None for i in indices], device=values.device)
-        # an empty local shard must not win the minimum: |g| >= 0, so -inf is neutral for MAX(-min)
-        low = torch.where(numel > 0, -sub[:, 2], torch.full_like(numel, -math.inf))
-        nan_seen = (sub[:, 1].isnan() | sub[:, 2].isnan()).double()  # gloo's MAX drops nan: carry it
-        summed = torch.stack([sub[:, 0].square(), sub[:, 3], sub[:, 4].square(), numel], dim=1)
-        extremes = torch.stack([sub[:, 1].nan_to_num(0.0), low.nan_to_num(-math.inf), nan_seen], dim=1)
-        for pg in key:
-            dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=pg)
-            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=pg)
-        nan = torch.full_like(numel, math.nan)
-        high = torch.where(extremes[:, 2] > 0, nan, extremes[:, 0])
-        low = torch.where(summed[:, 3] > 0, -extremes[:, 1], torch.zeros_like(numel))
-        low = torch.where(extremes[:, 2] > 0, nan, low)
-        grad_cols = torch.stack([summed[:, 0].sqrt(), high, low], dim=1)
-        grad_cols = torch.where(has_grad[:, None], grad_cols, nan[:, None])  # no gradient: nan, as elsewhere
-        full = torch.cat([grad_cols, summed[:, 1:2], summed[:, 2:3].sqrt()], dim=1)
-        values.index_copy_(0, index, full.to(values.dtype))
-    return LayerStats(names, values)
+    return local_params, local_grads, rows
+
+
+def _combined_rows(sub: Tensor, grads: list[Tensor | None], key: tuple[Any, ...]) -> Tensor:
+    """The statistics rows of full tensors from ``sub``, this rank's float64 rows of their local
+    shards (gradients ``grads``), combined over the process groups ``key``.  Collective."""
+    dist = torch.distributed
+    numel = torch.tensor(
+        [float(g.numel()) if g is not None else 0.0 for g in grads], dtype=torch.float64, device=sub.device
+    )
+    has_grad = torch.tensor([g is not None for g in grads], device=sub.device)
+    # an empty local shard must not win the minimum: |g| >= 0, so -inf is neutral for MAX(-min)
+    low = torch.where(numel > 0, -sub[:, 2], torch.full_like(numel, -math.inf))
+    nan_seen = (sub[:, 1].isnan() | sub[:, 2].isnan()).double()  # gloo's MAX drops nan: carry it
+    summed = torch.stack([sub[:, 0].square(), sub[:, 3], sub[:, 4].square(), numel], dim=1)
+    extremes = torch.stack([sub[:, 1].nan_to_num(0.0), low.nan_to_num(-math.inf), nan_seen], dim=1)
+    for pg in key:
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=pg)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=pg)
+    nan = torch.full_like(numel, math.nan)
+    high = torch.where(extremes[:, 2] > 0, nan, extremes[:, 0])
+    low = torch.where(summed[:, 3] > 0, -extremes[:, 1], torch.zeros_like(numel))
+    low = torch.where(extremes[:, 2] > 0, nan, low)
+    grad_cols = torch.stack([summed[:, 0].sqrt(), high, low], dim=1)
+    grad_cols = torch.where(has_grad[:, None], grad_cols, nan[:, None])  # no gradient: nan, as elsewhere
+    return torch.cat([grad_cols, summed[:, 1:2], summed[:, 2:3].sqrt()], dim=1)
 
 
 def unit_norm_dims(t: Tensor) -> tuple[int, ...] | None:

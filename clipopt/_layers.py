@@ -6,7 +6,7 @@ import functools
 import math
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -133,29 +133,8 @@ def _layer_stats(
     gradient through the generic path used off CPU (for tests).
     """
     device = params[0].device
-    chunked: list[tuple[int, Tensor]] = []
-    batched: list[tuple[int, Tensor]] = []
-    single: list[tuple[int, Tensor]] = []
-    empty: list[int] = []
-    missing: list[int] = []
-    for i, p in enumerate(params):
-        g = p.grad if grads is None else grads[i]
-        if g is None:
-            missing.append(i)
-            continue
-        values = g.coalesce().values() if g.is_sparse else g  # N-d: flattened later, one at a time
-        n = values.numel()
-        if n == 0:
-            empty.append(i)
-        elif not (cpu_kernels and values.device.type == "cpu" and values.dtype in _FAST_DTYPES):
-            single.append((i, values))
-        elif n >= BATCH_MAX_NUMEL:
-            chunked.append((i, values))
-        else:
-            batched.append((i, values))
-    # The total norm has just read the gradients in parameter order: start with
-    # the last ones, which may still be in the last-level cache.
-    chunked.reverse()
+    kinds = _by_path(params, cpu_kernels, grads)
+    chunked, batched, single = kinds.chunked, kinds.batched, kinds.single
     # Zero: the non-finite count unless counted, and every field of an empty gradient.
     grouped = torch.zeros((len(params), 5), dtype=torch.float32, device=device)
     if chunked:
@@ -166,14 +145,54 @@ def _layer_stats(
     row += len(batched)
     if single:
         _single_rows([v for _, v in single], grouped[row : row + len(single)], count_nonfinite, cpu_kernels)
-    row += len(single) + len(empty)
-    if missing:
+    row += len(single) + len(kinds.empty)
+    if kinds.missing:
         grouped[row:, :3] = math.nan
-    order = [i for i, _ in chunked] + [i for i, _ in batched] + [i for i, _ in single] + empty + missing
+    order = [i for i, _ in chunked] + [i for i, _ in batched] + [i for i, _ in single] + kinds.empty
+    order += kinds.missing
     _param_norms([params[i] for i in order], grouped[:, 4], cpu_kernels)
     if scale != 1.0:
         grouped[:, :3] *= scale
-    if order == list(range(len(params))):
+    return _in_param_order(grouped, order, device)
+
+
+class _Paths(NamedTuple):
+    """The parameters sorted by the path that computes their rows (``(index, values)`` or indices)."""
+
+    chunked: list[tuple[int, Tensor]]  # large CPU gradients, in chunks (last parameters first)
+    batched: list[tuple[int, Tensor]]  # small CPU gradients, batched
+    single: list[tuple[int, Tensor]]  # the rest (off CPU, other dtypes, no cpu_kernels), one by one
+    empty: list[int]  # gradients without elements: rows of zeros
+    missing: list[int]  # no gradient: nan gradient fields
+
+
+def _by_path(params: Sequence[Tensor], cpu_kernels: bool, grads: Sequence[Tensor | None] | None) -> _Paths:
+    """Sort the gradients (``p.grad``, or ``grads``) by the path that computes their rows."""
+    paths = _Paths([], [], [], [], [])
+    for i, p in enumerate(params):
+        g = p.grad if grads is None else grads[i]
+        if g is None:
+            paths.missing.append(i)
+            continue
+        values = g.coalesce().values() if g.is_sparse else g  # N-d: flattened later, one at a time
+        n = values.numel()
+        if n == 0:
+            paths.empty.append(i)
+        elif not (cpu_kernels and values.device.type == "cpu" and values.dtype in _FAST_DTYPES):
+            paths.single.append((i, values))
+        elif n >= BATCH_MAX_NUMEL:
+            paths.chunked.append((i, values))
+        else:
+            paths.batched.append((i, values))
+    # The total norm has just read the gradients in parameter order: start with
+    # the last ones, which may still be in the last-level cache.
+    paths.chunked.reverse()
+    return paths
+
+
+def _in_param_order(grouped: Tensor, order: list[int], device: torch.device) -> Tensor:
+    """``grouped`` (row ``k`` for parameter ``order[k]``) with its rows in parameter order."""
+    if order == list(range(len(order))):
         return grouped
     where = [0] * len(order)
     for pos, i in enumerate(order):

@@ -385,42 +385,27 @@ def _result(
 ) -> ReplayResult:
     reason = str(snap["reason"])
     showed = [_showed(run, snap, reason) for run in runs]
-    reproduced = all(showed)
     first = runs[0]
     where = {_where(r) for r, s in zip(runs, showed, strict=True) if s}
     # a replay that stays finite names no operator (an infinity made and absorbed on the way is harmless);
     # when only some did, the first of those says where
     shown = next((r for r, s in zip(runs, showed, strict=True) if s), None)
     event = shown.event if reason in NONFINITE_REASONS and shown is not None else None
-    attached_bad = tuple(nonfinite_entries(snap["attached"]))
-    params_bad = tuple(n for n, t in snap["params"].items() if _has_nonfinite(t))
+    read = _snapshot_fields(snap)
     unscaled_finite = None if unscaled is None else not _showed(unscaled, snap, reason)
     growth, missing = layer_growth(snap) if reason == "spike" else ([], None)
     layer = growth[0].name if growth else None
-    where_fields = _event_fields(event)
-    if layer is not None:  # a spike: the module of the layer that grew most
-        where_fields.update(module=targets[layer][0].rpartition(".")[0], module_type=None)
-    if snap.get("rank") is not None and reason not in NONFINITE_REASONS:
-        cause = "averaged"  # the snapshot's norm is of the gradient averaged over the ranks
-    else:
-        cause = _cause(reason, reproduced, any(showed), event, attached_bad, params_bad, unscaled_finite)
     return ReplayResult(
         file=file,
-        step=int(snap["step"]),
-        reason=reason,
-        rank=snap.get("rank"),
-        reproduced=reproduced,
+        **read,
+        reproduced=all(showed),
         repeats=len(runs),
         reproduced_runs=sum(showed),
         consistent=len(where) <= 1,
-        cause=cause,
-        **where_fields,
+        cause=_overall_cause(snap, showed, event, read, unscaled_finite),
+        **_where_fields(event, layer, targets),
         loss_finite=first.loss_finite,
-        attached_nonfinite=attached_bad,
-        params_nonfinite=params_bad,
-        snapshot_norm=float(snap["total_norm"]),
         replay_norm=first.norm,
-        snapshot_nonfinite_grads=tuple(n for n, g in snap["grads"].items() if _has_nonfinite(g)),
         replay_nonfinite_grads=first.nonfinite_grads,
         scale=scale,
         unscaled_finite=unscaled_finite,
@@ -428,6 +413,45 @@ def _result(
         growth=tuple(growth),
         growth_missing=missing,
     )
+
+
+def _snapshot_fields(snap: Mapping[str, Any]) -> dict[str, Any]:
+    """The :class:`ReplayResult` fields read from the snapshot alone."""
+    return {
+        "step": int(snap["step"]),
+        "reason": str(snap["reason"]),
+        "rank": snap.get("rank"),
+        "attached_nonfinite": tuple(nonfinite_entries(snap["attached"])),
+        "params_nonfinite": tuple(n for n, t in snap["params"].items() if _has_nonfinite(t)),
+        "snapshot_norm": float(snap["total_norm"]),
+        "snapshot_nonfinite_grads": tuple(n for n, g in snap["grads"].items() if _has_nonfinite(g)),
+    }
+
+
+def _overall_cause(
+    snap: Mapping[str, Any],
+    showed: list[bool],
+    event: OpEvent | None,
+    read: Mapping[str, Any],
+    unscaled_finite: bool | None,
+) -> str:
+    """:attr:`ReplayResult.cause` (``read``: :func:`_snapshot_fields`)."""
+    reason = read["reason"]
+    if snap.get("rank") is not None and reason not in NONFINITE_REASONS:
+        return "averaged"  # the snapshot's norm is of the gradient averaged over the ranks
+    attached_bad, params_bad = read["attached_nonfinite"], read["params_nonfinite"]
+    return _cause(reason, all(showed), any(showed), event, attached_bad, params_bad, unscaled_finite)
+
+
+def _where_fields(
+    event: OpEvent | None, layer: str | None, targets: Mapping[str, tuple[str, nn.Parameter]]
+) -> dict[str, Any]:
+    """The fields that say where: the operator that made the first non-finite value, or for a spike
+    the module of the layer that grew most."""
+    fields = _event_fields(event)
+    if layer is not None:
+        fields.update(module=targets[layer][0].rpartition(".")[0], module_type=None)
+    return fields
 
 
 def _event_fields(event: OpEvent | None) -> dict[str, Any]:

@@ -122,26 +122,7 @@ def get_total_norm(
         acc = _norm_dtype(dtype)
         if acc == torch.float64:
             out_dtype = torch.float64
-        sparse = any(g.is_sparse for g in group)
-        if sparse and foreach:
-            raise ValueError(
-                "foreach=True does not support sparse gradients; pass foreach=None (the default)"
-            )
-        tensors = [_dense(g) for g in group] if sparse else group
-        if foreach is None and device.type == "cpu":
-            tensors = _direct_cpu_norms(tensors, p, acc, norms)
-        use_foreach = (foreach is None or foreach) and device.type in _FOREACH_DEVICES
-        use_foreach = use_foreach and not sparse
-        if foreach and not use_foreach:
-            raise RuntimeError(
-                f"foreach=True was passed, but the foreach API does not support {device.type} tensors"
-            )
-        if not tensors:
-            continue
-        if use_foreach:
-            norms.extend(torch._foreach_norm(tensors, p, dtype=acc))
-        else:
-            norms.extend(torch.linalg.vector_norm(t, p, dtype=acc) for t in tensors)
+        norms.extend(_same_kind_norms(group, device, p, acc, foreach))
     if not norms:
         return torch.zeros((), dtype=out_dtype, device=first_device)
     if any(n.device != first_device or n.dtype != out_dtype for n in norms):
@@ -149,6 +130,34 @@ def get_total_norm(
     stacked = torch.stack(norms)
     total: Tensor = torch.linalg.vector_norm(stacked, p)
     return total
+
+
+def _same_kind_norms(
+    group: list[Tensor], device: torch.device, p: float, acc: torch.dtype, foreach: bool | None
+) -> list[Tensor]:
+    """``p``-norms in ``acc`` of parts of ``group`` (gradients of one device and dtype) that together
+    make up all of it: the norm of these norms is the group's norm.  Large CPU tensors are measured
+    directly, the rest with ``torch._foreach_norm`` where supported, else one by one."""
+    norms: list[Tensor] = []
+    sparse = any(g.is_sparse for g in group)
+    if sparse and foreach:
+        raise ValueError("foreach=True does not support sparse gradients; pass foreach=None (the default)")
+    tensors = [_dense(g) for g in group] if sparse else group
+    if foreach is None and device.type == "cpu":
+        tensors = _direct_cpu_norms(tensors, p, acc, norms)
+    use_foreach = (foreach is None or foreach) and device.type in _FOREACH_DEVICES
+    use_foreach = use_foreach and not sparse
+    if foreach and not use_foreach:
+        raise RuntimeError(
+            f"foreach=True was passed, but the foreach API does not support {device.type} tensors"
+        )
+    if not tensors:
+        return norms
+    if use_foreach:
+        norms.extend(torch._foreach_norm(tensors, p, dtype=acc))
+    else:
+        norms.extend(torch.linalg.vector_norm(t, p, dtype=acc) for t in tensors)
+    return norms
 
 
 @torch.no_grad()
