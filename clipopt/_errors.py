@@ -26,6 +26,11 @@ class NonFiniteGradientError(RuntimeError):
             msg += f"; latest anomaly snapshot: {snapshot}"
         super().__init__(msg)
 
+    def __reduce__(self) -> tuple[type[NonFiniteGradientError], tuple[int, int, str | None]]:
+        """Pickled by its fields (the default passes the message alone, which ``__init__`` refuses), so
+        the error travels between processes (multiprocessing, ``torch.multiprocessing.spawn``)."""
+        return type(self), (self.count, self.step, self.snapshot)
+
 
 # Shown where users meet it (tracebacks, reprs, the API reference) under the name they import.
 NonFiniteGradientError.__module__ = "clipopt"

@@ -124,6 +124,17 @@ def test_nonfinite_error_shows_under_its_public_name() -> None:
     assert pickle.loads(pickle.dumps(type(err))) is clipopt.NonFiniteGradientError
 
 
+@pytest.mark.parametrize("snapshot", [None, "/runs/anomaly-step00000007-nonfinite.pt"])
+def test_nonfinite_error_unpickles_as_itself(snapshot: str | None) -> None:
+    """An error raised in a worker process reaches the parent through pickle: it comes back as a
+    NonFiniteGradientError with the same count, step, snapshot and message (before, unpickling
+    raised TypeError: __init__ got the message as its only argument)."""
+    err = clipopt.NonFiniteGradientError(3, 7, snapshot)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is clipopt.NonFiniteGradientError
+    assert (back.count, back.step, back.snapshot, str(back)) == (3, 7, snapshot, str(err))
+
+
 def test_no_numpy_warning_without_numpy() -> None:
     """Where NumPy is not installed, `clipopt --version` prints its version and nothing on stderr.
 
