@@ -188,6 +188,11 @@ class CSVLogger:
         self._closed = False
         atexit.register(_close_at_exit, weakref.ref(self))
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """An unpickled logger (a wrapper pickled with rows still buffered) also writes at exit."""
+        self.__dict__.update(state)
+        atexit.register(_close_at_exit, weakref.ref(self))
+
     def log(self, stats: StepStats, optimizer: LoggedOptimizer) -> None:
         """Buffer one window; write the buffer every ``flush_every`` windows."""
         if self._target is False:

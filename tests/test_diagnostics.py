@@ -548,6 +548,36 @@ def test_csv_writes_at_exit(tmp_path: Path) -> None:
     assert len(_read_csv(path)) == 3
 
 
+def test_unpickled_csv_logger_writes_at_exit(tmp_path: Path) -> None:
+    """A wrapper pickled with rows still buffered in its CSVLogger (a checkpoint by pickle), then
+    unpickled in a new process that trains on and exits without close(): the buffered rows and the
+    new ones are written at exit (before, only the original logger was registered for it)."""
+    import subprocess
+    import sys
+
+    path, saved = tmp_path / "exit.csv", tmp_path / "opt.pkl"
+    train_code = (
+        "for _ in range({n}):\n    m(torch.ones(1, 2)).sum().backward(); opt.step(); opt.zero_grad()\n"
+    )
+    first = (
+        "import os, pickle, torch, clipopt\n"
+        "m = torch.nn.Linear(2, 1)\n"
+        f"opt = clipopt.ClippedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), "
+        f"loggers=[clipopt.CSVLogger({str(path)!r})])\n"
+        + train_code.format(n=3)
+        + f"open({str(saved)!r}, 'wb').write(pickle.dumps((m, opt)))\n"
+        "os._exit(0)  # the process ends without its exit handlers: the rows stay in the pickle\n"
+    )
+    second = (
+        f"import pickle, torch\nm, opt = pickle.loads(open({str(saved)!r}, 'rb').read())\n"
+        + train_code.format(n=2)
+    )
+    subprocess.run([sys.executable, "-c", first], check=True, timeout=120)
+    assert not path.exists()
+    subprocess.run([sys.executable, "-c", second], check=True, timeout=120)
+    assert [row["step"] for row in _read_csv(path)] == ["1", "2", "3", "4", "5"]
+
+
 def test_custom_logger_protocol() -> None:
     """Any object with log(stats, optimizer) and close() is a logger; it sees every window in order."""
 
