@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -27,6 +28,24 @@ WORLD = 2
 MAX_NORM = 0.05  # well below the gradient norms here, so clipping is active
 LR = 1e-2
 
+#: the process-group timeout of every spawned job (distributed, replay, spike): a regression that
+#: makes the ranks wait for each other fails the job, well before the spawn's own bound
+#: (helpers.spawn_job/join_spawned: 240 s), instead of blocking CI
+PROCESS_GROUP_TIMEOUT_S = 60
+
+
+def init_world(rank: int, port: int, world: int = WORLD) -> None:
+    """Start a spawned rank: one CPU thread, then the gloo process group of ``world`` ranks whose
+    rendezvous is 127.0.0.1:``port`` (timeout PROCESS_GROUP_TIMEOUT_S); :func:`leave_process_group`
+    ends it."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
+    )
 
 
 def leave_process_group() -> None:
@@ -46,6 +65,7 @@ def leave_process_group() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
 
 _model = partial(mlp, (6, 8, 3))  # Linear(6, 8), Tanh, Linear(8, 3), global seed 0
 
@@ -76,10 +96,6 @@ def _reference(plain: nn.Module, windows: list[list[int]], norm_type: float = 2.
         norms.append(float(torch.nn.utils.clip_grad_norm_(plain.parameters(), MAX_NORM, norm_type)))
         opt.step()
     return norms
-
-
-def _init(rank: int, port: int) -> None:
-    _init_world(rank, port, WORLD)  # with a short timeout: a hang fails the job
 
 
 def _gather(value: Any) -> list[Any]:
@@ -129,7 +145,7 @@ def _clipped(model: nn.Module, k: int, **kwargs: Any) -> ClippedOptimizer:
 
 
 def ddp_job(rank: int, port: int, out_dir: str) -> None:
-    _init(rank, port)
+    init_world(rank, port)
     res: dict[str, Any] = {}
     own = _count_flush_all_reduces()
 
@@ -318,7 +334,7 @@ def _state_tensors(opt: ClippedOptimizer) -> list[torch.Tensor]:
 
 
 def fsdp_job(rank: int, port: int, out_dir: str) -> None:
-    _init(rank, port)
+    init_world(rank, port)
     res: dict[str, Any] = {}
     base = _model()
     ref_grads = _full_grads(base, [1])
@@ -413,8 +429,7 @@ def fsdp_job(rank: int, port: int, out_dir: str) -> None:
         res["snapshot_error"] = None
     except ValueError as exc:
         res["snapshot_error"] = str(exc)
-    torch.manual_seed(1)
-    narrow = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    narrow = mlp((6, 8, 1), seed=1)
     stats = {}
     for case in ("finite", "nan"):
         model = _fsdp(narrow)
@@ -514,23 +529,7 @@ def _per_group_case(base: nn.Module, rank: int, p: float, *, sharded: bool) -> d
 
 
 # ============================================================================ hardening (issue #17)
-# Worlds of 2, 3 and 4 processes; a short process-group timeout so that a regression that makes
-# the ranks wait for each other fails the job (and the test) instead of blocking CI.
-
-HANG_TIMEOUT_S = 30
-
-
-def _init_world(rank: int, port: int, world: int) -> None:
-    from datetime import timedelta
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=HANG_TIMEOUT_S),
-    )
+# Worlds of 2, 3 and 4 processes (init_world's timeout: a hang fails the job and the test).
 
 
 def _gather_n(value: Any) -> list[Any]:
@@ -592,7 +591,7 @@ def fsdp_edge_job(rank: int, port: int, out_dir: str, world: int) -> None:
     """FSDP2 with empty and size-1 shards: norms for every p, every policy = one process."""
     from clipopt import ClippedOptimizer as Clipped
 
-    _init_world(rank, port, world)
+    init_world(rank, port, world)
     counter = _Collectives()
     res: dict[str, Any] = {"local_numel": None, "norms": {}, "policies": {}, "collectives": {}}
     base = _edge_model()
@@ -810,7 +809,7 @@ def ddp_hardening_job(rank: int, port: int, out_dir: str, world: int) -> None:
     loggers, pipeline norm_group, independent ranks; misuse that used to hang comes last."""
     import warnings
 
-    _init_world(rank, port, world)
+    init_world(rank, port, world)
     res: dict[str, Any] = {}
     for kind, k in (("foreach", 1), ("foreach", 3), ("fused", 1), ("fused", 3)):
         res[f"diverge-{kind}-{k}"] = _divergence_case(rank, kind, k, None, "scale")
@@ -922,7 +921,7 @@ def tp_job(rank: int, port: int, out_dir: str, world: int) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    _init_world(rank, port, world)
+    init_world(rank, port, world)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
     res: dict[str, Any] = {"norms": {}, "placements": set()}

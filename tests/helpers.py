@@ -30,10 +30,12 @@ def mlp(
     *,
     act: type[nn.Module] = nn.Tanh,
     dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
     bias: bool = True,
     randn_init: bool = False,
 ) -> nn.Sequential:
-    """``Linear(a, b), act(), Linear(b, c)`` for ``sizes == (a, b, c)``.
+    """``Linear(a, b), act(), Linear(b, c)`` for ``sizes == (a, b, c)``, moved to ``device``
+    and ``dtype`` where given (made on the CPU, so the values do not depend on the device).
 
     By default the global RNG is seeded with ``seed`` first (``seed=None``: not seeded), so
     the layers get torch's default initialisation. With ``randn_init`` every parameter is
@@ -49,7 +51,7 @@ def mlp(
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(torch.randn(p.shape, generator=g))
-    return model if dtype is None else model.to(dtype)
+    return model if dtype is None and device is None else model.to(device=device, dtype=dtype)
 
 
 def inputs(
@@ -96,6 +98,30 @@ def pairs(
             x[0, 0] = math.nan
         out.append((x, y))
     return out
+
+
+def model_for(kind: str = "dense") -> nn.Module:
+    """The tiny model an optimizer of that kind trains (``OptimInfo.model``), global seed 0:
+    "dense" ``mlp((5, 4, 3))``, "matrix" the same without biases (2-D parameters only),
+    "sparse" ``Embedding(10, 4, sparse=True)``. :func:`batches_for` makes its data."""
+    if kind == "dense":
+        return mlp((5, 4, 3))
+    if kind == "matrix":
+        return mlp((5, 4, 3), bias=False)
+    if kind == "sparse":
+        torch.manual_seed(0)
+        return nn.Embedding(10, 4, sparse=True)
+    raise AssertionError(f"unknown model kind {kind!r}")
+
+
+def batches_for(n: int, seed: int, kind: str = "dense") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` (inputs, targets) pairs for :func:`model_for` ``(kind)`` from one seeded generator:
+    8 x 5 inputs and 8 x 3 targets (:func:`pairs`), or for "sparse" 6 token ids in [0, 10) and
+    6 x 4 targets."""
+    if kind != "sparse":
+        return pairs(n, (8, 5), (8, 3), seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 10, (6,), generator=g), torch.randn(6, 4, generator=g)) for _ in range(n)]
 
 
 def square_mean(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -7,15 +7,12 @@ snapshot (``-rank0.pt``, ``-rank1.pt``) holding its own batch.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from clipopt import ClippedOptimizer
 
-from .distributed_jobs import leave_process_group
+from .distributed_jobs import init_world, leave_process_group
 from .replay_models import BAD_ROW, batch, log_model, mse
 
 WORLD = 2
@@ -25,14 +22,7 @@ NAN_STEP = 2
 
 def ddp_snapshot_job(rank: int, port: int, out_dir: str) -> None:
     """Three updates under DDP with ``snapshot_dir=out_dir``; rank 1's batch of update 2 has a NaN."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=60),
-    )
+    init_world(rank, port, WORLD)
     model = nn.parallel.DistributedDataParallel(log_model())
     opt = ClippedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01),

@@ -9,15 +9,15 @@ state; the test compares the ranks.
 from __future__ import annotations
 
 import os
-import sys
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from clipopt import ClippedOptimizer, Rewind, SpikeGuard
+
+from .distributed_jobs import init_world, leave_process_group
+from .helpers import mlp
 
 WORLD = 2
 SPIKES = (12, 14)  #: batch indices (0-based) that spike on rank 1
@@ -25,23 +25,16 @@ WINDOWS = 24
 
 
 def spike_job(rank: int, port: int, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)
+    init_world(rank, port, WORLD)
     for kind in ("ddp", "fsdp"):
         result = _run(kind, rank)
         torch.save(result, os.path.join(out_dir, f"{kind}{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # gloo's teardown can abort at interpreter exit (see tests/distributed_jobs.py)
+    leave_process_group()
 
 
 def _run(kind: str, rank: int) -> dict[str, Any]:
     """DDP: SpikeGuard + Rewind; FSDP2 (DTensor parameters, where Rewind is refused): SpikeGuard."""
-    torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    plain = mlp((5, 4, 3))  # Linear(5, 4), Tanh, Linear(4, 3), global seed 0
     rewind = None
     if kind == "ddp":
         model: nn.Module = nn.parallel.DistributedDataParallel(plain)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
+from typing import Any
 
 import pytest
 import torch
@@ -18,16 +20,20 @@ import torch
 import clipopt
 from clipopt import AutoClip, ClippedOptimizer, ZClip
 
+from .helpers import mlp
+from .optim_db import get
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
 DEVICE = "cuda"
-FUSED = {
-    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
-    "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
-    "SGD": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True),
+#: the fused optim_db entries run here, and the constructor arguments they replace
+FUSED: dict[str, dict[str, Any]] = {
+    "AdamW-fused": {"lr": 1e-2, "weight_decay": 0.01},  # AdamW's default weight decay
+    "Adam-fused": {"lr": 1e-2},
+    "SGD-momentum-fused": {"lr": 1e-2},
 }
 POLICIES: dict[str, Callable[[], float | clipopt.ClipPolicy]] = {
     "float": lambda: 0.5,
@@ -43,10 +49,12 @@ def _sync_debug_off() -> Iterator[None]:
     torch.cuda.set_sync_debug_mode(0)
 
 
-def _model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
-    return net.to(DEVICE, dtype)
+def _fused(name: str, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The fused optimizer ``name`` (a key of FUSED) over ``params``."""
+    return get(name).make(params, **FUSED[name])
+
+
+_model = partial(mlp, (16, 64, 4), device=DEVICE)  # Linear(16, 64), Tanh, Linear(64, 4), global seed 0
 
 
 def _backward(model: torch.nn.Module, seed: int, bad: bool = False) -> torch.Tensor:
@@ -67,7 +75,9 @@ def _backward(model: torch.nn.Module, seed: int, bad: bool = False) -> torch.Ten
 def test_clipped_fused_update_does_not_sync(name: str, policy: str) -> None:
     """Clipped fused updates (accumulation 2, one skipped window) run under sync debug mode "error"."""
     model = _model()
-    opt = ClippedOptimizer(FUSED[name](model.parameters()), max_norm=POLICIES[policy](), accumulation_steps=2)
+    opt = ClippedOptimizer(
+        _fused(name, model.parameters()), max_norm=POLICIES[policy](), accumulation_steps=2
+    )
     for i in range(4):  # two windows first: the first update reads the host once (no optimizer state yet)
         _backward(model, i)
         opt.step()
@@ -89,7 +99,7 @@ def test_unclipped_accumulated_fused_update_does_not_sync(name: str) -> None:
     """max_norm=None with mean accumulation (a Python grad_scale of 1/2 for the kernel) under sync
     debug mode "error": the scale is made on the device, not copied from the host."""
     model = _model()
-    opt = ClippedOptimizer(FUSED[name](model.parameters()), max_norm=None, accumulation_steps=2)
+    opt = ClippedOptimizer(_fused(name, model.parameters()), max_norm=None, accumulation_steps=2)
     for i in range(4):
         _backward(model, i)
         opt.step()
@@ -108,7 +118,7 @@ def test_fused_update_with_grad_scaler_does_not_sync() -> None:
     """With a GradScaler and float16 autocast, a fused update under sync debug mode "error" does not sync."""
     model = _model()
     scaler = torch.amp.GradScaler(DEVICE)
-    opt = ClippedOptimizer(FUSED["AdamW"](model.parameters()), max_norm=1.0, scaler=scaler)
+    opt = ClippedOptimizer(_fused("AdamW-fused", model.parameters()), max_norm=1.0, scaler=scaler)
 
     def window(seed: int) -> None:
         gen = torch.Generator(device=DEVICE).manual_seed(seed)
@@ -136,8 +146,8 @@ def test_fused_cuda_update_equals_clip_grad_norm_then_step(name: str) -> None:
     """clipopt with a fused CUDA optimizer applies what clip_grad_norm_ followed by the same step applies."""
     model = _model()
     twin = copy.deepcopy(model)
-    opt = ClippedOptimizer(FUSED[name](model.parameters()), max_norm=0.5)
-    ref = FUSED[name](twin.parameters())
+    opt = ClippedOptimizer(_fused(name, model.parameters()), max_norm=0.5)
+    ref = _fused(name, twin.parameters())
     for i in range(5):
         _backward(model, i)
         opt.step()
@@ -157,7 +167,7 @@ def test_fused_cuda_update_equals_clip_grad_norm_then_step(name: str) -> None:
 def test_fused_cuda_skip_leaves_everything_bit_identical(name: str) -> None:
     """A non-finite window under a fused CUDA optimizer changes no parameter and no state tensor."""
     model = _model()
-    opt = ClippedOptimizer(FUSED[name](model.parameters()), max_norm=0.5)
+    opt = ClippedOptimizer(_fused(name, model.parameters()), max_norm=0.5)
     for i in range(3):
         _backward(model, i)
         opt.step()
@@ -196,11 +206,11 @@ def test_half_gradient_norm_is_float32_accumulated(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("name", ["AdamW", "Adam"])
+@pytest.mark.parametrize("name", ["AdamW-fused", "Adam-fused"])
 def test_fused_half_parameters_train(dtype: torch.dtype, name: str) -> None:
     """A half-precision model with a fused CUDA optimizer: updates are applied, clipped, and stay finite."""
-    model = _model(dtype)
-    opt = ClippedOptimizer(FUSED[name](model.parameters()), max_norm=0.5)
+    model = _model(dtype=dtype)
+    opt = ClippedOptimizer(_fused(name, model.parameters()), max_norm=0.5)
     start = [p.detach().clone() for p in model.parameters()]
     for i in range(5):
         _backward(model, i)
@@ -216,7 +226,7 @@ def test_grad_scaler_overflow_is_skipped_on_cuda() -> None:
     """A float16 overflow (a huge loss scale) is a skip with reason "overflow"; the scaler backs off."""
     model = _model()
     scaler = torch.amp.GradScaler(DEVICE, init_scale=2.0**100)
-    opt = ClippedOptimizer(FUSED["AdamW"](model.parameters()), max_norm=1.0, scaler=scaler)
+    opt = ClippedOptimizer(_fused("AdamW-fused", model.parameters()), max_norm=1.0, scaler=scaler)
     before = [p.detach().clone() for p in model.parameters()]
     with torch.autocast(DEVICE, dtype=torch.float16):
         loss = model(torch.randn(32, 16, device=DEVICE)).float().pow(2).mean()
@@ -231,7 +241,7 @@ def test_grad_scaler_overflow_is_skipped_on_cuda() -> None:
 def test_bfloat16_autocast_without_scaler() -> None:
     """bfloat16 autocast needs no scaler: every window applies a clipped update."""
     model = _model()
-    opt = ClippedOptimizer(FUSED["AdamW"](model.parameters()), max_norm=0.5)
+    opt = ClippedOptimizer(_fused("AdamW-fused", model.parameters()), max_norm=0.5)
     for i in range(4):
         gen = torch.Generator(device=DEVICE).manual_seed(i)
         with torch.autocast(DEVICE, dtype=torch.bfloat16):

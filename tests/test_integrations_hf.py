@@ -13,6 +13,7 @@ from torch import nn
 import clipopt
 from clipopt import ClippedOptimizer
 from clipopt.integrations import ClipoptTrainerCallback
+from tests.helpers import mlp
 from tests.readme_snippets import run_snippet
 
 LR = 1e-2
@@ -34,8 +35,7 @@ def _fresh_accelerate_state():
 class Regressor(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.net = mlp((8, 16, 1))  # Linear(8, 16), Tanh, Linear(16, 1), global seed 0
 
     def forward(self, x, labels):
         out = self.net(x)

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import clipopt
 from clipopt import ClippedOptimizer
 from clipopt.integrations import ClipoptLightningCallback
+from tests.helpers import mlp
 from tests.readme_snippets import run_snippet
 
 LR = 1e-2
@@ -37,8 +38,7 @@ class Regressor(L.LightningModule):
 
     def __init__(self, nan_batches: tuple[int, ...] = (), accumulation_steps: int = 1, sched: str = "step"):
         super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.net = mlp((8, 16, 1))  # Linear(8, 16), Tanh, Linear(16, 1), global seed 0
         self.nan_batches = nan_batches
         self.accumulation_steps = accumulation_steps
         self.sched = sched

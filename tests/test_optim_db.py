@@ -6,21 +6,14 @@ import inspect
 
 import pytest
 import torch
-from torch import nn
 
-from .helpers import mlp
+from .helpers import mlp, model_for
 from .optim_db import OPTIM_DB, OptimInfo, params, select
-
-
-def _model_for(info: OptimInfo) -> nn.Module:
-    if info.model == "sparse":
-        return nn.Embedding(10, 4, sparse=True)
-    return mlp((5, 4, 3), bias=info.model != "matrix")
 
 
 def _one_step(info: OptimInfo) -> torch.optim.Optimizer:
     """One plain torch step of ``info``'s optimizer on its kind of model."""
-    model = _model_for(info)
+    model = model_for(info.model)
     opt = info.make(model.parameters())
     x = torch.randint(0, 10, (6,)) if info.model == "sparse" else torch.randn(8, 5)
 

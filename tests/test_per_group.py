@@ -27,6 +27,7 @@ from hypothesis.extra import numpy as hnp
 from clipopt import AGC, AutoClip, ClippedOptimizer, CSVLogger, ZClip
 from clipopt._report import read_log
 
+from .helpers import mlp
 from .hostreads import count_host_reads
 from .strategies import clip_values, max_norms, norm_types
 
@@ -172,8 +173,8 @@ def test_window_equals_torch_group_by_group(
 def _two_groups(
     dtype: torch.dtype = torch.float32, **head: Any
 ) -> tuple[torch.nn.Module, list[dict[str, Any]]]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(dtype)
+    """``mlp((4, 8, 3))`` in ``dtype`` and its two layers as two groups, the second with ``head``'s keys."""
+    model = mlp((4, 8, 3), dtype=dtype)
     return model, [{"params": model[0].parameters()}, {"params": model[2].parameters(), **head}]
 
 

@@ -12,6 +12,8 @@ import torch
 from clipopt._host_copy import TrainingState, capture, restore
 from clipopt._rewind import Rewind, RewindEvent, rewind_target
 
+from .optim_db import OptimInfo, get
+
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
@@ -61,20 +63,22 @@ def _assert_same(model: torch.nn.Module, opt: torch.optim.Optimizer, snap: dict[
                 assert live[k] == v, k
 
 
+# (optim_db entry, constructor arguments replaced); foreach=None is torch's default implementation
+# choice (on CPU: the for-loop), 0.01 AdamW's default weight decay.
 OPTIMIZERS = [
-    lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-    lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
-    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
-    lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
-    lambda ps: torch.optim.RMSprop(ps, lr=1e-3, centered=True),
+    pytest.param(get("AdamW-forloop"), {"lr": 1e-2, "weight_decay": 0.01, "foreach": None}, id="adamw"),
+    pytest.param(get("AdamW-forloop"), {"lr": 1e-2, "weight_decay": 0.01}, id="adamw-single"),
+    pytest.param(get("SGD-momentum-forloop"), {"lr": 1e-2, "foreach": None}, id="sgd"),
+    pytest.param(get("Adagrad-forloop"), {"lr": 1e-2, "foreach": None}, id="adagrad"),
+    pytest.param(get("RMSprop-forloop"), {"lr": 1e-3, "centered": True, "foreach": None}, id="rmsprop"),
 ]
 
 
-@pytest.mark.parametrize("make", OPTIMIZERS, ids=["adamw", "adamw-single", "sgd", "adagrad", "rmsprop"])
-def test_capture_restore_is_bit_identical(make: Any) -> None:
+@pytest.mark.parametrize(("info", "overrides"), OPTIMIZERS)
+def test_capture_restore_is_bit_identical(info: OptimInfo, overrides: dict[str, Any]) -> None:
     """After more training, restore() gives back parameters, buffers and optimizer state bit for bit."""
     model = _model()
-    opt = make(model.parameters())
+    opt = info.make(model.parameters(), **overrides)
     _train(model, opt, 3, seed=1)
     target = TrainingState(list(model.parameters()), list(model.buffers()), opt)
     saved = _snapshot(model, opt)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,8 +26,8 @@ from torch import nn, optim
 
 from clipopt import ClippedOptimizer, NonFiniteGradientError, ZClip
 
-from .helpers import TwoHeads, mlp, mse, pairs, task_run
-from .optim_db import OPTIM_DB, OptimInfo, params, pick
+from .helpers import TwoHeads, batches_for, model_for, mse, task_run
+from .optim_db import OPTIM_DB, OptimInfo, get, params, pick
 from .strategies import grad_arrays, max_norms, to_tensors
 
 NAN = float("nan")
@@ -62,22 +61,8 @@ def test_matrix_covers_every_optimizer_class_in_torch_optim() -> None:
 # ----------------------------------------------------------------------------- models and data
 
 
-def make_model(kind: str) -> nn.Module:
-    if kind == "dense":
-        return mlp((5, 4, 3))
-    if kind == "matrix":
-        return mlp((5, 4, 3), bias=False)
-    if kind == "sparse":
-        torch.manual_seed(0)
-        return nn.Embedding(10, 4, sparse=True)
-    raise AssertionError(kind)
-
-
-def make_batches(kind: str, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    if kind != "sparse":
-        return pairs(n, (8, 5), (8, 3), seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 10, (6,), generator=g), torch.randn(6, 4, generator=g)) for _ in range(n)]
+# Each case's model and batches: helpers.model_for(case.model) and helpers.batches_for(..., kind=case.model)
+# (mlp((5, 4, 3)), without biases for "matrix", on 8 x 5 -> 8 x 3 pairs; a sparse Embedding(10, 4)).
 
 
 loss_of = mse  # ((model(x) - y) ** 2).mean()
@@ -207,16 +192,16 @@ def assert_applied(opt: ClippedOptimizer) -> None:
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_skipped_update_leaves_params_and_state_bit_identical(case: OptimInfo) -> None:
     """After good updates, a NaN window and then an inf window change no parameter, state entry or group."""
-    model = make_model(case.model)
+    model = model_for(case.model)
     opt = wrap(case, model)
-    good = make_batches(case.model, 3, seed=1)
+    good = batches_for(3, seed=1, kind=case.model)
     for b in good:
         window(case, opt, model, b)
         assert_applied(opt)
     before = snapshot(opt, model)
     stateless = "stateful" not in case.tags  # SGD keeps no state without momentum
     assert (before["state_len"] == 0) == stateless
-    bad_batches = make_batches(case.model, 2, seed=2)
+    bad_batches = batches_for(2, seed=2, kind=case.model)
 
     window(case, opt, model, bad_batches[0], bad=NAN)
     assert_skipped(opt, 1)
@@ -247,17 +232,17 @@ def test_skipped_first_update_then_training_matches_reference(case: OptimInfo, b
     same order.  This also catches fused SGD with momentum leaving ``empty_like`` momentum
     buffers uninitialised when its very first step is skipped inside the kernel.
     """
-    model = make_model(case.model)
+    model = model_for(case.model)
     ref_model = copy.deepcopy(model)
     opt = wrap(case, model)
     ref = wrap(case, ref_model)
     before = snapshot(opt, model)  # empty state, except for Adagrad, which initialises it eagerly
 
-    window(case, opt, model, make_batches(case.model, 1, seed=9)[0], bad=bad)
+    window(case, opt, model, batches_for(1, seed=9, kind=case.model)[0], bad=bad)
     assert_skipped(opt, 1)
     assert_identical(snapshot(opt, model), before)
 
-    for b in make_batches(case.model, 3, seed=1):
+    for b in batches_for(3, seed=1, kind=case.model):
         window(case, opt, model, b)
         assert_applied(opt)
         window(case, ref, ref_model, b)
@@ -272,12 +257,12 @@ def test_skipped_first_update_then_training_matches_reference(case: OptimInfo, b
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_run_with_bad_window_inserted_equals_run_without(case: OptimInfo) -> None:
     """good, good, BAD, good, good ends bit-identical (params and state) to good x4."""
-    model = make_model(case.model)
+    model = model_for(case.model)
     ref_model = copy.deepcopy(model)
     opt = wrap(case, model)
     ref = wrap(case, ref_model)
-    good = make_batches(case.model, 4, seed=1)
-    bad_batch = make_batches(case.model, 1, seed=5)[0]
+    good = batches_for(4, seed=1, kind=case.model)
+    bad_batch = batches_for(1, seed=5, kind=case.model)[0]
 
     for i, b in enumerate(good):
         if i == 2:
@@ -289,7 +274,7 @@ def test_run_with_bad_window_inserted_equals_run_without(case: OptimInfo) -> Non
 
     assert_identical(snapshot(opt, model), snapshot(ref, ref_model))
     # The runs really did move: a broken equality (e.g. nothing ever applied) would not pass this.
-    init = make_model(case.model).parameters()
+    init = model_for(case.model).parameters()
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), init, strict=True))
     assert (opt.num_updates, opt.num_skipped, opt.num_windows) == (4, 1, 5)
 
@@ -323,11 +308,11 @@ def micro(
 @pytest.mark.parametrize("bad_micro", [0, 1, 2], ids=["first", "middle", "last"])
 def test_accumulation_nan_in_one_micro_batch_skips_whole_window(case: OptimInfo, bad_micro: int) -> None:
     """With accumulation_steps=3 one NaN micro-batch skips the window; the next window starts clean."""
-    model = make_model(case.model)
+    model = model_for(case.model)
     ref_model = copy.deepcopy(model)
     opt = wrap(case, model, accumulation_steps=3)
     ref = wrap(case, ref_model, accumulation_steps=3)
-    w1, w2, w3 = (make_batches(case.model, 3, seed=s) for s in (1, 2, 3))
+    w1, w2, w3 = (batches_for(3, seed=s, kind=case.model) for s in (1, 2, 3))
 
     for b in w1:
         micro(opt, model, b)
@@ -366,9 +351,9 @@ SGD_CASES = pick("SGD-foreach", "SGD-forloop", "SGD-momentum-fused", "SGD-moment
 @pytest.mark.parametrize("bad", [NAN, INF], ids=["nan", "inf"])
 def test_skip_nonfinite_false_applies_the_nonfinite_update(case: OptimInfo, bad: float) -> None:
     """Opt-out skip_nonfinite=False: the non-finite update is applied and SGD's params go non-finite."""
-    model = make_model(case.model)
+    model = model_for(case.model)
     opt = wrap(case, model, skip_nonfinite=False)
-    b1, b2 = make_batches(case.model, 2, seed=1)
+    b1, b2 = batches_for(2, seed=1, kind=case.model)
     window(case, opt, model, b1)  # with momentum this creates the state, so fused takes its fused path next
     assert_applied(opt)
     window(case, opt, model, b2, bad=bad)
@@ -390,9 +375,9 @@ LIMIT_CASES = pick("Adam-forloop", "Adam-fused", "SGD-momentum-fused")
 @pytest.mark.parametrize("case", LIMIT_CASES, ids=[c.id for c in LIMIT_CASES])
 def test_max_consecutive_nonfinite_raises_on_second_consecutive_skip(case: OptimInfo) -> None:
     """max_consecutive_nonfinite=2 raises on the 2nd skip in a row, not the 1st; a good update resets it."""
-    model = make_model(case.model)
+    model = model_for(case.model)
     opt = wrap(case, model, max_consecutive_nonfinite=2)
-    batches = iter(make_batches(case.model, 8, seed=1))
+    batches = iter(batches_for(8, seed=1, kind=case.model))
     window(case, opt, model, next(batches))  # window 1: good
     window(case, opt, model, next(batches), bad=NAN)  # window 2: 1st skip, no raise
     assert_skipped(opt, 1)
@@ -416,10 +401,10 @@ def test_max_consecutive_nonfinite_raises_on_second_consecutive_skip(case: Optim
 def test_window_that_raises_nonfinite_error_is_recorded_in_stats() -> None:
     """The skipped window that raises NonFiniteGradientError is still recorded in last_stats and stats."""
     (case,) = pick("Adam-forloop")
-    model = make_model(case.model)
+    model = model_for(case.model)
     opt = wrap(case, model, max_consecutive_nonfinite=1)
     with pytest.raises(NonFiniteGradientError) as excinfo:
-        window(case, opt, model, make_batches(case.model, 1, seed=1)[0], bad=NAN)
+        window(case, opt, model, batches_for(1, seed=1, kind=case.model)[0], bad=NAN)
     assert excinfo.value.step == 1
     assert opt.last_stats is not None
     assert opt.last_stats.step == 1
@@ -436,12 +421,13 @@ def test_window_that_raises_nonfinite_error_is_recorded_in_stats() -> None:
 #   with or without momentum (torch bug: bare SGD(fused=True) leaves 4992 of 5000 zeros unchanged);
 # - non-fused Adam keeps its moments in float16, where eps=1e-8 is 0 and tiny second moments
 #   underflow, giving inf (bare Adam does the same).  Fused Adam/Adagrad compute in float32.
-HALF_OPTS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
-    "SGD-foreach": lambda ps: optim.SGD(ps, lr=1.0, foreach=True),
-    "SGD-forloop": lambda ps: optim.SGD(ps, lr=1.0, foreach=False),
-    "SGD-momentum-foreach": lambda ps: optim.SGD(ps, lr=1.0, momentum=0.9, foreach=True),
-    "Adam-fused": lambda ps: optim.Adam(ps, lr=1e-2, fused=True),
-    "Adagrad-fused": lambda ps: optim.Adagrad(ps, lr=1e-2, fused=True),
+# The optim_db entries and the learning rate each runs with here.
+HALF_OPTS: dict[str, float] = {
+    "SGD-foreach": 1.0,
+    "SGD-forloop": 1.0,
+    "SGD-momentum-foreach": 1.0,
+    "Adam-fused": 1e-2,
+    "Adagrad-fused": 1e-2,
 }
 
 
@@ -459,7 +445,7 @@ def test_half_precision_gradients_with_norm_above_65504_are_not_skipped(
         # The trap the float32 accumulation avoids: torch's own norm overflows in fp16.
         assert not math.isfinite(torch.nn.utils.get_total_norm(grads).item())
     params = [nn.Parameter(torch.zeros(100, 50, dtype=dtype)) for _ in range(2)]
-    opt = ClippedOptimizer(HALF_OPTS[impl](params), max_norm=1.0)
+    opt = ClippedOptimizer(get(impl).make(params, lr=HALF_OPTS[impl]), max_norm=1.0)
 
     for step in range(2):  # the 2nd step takes the fused path where the inner optimizer is fused
         for p, v in zip(params, grads, strict=True):

@@ -8,12 +8,15 @@ here ``torch.cuda.set_sync_debug_mode("error")`` makes any synchronising call ra
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import pytest
 import torch
 
 from clipopt import ClippedOptimizer, Rewind, SpikeGuard
 from clipopt._host_copy import TrainingState, capture, restore
+
+from .helpers import mlp
 
 pytestmark = [
     pytest.mark.cuda,
@@ -30,9 +33,7 @@ def _sync_debug_off() -> Iterator[None]:
     torch.cuda.set_sync_debug_mode(0)
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)).to(DEVICE)
+_model = partial(mlp, (16, 64, 4), device=DEVICE)  # Linear(16, 64), Tanh, Linear(64, 4), global seed 0
 
 
 def _window(model: torch.nn.Module, opt: ClippedOptimizer, seed: int, scale: float = 1.0) -> None:

@@ -7,7 +7,7 @@ import csv
 import io
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,61 +18,41 @@ from torch import nn, optim
 from clipopt import AutoClip, ClippedOptimizer, CSVLogger, Rewind, SpikeGuard, ZClip
 from clipopt._report import analyze, format_report, read_log
 
+from .helpers import batches_for, model_for
 from .hostreads import count_host_reads
+from .optim_db import OptimInfo, get, params, pick
 
 # ----------------------------------------------------------------------------- the optimizer table
 
 
-@dataclass(frozen=True)
-class Case:
-    id: str
-    make: Callable[[Iterable[nn.Parameter]], optim.Optimizer]
-    closure: bool = False
-    sparse: bool = False
-    max_norm: float | None = 1.0
+# The optim_db entries the guard is checked against, in each implementation they have.
+_FUSED_TOO = ("Adam", "AdamW", "SGD-momentum", "Adagrad")
+_NOT_FUSED = ("Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop-centered-momentum", "Rprop")
+CASES = pick(
+    *(f"{name}-{impl}" for name in _FUSED_TOO for impl in ("foreach", "forloop", "fused")),
+    *(f"{name}-{impl}" for name in _NOT_FUSED for impl in ("foreach", "forloop")),
+    "Adafactor-forloop",
+    "SGD-forloop",
+    "LBFGS-closure",
+    "SparseAdam-sparse",
+)
+# The constructor arguments these runs replace in their optim_db entry. foreach=None is torch's
+# default implementation choice, which on CPU is the for-loop.
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "Adafactor-forloop": {"foreach": None},
+    "SGD-forloop": {"foreach": None},
+    "LBFGS-closure": {"lr": 0.1},
+}
 
 
-def _impls(name: str, factory: Callable[..., optim.Optimizer], fused: bool, **kw: Any) -> list[Case]:
-    impls: list[tuple[str, dict[str, Any]]] = [
-        ("foreach", {"foreach": True}),
-        ("forloop", {"foreach": False}),
-    ]
-    if fused:
-        impls.append(("fused", {"fused": True}))
-    return [Case(f"{name}-{i}", lambda ps, e=e: factory(ps, **kw, **e)) for i, e in impls]
+def _make(case: OptimInfo, params: Iterable[nn.Parameter]) -> optim.Optimizer:
+    """The case's optimizer over ``params``, with this file's overrides."""
+    return case.make(params, **OVERRIDES.get(case.id, {}))
 
 
-CASES = [
-    *_impls("Adam", optim.Adam, True, lr=0.05),
-    *_impls("AdamW", optim.AdamW, True, lr=0.05, weight_decay=0.1),
-    *_impls("SGD-momentum", optim.SGD, True, lr=0.1, momentum=0.9),
-    *_impls("Adagrad", optim.Adagrad, True, lr=0.1),
-    *_impls("Adadelta", optim.Adadelta, False, lr=1.0),
-    *_impls("Adamax", optim.Adamax, False, lr=0.05),
-    *_impls("ASGD", optim.ASGD, False, lr=0.05, t0=1.0),
-    *_impls("NAdam", optim.NAdam, False, lr=0.05),
-    *_impls("RAdam", optim.RAdam, False, lr=0.05),
-    *_impls("RMSprop", optim.RMSprop, False, lr=0.01, centered=True, momentum=0.9),
-    *_impls("Rprop", optim.Rprop, False, lr=0.01),
-    Case("Adafactor", lambda ps: optim.Adafactor(ps, lr=0.05)),
-    Case("SGD-plain", lambda ps: optim.SGD(ps, lr=0.1)),
-    Case("LBFGS-closure", lambda ps: optim.LBFGS(ps, lr=0.1, max_iter=4, history_size=3), closure=True),
-    Case("SparseAdam", lambda ps: optim.SparseAdam(ps, lr=0.05), sparse=True, max_norm=None),
-]
-
-
-def _model(sparse: bool = False) -> nn.Module:
-    torch.manual_seed(0)
-    if sparse:
-        return nn.Embedding(10, 4, sparse=True)
-    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
-
-
-def _batches(n: int, seed: int, sparse: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    if sparse:
-        return [(torch.randint(0, 10, (6,), generator=g), torch.randn(6, 4, generator=g)) for _ in range(n)]
-    return [(torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)) for _ in range(n)]
+def _max_norm(case: OptimInfo) -> float | None:
+    """The norm bound: none for sparse gradients."""
+    return None if case.model == "sparse" else 1.0
 
 
 def _spike(batch: tuple[torch.Tensor, torch.Tensor], sparse: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,10 +61,10 @@ def _spike(batch: tuple[torch.Tensor, torch.Tensor], sparse: bool) -> tuple[torc
 
 
 def _window(
-    case: Case, opt: ClippedOptimizer, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+    case: OptimInfo, opt: ClippedOptimizer, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
 ) -> None:
     x, y = batch
-    if case.closure:
+    if "closure" in case.tags:
 
         def closure() -> torch.Tensor:
             opt.zero_grad()
@@ -131,17 +111,17 @@ def _guard() -> SpikeGuard:
     return SpikeGuard(z_thresh=50.0, window=8, warmup=4)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_spike_is_skipped_as_if_it_never_happened(case: Case) -> None:
+@pytest.mark.parametrize("case", params(CASES))
+def test_spike_is_skipped_as_if_it_never_happened(case: OptimInfo) -> None:
     """A spike window is skipped (reason 'spike') bit-exactly; the run then equals one that never saw it."""
-    model, ref_model = _model(case.sparse), _model(case.sparse)
-    opt = ClippedOptimizer(case.make(model.parameters()), max_norm=case.max_norm, spike_guard=_guard())
-    ref = ClippedOptimizer(case.make(ref_model.parameters()), max_norm=case.max_norm)
-    good = _batches(9, seed=1, sparse=case.sparse)
+    model, ref_model = model_for(case.model), model_for(case.model)
+    opt = ClippedOptimizer(_make(case, model.parameters()), max_norm=_max_norm(case), spike_guard=_guard())
+    ref = ClippedOptimizer(_make(case, ref_model.parameters()), max_norm=_max_norm(case))
+    good = batches_for(9, seed=1, kind=case.model)
     for i, b in enumerate(good):
         if i == 6:
             before = _state(opt, model)
-            _window(case, opt, model, _spike(b, case.sparse))
+            _window(case, opt, model, _spike(b, case.model == "sparse"))
             assert opt.step_was_skipped and opt.last_stats is not None and opt.last_stats.reason == "spike"
             _assert_identical(_state(opt, model), before)
         _window(case, opt, model, b)
@@ -152,16 +132,16 @@ def test_spike_is_skipped_as_if_it_never_happened(case: Case) -> None:
     assert all(v < 50 for v in opt.spike_guard.history["grad_norm"])  # the spike never entered it
 
 
-FUSED = [c for c in CASES if c.id.endswith("-fused")]
+FUSED = [c for c in CASES if "fused" in c.tags]
 
 
-@pytest.mark.parametrize("case", FUSED, ids=[c.id for c in FUSED])
-def test_fused_windows_with_guard_and_rewind_read_the_host_only_at_checks(case: Case) -> None:
+@pytest.mark.parametrize("case", params(FUSED))
+def test_fused_windows_with_guard_and_rewind_read_the_host_only_at_checks(case: OptimInfo) -> None:
     """Fused optimizers: no host read per window with a SpikeGuard; a Rewind adds one read per check."""
-    model = _model()
+    model = model_for()
     rewind = Rewind(every=4, spikes=2, within=4, skip_batches=0, check_every=4)
-    opt = ClippedOptimizer(case.make(model.parameters()), max_norm=1.0, spike_guard=_guard(), rewind=rewind)
-    batches = _batches(14, seed=2)
+    opt = ClippedOptimizer(_make(case, model.parameters()), max_norm=1.0, spike_guard=_guard(), rewind=rewind)
+    batches = batches_for(14, seed=2)
     reads = []
     for b in batches:
         with count_host_reads() as r:
@@ -169,8 +149,8 @@ def test_fused_windows_with_guard_and_rewind_read_the_host_only_at_checks(case: 
         reads.append(len(r))
     # window 1 creates the inner state (host path); checks run at the start of windows 5, 9 and 13
     assert reads[1:] == [0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0], reads
-    m2 = _model()
-    guard_only = ClippedOptimizer(case.make(m2.parameters()), max_norm=1.0, spike_guard=_guard())
+    m2 = model_for()
+    guard_only = ClippedOptimizer(_make(case, m2.parameters()), max_norm=1.0, spike_guard=_guard())
     counts = []
     for b in batches:
         with count_host_reads() as r:
@@ -181,9 +161,9 @@ def test_fused_windows_with_guard_and_rewind_read_the_host_only_at_checks(case: 
 
 def test_nonfinite_has_priority_and_neither_enters_the_history() -> None:
     """A non-finite window is skipped with reason 'nonfinite'; only applied windows enter the history."""
-    model = _model()
+    model = model_for()
     opt = ClippedOptimizer(optim.SGD(model.parameters(), lr=0.1), spike_guard=_guard())
-    good = _batches(8, seed=3)
+    good = batches_for(8, seed=3)
     for i, (x, y) in enumerate(good):
         if i == 5:
             bad = x.clone()
@@ -203,10 +183,10 @@ def test_nonfinite_has_priority_and_neither_enters_the_history() -> None:
 def test_guard_composes_with_clipping_policies(policy: Callable[[], Any]) -> None:
     """With an adaptive max_norm the guard changes no clipping and skips the spike bit-exactly; the
     policy sees the spike's norm as it does without a guard (it is a finite window)."""
-    model, ref_model = _model(), _model()
+    model, ref_model = model_for(), model_for()
     opt = ClippedOptimizer(optim.SGD(model.parameters(), lr=0.1), max_norm=policy(), spike_guard=_guard())
     ref = ClippedOptimizer(optim.SGD(ref_model.parameters(), lr=0.1), max_norm=policy())
-    for i, b in enumerate(_batches(7, seed=4)):
+    for i, b in enumerate(batches_for(7, seed=4)):
         if i == 6:
             before = _state(opt, model)
             b = _spike(b, False)
@@ -240,13 +220,13 @@ def _rewind_run(
 
 
 def _spiky(n: int, spikes: set[int], seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [_spike(b, False) if i in spikes else b for i, b in enumerate(_batches(n, seed))]
+    return [_spike(b, False) if i in spikes else b for i, b in enumerate(batches_for(n, seed))]
 
 
 def test_rewind_restores_the_copy_before_the_first_spike(tmp_path: Path) -> None:
     """2 spikes within 5 windows: back to the copy before the first (bit-identical), 3 batches dropped,
     the rewinding window recorded with reason 'rewind' in StepStats and the CSV log."""
-    model = _model()
+    model = model_for()
     rewind = Rewind(every=5, keep=2, spikes=2, within=5, skip_batches=3, module=model, check_every=1)
     log = tmp_path / "log.csv"
     opt = ClippedOptimizer(
@@ -285,7 +265,7 @@ def test_checkpoint_after_a_rewind_resumes_exactly() -> None:
     batches = _spiky(40, {12, 14, 30, 31})
 
     def build() -> tuple[nn.Module, ClippedOptimizer]:
-        model = _model()
+        model = model_for()
         rewind = Rewind(every=5, keep=2, spikes=2, within=5, skip_batches=2, module=model, check_every=2)
         opt = ClippedOptimizer(optim.AdamW(model.parameters(), lr=0.01), spike_guard=_guard(), rewind=rewind)
         return model, opt
@@ -318,20 +298,20 @@ def test_checkpoint_after_a_rewind_resumes_exactly() -> None:
 
 def test_arguments_are_checked() -> None:
     """spike_guard/rewind of the wrong type, or a Rewind with nothing that skips spikes, raise clearly."""
-    params = _model().parameters()
+    params = model_for().parameters()
     with pytest.raises(TypeError, match=re.escape("spike_guard must be a SpikeGuard or None, got float; ")):
         ClippedOptimizer(optim.SGD(params, lr=0.1), spike_guard=6.0)  # type: ignore[arg-type]
-    params = _model().parameters()
+    params = model_for().parameters()
     with pytest.raises(TypeError, match=re.escape("rewind must be a Rewind or None, got int; ")):
         ClippedOptimizer(optim.SGD(params, lr=0.1), spike_guard=SpikeGuard(), rewind=100)  # type: ignore[arg-type]
-    params = _model().parameters()
+    params = model_for().parameters()
     message = (
         "rewind=Rewind(...) rewinds after spike skips, but nothing skips spikes here; "
         "pass spike_guard=SpikeGuard() (or max_norm=ZClip(skip_spikes=True))"
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         ClippedOptimizer(optim.SGD(params, lr=0.1), rewind=Rewind())
-    model = _model()
+    model = model_for()
     opt = ClippedOptimizer(
         optim.SGD(model.parameters(), lr=0.1), max_norm=ZClip(skip_spikes=True), rewind=Rewind()
     )
@@ -342,14 +322,14 @@ def test_guard_spike_writes_a_snapshot(tmp_path: Path) -> None:
     """With snapshot_dir, a window the guard skips is saved with reason 'spike' (step, params, grads)."""
     from clipopt import load_snapshot
 
-    model = _model()
+    model = model_for()
     opt = ClippedOptimizer(
         optim.SGD(model.parameters(), lr=0.1),
         spike_guard=_guard(),
         snapshot_dir=tmp_path,
         param_names=model.named_parameters(),
     )
-    for i, b in enumerate(_batches(8, seed=6)):
+    for i, b in enumerate(batches_for(8, seed=6)):
         _window(CASES[0], opt, model, _spike(b, False) if i == 6 else b)
     assert [s.reason for s in opt.stats].count("spike") == 1
     assert opt.last_snapshot is not None
@@ -359,7 +339,7 @@ def test_guard_spike_writes_a_snapshot(tmp_path: Path) -> None:
 
 def test_rewind_restores_scaler_and_policy_state() -> None:
     """A rewind puts the GradScaler's scale and the policy's statistics back to those of the copy."""
-    model = _model()
+    model = model_for()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     policy = ZClip(warmup_steps=3)
     rewind = Rewind(every=5, spikes=2, within=5, skip_batches=0, check_every=1)
@@ -391,11 +371,12 @@ def test_rewind_restores_scaler_and_policy_state() -> None:
 def test_spike_in_one_micro_batch_skips_the_window(fused: bool) -> None:
     """accumulation_steps=3: a spiking micro-batch skips its whole window; the run then equals one
     without that window (the guard scores the window's mean loss and combined norm)."""
-    model, ref_model = _model(), _model()
-    make = lambda ps: optim.Adam(ps, lr=0.05, fused=fused) if fused else optim.Adam(ps, lr=0.05)  # noqa: E731
+    model, ref_model = model_for(), model_for()
+    adam = get("Adam-fused" if fused else "Adam-forloop")
+    make = partial(adam.make, foreach=None)  # torch's default implementation choice (CPU: the for-loop)
     opt = ClippedOptimizer(make(model.parameters()), accumulation_steps=3, spike_guard=_guard())
     ref = ClippedOptimizer(make(ref_model.parameters()), accumulation_steps=3)
-    windows = [_batches(3, seed=20 + w) for w in range(9)]
+    windows = [batches_for(3, seed=20 + w) for w in range(9)]
     for w, micro in enumerate(windows):
         runs = [(opt, model)] if w == 6 else [(opt, model), (ref, ref_model)]
         for o, m in runs:
@@ -413,10 +394,10 @@ def test_spike_in_one_micro_batch_skips_the_window(fused: bool) -> None:
 
 def test_load_state_dict_checks_the_guard_and_rewind_entries_first() -> None:
     """A corrupt 'spike_guard' or 'rewind' entry raises ValueError and leaves the optimizer as it was."""
-    model = _model()
+    model = model_for()
     rewind = Rewind(every=2, check_every=1)
     opt = ClippedOptimizer(optim.Adam(model.parameters(), lr=0.01), spike_guard=_guard(), rewind=rewind)
-    for b in _batches(6, seed=7):
+    for b in batches_for(6, seed=7):
         _window(CASES[0], opt, model, b)
     good = opt.state_dict()
     before = _state(opt, model)
@@ -450,9 +431,9 @@ def test_guard_composes_with_per_group_clipping(fused: bool) -> None:
         extra = {"fused": True} if fused else {}
         return ClippedOptimizer(optim.AdamW(groups, lr=0.05, **extra), max_norm=1.0, **kw)
 
-    model, ref_model = _model(), _model()
+    model, ref_model = model_for(), model_for()
     opt, ref = build(model, spike_guard=_guard()), build(ref_model)
-    for i, b in enumerate(_batches(9, seed=8)):
+    for i, b in enumerate(batches_for(9, seed=8)):
         if i == 6:
             before = _state(opt, model)
             _window(CASES[0], opt, model, _spike(b, False))
@@ -479,14 +460,14 @@ def test_load_state_dict_checks_the_wrapper_parts_inside_rewind_copies(
     """A Rewind copy whose SpikeGuard or policy (ZClip) part is corrupt is refused at load
     (ValueError, nothing changed), not loaded after the parameters were already restored at a
     rewind; the intact state still loads."""
-    model = _model()
+    model = model_for()
     opt = ClippedOptimizer(
         optim.Adam(model.parameters(), lr=0.01),
         max_norm=ZClip(warmup_steps=2) if part == "policy" else 1.0,
         spike_guard=_guard(),
         rewind=Rewind(every=2, check_every=1),
     )
-    for b in _batches(6, seed=7):
+    for b in batches_for(6, seed=7):
         _window(CASES[0], opt, model, b)
     good = opt.state_dict()
     assert opt.rewind is not None and len(good["clipopt"]["rewind"]["copies"]) == 2
