@@ -120,7 +120,11 @@ BAD_ARGUMENTS: list[tuple[dict[str, Any], type[Exception], str]] = [
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     BAD_ARGUMENTS,
-    ids=[next(iter(k)) + "=" + repr(next(iter(k.values()))) for k, _, _ in BAD_ARGUMENTS],
+    ids=[
+        f"{name}={'object()' if type(v) is object else repr(v)}"
+        for k, _, _ in BAD_ARGUMENTS
+        for name, v in [next(iter(k.items()))]
+    ],
 )
 def test_bad_argument_message(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
     """Each bad argument raises the documented error with its exact message."""
@@ -157,9 +161,7 @@ def test_bad_argument_touches_nothing() -> None:
 def test_closure_with_scaler_is_rejected() -> None:
     """step(closure) with a GradScaler is a TypeError that explains the alternative."""
     model = torch.nn.Linear(2, 1)
-    opt = ClippedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), scaler=torch.amp.GradScaler("cpu")
-    )
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(TypeError, match=re.escape("step(closure) cannot be used with scaler=...")):
         opt.step(lambda: model(torch.ones(1, 2)).sum())
     assert opt.micro_batches == 0
