@@ -228,40 +228,83 @@ def analyze(log: GradLog) -> dict[str, Any]:
     ``notes``.  See the module docstring for the rules.
     """
     n = len(log)
-    norm = _t(log.total_norm)
-    loss = _t(log.loss)
+    norm, loss = _t(log.total_norm), _t(log.loss)
     notes = list(log.notes)
     finite = torch.isfinite(norm)
-    overflow = torch.zeros(n, dtype=torch.bool)
+    overflow = _overflow_rows(log)
+    bad_rows = (~finite & ~overflow).nonzero().flatten()
+    first_bad = int(bad_rows[0]) if bad_rows.numel() else n
+    explosions = _explosions(log, norm, finite, loss, first_bad, notes)
+    onset = min((f["values"]["row"] for f in explosions), default=n)
+    spikes, handled = _norm_spikes(log, norm, loss, min(onset, n))
+    findings = [*explosions, *_nonfinite_findings(log, bad_rows, onset, first_bad, explosions)]
+    findings += [f for f in (spikes, _loss_spikes(log, loss, min(onset, n))) if f is not None]
+    findings += _layer_findings(log, notes)
+    findings.sort(key=lambda f: VERDICTS.index(f["verdict"]))
+    verdict = findings[0]["verdict"] if findings else "healthy"
+    n_overflow = int(overflow.sum())
+    notes += _run_notes(log, n_overflow, handled)
+    end = min(onset, first_bad) if explosions else n
+    spike_rows = set(spikes["values"]["rows"]) if spikes is not None else set()
+    suggested = _suggest_for(norm, finite, end, spike_rows, verdict)
+    return {
+        "file": log.path,
+        "source": log.source,
+        "verdict": verdict,
+        "findings": findings,
+        "suggested_max_norm": suggested,
+        "clipping": _clipping(log, verdict, findings, suggested),
+        "suggestions": _suggestions(norm[finite]),
+        "summary": _summary(log, norm, loss, finite, n_overflow, len(handled)),
+        "notes": notes,
+    }
+
+
+def _overflow_rows(log: GradLog) -> Tensor:
+    """Rows whose norm is not finite with reason ``overflow``: a GradScaler calibrating, never evidence."""
+    overflow = torch.zeros(len(log), dtype=torch.bool)
     for i, r in log.reason.items():
         if r == "overflow" and not math.isfinite(log.total_norm[i]):
             overflow[i] = True
-    bad_rows = (~finite & ~overflow).nonzero().flatten()
-    first_bad = int(bad_rows[0]) if bad_rows.numel() else n
+    return overflow
 
+
+def _explosions(
+    log: GradLog, norm: Tensor, finite: Tensor, loss: Tensor, first_bad: int, notes: list[str]
+) -> list[dict[str, Any]]:
+    """The ``exploding`` findings: a blow-up of the loss, fast growth of the norm (either, both or none)."""
     blowup = _loss_blowup(log, loss, first_bad)
     growth = _growth(log, norm, finite, loss, notes)
-    explosions = [f for f in (blowup, growth) if f is not None]
-    onset = min((f["values"]["row"] for f in explosions), default=n)
-    nonfinite = _nonfinite(log, bad_rows, onset) if bad_rows.numel() else None
-    if nonfinite is not None and explosions and onset <= first_bad:
-        nonfinite["verdict"] = "exploding"
-        nonfinite["evidence"] += " (part of the explosion above)"
-    end = min(onset, first_bad) if explosions else n
-    spikes, handled = _norm_spikes(log, norm, loss, min(onset, n))
-    loss_spikes = _loss_spikes(log, loss, min(onset, n))
-    findings: list[dict[str, Any]] = [*explosions]
-    findings += [f for f in (nonfinite, spikes, loss_spikes) if f is not None]
+    return [f for f in (blowup, growth) if f is not None]
+
+
+def _nonfinite_findings(
+    log: GradLog, bad_rows: Tensor, onset: int, first_bad: int, explosions: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The ``nonfinite`` finding (none or one); part of the explosion when none came before its onset."""
+    if not bad_rows.numel():
+        return []
+    finding = _nonfinite(log, bad_rows, onset)
+    if explosions and onset <= first_bad:
+        finding["verdict"] = "exploding"
+        finding["evidence"] += " (part of the explosion above)"
+    return [finding]
+
+
+def _layer_findings(log: GradLog, notes: list[str]) -> list[dict[str, Any]]:
+    """The ``vanishing`` findings from the per-layer rows, or a note on why they were not checked."""
     if log.layer_rows:
-        findings += _vanishing(log)
-    elif log.layers:
+        return _vanishing(log)
+    if log.layers:
         notes.append("the per-layer columns are empty in every row: vanishing gradients were not checked")
     else:
         notes.append("no per-layer statistics: vanishing gradients were not checked (clipopt: layer_stats=k)")
-    findings.sort(key=lambda f: VERDICTS.index(f["verdict"]))
-    verdict = findings[0]["verdict"] if findings else "healthy"
+    return []
 
-    n_overflow = int(overflow.sum())
+
+def _run_notes(log: GradLog, n_overflow: int, handled: list[int]) -> list[str]:
+    """Notes on overflows under a GradScaler, recovery (SpikeGuard, Rewind) and spikes clipping handled."""
+    notes = []
     if n_overflow:
         notes.append(
             f"{n_overflow} update(s) overflowed under a GradScaler (reason 'overflow'): loss-scale "
@@ -273,26 +316,7 @@ def analyze(log: GradLog) -> dict[str, Any]:
             f"{len(handled)} large norm(s) (at step(s) {_steps_text(handled)}) were clipped and the loss "
             "did not jump after them: clipping handled them, so they are not counted as spikes"
         )
-    spike_rows = set(spikes["values"]["rows"]) if spikes is not None else set()
-    if verdict == "exploding":  # the stretch ends where the norms first left their start's order
-        start = norm[finite][:START_ROWS]
-        if start.numel():
-            above = (norm[:end] > GROWTH_ONSET_RATIO * _median(start)).nonzero().flatten()
-            end = int(above[0]) if above.numel() else end
-    stretch = _healthy_stretch(norm, end, spike_rows)
-    suggested = _suggest(stretch, exploding=verdict == "exploding")
-    clipping = _clipping(log, verdict, findings, suggested)
-    return {
-        "file": log.path,
-        "source": log.source,
-        "verdict": verdict,
-        "findings": findings,
-        "suggested_max_norm": suggested,
-        "clipping": clipping,
-        "suggestions": _suggestions(norm[finite]),
-        "summary": _summary(log, norm, loss, finite, n_overflow, len(handled)),
-        "notes": notes,
-    }
+    return notes
 
 
 def _recovery_notes(log: GradLog) -> list[str]:
@@ -784,6 +808,20 @@ def _healthy_stretch(norm: Tensor, end: int, spike_rows: set[int]) -> Tensor:
     if x.numel() == 0:
         x = norm[torch.isfinite(norm) & (norm > 0)][:START_ROWS]
     return x
+
+
+def _suggest_for(norm: Tensor, finite: Tensor, end: int, spike_rows: set[int], verdict: str) -> float | None:
+    """The suggested ``max_norm`` from the healthy stretch before row ``end`` (spikes left out).
+
+    When the run exploded, the stretch ends where the norms first left their
+    start's order (:data:`GROWTH_ONSET_RATIO` x the start), if that is earlier."""
+    exploding = verdict == "exploding"
+    if exploding:
+        start = norm[finite][:START_ROWS]
+        if start.numel():
+            above = (norm[:end] > GROWTH_ONSET_RATIO * _median(start)).nonzero().flatten()
+            end = int(above[0]) if above.numel() else end
+    return _suggest(_healthy_stretch(norm, end, spike_rows), exploding=exploding)
 
 
 def _suggest(stretch: Tensor, *, exploding: bool) -> float | None:
