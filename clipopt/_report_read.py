@@ -302,6 +302,22 @@ def _floats(cells: tuple[str, ...], recorded_inf: bool = False) -> array[float]:
     return out
 
 
+@dataclass
+class _ChunkValues:
+    """A chunk of CSV rows converted column by column (:meth:`_Parser.fast_chunk`), ready to append."""
+
+    steps: array[int]
+    norms: array[float]
+    loss: array[float]  #: nan: not recorded; inf: recorded but not finite
+    lr: array[float]
+    max_norm: array[float]
+    groups: list[tuple[int, str, array[float]]]  #: (group, "norm"/"coef", values)
+    clipped: bytearray
+    skipped: bytearray
+    reasons: list[tuple[int, str]]  #: (row in the log, skip reason) of the rows with a reason
+    layer_rows: list[tuple[int, list[float]]]  #: (row in the log, every layer's LAYER_FIELDS in order)
+
+
 class _Parser:
     """The row loop of :func:`_read_csv`: one pass, each column appended to its array."""
 
@@ -366,54 +382,76 @@ class _Parser:
     def fast_chunk(self, chunk: list[list[str]]) -> None:
         """Convert the chunk's columns with C-level loops; raise (ValueError/KeyError) before appending
         anything when a cell is not well-formed, so :meth:`row` can say exactly where."""
-        c, log = self.cols, self.log
-        n0 = len(log.steps)
+        values = self.convert_chunk(chunk)
+        if self.pending_loss:
+            raise ValueError("sparse rows pending: merge row by row")
+        self.append_chunk(values)
+
+    def convert_chunk(self, chunk: list[list[str]]) -> _ChunkValues:
+        """The chunk's columns converted (ValueError/KeyError on a cell that is not well-formed)."""
+        c, n0 = self.cols, len(self.log.steps)
+        columns = self.chunk_columns(chunk)
+        empty = ("",) * len(chunk)
+        flags = _FLAGS.__getitem__
+        if c.step >= 0:
+            steps = array("q", map(int, columns[c.step]))
+        else:
+            steps = array("q", range(n0 + 1, n0 + 1 + len(chunk)))
+        reasons = [(n0 + k, t.strip()) for k, t in enumerate(columns[c.reason]) if t] if c.reason >= 0 else []
+        return _ChunkValues(
+            steps=steps,
+            norms=array("d", map(float, columns[c.norm])),
+            loss=_floats(columns.get(c.loss, empty) if c.loss >= 0 else empty, recorded_inf=True),
+            lr=_floats(columns[c.lr] if c.lr >= 0 else empty),
+            max_norm=_floats(columns[c.max_norm] if c.max_norm >= 0 else empty),
+            groups=[(g, kind, _floats(columns[i])) for g, kind, i in c.groups],
+            clipped=bytearray(map(flags, columns[c.clipped])) if c.clipped >= 0 else bytearray(len(chunk)),
+            skipped=bytearray(map(flags, columns[c.skipped])) if c.skipped >= 0 else bytearray(len(chunk)),
+            reasons=reasons,
+            layer_rows=self.chunk_layer_rows(chunk, columns),
+        )
+
+    def chunk_columns(self, chunk: list[list[str]]) -> dict[int, tuple[str, ...]]:
+        """Column index -> the chunk's cells, for every column read (and the first and last layer cells)."""
+        c = self.cols
         first = self.layer_first[0] if self.layer_first else -1
         last = self.layer_first[-1] if self.layer_first else -1
         wanted = [c.step, c.norm, c.loss, c.lr, c.max_norm, c.clipped, c.skipped, c.reason, first, last]
         wanted += [i for _, _, i in c.groups]
         present = sorted({i for i in wanted if i >= 0} | {c.norm, -1})  # -1: two indices at least (tuples)
         # one C-level pass picks the cells of every row, a second transposes them into columns
-        columns = dict(zip(present, zip(*map(itemgetter(*present), chunk), strict=True), strict=True))
+        return dict(zip(present, zip(*map(itemgetter(*present), chunk), strict=True), strict=True))
 
-        def col(i: int) -> tuple[str, ...]:
-            return columns[i]
+    def chunk_layer_rows(
+        self, chunk: list[list[str]], columns: dict[int, tuple[str, ...]]
+    ) -> list[tuple[int, list[float]]]:
+        """``(row, every layer's LAYER_FIELDS)`` of the rows whose first or last layer cell is set."""
+        if not self.layer_first:
+            return []
+        first, last = self.layer_first[0], self.layer_first[-1]
+        n0, flat = len(self.log.steps), self.flat
+        marked = [k for k, (a, b) in enumerate(zip(columns[first], columns[last], strict=True)) if a or b]
+        rows = []
+        for k in marked:
+            r = chunk[k]
+            rows.append((n0 + k, [float(r[i]) if i >= 0 and r[i] else _NAN for i in flat]))
+        return rows
 
-        if c.step >= 0:
-            steps = array("q", map(int, col(c.step)))
-        else:
-            steps = array("q", range(n0 + 1, n0 + 1 + len(chunk)))
-        norms = array("d", map(float, col(c.norm)))
-        empty = ("",) * len(chunk)
-        loss = _floats(columns.get(c.loss, empty) if c.loss >= 0 else empty, recorded_inf=True)
-        lr = _floats(col(c.lr) if c.lr >= 0 else empty)
-        max_norm = _floats(col(c.max_norm) if c.max_norm >= 0 else empty)
-        groups = [(g, kind, _floats(col(i))) for g, kind, i in c.groups]
-        flags = _FLAGS.__getitem__
-        clipped = bytearray(map(flags, col(c.clipped))) if c.clipped >= 0 else bytearray(len(chunk))
-        skipped = bytearray(map(flags, col(c.skipped))) if c.skipped >= 0 else bytearray(len(chunk))
-        reasons = [(n0 + k, t.strip()) for k, t in enumerate(col(c.reason)) if t] if c.reason >= 0 else []
-        layer_rows: list[tuple[int, list[float]]] = []
-        if first >= 0:
-            flat = self.flat
-            marked = [k for k, (a, b) in enumerate(zip(col(first), col(last), strict=True)) if a or b]
-            for k in marked:
-                r = chunk[k]
-                layer_rows.append((n0 + k, [float(r[i]) if i >= 0 and r[i] else _NAN for i in flat]))
-        if self.pending_loss:
-            raise ValueError("sparse rows pending: merge row by row")
-        log.steps.extend(steps)
-        log.total_norm.extend(norms)
-        log.loss.extend(loss)
-        log.lr.extend(lr)
-        log.max_norm.extend(max_norm)
-        log.clipped.extend(clipped)
-        log.skipped.extend(skipped)
-        log.reason.update(reasons)
-        for g, kind, group_values in groups:
+    def append_chunk(self, values: _ChunkValues) -> None:
+        """Append a converted chunk to the log."""
+        log = self.log
+        log.steps.extend(values.steps)
+        log.total_norm.extend(values.norms)
+        log.loss.extend(values.loss)
+        log.lr.extend(values.lr)
+        log.max_norm.extend(values.max_norm)
+        log.clipped.extend(values.clipped)
+        log.skipped.extend(values.skipped)
+        log.reason.update(values.reasons)
+        for g, kind, group_values in values.groups:
             log.groups[g][kind].extend(group_values)
-        for at, values in layer_rows:
-            self.add_layers(at, values)
+        for at, layer_values in values.layer_rows:
+            self.add_layers(at, layer_values)
 
     def row(self, lineno: int, row: list[str]) -> None:
         """One row the fast path refused: exact error messages, sparse (Lightning) rows merged."""
