@@ -63,6 +63,8 @@ _LIGHTNING_LAYER = re.compile(r"grad_(?:[0-9.]+|inf)_norm/(.+)")
 #: clipopt's per-group columns (CSV) and tags (TensorBoard): what, group index.
 _GROUP_COLUMN = re.compile(r"group_(norm|coef)\.([0-9]+)")
 _GROUP_TAG = re.compile(r"clipopt/group_(norm|coef)/([0-9]+)")
+#: clipopt's TensorBoard tags read by exact name (``clipopt/<key>``), besides the norm, loss and lr.
+_CLIPOPT_TAGS = ("max_norm", "clipped", "skipped", "overflow", "spike", "rewind")
 _NOT_TRAIN = ("val", "eval", "test", "valid")
 _NAN = math.nan
 #: Rows converted column by column at once.
@@ -620,6 +622,28 @@ def _read_trainer_state(name: str) -> GradLog:
 
 
 def _read_tensorboard(name: str) -> GradLog:
+    """A TensorBoard log folder: its total-norm tag, the loss, lr and clipopt's own tags, per step."""
+    scalars = _tensorboard_scalars(name)
+    norm_tag = _norm_tag(name, scalars)
+    wanted = {
+        "norm": norm_tag,
+        "loss": _tag(scalars, ("clipopt/loss", *LOSS_NAMES), ("/loss", "train_loss")),
+        "lr": _tag(scalars, ("clipopt/lr", *LR_NAMES), ("/learning_rate", "/lr")),
+        **{key: _tag(scalars, (f"clipopt/{key}",), ()) for key in _CLIPOPT_TAGS},
+    }
+    records: dict[int, dict[str, float]] = {}
+    for key, tag in wanted.items():
+        for step, value in scalars.get(tag, []) if tag is not None else []:
+            records.setdefault(step, {})[key] = value
+    layers, groups = _tensorboard_layers_and_groups(scalars)
+    log = _from_records(name, "TensorBoard", records, layers, groups)
+    log.norm_column, log.loss_column = norm_tag, wanted["loss"]
+    log.has_clipping = wanted["clipped"] is not None
+    return log
+
+
+def _tensorboard_scalars(name: str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of every run under ``name``: tag -> ``(step, value)`` events; needs tensorboard."""
     try:
         from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
     except ImportError:
@@ -634,6 +658,11 @@ def _read_tensorboard(name: str) -> GradLog:
     for run, tags in mux.Runs().items():
         for tag in tags.get("scalars", []):
             scalars.setdefault(tag, []).extend((e.step, float(e.value)) for e in mux.Scalars(run, tag))
+    return scalars
+
+
+def _norm_tag(name: str, scalars: dict[str, list[tuple[int, float]]]) -> str:
+    """The total-norm tag (clipopt's, a name ending in total_norm or grad_norm, or Lightning's)."""
     norm_tag = _tag(scalars, ("clipopt/total_norm", *NORM_NAMES), ("total_norm", "grad_norm"))
     if norm_tag is None:  # Lightning's TensorBoardLogger with its grad_norm() utility
         norm_tag = next((t for t in sorted(scalars) if _LIGHTNING_TOTAL.fullmatch(t)), None)
@@ -643,21 +672,14 @@ def _read_tensorboard(name: str) -> GradLog:
             f"{name} has no gradient-norm scalar; expected a tag ending in total_norm or grad_norm "
             f"(e.g. train/grad_norm); its scalar tags: {shown}"
         )
-    wanted = {
-        "norm": norm_tag,
-        "loss": _tag(scalars, ("clipopt/loss", *LOSS_NAMES), ("/loss", "train_loss")),
-        "lr": _tag(scalars, ("clipopt/lr", *LR_NAMES), ("/learning_rate", "/lr")),
-        "max_norm": _tag(scalars, ("clipopt/max_norm",), ()),
-        "clipped": _tag(scalars, ("clipopt/clipped",), ()),
-        "skipped": _tag(scalars, ("clipopt/skipped",), ()),
-        "overflow": _tag(scalars, ("clipopt/overflow",), ()),
-        "spike": _tag(scalars, ("clipopt/spike",), ()),
-        "rewind": _tag(scalars, ("clipopt/rewind",), ()),
-    }
-    records: dict[int, dict[str, float]] = {}
-    for key, tag in wanted.items():
-        for step, value in scalars.get(tag, []) if tag is not None else []:
-            records.setdefault(step, {})[key] = value
+    return norm_tag
+
+
+def _tensorboard_layers_and_groups(
+    scalars: dict[str, list[tuple[int, float]]],
+) -> tuple[dict[str, dict[int, dict[str, float]]], dict[int, dict[str, dict[int, float]]]]:
+    """Per-layer tags (clipopt's ``clipopt/layers/<name>/<field>``, Lightning's ``grad_2.0_norm/<name>``)
+    as layer -> step -> field -> value, and per-group tags as group -> "norm"/"coef" -> step -> value."""
     layers: dict[str, dict[int, dict[str, float]]] = {}
     groups: dict[int, dict[str, dict[int, float]]] = {}
     for tag, events in scalars.items():
@@ -672,10 +694,7 @@ def _read_tensorboard(name: str) -> GradLog:
             per = layers.setdefault(m.group(1), {})
             for step, value in events:
                 per.setdefault(step, {})["grad_norm"] = value
-    log = _from_records(name, "TensorBoard", records, layers, groups)
-    log.norm_column, log.loss_column = norm_tag, wanted["loss"]
-    log.has_clipping = wanted["clipped"] is not None
-    return log
+    return layers, groups
 
 
 def _tag(scalars: dict[str, Any], exact: tuple[str, ...], endings: tuple[str, ...]) -> str | None:
