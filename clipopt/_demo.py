@@ -148,6 +148,7 @@ class CharRNN(torch.nn.Module):
 
 
 def _batches(data: torch.Tensor, cfg: DemoConfig, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless random batches of ``(input, next character)`` windows, reproducible from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     while True:
         starts = torch.randint(0, len(data) - cfg.seq_len - 1, (cfg.batch,), generator=gen)
@@ -158,6 +159,7 @@ def _batches(data: torch.Tensor, cfg: DemoConfig, seed: int) -> Iterator[tuple[t
 
 @torch.no_grad()
 def _heldout_loss(model: torch.nn.Module, data: torch.Tensor, vocab: int) -> float:
+    """The model's cross-entropy on the held-out text, nats per character."""
     chunk = 128
     n = (len(data) - 1) // chunk
     x = data[: n * chunk].view(n, chunk)
@@ -205,6 +207,7 @@ def _train(
     vocab: int,
     progress: bool,
 ) -> RunResult:
+    """Train one run for cfg.steps updates (stopping early once a parameter is non-finite); its figures."""
     result = RunResult(name)
     bar = _progress(cfg.steps, name, progress)
     start = time.perf_counter()
@@ -334,6 +337,7 @@ def summary_dict(demo: DemoResult) -> dict[str, Any]:
 
 
 def _fmt(value: float, digits: int = 3) -> str:
+    """``value`` with ``digits`` decimals (nan and inf as they are)."""
     return f"{value:.{digits}f}" if math.isfinite(value) else str(value)
 
 
@@ -405,6 +409,7 @@ def _conclusion_lines(demo: DemoResult) -> list[str]:
 
 
 def _tail_mean(values: list[float], k: int = 20) -> float:
+    """The mean of the last ``k`` values (nan when there are none)."""
     tail = values[-k:]
     return sum(tail) / len(tail) if tail else math.nan
 

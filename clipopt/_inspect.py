@@ -264,6 +264,7 @@ def _replay_lines(summary: Mapping[str, Any]) -> list[str]:
 
 
 def _describe_lines(name: str, desc: Mapping[str, Any], indent: str) -> list[str]:
+    """The lines of one attached value (nested lists and dicts indented)."""
     kind = desc["type"]
     if kind == "tensor":
         shape = str(tuple(desc["shape"]))
@@ -287,6 +288,7 @@ def _describe_lines(name: str, desc: Mapping[str, Any], indent: str) -> list[str
 
 
 def _table(rows: list[list[str]], right: range) -> list[str]:
+    """Rows as aligned columns (the ``right`` ones right-aligned), each line indented by two spaces."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []
     for r in rows:
@@ -308,6 +310,7 @@ def _plain(value: Any) -> Any:
 
 
 def _count_nonfinite(t: Tensor) -> int:
+    """Non-finite elements of ``t`` (0 for integer tensors)."""
     if t.is_sparse:
         t = t.coalesce().values()
     if not (t.is_floating_point() or t.is_complex()):
@@ -332,6 +335,7 @@ def _tensor_stats(grad: Any, param: Any) -> dict[str, float]:
 
 
 def _one_line(exc: BaseException) -> str:
+    """The first line of the exception's message, at most 300 characters."""
     text = str(exc).strip().splitlines()
     first = text[0] if text else type(exc).__name__
     return first if len(first) <= 300 else first[:297] + "..."

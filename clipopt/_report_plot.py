@@ -61,6 +61,7 @@ def plot_log(log: GradLog, report: Mapping[str, Any], path: str | os.PathLike[st
 
 
 def _legend(ax: Any) -> None:
+    """The legend outside the panel, on its right."""
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", borderaxespad=0.0)
 
 
@@ -186,6 +187,7 @@ def _loss_panel(ax: Any, log: GradLog) -> None:
 
 
 def _heatmap(ax: Any, log: GradLog, names: list[str]) -> None:
+    """Panel 3: log10 of each layer's gradient norm per per-layer row, non-finite cells crossed."""
     steps = [log.steps[r] for r in log.layer_rows]
     # cell j spans the steps since the previous per-layer row; the first one starts with the log
     edges = [min(log.steps[0], steps[0]) - 0.5, *(s + 0.5 for s in steps)]
@@ -226,4 +228,5 @@ def _heatmap(ax: Any, log: GradLog, names: list[str]) -> None:
 
 
 def _short(name: str, width: int = 28) -> str:
+    """The name, its start cut to ``...`` when longer than ``width``."""
     return name if len(name) <= width else "..." + name[-(width - 3) :]

@@ -148,6 +148,7 @@ def read_log(path: str | os.PathLike[str]) -> GradLog:
 
 
 def _mostly_binary(head: bytes) -> bool:
+    """True when the file's first bytes are not UTF-8 text or hold many control characters."""
     try:
         text = head.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -159,6 +160,7 @@ def _mostly_binary(head: bytes) -> bool:
 
 
 def _read_folder(name: str) -> GradLog:
+    """The log in a folder: trainer_state.json, metrics.csv, event files, or the latest checkpoint's state."""
     for candidate in ("trainer_state.json", "metrics.csv"):
         path = os.path.join(name, candidate)
         if os.path.isfile(path):
@@ -177,6 +179,7 @@ def _read_folder(name: str) -> GradLog:
 
 
 def _checkpoint_number(path: str) -> int:
+    """The number of a ``checkpoint-<n>`` folder (-1 when it has none)."""
     tail = os.path.basename(path).rpartition("-")[2]
     return int(tail) if tail.isdigit() else -1
 
@@ -201,6 +204,7 @@ class _Columns:
 
 
 def _pick(header: list[str], names: Iterable[str]) -> int:
+    """The index of the first of ``names`` in the header (-1: none of them)."""
     for n in names:
         if n in header:
             return header.index(n)
@@ -208,6 +212,7 @@ def _pick(header: list[str], names: Iterable[str]) -> int:
 
 
 def _columns(name: str, header: list[str]) -> _Columns:
+    """Where the step, norm, loss, lr, clipopt, per-layer and per-group columns are in the header."""
     norm = _pick(header, NORM_NAMES)
     if norm < 0:
         norm = next((i for i, c in enumerate(header) if _LIGHTNING_TOTAL.fullmatch(c)), -1)
@@ -268,6 +273,7 @@ def _read_csv(name: str) -> GradLog:
 
 
 def _read_csv_rows(name: str, rows: Iterator[list[str]]) -> GradLog:
+    """The header checked and its columns found, then every row parsed into a GradLog."""
     header = next((r for r in rows if r), None)
     if header is None:
         raise ValueError(f"{name} is empty; expected a training log with {_EXPECTED}")
@@ -338,6 +344,7 @@ class _Parser:
         self.flat = [cols.layers[n].get(f, -1) for n in self.layer_names for f in LAYER_FIELDS]
 
     def number(self, lineno: int, i: int, text: str) -> float:
+        """The cell as a float; ValueError naming the line and column otherwise."""
         try:
             return float(text)
         except ValueError:
@@ -371,6 +378,7 @@ class _Parser:
         self.finish()
 
     def one(self, lineno: int, row: list[str]) -> None:
+        """One row of the slow path: blank rows skipped, a short row tolerated only as the last one."""
         if not row:
             return
         if self.torn is not None:
@@ -499,11 +507,13 @@ class _Parser:
             self.layer_row(lineno, row)
 
     def optional(self, lineno: int, i: int, row: list[str]) -> float:
+        """The float in column ``i`` (nan: no such column, or an empty cell)."""
         if i < 0 or not (text := row[i]).strip():
             return _NAN
         return self.number(lineno, i, text)
 
     def flag(self, lineno: int, i: int, row: list[str]) -> int:
+        """The 0/1 flag in column ``i`` (0: no such column); ValueError naming the line otherwise."""
         if i < 0:
             return 0
         text = row[i].strip().lower()
@@ -523,6 +533,7 @@ class _Parser:
                 out[f].append(values[j * k + m])
 
     def layer_row(self, lineno: int, row: list[str]) -> None:
+        """Append the row's per-layer cells (nan where absent) as a per-layer row of the last update."""
         self.log.layer_rows.append(len(self.log.steps) - 1)
         for n in self.layer_names:
             fields = self.cols.layers[n]
@@ -586,6 +597,7 @@ def _from_records(
 
 
 def _read_trainer_state(name: str) -> GradLog:
+    """A Hugging Face Trainer trainer_state.json: the log_history entries with a grad_norm."""
     try:
         with open(name, encoding="utf-8-sig") as f:
             state = json.load(f)
@@ -698,6 +710,7 @@ def _tensorboard_layers_and_groups(
 
 
 def _tag(scalars: dict[str, Any], exact: tuple[str, ...], endings: tuple[str, ...]) -> str | None:
+    """The first ``exact`` tag present, else the first (sorted) training tag ending in one of ``endings``."""
     for t in exact:
         if t in scalars:
             return t

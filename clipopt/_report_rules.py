@@ -187,6 +187,7 @@ def block(n: int) -> int:
 
 
 def _t(values: array[float] | list[float]) -> Tensor:
+    """The values as a float64 tensor (a non-empty ``array('d')`` is shared, not copied)."""
     if isinstance(values, array) and values.typecode == "d" and len(values):
         return torch.frombuffer(values, dtype=torch.float64)
     return torch.tensor(list(values), dtype=torch.float64)
@@ -208,10 +209,12 @@ def percentile(values: Tensor | list[float], q: float) -> float:
 
 
 def _median(x: Tensor) -> float:
+    """The median of ``x`` (the 50th percentile, interpolated)."""
     return percentile(x, 50.0)
 
 
 def _start(x: Tensor) -> float:
+    """The start of a run: the median of the first START_ROWS values of ``x``."""
     return _median(x[:START_ROWS])
 
 
@@ -337,6 +340,7 @@ def _recovery_notes(log: GradLog) -> list[str]:
 
 
 def _steps_text(steps: list[int]) -> str:
+    """The first ten steps, comma-separated, with ``...`` when there are more."""
     return ", ".join(str(s) for s in steps[:10]) + (", ..." if len(steps) > 10 else "")
 
 
@@ -557,6 +561,7 @@ def _loss_fell(loss: Tensor) -> bool:
 
 
 def _largest_layer_growth(log: GradLog) -> tuple[str | None, float | None]:
+    """The layer whose gradient norm grew most from its first to its last finite value, and that ratio."""
     best: tuple[str | None, float | None] = (None, None)
     for name, cols in log.layers.items():
         g = _t(cols["grad_norm"])
@@ -739,6 +744,7 @@ def _loss_calm_after(loss: Tensor, row: int) -> bool:
 
 
 def _loss_spikes(log: GradLog, loss: Tensor, end: int) -> dict[str, Any] | None:
+    """The ``loss_spikes`` finding: losses before row ``end`` far above the rolling mean before them."""
     head = loss[:end]
     idx = torch.isfinite(head).nonzero().flatten()
     x = head[idx]
@@ -769,6 +775,7 @@ def _loss_spikes(log: GradLog, loss: Tensor, end: int) -> dict[str, Any] | None:
 
 
 def _most_unusual_layer(log: GradLog, row: int) -> str | None:
+    """The layer with the largest gradient norm against its median at row ``row`` (None: no per-layer row)."""
     pos = next((p for p, r in enumerate(log.layer_rows) if r == row), None)
     if pos is None:
         return None
@@ -859,6 +866,7 @@ def _vanishing_finding(
 
 
 def _healthy_stretch(norm: Tensor, end: int, spike_rows: set[int]) -> Tensor:
+    """The finite positive norms before row ``end``, spikes left out (none: the first START_ROWS ones)."""
     head = norm[:end]
     keep = torch.isfinite(head) & (head > 0)
     for r in spike_rows:
@@ -885,6 +893,7 @@ def _suggest_for(norm: Tensor, finite: Tensor, end: int, spike_rows: set[int], v
 
 
 def _suggest(stretch: Tensor, *, exploding: bool) -> float | None:
+    """The stretch's SUGGEST_PERCENTILE-th percentile (its median when the run exploded); None when empty."""
     if stretch.numel() == 0:
         return None
     return percentile(stretch, 50.0 if exploding else SUGGEST_PERCENTILE)
@@ -953,6 +962,7 @@ def _unclipped_bad(log: GradLog, findings: list[dict[str, Any]]) -> bool:
 
 
 def _suggestions(norms: Tensor) -> list[dict[str, Any]]:
+    """The reference values: AutoClip's percentile, Pascanu et al.'s range, a static ZClip bound."""
     if norms.numel() == 0:
         return []
     scale = float(norms.abs().max()) or 1.0
@@ -988,6 +998,7 @@ def _suggestions(norms: Tensor) -> list[dict[str, Any]]:
 def _summary(
     log: GradLog, norm: Tensor, loss: Tensor, finite: Tensor, overflow: int, handled: int
 ) -> dict[str, Any]:
+    """The summary's figures: updates, clipping, non-finite rows, norms, max_norm, losses, layers, groups."""
     n = len(log)
     x = norm[finite]
     given = loss[~torch.isnan(loss)]
