@@ -285,7 +285,7 @@ def _explosions(
 def _nonfinite_findings(
     log: GradLog, bad_rows: Tensor, onset: int, first_bad: int, explosions: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """The ``nonfinite`` finding (none or one); part of the explosion when none came before its onset."""
+    """The ``nonfinite`` finding (none or one); part of the explosion when that began no later."""
     if not bad_rows.numel():
         return []
     finding = _nonfinite(log, bad_rows)
