@@ -105,6 +105,33 @@ def corpus() -> tuple[str, str]:
         return "docstrings of Python's standard library", "\n".join(docs) * 4
 
 
+@dataclass(frozen=True)
+class _Text:
+    """The demo's corpus encoded as character indices, split into training and held-out text."""
+
+    name: str  #: what the text is (see :func:`corpus`)
+    characters: int  #: its length in characters
+    vocab: int  #: distinct characters
+    train: torch.Tensor  #: the first 90 % of the text, as indices
+    heldout: torch.Tensor  #: the rest
+    baseline: float  #: held-out cross-entropy of predicting the training character frequencies
+
+
+def _encode_corpus() -> _Text:
+    """:func:`corpus` as character indices, its split, and the frequency baseline."""
+    name, text = corpus()
+    chars = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+    split = int(0.9 * len(data))
+    train, heldout = data[:split], data[split:]
+    vocab = len(chars)
+    freq = torch.bincount(train, minlength=vocab).double() + 1e-3  # frequencies, smoothed
+    logp = (freq / freq.sum()).log()
+    baseline = float(-logp[heldout].mean())
+    return _Text(name, len(text), vocab, train, heldout, baseline)
+
+
 class CharRNN(torch.nn.Module):
     """Embedding -> tanh RNN -> linear read-out over the vocabulary."""
 
@@ -121,6 +148,7 @@ class CharRNN(torch.nn.Module):
 
 
 def _batches(data: torch.Tensor, cfg: DemoConfig, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless random batches of ``(input, next character)`` windows, reproducible from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     while True:
         starts = torch.randint(0, len(data) - cfg.seq_len - 1, (cfg.batch,), generator=gen)
@@ -131,6 +159,7 @@ def _batches(data: torch.Tensor, cfg: DemoConfig, seed: int) -> Iterator[tuple[t
 
 @torch.no_grad()
 def _heldout_loss(model: torch.nn.Module, data: torch.Tensor, vocab: int) -> float:
+    """The model's cross-entropy on the held-out text, nats per character."""
     chunk = 128
     n = (len(data) - 1) // chunk
     x = data[: n * chunk].view(n, chunk)
@@ -178,6 +207,7 @@ def _train(
     vocab: int,
     progress: bool,
 ) -> RunResult:
+    """Train one run for cfg.steps updates (stopping early once a parameter is non-finite); its figures."""
     result = RunResult(name)
     bar = _progress(cfg.steps, name, progress)
     start = time.perf_counter()
@@ -216,46 +246,45 @@ def run_demo(out: str | Path, config: DemoConfig | None = None, progress: bool =
     cfg = config or DemoConfig()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    name, text = corpus()
-    chars = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
-    split = int(0.9 * len(data))
-    train, heldout = data[:split], data[split:]
-    vocab = len(chars)
-    freq = torch.bincount(train, minlength=vocab).double() + 1e-3  # frequencies, smoothed
-    logp = (freq / freq.sum()).log()
-    baseline = float(-logp[heldout].mean())
-
+    text = _encode_corpus()
     torch.manual_seed(cfg.seed)
-    model = CharRNN(vocab, cfg.embedding, cfg.hidden)
+    model = CharRNN(text.vocab, cfg.embedding, cfg.hidden)
     twin = copy.deepcopy(model)
-
-    runs: list[RunResult] = []
-    for label, net, max_norm, skip in (
-        ("plain SGD", model, None, False),
-        ("clipopt", twin, cfg.max_norm, True),
-    ):
-        csv_path = out / ("plain.csv" if max_norm is None else "clipopt.csv")
-        csv_path.unlink(missing_ok=True)
-        opt = ClippedOptimizer(
-            torch.optim.SGD(net.parameters(), lr=cfg.lr),
-            max_norm=max_norm,
-            skip_nonfinite=skip,
-            param_names=net.named_parameters(),
-            layer_stats=cfg.layer_stats,
-            loggers=[CSVLogger(csv_path)],
-            stats_history=cfg.steps,
-        )
-        result = _train(label, net, opt, _batches(train, cfg, cfg.seed + 1), cfg, vocab, progress)
-        opt.close()
-        result.heldout_loss = _heldout_loss(net, heldout, vocab)
-        runs.append(result)
-
-    demo = DemoResult(cfg, name, len(text), vocab, baseline, math.log(vocab), runs[0], runs[1])
+    plain = _run("plain SGD", model, None, out / "plain.csv", text, cfg, progress)
+    clipped = _run("clipopt", twin, cfg.max_norm, out / "clipopt.csv", text, cfg, progress)
+    demo = DemoResult(
+        cfg, text.name, text.characters, text.vocab, text.baseline, math.log(text.vocab), plain, clipped
+    )
     demo.files = [str(out / "plain.csv"), str(out / "clipopt.csv")]
     _write_reports(demo, out)
     return demo
+
+
+def _run(
+    label: str,
+    net: torch.nn.Module,
+    max_norm: float | None,
+    csv_path: Path,
+    text: _Text,
+    cfg: DemoConfig,
+    progress: bool,
+) -> RunResult:
+    """One run, logged to ``csv_path``: clipping at ``max_norm`` and skipping, or (None) only observing."""
+    csv_path.unlink(missing_ok=True)
+    opt = ClippedOptimizer(
+        torch.optim.SGD(net.parameters(), lr=cfg.lr),
+        max_norm=max_norm,
+        skip_nonfinite=max_norm is not None,
+        param_names=net.named_parameters(),
+        layer_stats=cfg.layer_stats,
+        loggers=[CSVLogger(csv_path)],
+        stats_history=cfg.steps,
+    )
+    batches = _batches(text.train, cfg, cfg.seed + 1)
+    result = _train(label, net, opt, batches, cfg, text.vocab, progress)
+    opt.close()
+    result.heldout_loss = _heldout_loss(net, text.heldout, text.vocab)
+    return result
 
 
 def _write_reports(demo: DemoResult, out: Path) -> None:
@@ -308,23 +337,39 @@ def summary_dict(demo: DemoResult) -> dict[str, Any]:
 
 
 def _fmt(value: float, digits: int = 3) -> str:
+    """``value`` with ``digits`` decimals (nan and inf as they are)."""
     return f"{value:.{digits}f}" if math.isfinite(value) else str(value)
 
 
 def format_summary(demo: DemoResult) -> str:
     """The side-by-side summary ``clipopt demo`` prints."""
+    rows = _comparison_rows(demo)
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    lines = [*_intro_lines(demo), ""]
+    lines += [f"  {a:<{w0}}  {b:<{w1}}  {d}" for a, b, d in rows]
+    lines += ["", *_conclusion_lines(demo)]
+    lines.append("Files: " + ", ".join(demo.files))
+    return "\n".join(lines)
+
+
+def _intro_lines(demo: DemoResult) -> list[str]:
+    """What was trained, on what, how."""
     cfg = demo.config
+    return [
+        f"clipopt demo: a character-level tanh RNN language model (hidden {cfg.hidden}) on {demo.corpus}",
+        f"({demo.characters:,} characters, {demo.vocabulary} symbols), plain SGD lr={cfg.lr:g}, "
+        f"batch {cfg.batch} x {cfg.seq_len} characters, {cfg.steps} updates, seed {cfg.seed}; "
+        "same initialisation and batches for both runs.",
+    ]
+
+
+def _comparison_rows(demo: DemoResult) -> list[tuple[str, str, str]]:
+    """The side-by-side table: what, plain run, clipopt run."""
     p, c = demo.plain, demo.clipped
-
-    def blew(r: RunResult) -> str:
-        if r.blew_up_at is None:
-            return "no"
-        loss = r.losses[r.blew_up_at - 1]
-        return f"at update {r.blew_up_at} (loss {_fmt(loss, 1)})"
-
-    rows = [
-        ("", "plain torch.optim.SGD", f"ClippedOptimizer(max_norm={cfg.max_norm:g})"),
-        ("blew up (loss > 10x start or non-finite)", blew(p), blew(c)),
+    return [
+        ("", "plain torch.optim.SGD", f"ClippedOptimizer(max_norm={demo.config.max_norm:g})"),
+        ("blew up (loss > 10x start or non-finite)", _blew_up_text(p), _blew_up_text(c)),
         ("final training loss (mean of last 20)", _fmt(_tail_mean(p.losses)), _fmt(_tail_mean(c.losses))),
         ("held-out loss, nats/char", _fmt(p.heldout_loss), _fmt(c.heldout_loss)),
         ("largest gradient norm (finite)", _fmt(p.max_grad_norm, 1), _fmt(c.max_grad_norm, 1)),
@@ -336,21 +381,23 @@ def format_summary(demo: DemoResult) -> str:
         ("clipopt report verdict", p.verdict, c.verdict),
         ("time", f"{p.seconds:.1f} s", f"{c.seconds:.1f} s"),
     ]
-    w0 = max(len(r[0]) for r in rows)
-    w1 = max(len(r[1]) for r in rows)
+
+
+def _blew_up_text(r: RunResult) -> str:
+    """``at update 6 (loss 46.4)``, or ``no``."""
+    if r.blew_up_at is None:
+        return "no"
+    loss = r.losses[r.blew_up_at - 1]
+    return f"at update {r.blew_up_at} (loss {_fmt(loss, 1)})"
+
+
+def _conclusion_lines(demo: DemoResult) -> list[str]:
+    """The trivial baselines, and whether the run showed both halves."""
     lines = [
-        f"clipopt demo: a character-level tanh RNN language model (hidden {cfg.hidden}) on {demo.corpus}",
-        f"({demo.characters:,} characters, {demo.vocabulary} symbols), plain SGD lr={cfg.lr:g}, "
-        f"batch {cfg.batch} x {cfg.seq_len} characters, {cfg.steps} updates, seed {cfg.seed}; "
-        "same initialisation and batches for both runs.",
-        "",
-    ]
-    lines += [f"  {a:<{w0}}  {b:<{w1}}  {d}" for a, b, d in rows]
-    lines += [
-        "",
         f"Trivial baseline (predict character frequencies): {demo.baseline:.3f} nats/char "
         f"(uniform over {demo.vocabulary} symbols: {demo.uniform:.3f}).",
     ]
+    p, c = demo.plain, demo.clipped
     if demo.shows_both_halves:
         lines.append(
             f"Without clipping the run blew up at update {p.blew_up_at}; with clipopt it stayed finite and "
@@ -358,11 +405,11 @@ def format_summary(demo: DemoResult) -> str:
         )
     else:
         lines.append("This run did not show both halves (try the default --steps and --seed).")
-    lines.append("Files: " + ", ".join(demo.files))
-    return "\n".join(lines)
+    return lines
 
 
 def _tail_mean(values: list[float], k: int = 20) -> float:
+    """The mean of the last ``k`` values (nan when there are none)."""
     tail = values[-k:]
     return sum(tail) / len(tail) if tail else math.nan
 

@@ -79,6 +79,29 @@ def summarize(snap: Mapping[str, Any], path: str | None = None) -> dict[str, Any
     many parameters have inner state) and ``attached`` (name -> description,
     see :func:`describe`).
     """
+    ranked = rank_parameters(_parameter_rows(snap))
+    # read before the other keys: a damaged snapshot's error names the first missing one
+    optimizer = snap["optimizer"]
+    return {
+        "file": path,
+        "format": snap.get("format"),
+        "step": int(snap["step"]),
+        "reason": snap["reason"],
+        "total_norm": float(snap["total_norm"]),
+        "micro_batches": int(snap["micro_batches"]),
+        "rank": snap.get("rank"),
+        "time": snap["time"],
+        "versions": dict(snap["versions"]),
+        "parameters": ranked,
+        "nonfinite_parameters": [r["name"] for r in ranked if r["nonfinite"] > 0],
+        "optimizer": _optimizer_summary(optimizer),
+        "attached": {str(k): describe(v) for k, v in snap["attached"].items()},
+    }
+
+
+def _parameter_rows(snap: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One :data:`PARAM_COLUMNS` row (plus ``has_grad``) per parameter, in the snapshot's order: those
+    with ``layer_stats`` first, their statistics computed from the tensors for the others."""
     params: Mapping[str, Any] = snap["params"]
     grads: Mapping[str, Any] = snap["grads"]
     layer_stats: Mapping[str, Any] = snap["layer_stats"]
@@ -96,28 +119,18 @@ def summarize(snap: Mapping[str, Any], path: str | None = None) -> dict[str, Any
             row[field] = int(stats[field]) if field == "nonfinite" else float(stats[field])
         row["has_grad"] = isinstance(grad, Tensor)
         rows.append(row)
-    ranked = rank_parameters(rows)
-    optimizer = snap["optimizer"]
+    return rows
+
+
+def _optimizer_summary(optimizer: Any) -> dict[str, Any]:
+    """The inner optimizer's state dict in brief: parameter groups, their learning rates, parameters with
+    state."""
     groups = optimizer.get("param_groups", []) if isinstance(optimizer, Mapping) else []
     state = optimizer.get("state", {}) if isinstance(optimizer, Mapping) else {}
     return {
-        "file": path,
-        "format": snap.get("format"),
-        "step": int(snap["step"]),
-        "reason": snap["reason"],
-        "total_norm": float(snap["total_norm"]),
-        "micro_batches": int(snap["micro_batches"]),
-        "rank": snap.get("rank"),
-        "time": snap["time"],
-        "versions": dict(snap["versions"]),
-        "parameters": ranked,
-        "nonfinite_parameters": [r["name"] for r in ranked if r["nonfinite"] > 0],
-        "optimizer": {
-            "param_groups": len(groups),
-            "lr": [_plain(g.get("lr")) for g in groups],
-            "params_with_state": len(state),
-        },
-        "attached": {str(k): describe(v) for k, v in snap["attached"].items()},
+        "param_groups": len(groups),
+        "lr": [_plain(g.get("lr")) for g in groups],
+        "params_with_state": len(state),
     }
 
 
@@ -169,7 +182,18 @@ def format_json(summary: Mapping[str, Any]) -> str:
 def format_text(summary: Mapping[str, Any]) -> str:
     """The summary for a terminal: header, ranked parameter table, attachments."""
     lines = [f"clipopt anomaly snapshot {summary['file'] or ''}".rstrip()]
+    lines += _header_lines(summary)
+    lines += ["", *_parameter_lines(summary)]
+    lines += ["", *_attached_lines(summary["attached"])]
+    lines += ["", *_replay_lines(summary)]
+    return "\n".join(lines)
+
+
+def _header_lines(summary: Mapping[str, Any]) -> list[str]:
+    """The window: step, reason, total norm, micro-batches, rank, time, versions, the inner optimizer."""
     versions = summary["versions"]
+    opt = summary["optimizer"]
+    lrs = ", ".join(fmt_num(lr) if isinstance(lr, float) else str(lr) for lr in opt["lr"])
     header = [
         ("step", str(summary["step"])),
         ("reason", str(summary["reason"])),
@@ -178,29 +202,27 @@ def format_text(summary: Mapping[str, Any]) -> str:
         *([("rank", str(summary["rank"]))] if summary.get("rank") is not None else []),
         ("time", str(summary["time"])),
         ("versions", ", ".join(f"{k} {v}" for k, v in versions.items())),
-    ]
-    opt = summary["optimizer"]
-    lrs = ", ".join(fmt_num(lr) if isinstance(lr, float) else str(lr) for lr in opt["lr"])
-    header.append(
         (
             "optimizer",
             f"{opt['param_groups']} parameter group(s), lr {lrs or '-'}; "
             f"state for {opt['params_with_state']} parameter(s)",
-        )
-    )
+        ),
+    ]
     width = max(len(k) for k, _ in header)
-    lines += [f"  {k.ljust(width)}  {v}" for k, v in header]
+    return [f"  {k.ljust(width)}  {v}" for k, v in header]
 
+
+def _parameter_lines(summary: Mapping[str, Any]) -> list[str]:
+    """Which parameters went non-finite, then the ranked parameter table."""
     params = summary["parameters"]
     bad = summary["nonfinite_parameters"]
-    lines.append("")
     if bad:
-        lines.append(
+        lines = [
             f"{len(bad)} of {len(params)} parameters have non-finite gradients; first: {bad[0]} "
             f"({params[0]['nonfinite']} non-finite elements)"
-        )
+        ]
     else:
-        lines.append(f"no parameter has non-finite gradient elements ({len(params)} parameters)")
+        lines = [f"no parameter has non-finite gradient elements ({len(params)} parameters)"]
     lines.append("Parameters (non-finite first, then by gradient norm; gradients are pre-clip, combined):")
     table = [list(PARAM_COLUMNS)]
     for row in params:
@@ -209,38 +231,40 @@ def format_text(summary: Mapping[str, Any]) -> str:
         if not row["has_grad"]:
             grad_cols = ["no grad", "-", "-"]
         table.append([row["name"], shape, str(row["nonfinite"]), *grad_cols, fmt_num(row["param_norm"])])
-    lines += _table(table, right=range(2, len(PARAM_COLUMNS)))
+    return lines + _table(table, right=range(2, len(PARAM_COLUMNS)))
 
-    lines.append("")
-    attached = summary["attached"]
-    if attached:
-        lines.append("Attached:")
-        for name, desc in attached.items():
-            lines += _describe_lines(name, desc, "  ")
-    else:
-        lines.append(
+
+def _attached_lines(attached: Mapping[str, Any]) -> list[str]:
+    """What was attached with ``opt.attach()``, or how to attach the batch."""
+    if not attached:
+        return [
             "Attached: nothing (call opt.attach(inputs=x, targets=y) before opt.step() to save the batch)"
-        )
-    lines.append("")
+        ]
+    lines = ["Attached:"]
+    for name, desc in attached.items():
+        lines += _describe_lines(name, desc, "  ")
+    return lines
+
+
+def _replay_lines(summary: Mapping[str, Any]) -> list[str]:
+    """How to replay the window (``clipopt replay``), or why the positional names prevent it."""
+    params = summary["parameters"]
     if params and all(re.fullmatch(r"group\d+\.\d+", row["name"]) for row in params):
-        lines.append(
+        return [
             "Replay: the parameter names are positional (group<g>.<i>), so model.load_state_dict() cannot "
             "use them; pass param_names=model.named_parameters() to ClippedOptimizer to get model names"
-        )
-    else:
-        lines.append(
-            f"Replay: clipopt replay {summary['file'] or 'FILE'} --model pkg.mod:factory "
-            "--loss pkg.mod:loss_fn names the operation, module and phase that went non-finite "
-            "(clipopt.replay in Python)"
-        )
-        lines.append(
-            "  by hand: snap = clipopt.load_snapshot(FILE); "
-            "model.load_state_dict(snap['params'], strict=False); then run the attached batch"
-        )
-    return "\n".join(lines)
+        ]
+    return [
+        f"Replay: clipopt replay {summary['file'] or 'FILE'} --model pkg.mod:factory "
+        "--loss pkg.mod:loss_fn names the operation, module and phase that went non-finite "
+        "(clipopt.replay in Python)",
+        "  by hand: snap = clipopt.load_snapshot(FILE); "
+        "model.load_state_dict(snap['params'], strict=False); then run the attached batch",
+    ]
 
 
 def _describe_lines(name: str, desc: Mapping[str, Any], indent: str) -> list[str]:
+    """The lines of one attached value (nested lists and dicts indented)."""
     kind = desc["type"]
     if kind == "tensor":
         shape = str(tuple(desc["shape"]))
@@ -264,6 +288,7 @@ def _describe_lines(name: str, desc: Mapping[str, Any], indent: str) -> list[str
 
 
 def _table(rows: list[list[str]], right: range) -> list[str]:
+    """Rows as aligned columns (the ``right`` ones right-aligned), each line indented by two spaces."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []
     for r in rows:
@@ -277,10 +302,6 @@ def _table(rows: list[list[str]], right: range) -> list[str]:
 # ---------------------------------------------------------------------------- helpers
 
 
-
-
-
-
 def _plain(value: Any) -> Any:
     """A learning rate (float or 0-d tensor) as a Python number."""
     if isinstance(value, Tensor) and value.numel() == 1:
@@ -289,6 +310,7 @@ def _plain(value: Any) -> Any:
 
 
 def _count_nonfinite(t: Tensor) -> int:
+    """Non-finite elements of ``t`` (0 for integer tensors)."""
     if t.is_sparse:
         t = t.coalesce().values()
     if not (t.is_floating_point() or t.is_complex()):
@@ -313,6 +335,7 @@ def _tensor_stats(grad: Any, param: Any) -> dict[str, float]:
 
 
 def _one_line(exc: BaseException) -> str:
+    """The first line of the exception's message, at most 300 characters."""
     text = str(exc).strip().splitlines()
     first = text[0] if text else type(exc).__name__
     return first if len(first) <= 300 else first[:297] + "..."

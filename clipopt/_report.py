@@ -72,59 +72,73 @@ def verdict_line(report: Mapping[str, Any]) -> str:
 
 def format_report(report: Mapping[str, Any]) -> str:
     """The report for a terminal: verdict, evidence, suggested max_norm, clipping, summary, notes."""
-    s = report["summary"]
     lines = [
+        *_header_lines(report),
+        "",
+        *_evidence_lines(report),
+        "",
+        *_threshold_lines(report),
+        "",
+        *_summary_lines(report["summary"]),
+    ]
+    if report["notes"]:
+        lines += ["", "Notes:"]
+        lines += [f"  - {note}" for note in report["notes"]]
+    return "\n".join(lines)
+
+
+def _header_lines(report: Mapping[str, Any]) -> list[str]:
+    """The verdict line and the file line (format, updates, steps)."""
+    s = report["summary"]
+    return [
         verdict_line(report),
         f"file: {report['file']} ({report['source']}; {s['updates']} updates, "
         f"steps {s['first_step']}-{s['last_step']})",
-        "",
-        "Evidence:",
     ]
-    if report["findings"]:
-        lines += [f"  - [{f['kind']}] {f['evidence']}" for f in report["findings"]]
-    else:
-        lines.append(
-            "  - none of the rules fired (they are listed in the documentation, page 'Choosing max_norm')"
-        )
-    clip = report["clipping"]
+
+
+def _evidence_lines(report: Mapping[str, Any]) -> list[str]:
+    """``Evidence:``, one line per finding, most severe first."""
+    if not report["findings"]:
+        return [
+            "Evidence:",
+            "  - none of the rules fired (they are listed in the documentation, page 'Choosing max_norm')",
+        ]
+    return ["Evidence:", *(f"  - [{f['kind']}] {f['evidence']}" for f in report["findings"])]
+
+
+def _threshold_lines(report: Mapping[str, Any]) -> list[str]:
+    """``Suggested max_norm:``, the clipping advice and the reference values (AutoClip, Pascanu, ZClip)."""
     suggested = report["suggested_max_norm"]
-    lines += [
-        "",
+    lines = [
         f"Suggested max_norm: {_num(suggested) if suggested is not None else 'none (no finite norm)'}",
+        f"  clipping: {report['clipping']['advice']}",
     ]
-    lines.append(f"  clipping: {clip['advice']}")
     if report["suggestions"]:
         lines.append("  for reference:")
-        rows = []
-        for sug in report["suggestions"]:
-            value = (
-                _num(sug["value"])
-                if sug["value"] is not None
-                else f"{_num(sug['low'])} - {_num(sug['high'])}"
-            )
-            rows.append([sug["name"], value, sug["rule"]])
+        rows = [[sug["name"], _suggestion_value(sug), sug["rule"]] for sug in report["suggestions"]]
         lines += ["  " + line for line in _table(rows)]
-    lines += ["", "Summary:"]
-    norms = (
-        f"min {_num(s['norm_min'])}, median {_num(s['norm_median'])}, max {_num(s['norm_max'])} "
-        f"({s['finite_norms']} finite)"
-        if s["finite_norms"]
-        else "no finite norm"
-    )
-    loss = (
-        f"{_num(s['loss_start'])} at the start, {_num(s['loss_end'])} at the end ({s['losses']} logged"
-        + (f", {s['loss_nonfinite']} non-finite)" if s["loss_nonfinite"] else ")")
-        if s["losses"]
-        else "not in the log (clipopt: opt.step(loss=loss))"
-    )
+    return lines
+
+
+def _suggestion_value(sug: Mapping[str, Any]) -> str:
+    """A reference value, or its range ``low - high``."""
+    if sug["value"] is not None:
+        return _num(sug["value"])
+    return f"{_num(sug['low'])} - {_num(sug['high'])}"
+
+
+def _summary_lines(s: Mapping[str, Any]) -> list[str]:
+    """``Summary:`` and its table: updates, loss, clipped, skipped, non-finite, norms, max_norm, layers,
+    parameter groups."""
     rows = [
         ["updates", f"{s['updates']}"],
-        ["loss", loss],
+        ["loss", _loss_text(s)],
         ["clipped", f"{s['clipped']} ({100 * s['clipped_fraction']:.1f}%)"],
         ["skipped", f"{s['skipped']}"],
         *([["rewinds", f"{s['rewinds']}"]] if s.get("rewinds") else []),
         ["non-finite", f"{s['nonfinite']}" + (f" ({s['overflow']} overflow)" if s["overflow"] else "")],
-        ["total norm", norms],
+        ["total norm", _norms_text(s)],
         ["max_norm used", _max_norm_text(s)],
         [
             "layers",
@@ -132,11 +146,26 @@ def format_report(report: Mapping[str, Any]) -> str:
         ],
     ]
     rows += [[f"group {g['group']}", _group_text(g)] for g in s.get("groups", [])]
-    lines += _table(rows)
-    if report["notes"]:
-        lines += ["", "Notes:"]
-        lines += [f"  - {note}" for note in report["notes"]]
-    return "\n".join(lines)
+    return ["Summary:", *_table(rows)]
+
+
+def _norms_text(s: Mapping[str, Any]) -> str:
+    """``min 0.1, median 0.8, max 3 (200 finite)``: the total norms of the summary."""
+    if not s["finite_norms"]:
+        return "no finite norm"
+    return (
+        f"min {_num(s['norm_min'])}, median {_num(s['norm_median'])}, max {_num(s['norm_max'])} "
+        f"({s['finite_norms']} finite)"
+    )
+
+
+def _loss_text(s: Mapping[str, Any]) -> str:
+    """``2.3 at the start, 0.4 at the end (200 logged)``: the loss of the summary."""
+    if not s["losses"]:
+        return "not in the log (clipopt: opt.step(loss=loss))"
+    nonfinite = f", {s['loss_nonfinite']} non-finite" if s["loss_nonfinite"] else ""
+    ends = f"{_num(s['loss_start'])} at the start, {_num(s['loss_end'])} at the end"
+    return f"{ends} ({s['losses']} logged{nonfinite})"
 
 
 def _group_text(g: Mapping[str, Any]) -> str:
@@ -150,6 +179,7 @@ def _group_text(g: Mapping[str, Any]) -> str:
 
 
 def _max_norm_text(s: Mapping[str, Any]) -> str:
+    """How ``max_norm`` was used: one bound, a range, adaptive, or none."""
     if s["max_norm"] is None and s.get("max_norm_unbounded"):
         return "adaptive, no bound reached (e.g. ZClip between spikes)"
     if s["max_norm"] is None and s["clipped"]:
@@ -163,5 +193,6 @@ def _max_norm_text(s: Mapping[str, Any]) -> str:
 
 
 def _table(rows: list[list[str]]) -> list[str]:
+    """Rows as aligned columns (the last one unpadded), each line indented by two spaces."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return ["  " + "  ".join([*(c.ljust(w) for c, w in zip(r, widths, strict=False)), r[-1]]) for r in rows]

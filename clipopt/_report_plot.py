@@ -61,74 +61,28 @@ def plot_log(log: GradLog, report: Mapping[str, Any], path: str | os.PathLike[st
 
 
 def _legend(ax: Any) -> None:
+    """The legend outside the panel, on its right."""
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", borderaxespad=0.0)
 
 
 def _norm_panel(ax: Any, log: GradLog, report: Mapping[str, Any]) -> None:
-    from matplotlib.transforms import blended_transform_factory
-
-    steps, norm = log.steps, log.total_norm
-    good = [i for i, x in enumerate(norm) if math.isfinite(x) and x > 0]
+    """Panel 1: the total norm on a log scale, with every marker the docstring of :func:`plot_log` lists."""
+    good = [i for i, x in enumerate(log.total_norm) if math.isfinite(x) and x > 0]
     ax.plot(
-        [steps[i] for i in good],
-        [norm[i] for i in good],
+        [log.steps[i] for i in good],
+        [log.total_norm[i] for i in good],
         lw=0.9,
         color="tab:blue",
         label="total norm (pre-clip)",
     )
-    clipped = [i for i in good if log.clipped[i]]
-    if clipped:
-        ax.scatter(
-            [steps[i] for i in clipped],
-            [norm[i] for i in clipped],
-            s=8,
-            color="tab:orange",
-            alpha=0.7,
-            lw=0,
-            zorder=3,
-            label=f"clipped ({len(clipped)})",
-        )
-    spike = next((f for f in report["findings"] if f["kind"] == "spikes"), None)
-    if spike is not None:
-        rows = [r for r in spike["values"]["rows"] if math.isfinite(norm[r])]
-        ax.scatter(
-            [steps[r] for r in rows],
-            [norm[r] for r in rows],
-            s=60,
-            facecolors="none",
-            edgecolors="tab:purple",
-            lw=1.5,
-            zorder=4,
-            label=f"spike ({spike['values']['count']})",
-        )
-    bounds = [(steps[i], b) for i, b in enumerate(log.max_norm) if math.isfinite(b)]
-    if bounds:
-        bx, by = zip(*bounds, strict=True)
-        ax.step(bx, by, where="post", color="black", ls="--", lw=1.0, label="max_norm used")
-    suggested = report["suggested_max_norm"]
-    if suggested is not None and suggested > 0:
-        ax.axhline(
-            suggested, color="tab:green", ls=":", lw=1.4, label=f"suggested max_norm {_num(suggested)}"
-        )
-    onset = next((f for f in report["findings"] if f["kind"] in ("blowup", "growth")), None)
-    if onset is not None:
-        ax.axvline(
-            onset["step"], color="tab:red", lw=1.0, alpha=0.6, label=f"explosion (step {onset['step']})"
-        )
-    bad = [steps[i] for i in range(len(log)) if log.skipped[i] or not math.isfinite(norm[i])]
+    _clipped_dots(ax, log, good)
+    _spike_circles(ax, log, report)
+    bounds = _max_norm_line(ax, log)
+    _suggested_line(ax, report)
+    _onset_line(ax, report)
+    bad = [log.steps[i] for i in range(len(log)) if log.skipped[i] or not math.isfinite(log.total_norm[i])]
     if bad:
-        top = blended_transform_factory(ax.transData, ax.transAxes)
-        ax.scatter(
-            bad,
-            [0.97] * len(bad),
-            transform=top,
-            marker="x",
-            s=30,
-            color="tab:red",
-            zorder=5,
-            clip_on=False,
-            label=f"skipped / non-finite ({len(bad)})",
-        )
+        _top_crosses(ax, bad, 0.97, f"skipped / non-finite ({len(bad)})", zorder=5)
     if good or bounds:
         ax.set_yscale("log")
     ax.set_ylabel("gradient norm")
@@ -136,26 +90,95 @@ def _norm_panel(ax: Any, log: GradLog, report: Mapping[str, Any]) -> None:
     _legend(ax)
 
 
-def _loss_panel(ax: Any, log: GradLog) -> None:
+def _clipped_dots(ax: Any, log: GradLog, good: list[int]) -> None:
+    """Dots on the clipped updates among the rows ``good`` (finite, positive norms)."""
+    clipped = [i for i in good if log.clipped[i]]
+    if clipped:
+        ax.scatter(
+            [log.steps[i] for i in clipped],
+            [log.total_norm[i] for i in clipped],
+            s=8,
+            color="tab:orange",
+            alpha=0.7,
+            lw=0,
+            zorder=3,
+            label=f"clipped ({len(clipped)})",
+        )
+
+
+def _spike_circles(ax: Any, log: GradLog, report: Mapping[str, Any]) -> None:
+    """Circles around the norm spikes of the report's ``spikes`` finding (when it has one)."""
+    spike = next((f for f in report["findings"] if f["kind"] == "spikes"), None)
+    if spike is None:
+        return
+    rows = [r for r in spike["values"]["rows"] if math.isfinite(log.total_norm[r])]
+    ax.scatter(
+        [log.steps[r] for r in rows],
+        [log.total_norm[r] for r in rows],
+        s=60,
+        facecolors="none",
+        edgecolors="tab:purple",
+        lw=1.5,
+        zorder=4,
+        label=f"spike ({spike['values']['count']})",
+    )
+
+
+def _max_norm_line(ax: Any, log: GradLog) -> bool:
+    """The ``max_norm`` used, as a step line over its finite values; False when it has none."""
+    bounds = [(log.steps[i], b) for i, b in enumerate(log.max_norm) if math.isfinite(b)]
+    if bounds:
+        bx, by = zip(*bounds, strict=True)
+        ax.step(bx, by, where="post", color="black", ls="--", lw=1.0, label="max_norm used")
+    return bool(bounds)
+
+
+def _suggested_line(ax: Any, report: Mapping[str, Any]) -> None:
+    """A horizontal line at the suggested ``max_norm`` (when positive)."""
+    suggested = report["suggested_max_norm"]
+    if suggested is not None and suggested > 0:
+        ax.axhline(
+            suggested, color="tab:green", ls=":", lw=1.4, label=f"suggested max_norm {_num(suggested)}"
+        )
+
+
+def _onset_line(ax: Any, report: Mapping[str, Any]) -> None:
+    """A vertical line at the step of the first explosion finding (blow-up or growth), when there is one."""
+    onset = next((f for f in report["findings"] if f["kind"] in ("blowup", "growth")), None)
+    if onset is not None:
+        ax.axvline(
+            onset["step"], color="tab:red", lw=1.0, alpha=0.6, label=f"explosion (step {onset['step']})"
+        )
+
+
+def _top_crosses(ax: Any, steps: list[int], height: float, label: str, **kwargs: Any) -> None:
+    """Red crosses at ``steps``, at ``height`` in axes coordinates (0: bottom, 1: top): updates whose value
+    cannot be drawn."""
     from matplotlib.transforms import blended_transform_factory
 
+    top = blended_transform_factory(ax.transData, ax.transAxes)
+    ax.scatter(
+        steps,
+        [height] * len(steps),
+        transform=top,
+        marker="x",
+        s=30,
+        color="tab:red",
+        clip_on=False,
+        label=label,
+        **kwargs,
+    )
+
+
+def _loss_panel(ax: Any, log: GradLog) -> None:
+    """Panel 2: the loss per step (log scale when positive over a wide range), non-finite losses crossed."""
     steps, loss = log.steps, log.loss
     good = [i for i, x in enumerate(loss) if math.isfinite(x)]
     ys = [loss[i] for i in good]
     ax.plot([steps[i] for i in good], ys, lw=0.9, color="tab:brown", label="loss")
     bad = [steps[i] for i, x in enumerate(loss) if math.isinf(x)]
     if bad:
-        top = blended_transform_factory(ax.transData, ax.transAxes)
-        ax.scatter(
-            bad,
-            [0.95] * len(bad),
-            transform=top,
-            marker="x",
-            s=30,
-            color="tab:red",
-            clip_on=False,
-            label=f"non-finite loss ({len(bad)})",
-        )
+        _top_crosses(ax, bad, 0.95, f"non-finite loss ({len(bad)})")
     if ys and min(ys) > 0 and max(ys) / min(ys) > 20:
         ax.set_yscale("log")
     ax.set_ylabel("loss")
@@ -164,6 +187,7 @@ def _loss_panel(ax: Any, log: GradLog) -> None:
 
 
 def _heatmap(ax: Any, log: GradLog, names: list[str]) -> None:
+    """Panel 3: log10 of each layer's gradient norm per per-layer row, non-finite cells crossed."""
     steps = [log.steps[r] for r in log.layer_rows]
     # cell j spans the steps since the previous per-layer row; the first one starts with the log
     edges = [min(log.steps[0], steps[0]) - 0.5, *(s + 0.5 for s in steps)]
@@ -204,4 +228,5 @@ def _heatmap(ax: Any, log: GradLog, names: list[str]) -> None:
 
 
 def _short(name: str, width: int = 28) -> str:
+    """The name, its start cut to ``...`` when longer than ``width``."""
     return name if len(name) <= width else "..." + name[-(width - 3) :]

@@ -63,6 +63,8 @@ _LIGHTNING_LAYER = re.compile(r"grad_(?:[0-9.]+|inf)_norm/(.+)")
 #: clipopt's per-group columns (CSV) and tags (TensorBoard): what, group index.
 _GROUP_COLUMN = re.compile(r"group_(norm|coef)\.([0-9]+)")
 _GROUP_TAG = re.compile(r"clipopt/group_(norm|coef)/([0-9]+)")
+#: clipopt's TensorBoard tags read by exact name (``clipopt/<key>``), besides the norm, loss and lr.
+_CLIPOPT_TAGS = ("max_norm", "clipped", "skipped", "overflow", "spike", "rewind")
 _NOT_TRAIN = ("val", "eval", "test", "valid")
 _NAN = math.nan
 #: Rows converted column by column at once.
@@ -146,6 +148,7 @@ def read_log(path: str | os.PathLike[str]) -> GradLog:
 
 
 def _mostly_binary(head: bytes) -> bool:
+    """True when the file's first bytes are not UTF-8 text or hold many control characters."""
     try:
         text = head.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -157,6 +160,7 @@ def _mostly_binary(head: bytes) -> bool:
 
 
 def _read_folder(name: str) -> GradLog:
+    """The log in a folder: trainer_state.json, metrics.csv, event files, or the latest checkpoint's state."""
     for candidate in ("trainer_state.json", "metrics.csv"):
         path = os.path.join(name, candidate)
         if os.path.isfile(path):
@@ -175,6 +179,7 @@ def _read_folder(name: str) -> GradLog:
 
 
 def _checkpoint_number(path: str) -> int:
+    """The number of a ``checkpoint-<n>`` folder (-1 when it has none)."""
     tail = os.path.basename(path).rpartition("-")[2]
     return int(tail) if tail.isdigit() else -1
 
@@ -199,6 +204,7 @@ class _Columns:
 
 
 def _pick(header: list[str], names: Iterable[str]) -> int:
+    """The index of the first of ``names`` in the header (-1: none of them)."""
     for n in names:
         if n in header:
             return header.index(n)
@@ -206,6 +212,7 @@ def _pick(header: list[str], names: Iterable[str]) -> int:
 
 
 def _columns(name: str, header: list[str]) -> _Columns:
+    """Where the step, norm, loss, lr, clipopt, per-layer and per-group columns are in the header."""
     norm = _pick(header, NORM_NAMES)
     if norm < 0:
         norm = next((i for i, c in enumerate(header) if _LIGHTNING_TOTAL.fullmatch(c)), -1)
@@ -266,6 +273,7 @@ def _read_csv(name: str) -> GradLog:
 
 
 def _read_csv_rows(name: str, rows: Iterator[list[str]]) -> GradLog:
+    """The header checked and its columns found, then every row parsed into a GradLog."""
     header = next((r for r in rows if r), None)
     if header is None:
         raise ValueError(f"{name} is empty; expected a training log with {_EXPECTED}")
@@ -302,6 +310,22 @@ def _floats(cells: tuple[str, ...], recorded_inf: bool = False) -> array[float]:
     return out
 
 
+@dataclass
+class _ChunkValues:
+    """A chunk of CSV rows converted column by column (:meth:`_Parser.fast_chunk`), ready to append."""
+
+    steps: array[int]
+    norms: array[float]
+    loss: array[float]  #: nan: not recorded; inf: recorded but not finite
+    lr: array[float]
+    max_norm: array[float]
+    groups: list[tuple[int, str, array[float]]]  #: (group, "norm"/"coef", values)
+    clipped: bytearray
+    skipped: bytearray
+    reasons: list[tuple[int, str]]  #: (row in the log, skip reason) of the rows with a reason
+    layer_rows: list[tuple[int, list[float]]]  #: (row in the log, every layer's LAYER_FIELDS in order)
+
+
 class _Parser:
     """The row loop of :func:`_read_csv`: one pass, each column appended to its array."""
 
@@ -320,6 +344,7 @@ class _Parser:
         self.flat = [cols.layers[n].get(f, -1) for n in self.layer_names for f in LAYER_FIELDS]
 
     def number(self, lineno: int, i: int, text: str) -> float:
+        """The cell as a float; ValueError naming the line and column otherwise."""
         try:
             return float(text)
         except ValueError:
@@ -353,6 +378,7 @@ class _Parser:
         self.finish()
 
     def one(self, lineno: int, row: list[str]) -> None:
+        """One row of the slow path: blank rows skipped, a short row tolerated only as the last one."""
         if not row:
             return
         if self.torn is not None:
@@ -366,54 +392,76 @@ class _Parser:
     def fast_chunk(self, chunk: list[list[str]]) -> None:
         """Convert the chunk's columns with C-level loops; raise (ValueError/KeyError) before appending
         anything when a cell is not well-formed, so :meth:`row` can say exactly where."""
-        c, log = self.cols, self.log
-        n0 = len(log.steps)
+        values = self.convert_chunk(chunk)
+        if self.pending_loss:
+            raise ValueError("sparse rows pending: merge row by row")
+        self.append_chunk(values)
+
+    def convert_chunk(self, chunk: list[list[str]]) -> _ChunkValues:
+        """The chunk's columns converted (ValueError/KeyError on a cell that is not well-formed)."""
+        c, n0 = self.cols, len(self.log.steps)
+        columns = self.chunk_columns(chunk)
+        empty = ("",) * len(chunk)
+        flags = _FLAGS.__getitem__
+        if c.step >= 0:
+            steps = array("q", map(int, columns[c.step]))
+        else:
+            steps = array("q", range(n0 + 1, n0 + 1 + len(chunk)))
+        reasons = [(n0 + k, t.strip()) for k, t in enumerate(columns[c.reason]) if t] if c.reason >= 0 else []
+        return _ChunkValues(
+            steps=steps,
+            norms=array("d", map(float, columns[c.norm])),
+            loss=_floats(columns.get(c.loss, empty) if c.loss >= 0 else empty, recorded_inf=True),
+            lr=_floats(columns[c.lr] if c.lr >= 0 else empty),
+            max_norm=_floats(columns[c.max_norm] if c.max_norm >= 0 else empty),
+            groups=[(g, kind, _floats(columns[i])) for g, kind, i in c.groups],
+            clipped=bytearray(map(flags, columns[c.clipped])) if c.clipped >= 0 else bytearray(len(chunk)),
+            skipped=bytearray(map(flags, columns[c.skipped])) if c.skipped >= 0 else bytearray(len(chunk)),
+            reasons=reasons,
+            layer_rows=self.chunk_layer_rows(chunk, columns),
+        )
+
+    def chunk_columns(self, chunk: list[list[str]]) -> dict[int, tuple[str, ...]]:
+        """Column index -> the chunk's cells, for every column read (and the first and last layer cells)."""
+        c = self.cols
         first = self.layer_first[0] if self.layer_first else -1
         last = self.layer_first[-1] if self.layer_first else -1
         wanted = [c.step, c.norm, c.loss, c.lr, c.max_norm, c.clipped, c.skipped, c.reason, first, last]
         wanted += [i for _, _, i in c.groups]
         present = sorted({i for i in wanted if i >= 0} | {c.norm, -1})  # -1: two indices at least (tuples)
         # one C-level pass picks the cells of every row, a second transposes them into columns
-        columns = dict(zip(present, zip(*map(itemgetter(*present), chunk), strict=True), strict=True))
+        return dict(zip(present, zip(*map(itemgetter(*present), chunk), strict=True), strict=True))
 
-        def col(i: int) -> tuple[str, ...]:
-            return columns[i]
+    def chunk_layer_rows(
+        self, chunk: list[list[str]], columns: dict[int, tuple[str, ...]]
+    ) -> list[tuple[int, list[float]]]:
+        """``(row, every layer's LAYER_FIELDS)`` of the rows whose first or last layer cell is set."""
+        if not self.layer_first:
+            return []
+        first, last = self.layer_first[0], self.layer_first[-1]
+        n0, flat = len(self.log.steps), self.flat
+        marked = [k for k, (a, b) in enumerate(zip(columns[first], columns[last], strict=True)) if a or b]
+        rows = []
+        for k in marked:
+            r = chunk[k]
+            rows.append((n0 + k, [float(r[i]) if i >= 0 and r[i] else _NAN for i in flat]))
+        return rows
 
-        if c.step >= 0:
-            steps = array("q", map(int, col(c.step)))
-        else:
-            steps = array("q", range(n0 + 1, n0 + 1 + len(chunk)))
-        norms = array("d", map(float, col(c.norm)))
-        empty = ("",) * len(chunk)
-        loss = _floats(columns.get(c.loss, empty) if c.loss >= 0 else empty, recorded_inf=True)
-        lr = _floats(col(c.lr) if c.lr >= 0 else empty)
-        max_norm = _floats(col(c.max_norm) if c.max_norm >= 0 else empty)
-        groups = [(g, kind, _floats(col(i))) for g, kind, i in c.groups]
-        flags = _FLAGS.__getitem__
-        clipped = bytearray(map(flags, col(c.clipped))) if c.clipped >= 0 else bytearray(len(chunk))
-        skipped = bytearray(map(flags, col(c.skipped))) if c.skipped >= 0 else bytearray(len(chunk))
-        reasons = [(n0 + k, t.strip()) for k, t in enumerate(col(c.reason)) if t] if c.reason >= 0 else []
-        layer_rows: list[tuple[int, list[float]]] = []
-        if first >= 0:
-            flat = self.flat
-            marked = [k for k, (a, b) in enumerate(zip(col(first), col(last), strict=True)) if a or b]
-            for k in marked:
-                r = chunk[k]
-                layer_rows.append((n0 + k, [float(r[i]) if i >= 0 and r[i] else _NAN for i in flat]))
-        if self.pending_loss:
-            raise ValueError("sparse rows pending: merge row by row")
-        log.steps.extend(steps)
-        log.total_norm.extend(norms)
-        log.loss.extend(loss)
-        log.lr.extend(lr)
-        log.max_norm.extend(max_norm)
-        log.clipped.extend(clipped)
-        log.skipped.extend(skipped)
-        log.reason.update(reasons)
-        for g, kind, group_values in groups:
+    def append_chunk(self, values: _ChunkValues) -> None:
+        """Append a converted chunk to the log."""
+        log = self.log
+        log.steps.extend(values.steps)
+        log.total_norm.extend(values.norms)
+        log.loss.extend(values.loss)
+        log.lr.extend(values.lr)
+        log.max_norm.extend(values.max_norm)
+        log.clipped.extend(values.clipped)
+        log.skipped.extend(values.skipped)
+        log.reason.update(values.reasons)
+        for g, kind, group_values in values.groups:
             log.groups[g][kind].extend(group_values)
-        for at, values in layer_rows:
-            self.add_layers(at, values)
+        for at, layer_values in values.layer_rows:
+            self.add_layers(at, layer_values)
 
     def row(self, lineno: int, row: list[str]) -> None:
         """One row the fast path refused: exact error messages, sparse (Lightning) rows merged."""
@@ -459,11 +507,13 @@ class _Parser:
             self.layer_row(lineno, row)
 
     def optional(self, lineno: int, i: int, row: list[str]) -> float:
+        """The float in column ``i`` (nan: no such column, or an empty cell)."""
         if i < 0 or not (text := row[i]).strip():
             return _NAN
         return self.number(lineno, i, text)
 
     def flag(self, lineno: int, i: int, row: list[str]) -> int:
+        """The 0/1 flag in column ``i`` (0: no such column); ValueError naming the line otherwise."""
         if i < 0:
             return 0
         text = row[i].strip().lower()
@@ -483,6 +533,7 @@ class _Parser:
                 out[f].append(values[j * k + m])
 
     def layer_row(self, lineno: int, row: list[str]) -> None:
+        """Append the row's per-layer cells (nan where absent) as a per-layer row of the last update."""
         self.log.layer_rows.append(len(self.log.steps) - 1)
         for n in self.layer_names:
             fields = self.cols.layers[n]
@@ -546,6 +597,7 @@ def _from_records(
 
 
 def _read_trainer_state(name: str) -> GradLog:
+    """A Hugging Face Trainer trainer_state.json: the log_history entries with a grad_norm."""
     try:
         with open(name, encoding="utf-8-sig") as f:
             state = json.load(f)
@@ -582,6 +634,28 @@ def _read_trainer_state(name: str) -> GradLog:
 
 
 def _read_tensorboard(name: str) -> GradLog:
+    """A TensorBoard log folder: its total-norm tag, the loss, lr and clipopt's own tags, per step."""
+    scalars = _tensorboard_scalars(name)
+    norm_tag = _norm_tag(name, scalars)
+    wanted = {
+        "norm": norm_tag,
+        "loss": _tag(scalars, ("clipopt/loss", *LOSS_NAMES), ("/loss", "train_loss")),
+        "lr": _tag(scalars, ("clipopt/lr", *LR_NAMES), ("/learning_rate", "/lr")),
+        **{key: _tag(scalars, (f"clipopt/{key}",), ()) for key in _CLIPOPT_TAGS},
+    }
+    records: dict[int, dict[str, float]] = {}
+    for key, tag in wanted.items():
+        for step, value in scalars.get(tag, []) if tag is not None else []:
+            records.setdefault(step, {})[key] = value
+    layers, groups = _tensorboard_layers_and_groups(scalars)
+    log = _from_records(name, "TensorBoard", records, layers, groups)
+    log.norm_column, log.loss_column = norm_tag, wanted["loss"]
+    log.has_clipping = wanted["clipped"] is not None
+    return log
+
+
+def _tensorboard_scalars(name: str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of every run under ``name``: tag -> ``(step, value)`` events; needs tensorboard."""
     try:
         from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
     except ImportError:
@@ -596,6 +670,11 @@ def _read_tensorboard(name: str) -> GradLog:
     for run, tags in mux.Runs().items():
         for tag in tags.get("scalars", []):
             scalars.setdefault(tag, []).extend((e.step, float(e.value)) for e in mux.Scalars(run, tag))
+    return scalars
+
+
+def _norm_tag(name: str, scalars: dict[str, list[tuple[int, float]]]) -> str:
+    """The total-norm tag (clipopt's, a name ending in total_norm or grad_norm, or Lightning's)."""
     norm_tag = _tag(scalars, ("clipopt/total_norm", *NORM_NAMES), ("total_norm", "grad_norm"))
     if norm_tag is None:  # Lightning's TensorBoardLogger with its grad_norm() utility
         norm_tag = next((t for t in sorted(scalars) if _LIGHTNING_TOTAL.fullmatch(t)), None)
@@ -605,21 +684,14 @@ def _read_tensorboard(name: str) -> GradLog:
             f"{name} has no gradient-norm scalar; expected a tag ending in total_norm or grad_norm "
             f"(e.g. train/grad_norm); its scalar tags: {shown}"
         )
-    wanted = {
-        "norm": norm_tag,
-        "loss": _tag(scalars, ("clipopt/loss", *LOSS_NAMES), ("/loss", "train_loss")),
-        "lr": _tag(scalars, ("clipopt/lr", *LR_NAMES), ("/learning_rate", "/lr")),
-        "max_norm": _tag(scalars, ("clipopt/max_norm",), ()),
-        "clipped": _tag(scalars, ("clipopt/clipped",), ()),
-        "skipped": _tag(scalars, ("clipopt/skipped",), ()),
-        "overflow": _tag(scalars, ("clipopt/overflow",), ()),
-        "spike": _tag(scalars, ("clipopt/spike",), ()),
-        "rewind": _tag(scalars, ("clipopt/rewind",), ()),
-    }
-    records: dict[int, dict[str, float]] = {}
-    for key, tag in wanted.items():
-        for step, value in scalars.get(tag, []) if tag is not None else []:
-            records.setdefault(step, {})[key] = value
+    return norm_tag
+
+
+def _tensorboard_layers_and_groups(
+    scalars: dict[str, list[tuple[int, float]]],
+) -> tuple[dict[str, dict[int, dict[str, float]]], dict[int, dict[str, dict[int, float]]]]:
+    """Per-layer tags (clipopt's ``clipopt/layers/<name>/<field>``, Lightning's ``grad_2.0_norm/<name>``)
+    as layer -> step -> field -> value, and per-group tags as group -> "norm"/"coef" -> step -> value."""
     layers: dict[str, dict[int, dict[str, float]]] = {}
     groups: dict[int, dict[str, dict[int, float]]] = {}
     for tag, events in scalars.items():
@@ -634,13 +706,11 @@ def _read_tensorboard(name: str) -> GradLog:
             per = layers.setdefault(m.group(1), {})
             for step, value in events:
                 per.setdefault(step, {})["grad_norm"] = value
-    log = _from_records(name, "TensorBoard", records, layers, groups)
-    log.norm_column, log.loss_column = norm_tag, wanted["loss"]
-    log.has_clipping = wanted["clipped"] is not None
-    return log
+    return layers, groups
 
 
 def _tag(scalars: dict[str, Any], exact: tuple[str, ...], endings: tuple[str, ...]) -> str | None:
+    """The first ``exact`` tag present, else the first (sorted) training tag ending in one of ``endings``."""
     for t in exact:
         if t in scalars:
             return t

@@ -111,6 +111,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -186,6 +187,7 @@ def block(n: int) -> int:
 
 
 def _t(values: array[float] | list[float]) -> Tensor:
+    """The values as a float64 tensor (a non-empty ``array('d')`` is shared, not copied)."""
     if isinstance(values, array) and values.typecode == "d" and len(values):
         return torch.frombuffer(values, dtype=torch.float64)
     return torch.tensor(list(values), dtype=torch.float64)
@@ -207,10 +209,12 @@ def percentile(values: Tensor | list[float], q: float) -> float:
 
 
 def _median(x: Tensor) -> float:
+    """The median of ``x`` (the 50th percentile, interpolated)."""
     return percentile(x, 50.0)
 
 
 def _start(x: Tensor) -> float:
+    """The start of a run: the median of the first START_ROWS values of ``x``."""
     return _median(x[:START_ROWS])
 
 
@@ -228,40 +232,83 @@ def analyze(log: GradLog) -> dict[str, Any]:
     ``notes``.  See the module docstring for the rules.
     """
     n = len(log)
-    norm = _t(log.total_norm)
-    loss = _t(log.loss)
+    norm, loss = _t(log.total_norm), _t(log.loss)
     notes = list(log.notes)
     finite = torch.isfinite(norm)
-    overflow = torch.zeros(n, dtype=torch.bool)
+    overflow = _overflow_rows(log)
+    bad_rows = (~finite & ~overflow).nonzero().flatten()
+    first_bad = int(bad_rows[0]) if bad_rows.numel() else n
+    explosions = _explosions(log, norm, finite, loss, first_bad, notes)
+    onset = min((f["values"]["row"] for f in explosions), default=n)
+    spikes, handled = _norm_spikes(log, norm, loss, min(onset, n))
+    findings = [*explosions, *_nonfinite_findings(log, bad_rows, onset, first_bad, explosions)]
+    findings += [f for f in (spikes, _loss_spikes(log, loss, min(onset, n))) if f is not None]
+    findings += _layer_findings(log, notes)
+    findings.sort(key=lambda f: VERDICTS.index(f["verdict"]))
+    verdict = findings[0]["verdict"] if findings else "healthy"
+    n_overflow = int(overflow.sum())
+    notes += _run_notes(log, n_overflow, handled)
+    end = min(onset, first_bad) if explosions else n
+    spike_rows = set(spikes["values"]["rows"]) if spikes is not None else set()
+    suggested = _suggest_for(norm, finite, end, spike_rows, verdict)
+    return {
+        "file": log.path,
+        "source": log.source,
+        "verdict": verdict,
+        "findings": findings,
+        "suggested_max_norm": suggested,
+        "clipping": _clipping(log, verdict, findings, suggested),
+        "suggestions": _suggestions(norm[finite]),
+        "summary": _summary(log, norm, loss, finite, n_overflow, len(handled)),
+        "notes": notes,
+    }
+
+
+def _overflow_rows(log: GradLog) -> Tensor:
+    """Rows whose norm is not finite with reason ``overflow``: a GradScaler calibrating, never evidence."""
+    overflow = torch.zeros(len(log), dtype=torch.bool)
     for i, r in log.reason.items():
         if r == "overflow" and not math.isfinite(log.total_norm[i]):
             overflow[i] = True
-    bad_rows = (~finite & ~overflow).nonzero().flatten()
-    first_bad = int(bad_rows[0]) if bad_rows.numel() else n
+    return overflow
 
+
+def _explosions(
+    log: GradLog, norm: Tensor, finite: Tensor, loss: Tensor, first_bad: int, notes: list[str]
+) -> list[dict[str, Any]]:
+    """The ``exploding`` findings: a blow-up of the loss, fast growth of the norm (either, both or none)."""
     blowup = _loss_blowup(log, loss, first_bad)
     growth = _growth(log, norm, finite, loss, notes)
-    explosions = [f for f in (blowup, growth) if f is not None]
-    onset = min((f["values"]["row"] for f in explosions), default=n)
-    nonfinite = _nonfinite(log, bad_rows, onset) if bad_rows.numel() else None
-    if nonfinite is not None and explosions and onset <= first_bad:
-        nonfinite["verdict"] = "exploding"
-        nonfinite["evidence"] += " (part of the explosion above)"
-    end = min(onset, first_bad) if explosions else n
-    spikes, handled = _norm_spikes(log, norm, loss, min(onset, n))
-    loss_spikes = _loss_spikes(log, loss, min(onset, n))
-    findings: list[dict[str, Any]] = [*explosions]
-    findings += [f for f in (nonfinite, spikes, loss_spikes) if f is not None]
+    return [f for f in (blowup, growth) if f is not None]
+
+
+def _nonfinite_findings(
+    log: GradLog, bad_rows: Tensor, onset: int, first_bad: int, explosions: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The ``nonfinite`` finding (none or one); part of the explosion when that began no later."""
+    if not bad_rows.numel():
+        return []
+    finding = _nonfinite(log, bad_rows)
+    if explosions and onset <= first_bad:
+        finding["verdict"] = "exploding"
+        finding["evidence"] += " (part of the explosion above)"
+    return [finding]
+
+
+def _layer_findings(log: GradLog, notes: list[str]) -> list[dict[str, Any]]:
+    """The ``vanishing`` findings from the per-layer rows, or a note on why they were not checked."""
     if log.layer_rows:
-        findings += _vanishing(log)
-    elif log.layers:
+        return _vanishing(log)
+    if log.layers:
         notes.append("the per-layer columns are empty in every row: vanishing gradients were not checked")
     else:
         notes.append("no per-layer statistics: vanishing gradients were not checked (clipopt: layer_stats=k)")
-    findings.sort(key=lambda f: VERDICTS.index(f["verdict"]))
-    verdict = findings[0]["verdict"] if findings else "healthy"
+    return []
 
-    n_overflow = int(overflow.sum())
+
+def _run_notes(log: GradLog, n_overflow: int, handled: list[int]) -> list[str]:
+    """Notes on overflows under a GradScaler, recovery (SpikeGuard, Rewind) and spikes clipping handled."""
+    notes = []
     if n_overflow:
         notes.append(
             f"{n_overflow} update(s) overflowed under a GradScaler (reason 'overflow'): loss-scale "
@@ -273,26 +320,7 @@ def analyze(log: GradLog) -> dict[str, Any]:
             f"{len(handled)} large norm(s) (at step(s) {_steps_text(handled)}) were clipped and the loss "
             "did not jump after them: clipping handled them, so they are not counted as spikes"
         )
-    spike_rows = set(spikes["values"]["rows"]) if spikes is not None else set()
-    if verdict == "exploding":  # the stretch ends where the norms first left their start's order
-        start = norm[finite][:START_ROWS]
-        if start.numel():
-            above = (norm[:end] > GROWTH_ONSET_RATIO * _median(start)).nonzero().flatten()
-            end = int(above[0]) if above.numel() else end
-    stretch = _healthy_stretch(norm, end, spike_rows)
-    suggested = _suggest(stretch, exploding=verdict == "exploding")
-    clipping = _clipping(log, verdict, findings, suggested)
-    return {
-        "file": log.path,
-        "source": log.source,
-        "verdict": verdict,
-        "findings": findings,
-        "suggested_max_norm": suggested,
-        "clipping": clipping,
-        "suggestions": _suggestions(norm[finite]),
-        "summary": _summary(log, norm, loss, finite, n_overflow, len(handled)),
-        "notes": notes,
-    }
+    return notes
 
 
 def _recovery_notes(log: GradLog) -> list[str]:
@@ -312,6 +340,7 @@ def _recovery_notes(log: GradLog) -> list[str]:
 
 
 def _steps_text(steps: list[int]) -> str:
+    """The first ten steps, comma-separated, with ``...`` when there are more."""
     return ", ".join(str(s) for s in steps[:10]) + (", ..." if len(steps) > 10 else "")
 
 
@@ -337,22 +366,11 @@ def _sustained_onset(x: Tensor, threshold: float, k: int) -> int | None:
 
 
 def _loss_blowup(log: GradLog, loss: Tensor, first_bad: int) -> dict[str, Any] | None:
-    given = ~torch.isnan(loss)
-    rows = given.nonzero().flatten()
-    if rows.numel() < 2:
+    """The ``blowup`` finding: the loss left its start, or the level it had reached, for good."""
+    counted = _counted_losses(loss, first_bad)
+    if counted is None:
         return None
-    values = loss[rows].clone()
-    finite = torch.isfinite(values)
-    if not finite.any():
-        return None
-    start = _start(values[finite])
-    if not start > 0:
-        return None
-    # a non-finite loss after a non-finite gradient is its consequence (nonfinite), not a blow-up
-    late = ~finite & (rows >= first_bad)
-    values[late] = math.nan
-    keep = ~torch.isnan(values)
-    rows, values = rows[keep], values[keep]
+    rows, values, start = counted
     peak = (values > LOSS_BLOWUP * start) | torch.isinf(values)
     k = block(int(rows.numel()))
     j = _sustained_onset(values, LOSS_STAY * start, k) if peak.any() else None
@@ -385,6 +403,28 @@ def _loss_blowup(log: GradLog, loss: Tensor, first_bad: int) -> dict[str, Any] |
             "block": k,
         },
     }
+
+
+def _counted_losses(loss: Tensor, first_bad: int) -> tuple[Tensor, Tensor, float] | None:
+    """The rows and values of the logged losses a blow-up is judged on, and the start loss (None: no judging).
+
+    A non-finite loss at or after the first non-finite gradient (row ``first_bad``)
+    is its consequence (``nonfinite``), not a blow-up: it is left out."""
+    given = ~torch.isnan(loss)
+    rows = given.nonzero().flatten()
+    if rows.numel() < 2:
+        return None
+    values = loss[rows].clone()
+    finite = torch.isfinite(values)
+    if not finite.any():
+        return None
+    start = _start(values[finite])
+    if not start > 0:
+        return None
+    late = ~finite & (rows >= first_bad)
+    values[late] = math.nan
+    keep = ~torch.isnan(values)
+    return rows[keep], values[keep], start
 
 
 def _blowup_from_level(values: Tensor, k: int) -> tuple[int, float] | None:
@@ -423,9 +463,38 @@ def _blowup_from_level(values: Tensor, k: int) -> tuple[int, float] | None:
     return None
 
 
+@dataclass(frozen=True)
+class _Growth:
+    """What the growth rule measured on the finite norms of a run that grew."""
+
+    x: Tensor  #: the finite norms, in file order
+    start: float  #: the start norm (median of the first START_ROWS finite norms)
+    k: int  #: rows in a block (:func:`block` of the finite norms)
+    tail: float  #: median of the last ``k`` finite norms
+    onset: int  #: index in ``x`` from which the norms stay above GROWTH_ONSET_RATIO x the start
+    row: int  #: the file row of ``onset``
+    grew: bool  #: the last block's median reached GROWTH_RATIO x the start
+    peaked: bool  #: some norm reached GROWTH_RATIO x the start, and the norms stayed up from an onset
+
+
 def _growth(
     log: GradLog, norm: Tensor, finite: Tensor, loss: Tensor, notes: list[str]
 ) -> dict[str, Any] | None:
+    """The ``growth`` finding, unless the loss fell meanwhile (then a note says so)."""
+    g = _measure_growth(log, norm, finite, notes)
+    if g is None:
+        return None
+    if _loss_fell(loss):
+        notes.append(
+            f"the gradient norm grew (from {_num(g.start)} to {_num(float(g.x[g.onset :].max()))} from step "
+            f"{log.steps[g.row]}) while the loss fell and stayed finite: not counted as an explosion"
+        )
+        return None
+    return _growth_finding(log, g)
+
+
+def _measure_growth(log: GradLog, norm: Tensor, finite: Tensor, notes: list[str]) -> _Growth | None:
+    """The growth of the finite norms when they grew (a block median, a sustained peak, a non-finite end)."""
     idx = finite.nonzero().flatten()
     x = norm[idx]
     m = int(x.numel())
@@ -447,37 +516,36 @@ def _growth(
         return None
     if onset is None:
         onset = m - k
-    row = int(idx[onset])
-    if _loss_fell(loss):
-        notes.append(
-            f"the gradient norm grew (from {_num(start)} to {_num(float(x[onset:].max()))} from step "
-            f"{log.steps[row]}) while the loss fell and stayed finite: not counted as an explosion"
-        )
-        return None
+    return _Growth(x, start, k, tail, onset, int(idx[onset]), grew, peaked)
+
+
+def _growth_finding(log: GradLog, g: _Growth) -> dict[str, Any]:
+    """The ``growth`` finding: why the norms exploded, from which step, and the layer that grew most."""
+    x, start = g.x, g.start
     layer, layer_ratio = _largest_layer_growth(log)
     by_layer = f"; grew most in {layer} ({_num(layer_ratio)}x between per-layer rows)" if layer else ""
     why = (
-        f"median of the last {k} norms {_num(tail)} is {_num(tail / start)}x the start {_num(start)}"
-        if grew
+        f"median of the last {g.k} norms {_num(g.tail)} is {_num(g.tail / start)}x the start {_num(start)}"
+        if g.grew
         else f"norm {_num(float(x.max()))} reached {_num(float(x.max()) / start)}x the start {_num(start)}"
-        if peaked
+        if g.peaked
         else f"the norms rose above {GROWTH_ONSET_RATIO:g}x the start {_num(start)} and ended non-finite"
     )
     evidence = (
         f"{why} (explosion at >= {GROWTH_RATIO:g}x); above {GROWTH_ONSET_RATIO:g}x the start to stay "
-        f"from step {log.steps[row]} (norm {_num(float(x[onset]))}){by_layer}"
+        f"from step {log.steps[g.row]} (norm {_num(float(x[g.onset]))}){by_layer}"
     )
     return {
         "kind": "growth",
         "verdict": "exploding",
-        "step": log.steps[row],
+        "step": log.steps[g.row],
         "layer": layer,
         "evidence": evidence,
         "values": {
-            "row": row,
+            "row": g.row,
             "start_norm": start,
-            "tail_median": tail,
-            "block": k,
+            "tail_median": g.tail,
+            "block": g.k,
             "layer_ratio": layer_ratio,
         },
     }
@@ -493,6 +561,7 @@ def _loss_fell(loss: Tensor) -> bool:
 
 
 def _largest_layer_growth(log: GradLog) -> tuple[str | None, float | None]:
+    """The layer whose gradient norm grew most from its first to its last finite value, and that ratio."""
     best: tuple[str | None, float | None] = (None, None)
     for name, cols in log.layers.items():
         g = _t(cols["grad_norm"])
@@ -508,39 +577,13 @@ def _largest_layer_growth(log: GradLog) -> tuple[str | None, float | None]:
 # ---------------------------------------------------------------------------- non-finite
 
 
-def _nonfinite(log: GradLog, bad_rows: Tensor, onset: int) -> dict[str, Any]:
+def _nonfinite(log: GradLog, bad_rows: Tensor) -> dict[str, Any]:
+    """The ``nonfinite`` finding: the first non-finite update, how many were applied, and its layer."""
     first = int(bad_rows[0])
     step = log.steps[first]
     skipped = sum(log.skipped[int(i)] for i in bad_rows[:1_000_000].tolist())
     applied = int(bad_rows.numel()) - skipped
-    layer, how, bad_layers, layer_step = (
-        None,
-        "no per-layer statistics were recorded at or after it",
-        {},
-        None,
-    )
-    pos = next((p for p, r in enumerate(log.layer_rows) if r >= first), None)
-    if pos is not None:
-        layer_step = log.steps[log.layer_rows[pos]]
-        for name, cols in log.layers.items():
-            count, g = cols["nonfinite"][pos], cols["grad_norm"][pos]
-            # a nan norm is a non-finite gradient where the log counts no non-finite elements (Lightning);
-            # where it counts them (clipopt), a nan norm with no count > 0 is a parameter without a gradient
-            counted = name in log.counted
-            if (math.isfinite(count) and count > 0) or math.isinf(g) or (math.isnan(g) and not counted):
-                bad_layers[name] = int(count) if math.isfinite(count) else -1
-        own = layer_step == step
-        where = (
-            "in its own per-layer row" if own else f"in the next per-layer row (step {layer_step}), a guess"
-        )
-        if bad_layers:
-            layer = next(iter(bad_layers))
-            how = (
-                f"first parameter with a non-finite gradient {where}: {layer} "
-                f"({len(bad_layers)} of {len(log.layers)} non-finite)"
-            )
-        else:
-            how = f"no parameter recorded non-finite elements {where}"
+    layer, how, bad_layers, layer_step = _nonfinite_layer(log, first)
     tail = ""
     if applied and first + 1 < len(log) and all(not math.isfinite(v) for v in log.total_norm[first + 1 :]):
         tail = "; it was applied and every later update is non-finite too (the parameters went non-finite)"
@@ -563,6 +606,41 @@ def _nonfinite(log: GradLog, bad_rows: Tensor, onset: int) -> dict[str, Any]:
             "nonfinite_layers": bad_layers,
         },
     }
+
+
+def _nonfinite_layer(log: GradLog, first: int) -> tuple[str | None, str, dict[str, int], int | None]:
+    """The layer of the first non-finite row ``first``: ``(layer, how it was found, bad layers, step)``.
+
+    Taken from the first per-layer row at or after it; ``bad layers`` maps each
+    non-finite parameter to its count of non-finite elements (-1: not counted)."""
+    pos = next((p for p, r in enumerate(log.layer_rows) if r >= first), None)
+    if pos is None:
+        return None, "no per-layer statistics were recorded at or after it", {}, None
+    layer_step = log.steps[log.layer_rows[pos]]
+    bad_layers = _nonfinite_layers_at(log, pos)
+    own = layer_step == log.steps[first]
+    where = "in its own per-layer row" if own else f"in the next per-layer row (step {layer_step}), a guess"
+    if not bad_layers:
+        return None, f"no parameter recorded non-finite elements {where}", bad_layers, layer_step
+    layer = next(iter(bad_layers))
+    how = (
+        f"first parameter with a non-finite gradient {where}: {layer} "
+        f"({len(bad_layers)} of {len(log.layers)} non-finite)"
+    )
+    return layer, how, bad_layers, layer_step
+
+
+def _nonfinite_layers_at(log: GradLog, pos: int) -> dict[str, int]:
+    """The parameters non-finite in per-layer row ``pos``, in parameter order, with their counts."""
+    bad_layers = {}
+    for name, cols in log.layers.items():
+        count, g = cols["nonfinite"][pos], cols["grad_norm"][pos]
+        # a nan norm is a non-finite gradient where the log counts no non-finite elements (Lightning);
+        # where it counts them (clipopt), a nan norm with no count > 0 is a parameter without a gradient
+        counted = name in log.counted
+        if (math.isfinite(count) and count > 0) or math.isinf(g) or (math.isnan(g) and not counted):
+            bad_layers[name] = int(count) if math.isfinite(count) else -1
+    return bad_layers
 
 
 # ---------------------------------------------------------------------------- spikes
@@ -589,11 +667,26 @@ def _norm_spikes(
     log: GradLog, norm: Tensor, loss: Tensor, end: int
 ) -> tuple[dict[str, Any] | None, list[int]]:
     """Norm spikes before row ``end`` and the steps of the spikes clipping handled."""
-    head = norm[:end]
+    spikes: list[dict[str, Any]] = []
+    handled: list[int] = []
+    for row, x, mean, z in _log_norm_outliers(norm[:end]):
+        if log.clipped[row] and _loss_calm_after(loss, row):
+            handled.append(log.steps[row])
+            continue
+        spikes.append({"row": row, "step": log.steps[row], "norm": x, "mean": mean, "z": z})
+    return (_norm_spikes_finding(log, spikes) if spikes else None), handled
+
+
+def _log_norm_outliers(head: Tensor) -> list[tuple[int, float, float, float]]:
+    """The rows of ``head`` whose log-norm is a spike over the rolling window: ``(row, norm, mean, z)``.
+
+    A spike has at least SPIKE_MIN_HISTORY finite norms before it, a z-score of
+    its logarithm above SPIKE_Z, and a norm of at least SPIKE_MIN_RATIO x the
+    window's mean (``mean``)."""
     idx = (torch.isfinite(head) & (head > 0)).nonzero().flatten()
     x = head[idx]
     if x.numel() <= SPIKE_MIN_HISTORY:
-        return None, []
+        return []
     logs = x.log()
     mean_log, std_log, count = _rolling(logs, SPIKE_WINDOW)
     scale = float(x.max())
@@ -602,24 +695,11 @@ def _norm_spikes(
     z = torch.where(std_log > 0, excess / std_log.clamp(min=1e-300), torch.where(excess > 0, math.inf, 0.0))
     hit = (count >= SPIKE_MIN_HISTORY) & (z > SPIKE_Z) & (x >= SPIKE_MIN_RATIO * mean_raw)
     pos = hit.nonzero().flatten().tolist()
-    spikes: list[dict[str, Any]] = []
-    handled: list[int] = []
-    for p in pos:
-        row = int(idx[p])
-        if log.clipped[row] and _loss_calm_after(loss, row):
-            handled.append(log.steps[row])
-            continue
-        spikes.append(
-            {
-                "row": row,
-                "step": log.steps[row],
-                "norm": float(x[p]),
-                "mean": float(mean_raw[p]),
-                "z": float(z[p]),
-            }
-        )
-    if not spikes:
-        return None, handled
+    return [(int(idx[p]), float(x[p]), float(mean_raw[p]), float(z[p])) for p in pos]
+
+
+def _norm_spikes_finding(log: GradLog, spikes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``spikes`` finding for the (not handled) norm spikes: the largest, its layer, every step."""
     top = sorted(spikes, key=lambda s: -s["z"])[:SPIKE_TOP]
     big = top[0]
     layer = _most_unusual_layer(log, big["row"])
@@ -631,7 +711,7 @@ def _norm_spikes(
         f"largest at step {big['step']}: norm {_num(big['norm'])}, {_num(big['norm'] / big['mean'])}x the "
         f"rolling mean {_num(big['mean'])}, z = {_num(big['z'])}{at_layer}"
     )
-    finding = {
+    return {
         "kind": "spikes",
         "verdict": "spikes",
         "step": steps[0],
@@ -645,7 +725,6 @@ def _norm_spikes(
             "top": top,
         },
     }
-    return finding, handled
 
 
 def _loss_calm_after(loss: Tensor, row: int) -> bool:
@@ -665,6 +744,7 @@ def _loss_calm_after(loss: Tensor, row: int) -> bool:
 
 
 def _loss_spikes(log: GradLog, loss: Tensor, end: int) -> dict[str, Any] | None:
+    """The ``loss_spikes`` finding: losses before row ``end`` far above the rolling mean before them."""
     head = loss[:end]
     idx = torch.isfinite(head).nonzero().flatten()
     x = head[idx]
@@ -695,6 +775,7 @@ def _loss_spikes(log: GradLog, loss: Tensor, end: int) -> dict[str, Any] | None:
 
 
 def _most_unusual_layer(log: GradLog, row: int) -> str | None:
+    """The layer with the largest gradient norm against its median at row ``row`` (None: no per-layer row)."""
     pos = next((p for p, r in enumerate(log.layer_rows) if r == row), None)
     if pos is None:
         return None
@@ -716,6 +797,18 @@ def _most_unusual_layer(log: GradLog, row: int) -> str | None:
 
 
 def _vanishing(log: GradLog) -> list[dict[str, Any]]:
+    """One ``vanishing`` finding per layer whose gradients are far below the others' or its weights'."""
+    medians, ratios = _layer_medians(log)
+    if not medians:
+        return []
+    reference = _median(torch.tensor(list(medians.values()), dtype=torch.float64))
+    found = (_vanishing_finding(log, name, med, ratios[name], reference) for name, med in medians.items())
+    return [f for f in found if f is not None]
+
+
+def _layer_medians(log: GradLog) -> tuple[dict[str, float], dict[str, Tensor]]:
+    """Per layer with a finite gradient norm: its median, and its ``grad_norm / param_norm`` per row (nan:
+    not both finite and positive)."""
     medians: dict[str, float] = {}
     ratios: dict[str, Tensor] = {}
     for name, cols in log.layers.items():
@@ -726,55 +819,54 @@ def _vanishing(log: GradLog) -> list[dict[str, Any]]:
         medians[name] = _median(g[ok])
         both = ok & torch.isfinite(p) & (p > 0)
         ratios[name] = torch.where(both, g / p.clamp(min=1e-300), math.nan)
-    if not medians:
-        return []
-    reference = _median(torch.tensor(list(medians.values()), dtype=torch.float64))
-    out = []
-    for name, med in medians.items():
-        r = ratios[name]
-        r_ok = r[~torch.isnan(r)]
-        ratio = _median(r_ok) if r_ok.numel() else None
-        relative = med < VANISH_RELATIVE * reference
-        to_param = ratio is not None and ratio < VANISH_TO_PARAM
-        if not (relative or to_param):
-            continue
-        g = _t(log.layers[name]["grad_norm"])
-        below = (g < VANISH_RELATIVE * reference) if relative else (r < VANISH_TO_PARAM)
-        first = int(below.nonzero().flatten()[0]) if below.any() else 0
-        step = log.steps[log.layer_rows[first]]
-        parts = []
-        if relative:
-            rel = _num(med / reference) if reference > 0 else "0"
-            parts.append(
-                f"median gradient norm {_num(med)} is {rel}x the median over layers ({_num(reference)}; "
-                f"vanishing below {VANISH_RELATIVE:g}x)"
-            )
-        if ratio is not None:
-            tail = f"; vanishing below {VANISH_TO_PARAM:g}" if to_param else ""
-            parts.append(f"median grad_norm/param_norm {_num(ratio)}{tail}")
-        out.append(
-            {
-                "kind": "vanishing",
-                "verdict": "vanishing",
-                "step": step,
-                "layer": name,
-                "evidence": f"{name}: " + "; ".join(parts) + f" (first below at step {step})",
-                "values": {
-                    "median_grad_norm": med,
-                    "reference": reference,
-                    "median_grad_to_param": ratio,
-                    "relative": relative,
-                    "to_param": to_param,
-                },
-            }
+    return medians, ratios
+
+
+def _vanishing_finding(
+    log: GradLog, name: str, med: float, r: Tensor, reference: float
+) -> dict[str, Any] | None:
+    """Layer ``name``'s ``vanishing`` finding (None: not vanishing), against the median over layers."""
+    r_ok = r[~torch.isnan(r)]
+    ratio = _median(r_ok) if r_ok.numel() else None
+    relative = med < VANISH_RELATIVE * reference
+    to_param = ratio is not None and ratio < VANISH_TO_PARAM
+    if not (relative or to_param):
+        return None
+    g = _t(log.layers[name]["grad_norm"])
+    below = (g < VANISH_RELATIVE * reference) if relative else (r < VANISH_TO_PARAM)
+    first = int(below.nonzero().flatten()[0]) if below.any() else 0
+    step = log.steps[log.layer_rows[first]]
+    parts = []
+    if relative:
+        rel = _num(med / reference) if reference > 0 else "0"
+        parts.append(
+            f"median gradient norm {_num(med)} is {rel}x the median over layers ({_num(reference)}; "
+            f"vanishing below {VANISH_RELATIVE:g}x)"
         )
-    return out
+    if ratio is not None:
+        tail = f"; vanishing below {VANISH_TO_PARAM:g}" if to_param else ""
+        parts.append(f"median grad_norm/param_norm {_num(ratio)}{tail}")
+    return {
+        "kind": "vanishing",
+        "verdict": "vanishing",
+        "step": step,
+        "layer": name,
+        "evidence": f"{name}: " + "; ".join(parts) + f" (first below at step {step})",
+        "values": {
+            "median_grad_norm": med,
+            "reference": reference,
+            "median_grad_to_param": ratio,
+            "relative": relative,
+            "to_param": to_param,
+        },
+    }
 
 
 # ---------------------------------------------------------------------------- threshold
 
 
 def _healthy_stretch(norm: Tensor, end: int, spike_rows: set[int]) -> Tensor:
+    """The finite positive norms before row ``end``, spikes left out (none: the first START_ROWS ones)."""
     head = norm[:end]
     keep = torch.isfinite(head) & (head > 0)
     for r in spike_rows:
@@ -786,7 +878,22 @@ def _healthy_stretch(norm: Tensor, end: int, spike_rows: set[int]) -> Tensor:
     return x
 
 
+def _suggest_for(norm: Tensor, finite: Tensor, end: int, spike_rows: set[int], verdict: str) -> float | None:
+    """The suggested ``max_norm`` from the healthy stretch before row ``end`` (spikes left out).
+
+    When the run exploded, the stretch ends where the norms first left their
+    start's order (:data:`GROWTH_ONSET_RATIO` x the start), if that is earlier."""
+    exploding = verdict == "exploding"
+    if exploding:
+        start = norm[finite][:START_ROWS]
+        if start.numel():
+            above = (norm[:end] > GROWTH_ONSET_RATIO * _median(start)).nonzero().flatten()
+            end = int(above[0]) if above.numel() else end
+    return _suggest(_healthy_stretch(norm, end, spike_rows), exploding=exploding)
+
+
 def _suggest(stretch: Tensor, *, exploding: bool) -> float | None:
+    """The stretch's SUGGEST_PERCENTILE-th percentile (its median when the run exploded); None when empty."""
     if stretch.numel() == 0:
         return None
     return percentile(stretch, 50.0 if exploding else SUGGEST_PERCENTILE)
@@ -795,57 +902,67 @@ def _suggest(stretch: Tensor, *, exploding: bool) -> float | None:
 def _clipping(
     log: GradLog, verdict: str, findings: list[dict[str, Any]], suggested: float | None
 ) -> dict[str, Any]:
+    """How clipping was used: the fraction clipped, the last ``max_norm`` and its assessment with advice."""
     n = len(log)
     clipped = sum(log.clipped)
     mn = _t(log.max_norm)
     bounds = mn[~torch.isnan(mn)]
     used = float(bounds[-1]) if bounds.numel() else None
-    out: dict[str, Any] = {
+    fraction = clipped / n if n else 0.0
+    assessment, advice = _assess_clipping(log, verdict, findings, suggested, used, fraction)
+    return {
         "recorded": log.has_clipping,
         "clipped": clipped,
-        "clipped_fraction": clipped / n if n else 0.0,
+        "clipped_fraction": fraction,
         "max_norm": used,
-        "assessment": "unknown",
-        "advice": "",
+        "assessment": assessment,
+        "advice": advice,
     }
+
+
+def _assess_clipping(
+    log: GradLog,
+    verdict: str,
+    findings: list[dict[str, Any]],
+    suggested: float | None,
+    used: float | None,
+    fraction: float,
+) -> tuple[str, str]:
+    """``(assessment, advice)``: unknown, off, missing, too tight, too loose or fine."""
     sug = _num(suggested) if suggested is not None else "-"
+    went_wrong = verdict in ("exploding", "spikes")
     if not log.has_clipping:
-        out["advice"] = f"the log does not record clipping; suggested max_norm {sug}"
-        return out
+        return "unknown", f"the log does not record clipping; suggested max_norm {sug}"
     if used is None or math.isinf(used):
-        out["assessment"] = "off"
-        out["advice"] = f"norm clipping was off (no max_norm); suggested max_norm {sug}"
-        if verdict in ("exploding", "spikes"):
-            out["assessment"] = "missing"
-            out["advice"] = f"no norm clipping, and the run went wrong: use max_norm={sug}"
-        return out
-    bad_rows = [f["values"].get("row") for f in findings if f["verdict"] in ("exploding", "spikes")]
-    unclipped_bad = any(
-        r is not None and not log.clipped[r] and math.isfinite(log.total_norm[r]) for r in bad_rows
-    )
-    if out["clipped_fraction"] > TIGHT_FRACTION:
-        out["assessment"] = "too tight"
-        out["advice"] = (
-            f"max_norm {_num(used)} clipped {100 * out['clipped_fraction']:.0f}% of the updates: at that rate "  # noqa: E501
+        if went_wrong:
+            return "missing", f"no norm clipping, and the run went wrong: use max_norm={sug}"
+        return "off", f"norm clipping was off (no max_norm); suggested max_norm {sug}"
+    if fraction > TIGHT_FRACTION:
+        return "too tight", (
+            f"max_norm {_num(used)} clipped {100 * fraction:.0f}% of the updates: at that rate "
             f"it acts as a smaller learning rate; suggested max_norm {sug}"
         )
-    elif verdict in ("exploding", "spikes") and (
-        unclipped_bad or (suggested is not None and used > LOOSE_RATIO * suggested)
+    if went_wrong and (
+        _unclipped_bad(log, findings) or (suggested is not None and used > LOOSE_RATIO * suggested)
     ):
-        out["assessment"] = "too loose"
-        out["advice"] = (
-            f"max_norm {_num(used)} did not bound the updates that went wrong; suggested max_norm {sug}"
+        return (
+            "too loose",
+            f"max_norm {_num(used)} did not bound the updates that went wrong; suggested max_norm {sug}",
         )
-    else:
-        out["assessment"] = "fine"
-        out["advice"] = (
-            f"max_norm {_num(used)} clipped {100 * out['clipped_fraction']:.1f}% of the updates; "
-            f"it looks right (suggested from the norms: {sug})"
-        )
-    return out
+    return "fine", (
+        f"max_norm {_num(used)} clipped {100 * fraction:.1f}% of the updates; "
+        f"it looks right (suggested from the norms: {sug})"
+    )
+
+
+def _unclipped_bad(log: GradLog, findings: list[dict[str, Any]]) -> bool:
+    """Some exploding or spike finding's row has a finite norm that was not clipped."""
+    bad_rows = [f["values"].get("row") for f in findings if f["verdict"] in ("exploding", "spikes")]
+    return any(r is not None and not log.clipped[r] and math.isfinite(log.total_norm[r]) for r in bad_rows)
 
 
 def _suggestions(norms: Tensor) -> list[dict[str, Any]]:
+    """The reference values: AutoClip's percentile, Pascanu et al.'s range, a static ZClip bound."""
     if norms.numel() == 0:
         return []
     scale = float(norms.abs().max()) or 1.0
@@ -881,6 +998,7 @@ def _suggestions(norms: Tensor) -> list[dict[str, Any]]:
 def _summary(
     log: GradLog, norm: Tensor, loss: Tensor, finite: Tensor, overflow: int, handled: int
 ) -> dict[str, Any]:
+    """The summary's figures: updates, clipping, non-finite rows, norms, max_norm, losses, layers, groups."""
     n = len(log)
     x = norm[finite]
     given = loss[~torch.isnan(loss)]
