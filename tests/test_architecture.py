@@ -200,3 +200,60 @@ def test_the_private_reach_check_can_fail(tmp_path: Path) -> None:
         "import torch\n\ndef f(stats, self):\n    torch._C\n    return stats._values, self.part._x\n"
     )
     assert _private_reaches(path) == ["mod.py:5: stats._values", "mod.py:5: self.part._x"]
+
+
+def _code_lines(node: ast.AST, source: list[str]) -> int:
+    """Lines of ``node`` that hold code: no docstring, comment-only or blank line."""
+    docs: set[int] = set()
+    for inner in ast.walk(node):
+        body = getattr(inner, "body", None)
+        if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body:
+            first = body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docs |= set(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    end = node.end_lineno or node.lineno  # type: ignore[attr-defined]
+    lines = range(node.lineno, end + 1)  # type: ignore[attr-defined]
+    return sum(
+        1
+        for i in lines
+        if i not in docs and source[i - 1].strip() and not source[i - 1].strip().startswith("#")
+    )
+
+
+#: ARCHITECTURE.md's budgets: the optimizer class is orchestration, and functions stay short.
+MAX_OPTIMIZER_CODE_LINES = 430
+MAX_FUNCTION_LINES = 50
+
+
+def test_the_optimizer_class_stays_orchestration() -> None:
+    """``ClippedOptimizer`` holds at most MAX_OPTIMIZER_CODE_LINES lines of code (docstrings,
+    comments and blank lines not counted): its stages live in the modules that own them."""
+    path = PACKAGE / "_optimizer.py"
+    source = path.read_text()
+    (cls,) = [
+        n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "ClippedOptimizer"
+    ]
+    assert _code_lines(cls, source.splitlines()) <= MAX_OPTIMIZER_CODE_LINES
+
+
+def test_no_function_is_longer_than_the_budget() -> None:
+    """Every function of the package, docstring included, is at most MAX_FUNCTION_LINES lines."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+                size = (node.end_lineno or node.lineno) - start + 1
+                if size > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(PACKAGE)}:{node.name} ({size} lines)")
+    assert long == []
+
+
+def test_code_lines_leave_out_docstrings_and_comments() -> None:
+    """The line count the budget uses: a docstring, a comment and a blank line are not code."""
+    source = (
+        'class A:\n    """Doc\n    string."""\n\n    # a comment\n'
+        '    def f(self):\n        """Doc."""\n        return 1\n'
+    )
+    (cls,) = ast.parse(source).body
+    assert _code_lines(cls, source.splitlines()) == 3  # class A:, def f, return 1
