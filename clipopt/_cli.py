@@ -17,6 +17,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._text import whole_number
+
 __all__ = ["CommandError", "main"]
 
 #: What argparse's ``add_subparsers()`` returns (its class is private).
@@ -93,7 +95,9 @@ def _add_replay(subparsers: _Subparsers) -> None:
         metavar="MODULE:FN",
         help="fn(model, attached) returning the loss of the snapshot's attached batch, e.g. mypkg.train:loss",
     )
-    p.add_argument("--repeats", type=int, default=3, help="replays; reproduced means every time (default: 3)")
+    p.add_argument(
+        "--repeats", type=whole_number, default=3, help="replays; reproduced means every time (default: 3)"
+    )
     p.add_argument(
         "--json",
         action="store_true",

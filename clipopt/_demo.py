@@ -32,7 +32,7 @@ import torch
 
 from ._logging import CSVLogger
 from ._optimizer import ClippedOptimizer
-from ._text import json_safe
+from ._text import json_safe, whole_number
 
 __all__ = ["DemoConfig", "DemoResult", "RunResult", "run_demo"]
 
@@ -492,28 +492,16 @@ def add_arguments(parser: _argparse_module.ArgumentParser) -> None:
     )
 
 
-def _whole_number(text: str, minimum: int | None) -> int:
-    """``text`` as an int of at least ``minimum``; argparse prefixes the message with the option's name."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or (minimum is not None and value < minimum):
-        bound = "" if minimum is None else f" >= {minimum}"
-        raise _argparse_module.ArgumentTypeError(f"must be a whole number{bound}, got {text!r}")
-    return value
-
-
 def _steps(text: str) -> int:
-    return _whole_number(text, 2)
+    return whole_number(text, 2)
 
 
 def _seed(text: str) -> int:
-    return _whole_number(text, None)
+    return whole_number(text, None)
 
 
 def _threads(text: str) -> int:
-    return _whole_number(text, 1)
+    return whole_number(text, 1)
 
 
 def main(args: _argparse_module.Namespace, echo: Callable[[str], None] = print) -> int:

@@ -1,12 +1,13 @@
-"""Small helpers shared by the command-line outputs: numbers as text, JSON without nan."""
+"""Small helpers shared by the command-line tools: numbers as text, JSON without nan, whole-number options."""
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["fmt_num", "json_safe"]
+__all__ = ["fmt_num", "json_safe", "whole_number"]
 
 
 def fmt_num(value: float | None) -> str:
@@ -28,4 +29,17 @@ def json_safe(value: Any) -> Any:
         return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
+    return value
+
+
+def whole_number(text: str, minimum: int | None = None) -> int:
+    """An option's ``text`` as an int of at least ``minimum`` (an argparse ``type``: argparse
+    prefixes the message with the option's name, e.g. "argument --steps: must be ...")."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or (minimum is not None and value < minimum):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise argparse.ArgumentTypeError(f"must be a whole number{bound}, got {text!r}")
     return value

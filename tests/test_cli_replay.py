@@ -140,7 +140,8 @@ def test_replay_bad_targets(
 def test_replay_bad_files_and_repeats(
     files: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A missing file, a file that is not a snapshot, --repeats 0: exit 2, one line each."""
+    """A missing file, a file that is not a snapshot, --repeats 0, --repeats abc: exit 2, one line each
+    (argparse's usage first for the last)."""
     missing = str(tmp_path / "none.pt")
     code, _, err = run(capsys, "replay", missing, "--model", MODEL, "--loss", LOSS)
     assert (code, err) == (2, f"clipopt replay: error: {missing}: no such file\n")
@@ -150,6 +151,9 @@ def test_replay_bad_files_and_repeats(
     assert code == 2 and err.startswith(f"clipopt replay: error: {text} is not a clipopt snapshot")
     code, _, err = run(capsys, "replay", files["log"], "--model", MODEL, "--loss", LOSS, "--repeats", "0")
     assert (code, err) == (2, "clipopt replay: error: --repeats must be at least 1, got 0\n")
+    code, _, err = run(capsys, "replay", files["log"], "--model", MODEL, "--loss", LOSS, "--repeats", "abc")
+    want = "clipopt replay: error: argument --repeats: must be a whole number, got 'abc'\n"
+    assert code == 2 and err.endswith(want)
 
 
 def test_replay_loads_a_python_file(
