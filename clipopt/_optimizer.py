@@ -326,8 +326,12 @@ class ClippedOptimizer(InnerOptimizerView):
 
     @property
     def last_snapshot(self) -> str | None:
-        """Path of the latest anomaly snapshot written, or None."""
+        """Path of the latest anomaly snapshot written, or None; assignable (e.g. cleared once handled)."""
         return self._diagnostics.last_snapshot
+
+    @last_snapshot.setter
+    def last_snapshot(self, path: str | None) -> None:
+        self._diagnostics.last_snapshot = path
 
     @property
     def spike_guard(self) -> SpikeGuard | None:

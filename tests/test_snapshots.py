@@ -659,3 +659,30 @@ def test_spike_snapshots_do_not_use_up_the_room_of_a_nonfinite_one(tmp_path: Pat
         window(scales[-1])
     expected = str(tmp_path / f"anomaly-step{len(scales):08d}-nonfinite.pt")
     assert info.value.snapshot == expected == opt.last_snapshot
+
+
+def test_last_snapshot_stays_assignable(tmp_path: Path) -> None:
+    """``last_snapshot`` is a plain attribute to the user, as before the restructure (issue 12):
+    assigning it (clearing it once a snapshot was handled) works and sticks; the next snapshot
+    written replaces it, and an anomaly over ``max_snapshots`` (nothing written) leaves it as set."""
+    model = make_model()
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), snapshot_dir=tmp_path, max_snapshots=2
+    )
+    nan_window(model, opt)
+    assert opt.last_snapshot == str(tmp_path / "anomaly-step00000001-nonfinite.pt")
+    opt.last_snapshot = None  # handled
+    assert opt.last_snapshot is None
+    good_window(model, opt)
+    assert opt.last_snapshot is None
+    nan_window(model, opt)
+    assert opt.last_snapshot == str(tmp_path / "anomaly-step00000003-nonfinite.pt")
+    opt.last_snapshot = "handled"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # over max_snapshots: not saved, and it says so
+        nan_window(model, opt)
+    assert opt.last_snapshot == "handled"
+    assert snapshot_files(tmp_path) == [
+        "anomaly-step00000001-nonfinite.pt",
+        "anomaly-step00000003-nonfinite.pt",
+    ]
