@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
+from torch.optim import lr_scheduler as _torch_lr_scheduler
 from torch.optim import optimizer as _torch_optimizer
 
 __all__ = ["user_stacklevel"]
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-#: torch's step wrapper (``Optimizer.profile_hook_step``) sits between ``step()`` and the wrapper's own.
-_PASSED = (os.path.abspath(_torch_optimizer.__file__),)
+#: Frames passed over as well: torch's step wrappers (``Optimizer.profile_hook_step``, and the
+#: one an LR scheduler puts around ``step()``), and ``contextlib`` (``with opt.no_sync(model):``).
+_PASSED = tuple(os.path.abspath(str(m.__file__)) for m in (_torch_optimizer, _torch_lr_scheduler, contextlib))
 
 
 def _inside(filename: str) -> bool:
@@ -21,7 +24,8 @@ def _inside(filename: str) -> bool:
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` that makes ``warnings.warn``, called by this function's caller, name the
-    first frame outside clipopt (and torch's step wrapper): the user's line, however deep the call."""
+    first frame outside clipopt (and the wrappers in :data:`_PASSED`): the user's line, however
+    deep the call."""
     level, frame = 1, sys._getframe(1)  # level 1: the caller, which calls warnings.warn
     while frame.f_back is not None and _inside(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1

@@ -18,6 +18,7 @@ from typing import Any
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ._caller import user_stacklevel
 from ._checks import (
     check_choice,
     check_flag,
@@ -248,7 +249,7 @@ def _check_names(
             "group0.0, group0.1, ... and model.load_state_dict(snap['params'], strict=False) "
             "matches nothing; pass param_names=model.named_parameters()",
             UserWarning,
-            stacklevel=4,  # configure() -> ClippedOptimizer.__init__ -> the user's code
+            stacklevel=user_stacklevel(),  # the user's ClippedOptimizer(...) line
         )
     return names
 

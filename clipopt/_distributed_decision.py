@@ -47,6 +47,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._caller import user_stacklevel
+
 __all__ = ["DIVERGENCE_RTOL", "ReplicaDecision", "check_norm_group", "check_replica_group"]
 
 #: Replicas whose synchronised gradient norms differ by more than this (relative to the
@@ -256,7 +258,7 @@ class ReplicaDecision:
                 "rank (reason 'divergence'). If the ranks train independent models, pass "
                 "replica_group=None",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
 
     def check_flush(self, n: int, window: int, device: torch.device) -> None:

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from ._caller import user_stacklevel
+
 __all__ = [
     "STALE_TEMP_AGE_S",
     "WarnOnce",
@@ -174,13 +176,14 @@ class WarnOnce:
         self.seen: set[tuple[str, int | None]] = set()
         self.failures = 0
 
-    def __call__(self, exc: BaseException, message: str, stacklevel: int = 3) -> None:
+    def __call__(self, exc: BaseException, message: str) -> None:
+        """Count the failure; warn (at the user's line) the first time ``exc``'s cause is seen."""
         self.failures += 1
         cause = (type(exc).__name__, getattr(exc, "errno", None))
         if cause in self.seen:
             return
         self.seen.add(cause)
-        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+        warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
 
     def __getstate__(self) -> dict[str, Any]:
         return {"seen": set(self.seen), "failures": self.failures}

@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
+from ._caller import user_stacklevel
 from ._checks import check_flag
 from ._distributed import Unsynced, suppress_sync
 from ._distributed_decision import ReplicaDecision
@@ -65,7 +66,7 @@ def _warn_plain_no_sync(model: torch.nn.Module, replicas: ReplicaDecision) -> No
             "DistributedDataParallel (or fully_shard) wrapper itself, e.g. opt.no_sync(ddp_model), "
             "not ddp_model.module",
             UserWarning,
-            stacklevel=5,  # -> plan_no_sync -> no_sync -> contextlib -> the user's with
+            stacklevel=user_stacklevel(),  # the user's `with opt.no_sync(...)` line
         )
 
 

@@ -13,6 +13,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from ._caller import user_stacklevel
 from ._checks import check_path, check_positive_int
 from ._distributed import check_ranks, rank_target
 from ._files import WarnOnce, check_file_path, remove_stale_temps, write_atomic
@@ -115,7 +116,6 @@ def log_window(loggers: list[Logger], stats: StepStats, optimizer: LoggedOptimiz
                 exc,
                 f"clipopt: {type(logger).__name__} could not write this window's statistics ({exc}); "
                 "training continues (this warning is shown once per cause)",
-                stacklevel=5,
             )
 
 
@@ -257,7 +257,7 @@ class CSVLogger:
                     f"clipopt could not rewrite {self.path} with the columns of the new parameter "
                     f"group ({exc}); it keeps its columns and the new group is not logged",
                     RuntimeWarning,
-                    stacklevel=2,
+                    stacklevel=user_stacklevel(),
                 )
                 self._groups = groups  # do not retry every window
                 return
@@ -326,7 +326,6 @@ class CSVLogger:
                 exc,
                 f"clipopt could not write to the CSV log {self.path} ({exc}); training continues, "
                 f"rows are kept and written at the next flush (this warning is shown once per cause)",
-                stacklevel=4,
             )
             return
         self._buffer.clear()
@@ -409,7 +408,7 @@ def repair_torn_tail(path: Path) -> bool:
         f"clipopt: the last row of {path} was torn (a run killed while writing); it was removed "
         "before appending",
         RuntimeWarning,
-        stacklevel=5,
+        stacklevel=user_stacklevel(),
     )
     return True
 

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ._caller import user_stacklevel
 from ._checks import check_positive_int
 from ._host_copy import HostCopy, TrainingState, capture, copy_extra, copy_problem, restore
 
@@ -214,7 +215,7 @@ class Rewind:
                 f"first of them (window {hit[0]}); nothing was restored. Take copies more often "
                 f"(every={self.every} applied updates now)",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
         newest = self._copies[-1].applied if self._copies else None
         quiet = not self.spike_steps or self.spike_steps[-1] <= step - self.within

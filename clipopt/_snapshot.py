@@ -162,7 +162,6 @@ class SnapshotWriter:
                 exc,
                 f"clipopt could not write the anomaly snapshot {path} ({exc}); training continues "
                 "(this warning is shown once per cause)",
-                stacklevel=user_stacklevel() + 1,  # WarnOnce, then the user's step() call
             )
             return None
         saved.append(str(path))

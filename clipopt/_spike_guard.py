@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._caller import user_stacklevel
 from ._spike_stats import push_history, spike_scores
 
 __all__ = ["SIGNALS", "SpikeGuard"]
@@ -181,7 +182,7 @@ class SpikeGuard:
                 f"loss=: the loss signal sits out such windows{alone}; pass opt.step(loss=loss), "
                 "or signals=('grad_norm',) to watch the gradient norm only",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
 
     def is_spike(self, loss: Tensor | float | None, grad_norm: Tensor) -> Tensor:

@@ -187,7 +187,6 @@ class TensorBoardLogger:
             exc,
             f"clipopt could not write the TensorBoard log in {self.log_dir} ({exc}); training "
             "continues (this warning is shown once per cause)",
-            stacklevel=5,
         )
 
     def close(self) -> None:

@@ -163,6 +163,44 @@ def test_csv_write_failure_warns_once_and_retries(tmp_path: Path, monkeypatch: p
     assert [r[0] for r in rows] == ["step", "1", "2", "3", "4", "5"]
 
 
+@pytest.mark.parametrize("entry", ["step", "step with a scheduler", "flush", "close"])
+def test_csv_write_failure_warns_at_the_users_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entry: str
+) -> None:
+    """A CSV write that fails (disk full) warns at the user's line, whichever call wrote the rows:
+    ``step()`` (also through an LR scheduler's wrapper), ``flush()`` of a partial window, or
+    ``close()`` (the buffered rows)."""
+
+    def full_disk(fd: int, data: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    model = make_model()
+    logger = CSVLogger(tmp_path / "grads.csv", flush_every=100 if entry == "close" else 1)
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), accumulation_steps=2, loggers=[logger]
+    )
+    if entry == "step with a scheduler":
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0)
+    monkeypatch.setattr("clipopt._logging.os.write", full_disk)
+    model(torch.ones(5, 3)).sum().backward()
+    opt.step()  # the window's first micro-batch
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model(torch.ones(5, 3)).sum().backward()
+        if entry == "flush":
+            line = sys._getframe().f_lineno + 1
+            opt.flush()
+        elif entry == "close":
+            opt.step()  # the row stays in the buffer
+            line = sys._getframe().f_lineno + 1
+            opt.close()
+        else:
+            line = sys._getframe().f_lineno + 1
+            opt.step()
+    where = [(w.filename, w.lineno) for w in record if "could not write" in str(w.message)]
+    assert where == [(__file__, line)]
+
+
 def test_csv_buffer_is_bounded_while_writes_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """While the disk stays full the logger keeps at most max_buffered rows and counts the dropped."""
     monkeypatch.setattr("clipopt._logging.MAX_BUFFERED_ROWS", 3)

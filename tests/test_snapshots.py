@@ -344,23 +344,26 @@ def test_unwritable_snapshot_dir_warns_and_training_continues(tmp_path: Path) ->
     assert opt.last_snapshot is None
 
 
-@pytest.mark.parametrize("entry", ["step", "step with a hook", "flush"])
+@pytest.mark.parametrize("entry", ["step", "step with a hook", "step with a scheduler", "flush"])
 def test_snapshot_warnings_point_at_the_users_line(tmp_path: Path, entry: str) -> None:
     """Both snapshot warnings (a write that fails, the max_snapshots limit reached) name the user's
     line however the window closes: ``step()``, ``step()`` through torch's hook wrapper (a step hook
-    is registered), or ``flush()`` (a shorter call path)."""
+    is registered) or an LR scheduler's (it wraps ``step``), or ``flush()`` (a shorter call path)."""
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file")
     model = make_model()
     sgd = lambda: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
     failing = ClippedOptimizer(sgd(), accumulation_steps=2, snapshot_dir=blocker / "s")
     limited = ClippedOptimizer(sgd(), accumulation_steps=2, snapshot_dir=tmp_path / "ok", max_snapshots=1)
+    for opt in (failing, limited):
+        if entry == "step with a hook":
+            opt.register_step_pre_hook(lambda *args: None)
+        elif entry == "step with a scheduler":
+            torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0)
     lines: list[int] = []
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for opt in (failing, limited, limited):
-            if entry == "step with a hook":
-                opt.register_step_pre_hook(lambda *args: None)
             x, y = batch(99)
             x[0, 0] = math.nan
             loss_of(model, x, y).backward()
