@@ -95,9 +95,7 @@ class Method:
     optimizers: list[torch.optim.Optimizer]  #: whose state counts as resident memory
 
 
-def make_methods(
-    model: ParamModel, opt_name: str, accumulation: int, peers: bool
-) -> list[Method]:
+def make_methods(model: ParamModel, opt_name: str, accumulation: int, peers: bool) -> list[Method]:
     params = list(model.parameters())
     new = OPTIMIZERS[opt_name]
     methods: list[Method] = []

@@ -86,8 +86,10 @@ def main() -> None:
             block(opt)
         reads[name] = len(r)
     base = statistics.median(times["plain"])
-    print(f"{n_params / 1e6:.1f}M parameters, {len(params)} tensors, {args.optimizer}, "
-          f"torch {torch.__version__}, {args.threads} threads, median of {args.rounds} rounds of {BLOCK}")
+    print(
+        f"{n_params / 1e6:.1f}M parameters, {len(params)} tensors, {args.optimizer}, "
+        f"torch {torch.__version__}, {args.threads} threads, median of {args.rounds} rounds of {BLOCK}"
+    )
     print()
     print("| diagnostics | ms / update | x plain | host reads / 10 updates |")
     print("|---|---|---|---|")

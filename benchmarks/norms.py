@@ -35,8 +35,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {args.threads} threads, median of {args.rounds} rounds")
-    print(f"{'shapes':20} {'p':>4} {'clipopt ms':>11} {'foreach ms':>11} {'torch ms':>9} {'x torch':>8} "
-          f"{'err clipopt':>12} {'err torch':>10}")
+    print(
+        f"{'shapes':20} {'p':>4} {'clipopt ms':>11} {'foreach ms':>11} {'torch ms':>9} {'x torch':>8} "
+        f"{'err clipopt':>12} {'err torch':>10}"
+    )
     for name, shapes in MIXES.items():
         grads = [torch.randn(s, generator=gen) for s in shapes]
         for p in (1.0, 2.0, 3.0, math.inf):
@@ -54,8 +56,10 @@ def main() -> None:
             med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
             truth = torch.nn.utils.get_total_norm([g.double() for g in grads], p).item()
             err = {k: abs(f().item() - truth) / truth for k, f in fns.items()}
-            print(f"{name:20} {p:>4} {med['clipopt']:>11.3f} {med['foreach']:>11.3f} {med['torch']:>9.3f} "
-                  f"{med['clipopt'] / med['torch']:>8.2f} {err['clipopt']:>12.1e} {err['torch']:>10.1e}")
+            print(
+                f"{name:20} {p:>4} {med['clipopt']:>11.3f} {med['foreach']:>11.3f} {med['torch']:>9.3f} "
+                f"{med['clipopt'] / med['torch']:>8.2f} {err['clipopt']:>12.1e} {err['torch']:>10.1e}"
+            )
 
 
 if __name__ == "__main__":

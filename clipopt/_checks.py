@@ -69,8 +69,7 @@ def check_positive_int(name: str, value: Any, example: int = 4) -> int:
     """An int >= 1 (bool rejected)."""
     if not isinstance(value, Integral) or isinstance(value, bool):
         raise TypeError(
-            f"{name} must be an int >= 1, got {value!r} ({type(value).__name__}); "
-            f"pass e.g. {name}={example}"
+            f"{name} must be an int >= 1, got {value!r} ({type(value).__name__}); pass e.g. {name}={example}"
         )
     if value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}; pass e.g. {name}={example}")

@@ -63,9 +63,7 @@ def has_dtensor(tensors: Sequence[Tensor]) -> bool:
 
 
 def _is_ddp(model: torch.nn.Module) -> bool:
-    return torch.distributed.is_available() and isinstance(
-        model, torch.nn.parallel.DistributedDataParallel
-    )
+    return torch.distributed.is_available() and isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
 def _is_fsdp2(model: torch.nn.Module) -> bool:
@@ -218,7 +216,6 @@ class ShardedGrads:
         if len(parts) == 1:
             return parts[0]
         return F.get_total_norm(parts, norm_type)
-
 
     def norms(self, grads: Sequence[Tensor], norm_type: float, foreach: bool | None) -> Tensor:
         """The global ``norm_type``-norm of each gradient in ``grads`` (as :meth:`total_norm`), stacked.

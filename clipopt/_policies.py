@@ -292,4 +292,3 @@ def _unit_norms(p: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     acc = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None
     w_norm = torch.linalg.vector_norm(p.detach(), dim=dims, keepdim=True, dtype=acc)
     return w_norm, torch.linalg.vector_norm(g, dim=dims, keepdim=True, dtype=acc), g
-

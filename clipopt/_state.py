@@ -333,4 +333,3 @@ def restore_on_failure(inner: Optimizer) -> Iterator[None]:
     except Exception as exc:
         inner.state, inner.param_groups = state, groups
         raise _bad(f"the inner {type(inner).__name__} rejected it ({exc})") from exc
-

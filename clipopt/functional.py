@@ -269,9 +269,7 @@ def _direct_cpu_norms(tensors: list[Tensor], p: float, acc: torch.dtype, norms: 
 
 
 @torch.no_grad()
-def clip_grads_value_(
-    grads: Sequence[Tensor], clip_value: float, *, foreach: bool | None = None
-) -> None:
+def clip_grads_value_(grads: Sequence[Tensor], clip_value: float, *, foreach: bool | None = None) -> None:
     r"""Clamp every gradient element into ``[-clip_value, clip_value]`` in place.
 
     .. math:: g \leftarrow \operatorname{clamp}(g, -c, c)
@@ -352,7 +350,6 @@ def nonfinite_flag(total_norm: Tensor) -> Tensor:
     Exactly the values a fused optimizer's ``found_inf`` accepts.
     """
     return (~torch.isfinite(total_norm)).to(torch.float32)
-
 
 
 # ----------------------------------------------------------------------------- per-group clipping

@@ -435,8 +435,13 @@ def fsdp_job(rank: int, port: int, out_dir: str) -> None:
         model = _fsdp(narrow)
         names = [n for n, _ in narrow.named_parameters()]
         named = list(zip(names, model.parameters(), strict=True))
-        opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), MAX_NORM, accumulation_steps=2,
-                               layer_stats=True, param_names=named)
+        opt = ClippedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            MAX_NORM,
+            accumulation_steps=2,
+            layer_stats=True,
+            param_names=named,
+        )
         for i in (1, 2):
             x, _ = _batch(rank, i)
             with opt.no_sync(model):
@@ -512,8 +517,10 @@ def _per_group_case(base: nn.Module, rank: int, p: float, *, sharded: bool) -> d
         for param, g in zip(plain.parameters(), grads, strict=True):
             param.grad = g.float()
         params = list(plain.parameters())
-        norms = [float(torch.nn.utils.clip_grad_norm_(ps, bound, norm_type=p))
-                 for ps, bound in ((params[:2], MAX_NORM), (params[2:], 0.01))]
+        norms = [
+            float(torch.nn.utils.clip_grad_norm_(ps, bound, norm_type=p))
+            for ps, bound in ((params[:2], MAX_NORM), (params[2:], 0.01))
+        ]
         for param in params:
             param -= param.grad
     stats = opt.last_stats
@@ -541,8 +548,15 @@ def _gather_n(value: Any) -> list[Any]:
 class _Collectives:
     """Counts the collectives issued while active (all_reduce, all_gather, broadcast, ...)."""
 
-    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor",
-             "all_gather_object", "barrier")
+    NAMES = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "broadcast",
+        "reduce_scatter_tensor",
+        "all_gather_object",
+        "barrier",
+    )
 
     def __init__(self) -> None:
         self.count = 0
@@ -754,8 +768,11 @@ def _pipeline_case(rank: int, p: float, nan: bool, rows: str | None = None) -> d
     if rows is not None:
         logging = {"layer_stats": 2, "loggers": [CSVLogger(os.path.join(rows, f"{rank}.csv"), ranks="all")]}
     opt = ClippedOptimizer(
-        torch.optim.AdamW(stage.parameters(), lr=LR, foreach=True), MAX_NORM, norm_type=p,
-        norm_group=dist.group.WORLD, **logging,
+        torch.optim.AdamW(stage.parameters(), lr=LR, foreach=True),
+        MAX_NORM,
+        norm_type=p,
+        norm_group=dist.group.WORLD,
+        **logging,
     )
     plain = copy.deepcopy(base)
     ref = torch.optim.AdamW(plain.parameters(), lr=LR, foreach=True)
@@ -907,8 +924,11 @@ def ddp_hardening_job(rank: int, port: int, out_dir: str, world: int) -> None:
                     _loss(model, 0, 4).backward()
                     opt.step()
 
-        res[case] = {"error": _catch(run), "skipped": [s.skipped for s in opt.stats],
-                     "reasons": [s.reason for s in opt.stats]}
+        res[case] = {
+            "error": _catch(run),
+            "skipped": [s.skipped for s in opt.stats],
+            "reasons": [s.reason for s in opt.stats],
+        }
     torch.save(res, os.path.join(out_dir, f"hard{rank}.pt"))
     leave_process_group()
 

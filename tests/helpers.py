@@ -156,7 +156,6 @@ def train(
         opt.zero_grad()
 
 
-
 def reads_per_step(
     model: nn.Module, opt: torch.optim.Optimizer, batches: Iterable[Batch], loss: LossFn = square_mean
 ) -> list[int]:
@@ -170,6 +169,7 @@ def reads_per_step(
         counts.append(len(reads))
         opt.zero_grad()
     return counts
+
 
 class TwoHeads(nn.Module):
     """A trunk and two heads; each task's loss reaches only its own head."""

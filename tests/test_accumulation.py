@@ -34,8 +34,6 @@ def make_batch(n: int, gen: torch.Generator, dtype: torch.dtype = torch.float64)
     return x, y
 
 
-
-
 def assert_params_close(a: nn.Module, b: nn.Module, **tol) -> None:
     for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, msg=lambda m, n=name: f"{n}: {m}", **tol)

@@ -25,8 +25,6 @@ def make_batch(i: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs(1, (n, 5), (n, 3), seed=1000 + i, scale=3)[0]
 
 
-
-
 INNER = pick("Adam-forloop", "AdamW-fused")  # a for-loop and a fused inner optimizer
 
 
@@ -137,9 +135,7 @@ def test_scaler_with_accumulation_updates_only_at_boundaries(inner):
     model = make_model(3)
     ref = copy.deepcopy(model)
     sc, ref_sc = scaler(growth_interval=1), scaler(growth_interval=1)  # scale doubles at every update()
-    opt = ClippedOptimizer(
-        inner.make(model.parameters()), max_norm=0.5, accumulation_steps=2, scaler=sc
-    )
+    opt = ClippedOptimizer(inner.make(model.parameters()), max_norm=0.5, accumulation_steps=2, scaler=sc)
     ref_opt = inner.make(ref.parameters())
     for w in range(3):
         xs, ys = zip(*(make_batch(10 * w + j, n=4) for j in range(2)), strict=True)

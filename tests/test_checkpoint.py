@@ -604,8 +604,6 @@ COPIERS = {
 }
 
 
-
-
 @pytest.mark.parametrize("how", list(COPIERS))
 @pytest.mark.parametrize(
     "name",

@@ -914,5 +914,8 @@ def test_csv_resume_from_before_a_group_was_added_appends(tmp_path: Path) -> Non
         rows = list(reader)
     assert reader.fieldnames is not None and reader.fieldnames[-1] == "lr.1"
     assert [(r["step"], r["lr"], r["lr.1"]) for r in rows] == [
-        ("1", "0.1", ""), ("2", "0.1", ""), ("3", "0.1", "0.01"), ("1", "0.1", "")
+        ("1", "0.1", ""),
+        ("2", "0.1", ""),
+        ("3", "0.1", "0.01"),
+        ("1", "0.1", ""),
     ]

@@ -185,8 +185,10 @@ def test_independent_models_per_rank(hard: list[dict[str, Any]]) -> None:
         off, auto = rank["independent-None"], rank["independent-auto"]
         assert off == {"skipped": [False, False], "reasons": [None, None], "collectives": 0, "warnings": []}
         assert auto["reasons"] == ["divergence", "divergence"]
-        assert all(w.endswith("If the ranks train independent models, pass replica_group=None")
-                   for w in auto["warnings"])
+        assert all(
+            w.endswith("If the ranks train independent models, pass replica_group=None")
+            for w in auto["warnings"]
+        )
 
 
 def test_different_accumulation_steps_fail_fast(hard: list[dict[str, Any]]) -> None:
@@ -243,12 +245,18 @@ def test_distributed_arguments_are_checked() -> None:
     from clipopt import ClippedOptimizer, CSVLogger
 
     params = [torch.nn.Parameter(torch.ones(2))]
-    with pytest.raises(TypeError, match=r"^replica_group must be 'auto', None or a torch.distributed "
-                                        r"ProcessGroup, got 'all' \(str\); pass replica_group='auto'"):
+    with pytest.raises(
+        TypeError,
+        match=r"^replica_group must be 'auto', None or a torch.distributed "
+        r"ProcessGroup, got 'all' \(str\); pass replica_group='auto'",
+    ):
         ClippedOptimizer(torch.optim.SGD(params, lr=0.1), replica_group="all")
-    with pytest.raises(TypeError, match=r"^norm_group must be a torch.distributed ProcessGroup or None, "
-                                        r"got 'auto' \(str\); pass the group of the ranks holding the other "
-                                        r"parameters \(pipeline stages\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"^norm_group must be a torch.distributed ProcessGroup or None, "
+        r"got 'auto' \(str\); pass the group of the ranks holding the other "
+        r"parameters \(pipeline stages\)",
+    ):
         ClippedOptimizer(torch.optim.SGD(params, lr=0.1), norm_group="auto")
     with pytest.raises(TypeError, match=r"^norm_group must be .* got 3 \(int\)"):
         ClippedOptimizer(torch.optim.SGD(params, lr=0.1), norm_group=3)

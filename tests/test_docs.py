@@ -61,7 +61,7 @@ def fence_languages(text: str) -> list[str]:
 
 def test_fence_languages_flags_what_would_not_run() -> None:
     """The fence check sees a block that would render as Python but is not run (```py, a title)."""
-    text = "```python\nx = 1\n```\n```py\ny = 2\n```\n~~~python title=\"a.py\"\nz = 3\n~~~\n"
+    text = '```python\nx = 1\n```\n```py\ny = 2\n```\n~~~python title="a.py"\nz = 3\n~~~\n'
     assert fence_languages(text) == ["python", "py", 'python title="a.py"']
     assert len(python_blocks(text)) == 1
 

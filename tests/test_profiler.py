@@ -32,12 +32,8 @@ def test_global_step_hooks_fire() -> None:
     """Global hooks (register_optimizer_step_pre/post_hook) fire around the wrapper and the inner step."""
     model, opt = _opt()
     seen: list[str] = []
-    pre = register_optimizer_step_pre_hook(
-        lambda o, a, k: seen.append(f"pre {type(o).__name__}")
-    )
-    post = register_optimizer_step_post_hook(
-        lambda o, a, k: seen.append(f"post {type(o).__name__}")
-    )
+    pre = register_optimizer_step_pre_hook(lambda o, a, k: seen.append(f"pre {type(o).__name__}"))
+    post = register_optimizer_step_post_hook(lambda o, a, k: seen.append(f"post {type(o).__name__}"))
     try:
         model(torch.ones(1, 3)).sum().backward()
         opt.step()

@@ -55,9 +55,7 @@ def train(
     torch.manual_seed(0)
     net = model if model is not None else _mlp()
     inner = make_opt(net)
-    sched = (
-        torch.optim.lr_scheduler.LambdaLR(inner, lambda s: min(1.0, (s + 1) / warmup)) if warmup else None
-    )
+    sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: min(1.0, (s + 1) / warmup)) if warmup else None
     opt = ClippedOptimizer(
         inner,
         scaler=scaler,

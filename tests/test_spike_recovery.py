@@ -450,8 +450,13 @@ def test_guard_composes_with_per_group_clipping(fused: bool) -> None:
     ("part", "leaf", "copy_index", "bad_value", "message"),
     [
         ("spike_guard", "count", 0, torch.tensor([-1, 0]), "invalid SpikeGuard state: expected signals"),
-        ("policy", "stats", 1, torch.zeros(3, dtype=torch.float64),
-         "invalid ZClip state: expected 5 statistics"),
+        (
+            "policy",
+            "stats",
+            1,
+            torch.zeros(3, dtype=torch.float64),
+            "invalid ZClip state: expected 5 statistics",
+        ),
     ],
 )
 def test_load_state_dict_checks_the_wrapper_parts_inside_rewind_copies(
