@@ -23,13 +23,19 @@ DATA = Path(__file__).parent / "data"
 NAMES = ("zclip", "scaler")
 
 
-def _maker() -> ModuleType:
-    """The generator module (its model, configurations and training loop, run here with the new code)."""
-    spec = importlib.util.spec_from_file_location("make_pre12", DATA / "make_pre12_checkpoints.py")
+def _generator(version: str) -> ModuleType:
+    """``tests/data/make_<version>_checkpoints.py``, the module that wrote those fixtures (its model,
+    configurations and training loop, run here with the new code)."""
+    spec = importlib.util.spec_from_file_location(f"make_{version}", DATA / f"make_{version}_checkpoints.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _maker() -> ModuleType:
+    """The pre-12 generator."""
+    return _generator("pre12")
 
 
 def _expected(name: str) -> dict[str, Any]:
@@ -110,12 +116,8 @@ V13 = ("diag", "rewind", "groups")
 
 
 def _maker13() -> ModuleType:
-    """The v13 generator module (model, configurations, training loop and what is recorded)."""
-    spec = importlib.util.spec_from_file_location("make_v13", DATA / "make_v13_checkpoints.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The v13 generator (model, configurations, training loop and what is recorded)."""
+    return _generator("v13")
 
 
 def _expected13(name: str) -> dict[str, Any]:
