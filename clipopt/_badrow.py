@@ -15,6 +15,7 @@ elements would be a second pass), ``grad_norm`` is its 2-norm (``nan`` when
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -34,9 +35,19 @@ def candidate_row(
     """A ``[P, 5]`` row: ``norms[j] * scale`` is the norm of parameter ``with_grad[j]``'s gradient."""
     shape = (len(names), len(LAYER_FIELDS))
     values = torch.full(shape, float("nan"), dtype=torch.float32, device=norms.device)
-    index = torch.tensor(list(with_grad), device=norms.device, dtype=torch.long)
+    # every parameter has a gradient (the usual case): whole columns; else the rows' index, made once
+    index: slice | Tensor = (
+        slice(None) if len(with_grad) == len(names) else _index(tuple(with_grad), norms.device)
+    )
     column = norms.to(torch.float32) * scale
     if two_norm:
         values[index, _NORM] = column
     values[index, _NONFINITE] = (~torch.isfinite(column)).to(torch.float32)
     return LayerStats(names, values)
+
+
+@functools.lru_cache(maxsize=32)
+def _index(rows: tuple[int, ...], device: torch.device) -> Tensor:
+    """``rows`` as an index tensor on ``device``, made once per set of rows: a tensor made from a
+    Python list is a blocking host-to-device copy on an accelerator, so not one per window."""
+    return torch.tensor(rows, device=device, dtype=torch.long)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,3 +151,30 @@ def test_fused_update_without_norm_clipping_makes_no_tensor_from_python_data(inf
         if i >= 3:  # after the first update (state exists: the fused path)
             assert mode.seen == 0, i
     assert opt.num_updates == 4
+
+
+@pytest.mark.parametrize("info", params(FUSED))
+@pytest.mark.parametrize("every_grad", [True, False], ids=["every-param-has-a-grad", "one-head-without"])
+def test_windows_with_a_candidate_row_make_no_tensor_from_python_data(
+    tmp_path: Path, info: OptimInfo, every_grad: bool
+) -> None:
+    """With per-layer rows logged (layer_stats + a CSV logger), every window that is not due keeps a
+    candidate bad row from the norm pass: its row index is not copied from a Python list each
+    window (a blocking host-to-device copy on an accelerator), and the window reads nothing; also
+    when some parameters have no gradient (a two-headed model trained on one head)."""
+    from clipopt import CSVLogger
+
+    model = TwoHeads()
+    logger = CSVLogger(tmp_path / "grads.csv", flush_every=1000)
+    opt = ClippedOptimizer(info.make(list(model.parameters())), layer_stats=1000, loggers=[logger])
+    for i in range(6):
+        x = torch.randn(5, 3, generator=torch.Generator().manual_seed(i))
+        (model.loss("a", x) + (model.loss("b", x) if every_grad else 0.0)).backward()
+        mode = _FromPythonData()
+        with mode, count_host_reads() as reads:
+            opt.step()
+        opt.zero_grad()
+        if i >= 2:  # after the first update (state exists: the fused path) and the first row
+            assert (mode.seen, len(reads)) == (0, 0), i
+    assert opt.num_updates == 6
+    opt.close()
