@@ -76,8 +76,9 @@ def summarize(snap: Mapping[str, Any], path: str | None = None) -> dict[str, Any
     :data:`PARAM_COLUMNS` dicts plus ``has_grad``, ranked by
     :func:`rank_parameters`), ``nonfinite_parameters`` (their names),
     ``optimizer`` (number of parameter groups, their learning rates, and how
-    many parameters have inner state) and ``attached`` (name -> description,
-    see :func:`describe`).
+    many parameters have inner state), ``attached`` (name -> description,
+    see :func:`describe`) and ``scale`` (the GradScaler's loss scale of the
+    window, None without a scaler or in snapshots older than it).
     """
     ranked = rank_parameters(_parameter_rows(snap))
     # read before the other keys: a damaged snapshot's error names the first missing one
@@ -96,6 +97,7 @@ def summarize(snap: Mapping[str, Any], path: str | None = None) -> dict[str, Any
         "nonfinite_parameters": [r["name"] for r in ranked if r["nonfinite"] > 0],
         "optimizer": _optimizer_summary(optimizer),
         "attached": {str(k): describe(v) for k, v in snap["attached"].items()},
+        "scale": None if snap.get("scale") is None else float(snap["scale"]),
     }
 
 
@@ -190,15 +192,18 @@ def format_text(summary: Mapping[str, Any]) -> str:
 
 
 def _header_lines(summary: Mapping[str, Any]) -> list[str]:
-    """The window: step, reason, total norm, micro-batches, rank, time, versions, the inner optimizer."""
+    """The window: step, reason, total norm, micro-batches, loss scale, rank, time, versions, the inner
+    optimizer."""
     versions = summary["versions"]
     opt = summary["optimizer"]
     lrs = ", ".join(fmt_num(lr) if isinstance(lr, float) else str(lr) for lr in opt["lr"])
+    scaled = summary["scale"] is not None
     header = [
         ("step", str(summary["step"])),
         ("reason", str(summary["reason"])),
         ("total_norm", fmt_num(summary["total_norm"]) + "  (pre-clip norm of the combined gradient)"),
         ("micro_batches", str(summary["micro_batches"])),
+        *([("scale", fmt_num(summary["scale"]) + "  (the GradScaler's loss scale)")] if scaled else []),
         *([("rank", str(summary["rank"]))] if summary.get("rank") is not None else []),
         ("time", str(summary["time"])),
         ("versions", ", ".join(f"{k} {v}" for k, v in versions.items())),
