@@ -37,7 +37,7 @@ from ._growth import LayerGrowth, layer_growth
 from ._snapshot import load_snapshot
 from ._watch import ModuleTracker, NonFiniteWatch, OpEvent, TensorStats, all_finite
 
-__all__ = ["NORM_RTOL", "ReplayResult", "replay"]
+__all__ = ["NORM_RTOL", "ReplayInputError", "ReplayResult", "replay"]
 
 #: A spike or divergence replay reproduces when its norm is within this relative distance of the snapshot's.
 NORM_RTOL = 1e-3
@@ -50,6 +50,20 @@ _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 #: Keys :func:`replay` needs in a snapshot given as a dict.
 _NEEDED = ("step", "reason", "total_norm", "params", "grads", "optimizer", "attached")
+
+
+class ReplayInputError(Exception):
+    """The mark of the errors :func:`replay` raises about its inputs (the snapshot, the model, the
+    arguments, what ``loss_fn`` returns), as against errors raised by the user's code it runs:
+    ``clipopt replay`` shows the former as one line and lets the latter show their traceback."""
+
+
+class ReplayValueError(ReplayInputError, ValueError):
+    """A :class:`ReplayInputError` that is a ``ValueError``."""
+
+
+class ReplayTypeError(ReplayInputError, TypeError):
+    """A :class:`ReplayInputError` that is a ``TypeError``."""
 
 
 @dataclass(frozen=True)
@@ -215,18 +229,18 @@ def replay(
 
 def _check_arguments(model: Any, loss_fn: Any, repeats: Any) -> None:
     if not isinstance(model, nn.Module):
-        raise TypeError(
+        raise ReplayTypeError(
             f"replay() got model={type(model).__name__}; pass the torch.nn.Module that was trained"
         )
     if not callable(loss_fn):
-        raise TypeError(
+        raise ReplayTypeError(
             f"replay() got loss_fn={type(loss_fn).__name__}, which is not callable; "
             "pass a function loss_fn(model, attached) returning the loss"
         )
     if isinstance(repeats, bool) or not isinstance(repeats, int):
-        raise TypeError(f"replay() got repeats={repeats!r}; pass a positive int, e.g. repeats=3")
+        raise ReplayTypeError(f"replay() got repeats={repeats!r}; pass a positive int, e.g. repeats=3")
     if repeats < 1:
-        raise ValueError(f"replay() got repeats={repeats}; pass a positive int, e.g. repeats=3")
+        raise ReplayValueError(f"replay() got repeats={repeats}; pass a positive int, e.g. repeats=3")
 
 
 def _load(snapshot: Any) -> tuple[dict[str, Any], str | None]:
@@ -235,12 +249,12 @@ def _load(snapshot: Any) -> tuple[dict[str, Any], str | None]:
     if isinstance(snapshot, Mapping):
         missing = [k for k in _NEEDED if k not in snapshot]
         if missing:
-            raise ValueError(
+            raise ReplayValueError(
                 f"replay() got a snapshot dict without {', '.join(missing)}; "
                 "pass a path or what clipopt.load_snapshot() returned"
             )
         return dict(snapshot), None
-    raise TypeError(
+    raise ReplayTypeError(
         f"replay() got snapshot={type(snapshot).__name__}; "
         "pass a snapshot path or what clipopt.load_snapshot() returned"
     )
@@ -250,7 +264,7 @@ def match_parameters(params: Mapping[str, Tensor], model: nn.Module) -> dict[str
     """Snapshot name -> (model name, parameter); ``ValueError`` naming what does not match."""
     own = dict(model.named_parameters())
     if params and all(re.fullmatch(r"group\d+\.\d+", n) for n in params):
-        raise ValueError(
+        raise ReplayValueError(
             "the snapshot's parameter names are positional (group<g>.<i>), so they cannot be matched "
             "to the model; train with ClippedOptimizer(..., param_names=model.named_parameters())"
         )
@@ -259,12 +273,12 @@ def match_parameters(params: Mapping[str, Tensor], model: nn.Module) -> dict[str
         target = _strip(name, own)
         if target is None:
             shown = ", ".join(list(own)[:4]) + (", ..." if len(own) > 4 else "")
-            raise ValueError(
+            raise ReplayValueError(
                 f"the snapshot's parameter {name!r} is not in the model ({type(model).__name__}, whose "
                 f"parameters are {shown or 'none'}); pass the model that was trained, built the same way"
             )
         if tuple(own[target].shape) != tuple(value.shape):
-            raise ValueError(
+            raise ReplayValueError(
                 f"the snapshot's parameter {name!r} has shape {tuple(value.shape)} but the model's "
                 f"{target!r} has {tuple(own[target].shape)}; pass the model that was trained"
             )
@@ -352,9 +366,11 @@ def _run(
 def _check_loss(loss: Any, targets: Mapping[str, tuple[str, nn.Parameter]]) -> Tensor:
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
-        raise TypeError(f"replay(): loss_fn returned {what}; return the loss as a tensor with one element")
+        raise ReplayTypeError(
+            f"replay(): loss_fn returned {what}; return the loss as a tensor with one element"
+        )
     if not loss.requires_grad and any(p.requires_grad for _, p in targets.values()):
-        raise ValueError(  # its backward would give no gradient: every replay would read as transient
+        raise ReplayValueError(  # its backward would give no gradient: every replay would read as transient
             "replay(): loss_fn returned a loss that does not require grad (detached, or computed under "
             "torch.no_grad()); return the loss whose backward gives the parameters' gradients"
         )

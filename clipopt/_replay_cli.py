@@ -75,7 +75,7 @@ def _import(name: str) -> Any:
 def run(file: str, model_spec: str, loss_spec: str, repeats: int, as_json: bool) -> str:
     """Replay ``file`` and return the account (text or JSON); :class:`ReplayCommandError` for bad input."""
     from ._inspect import InspectError, inspect_file
-    from ._replay import replay
+    from ._replay import ReplayInputError, replay
     from ._replay_text import format_json, format_text
 
     try:
@@ -92,6 +92,6 @@ def run(file: str, model_spec: str, loss_spec: str, repeats: int, as_json: bool)
         )
     try:
         result = replay(file, model, loss_fn, repeats=repeats)
-    except ValueError as exc:  # the snapshot does not fit the model
-        raise ReplayCommandError(str(exc)) from None
+    except ReplayInputError as exc:  # the snapshot does not fit the model, loss_fn returned no loss ...
+        raise ReplayCommandError(str(exc)) from None  # (an error of the user's own code keeps its traceback)
     return format_json(result) if as_json else format_text(result)

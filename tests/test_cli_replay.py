@@ -156,6 +156,29 @@ def test_replay_bad_files_and_repeats(
     assert code == 2 and err.endswith(want)
 
 
+def test_replay_tells_the_users_bug_from_bad_input(
+    files: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A loss function that returns no loss is bad input: exit 2 and one line.  A ValueError raised by
+    the user's own loss function is their bug: it propagates with its traceback instead of being
+    shown as one line as if the snapshot did not fit (what the command did before)."""
+    script = tmp_path / "user_losses.py"
+    script.write_text(
+        "from tests.replay_models import log_model\n"
+        "def build():\n    return log_model()\n"
+        "def nothing(model, attached):\n    return None\n"
+        "def buggy(model, attached):\n    raise ValueError('a bug in my loss')\n"
+    )
+    code, _, err = run(
+        capsys, "replay", files["log"], "--model", f"{script}:build", "--loss", f"{script}:nothing"
+    )
+    want = "replay(): loss_fn returned NoneType; return the loss as a tensor with one element"
+    assert (code, err) == (2, f"clipopt replay: error: {want}\n")
+    with pytest.raises(ValueError) as info:
+        main(["replay", files["log"], "--model", f"{script}:build", "--loss", f"{script}:buggy"])
+    assert info.value.args == ("a bug in my loss",)
+
+
 def test_replay_loads_a_python_file(
     files: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
