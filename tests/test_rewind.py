@@ -68,6 +68,7 @@ def _assert_same(model: torch.nn.Module, opt: torch.optim.Optimizer, snap: dict[
 OPTIMIZERS = [
     pytest.param(get("AdamW-forloop"), {"lr": 1e-2, "weight_decay": 0.01, "foreach": None}, id="adamw"),
     pytest.param(get("AdamW-forloop"), {"lr": 1e-2, "weight_decay": 0.01}, id="adamw-single"),
+    pytest.param(get("AdamW-foreach"), {"lr": 1e-2, "weight_decay": 0.01}, id="adamw-foreach"),
     pytest.param(get("SGD-momentum-forloop"), {"lr": 1e-2, "foreach": None}, id="sgd"),
     pytest.param(get("Adagrad-forloop"), {"lr": 1e-2, "foreach": None}, id="adagrad"),
     pytest.param(get("RMSprop-forloop"), {"lr": 1e-3, "centered": True, "foreach": None}, id="rmsprop"),

@@ -7,7 +7,6 @@ import csv
 import io
 import re
 from collections.abc import Callable, Iterable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -367,13 +366,13 @@ def test_rewind_restores_scaler_and_policy_state() -> None:
     assert saved[11][0] != 2.0**10  # the scale had grown, so restoring it is visible
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
-def test_spike_in_one_micro_batch_skips_the_window(fused: bool) -> None:
+@pytest.mark.parametrize("adam", params(pick("Adam-foreach", "Adam-forloop", "Adam-fused")))
+def test_spike_in_one_micro_batch_skips_the_window(adam: OptimInfo) -> None:
     """accumulation_steps=3: a spiking micro-batch skips its whole window; the run then equals one
-    without that window (the guard scores the window's mean loss and combined norm)."""
+    without that window (the guard scores the window's mean loss and combined norm); for each of
+    Adam's implementations."""
     model, ref_model = model_for(), model_for()
-    adam = get("Adam-fused" if fused else "Adam-forloop")
-    make = partial(adam.make, foreach=None)  # torch's default implementation choice (CPU: the for-loop)
+    make = adam.make
     opt = ClippedOptimizer(make(model.parameters()), accumulation_steps=3, spike_guard=_guard())
     ref = ClippedOptimizer(make(ref_model.parameters()), accumulation_steps=3)
     windows = [batches_for(3, seed=20 + w) for w in range(9)]
@@ -421,15 +420,16 @@ def test_load_state_dict_checks_the_guard_and_rewind_entries_first() -> None:
     assert opt.spike_guard.history == history
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
-def test_guard_composes_with_per_group_clipping(fused: bool) -> None:
-    """Groups with their own max_norm: the spike is skipped bit-exactly, other windows clip as without it."""
+@pytest.mark.parametrize("impl", ["foreach", "forloop", "fused"])
+def test_guard_composes_with_per_group_clipping(impl: str) -> None:
+    """Groups with their own max_norm: the spike is skipped bit-exactly, other windows clip as without
+    it; for each of AdamW's implementations."""
 
     def build(model: nn.Module, **kw: Any) -> ClippedOptimizer:
         first, second = list(model.parameters())[:2], list(model.parameters())[2:]
         groups = [{"params": first, "max_norm": 0.5}, {"params": second}]
-        extra = {"fused": True} if fused else {}
-        return ClippedOptimizer(optim.AdamW(groups, lr=0.05, **extra), max_norm=1.0, **kw)
+        inner = get(f"AdamW-{impl}").make(groups, lr=0.05, weight_decay=0.01)  # AdamW's default decay
+        return ClippedOptimizer(inner, max_norm=1.0, **kw)
 
     model, ref_model = model_for(), model_for()
     opt, ref = build(model, spike_guard=_guard()), build(ref_model)
