@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import sys
+import warnings
 from functools import partial
 
 import pytest
@@ -11,7 +13,7 @@ import torch._dynamo as dynamo
 from torch import nn
 from torch._dynamo.utils import counters
 
-from clipopt import ClippedOptimizer
+from clipopt import ClippedOptimizer, SpikeGuard
 
 from .helpers import mlp, pairs
 
@@ -101,3 +103,22 @@ def test_compiled_step_fused_no_graph_break_from_clipopt() -> None:
     assert ours and all(
         "_fused_inner_step" in reason and "should not be traced" in reason for reason in ours
     ), f"graph breaks from clipopt's own code: {list(ours)}"
+
+
+def test_warning_in_compiled_step_names_the_users_line() -> None:
+    """A warning raised while ``torch.compile(opt.step)`` runs (the SpikeGuard's, no ``loss=``)
+    names the user's ``step()`` line, not torch/_dynamo/eval_frame.py (before: the walk out of
+    clipopt stopped at the compiled function's wrapper)."""
+    dynamo.reset()
+    model = _model()
+    guard = SpikeGuard(signals=("loss",))
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-2), max_norm=0.5, spike_guard=guard)
+    step = torch.compile(opt.step, backend="eager")
+    x, y = _batch(0)
+    nn.functional.mse_loss(model(x), y).backward()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        step()
+    where = [(w.filename, w.lineno) for w in record if "SpikeGuard watches the loss" in str(w.message)]
+    assert where == [(__file__, line)]
