@@ -16,17 +16,34 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 #: Frames passed over as well: torch's step wrappers (``Optimizer.profile_hook_step``, and the
 #: one an LR scheduler puts around ``step()``), and ``contextlib`` (``with opt.no_sync(model):``).
 _PASSED = tuple(os.path.abspath(str(m.__file__)) for m in (_torch_optimizer, _torch_lr_scheduler, contextlib))
-#: Modules whose frames are passed over too, by name (so none of them is imported here): the
-#: wrapper ``torch.compile(opt.step)`` runs the step in, torch's ``no_grad``-style decorators and
-#: ``torch.compiler.disable``, and Accelerate's ``AcceleratedOptimizer.step``.
-_PASSED_MODULES = frozenset(
-    {"torch._dynamo.eval_frame", "torch._compile", "torch.utils._contextlib", "accelerate.optimizer"}
+#: Modules (and packages: every module under them) whose frames are passed over too, by name, so
+#: that none of them is imported here: the wrapper ``torch.compile(opt.step)`` runs the step in,
+#: torch's ``no_grad``-style decorators and ``torch.compiler.disable``, Accelerate's
+#: ``AcceleratedOptimizer.step``, and what Lightning's ``LightningOptimizer.step()`` goes through
+#: (the strategy, the precision plugin) before it calls ``step()``.
+_PASSED_MODULES = tuple(
+    [
+        "torch._dynamo.eval_frame",
+        "torch._compile",
+        "torch.utils._contextlib",
+        "accelerate.optimizer",
+        *(
+            f"{lightning}.{module}"
+            for lightning in ("lightning.pytorch", "pytorch_lightning")
+            for module in ("core.optimizer", "strategies", "plugins.precision")
+        ),
+    ]
 )
 
 
 def _inside(frame: FrameType) -> bool:
     path = os.path.abspath(frame.f_code.co_filename)
-    return path.startswith(_PACKAGE) or path in _PASSED or frame.f_globals.get("__name__") in _PASSED_MODULES
+    return path.startswith(_PACKAGE) or path in _PASSED or _passed_module(frame.f_globals.get("__name__"))
+
+
+def _passed_module(name: object) -> bool:
+    """Whether module ``name`` is one of :data:`_PASSED_MODULES` or inside one of them."""
+    return isinstance(name, str) and any(name == m or name.startswith(m + ".") for m in _PASSED_MODULES)
 
 
 def user_stacklevel() -> int:
