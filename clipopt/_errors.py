@@ -32,7 +32,7 @@ class NonFiniteGradientError(RuntimeError):
         self,
     ) -> tuple[type[NonFiniteGradientError], tuple[int, int, str | None], dict[str, Any]]:
         """Pickled by its fields (the default passes the message alone, which ``__init__`` refuses), so
-        the error travels between processes (multiprocessing, ``torch.multiprocessing.spawn``); its
+        the error travels between processes (a ``multiprocessing`` pool, a ``ProcessPoolExecutor``); its
         ``__dict__`` travels too, as by default (notes from ``add_note()``, attributes set on it)."""
         return type(self), (self.count, self.step, self.snapshot), dict(self.__dict__)
 
