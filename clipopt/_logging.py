@@ -441,6 +441,16 @@ def repair_torn_tail(path: Path) -> bool:
 
 
 def _close_at_exit(ref: weakref.ref[CSVLogger]) -> None:
+    """Write what ``ref``'s logger still buffers; rows that cannot be written now are lost: say so,
+    even when their cause was warned about during training (that warning promised a next flush)."""
     logger = ref()
-    if logger is not None:
-        logger.close()
+    if logger is None:
+        return
+    logger.close()
+    if logger._buffer:
+        warnings.warn(
+            f"clipopt could not write the last {len(logger._buffer)} rows of the CSV log "
+            f"{logger.path} at exit; they are lost (call opt.close() while the disk can still be written)",
+            RuntimeWarning,
+            stacklevel=user_stacklevel(),
+        )
