@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling
 
 from ._layers import LAYER_FIELDS, LayerStats
 
@@ -37,13 +38,21 @@ def candidate_row(
     values = torch.full(shape, float("nan"), dtype=torch.float32, device=norms.device)
     # every parameter has a gradient (the usual case): whole columns; else the rows' index, made once
     index: slice | Tensor = (
-        slice(None) if len(with_grad) == len(names) else _index(tuple(with_grad), norms.device)
+        slice(None) if len(with_grad) == len(names) else _rows_index(tuple(with_grad), norms.device)
     )
     column = norms.to(torch.float32) * scale
     if two_norm:
         values[index, _NORM] = column
     values[index, _NONFINITE] = (~torch.isfinite(column)).to(torch.float32)
     return LayerStats(names, values)
+
+
+def _rows_index(rows: tuple[int, ...], device: torch.device) -> Tensor:
+    """``rows`` as an index tensor: from the cache in eager windows; while ``torch.compile`` traces
+    the step, a constant of the graph (dynamo would trace through the cache, and warn about it)."""
+    if is_compiling():
+        return torch.tensor(rows, device=device, dtype=torch.long)
+    return _index(rows, device)
 
 
 @functools.lru_cache(maxsize=32)

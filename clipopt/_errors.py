@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["NonFiniteGradientError"]
 
 
@@ -26,10 +28,13 @@ class NonFiniteGradientError(RuntimeError):
             msg += f"; latest anomaly snapshot: {snapshot}"
         super().__init__(msg)
 
-    def __reduce__(self) -> tuple[type[NonFiniteGradientError], tuple[int, int, str | None]]:
+    def __reduce__(
+        self,
+    ) -> tuple[type[NonFiniteGradientError], tuple[int, int, str | None], dict[str, Any]]:
         """Pickled by its fields (the default passes the message alone, which ``__init__`` refuses), so
-        the error travels between processes (multiprocessing, ``torch.multiprocessing.spawn``)."""
-        return type(self), (self.count, self.step, self.snapshot)
+        the error travels between processes (a ``multiprocessing`` pool, a ``ProcessPoolExecutor``); its
+        ``__dict__`` travels too, as by default (notes from ``add_note()``, attributes set on it)."""
+        return type(self), (self.count, self.step, self.snapshot), dict(self.__dict__)
 
 
 # Shown where users meet it (tracebacks, reprs, the API reference) under the name they import.

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ._layers import LAYER_FIELDS
 from ._snapshot import load_snapshot
-from ._text import fmt_num, json_safe
+from ._text import fmt_num, fmt_scale, json_safe
 
 __all__ = ["InspectError", "format_json", "format_text", "inspect_file", "rank_parameters", "summarize"]
 
@@ -203,7 +203,7 @@ def _header_lines(summary: Mapping[str, Any]) -> list[str]:
         ("reason", str(summary["reason"])),
         ("total_norm", fmt_num(summary["total_norm"]) + "  (pre-clip norm of the combined gradient)"),
         ("micro_batches", str(summary["micro_batches"])),
-        *([("scale", fmt_num(summary["scale"]) + "  (the GradScaler's loss scale)")] if scaled else []),
+        *([("scale", fmt_scale(summary["scale"]) + "  (the GradScaler's loss scale)")] if scaled else []),
         *([("rank", str(summary["rank"]))] if summary.get("rank") is not None else []),
         ("time", str(summary["time"])),
         ("versions", ", ".join(f"{k} {v}" for k, v in versions.items())),

@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import csv
 import io
+import itertools
 import math
 import os
 import warnings
@@ -97,6 +98,20 @@ _LOGGER_WARNINGS: weakref.WeakKeyDictionary[Any, WarnOnce] = weakref.WeakKeyDict
 _SHARED_WARNINGS = WarnOnce()  # for loggers that cannot be weakly referenced
 
 
+#: This process's live CSVLoggers by a key their pickles carry, so that a copy made while its
+#: original lives leaves the rows buffered then to the original (see CSVLogger.__setstate__).
+_LIVE_LOGGERS: weakref.WeakValueDictionary[int, CSVLogger] = weakref.WeakValueDictionary()
+_LOGGER_KEYS: weakref.WeakKeyDictionary[CSVLogger, int] = weakref.WeakKeyDictionary()
+_NEXT_KEY = itertools.count()
+
+
+def _track(logger: CSVLogger) -> None:
+    """Give ``logger`` its key among the live loggers and register its flush at exit."""
+    key = next(_NEXT_KEY)
+    _LIVE_LOGGERS[key], _LOGGER_KEYS[logger] = logger, key
+    atexit.register(_close_at_exit, weakref.ref(logger))
+
+
 def _warnings_of(logger: Any) -> WarnOnce:
     try:
         return _LOGGER_WARNINGS.setdefault(logger, WarnOnce())
@@ -186,12 +201,24 @@ class CSVLogger:
         self._per_group = False  # group_norm.<g> / group_coef.<g> columns
         self._buffer: list[StepStats] = []
         self._closed = False
-        atexit.register(_close_at_exit, weakref.ref(self))
+        _track(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The attributes, and where the pickle was made (this process, this logger's key)."""
+        return {**self.__dict__, "_origin": (os.getpid(), _LOGGER_KEYS.get(self))}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """An unpickled logger (a wrapper pickled with rows still buffered) also writes at exit."""
+        """An unpickled logger (a wrapper pickled with rows still buffered) also writes at exit.
+
+        A copy made in the process whose original still lives (a pickle round trip, ``copy``)
+        leaves the rows buffered then to the original, which writes them: each row is written once.
+        """
+        state = dict(state)
+        pid, key = state.pop("_origin", (None, None))
         self.__dict__.update(state)
-        atexit.register(_close_at_exit, weakref.ref(self))
+        if pid == os.getpid() and key is not None and _LIVE_LOGGERS.get(key) is not None:
+            self._buffer = []  # a new list: copy.copy shares the original's
+        _track(self)
 
     def log(self, stats: StepStats, optimizer: LoggedOptimizer) -> None:
         """Buffer one window; write the buffer every ``flush_every`` windows."""
@@ -414,6 +441,16 @@ def repair_torn_tail(path: Path) -> bool:
 
 
 def _close_at_exit(ref: weakref.ref[CSVLogger]) -> None:
+    """Write what ``ref``'s logger still buffers; rows that cannot be written now are lost: say so,
+    even when their cause was warned about during training (that warning promised a next flush)."""
     logger = ref()
-    if logger is not None:
-        logger.close()
+    if logger is None:
+        return
+    logger.close()
+    if logger._buffer:
+        warnings.warn(
+            f"clipopt could not write the last {len(logger._buffer)} rows of the CSV log "
+            f"{logger.path} at exit; they are lost (call opt.close() while the disk can still be written)",
+            RuntimeWarning,
+            stacklevel=user_stacklevel(),
+        )

@@ -35,6 +35,8 @@ def resolve(spec: str, option: str) -> Any:
     try:
         module = _import(module_name)
     except ImportError as exc:
+        if not _is_the_module(exc, module_name):
+            raise  # raised by the user's module as it ran (a dependency it lacks): its traceback
         raise ReplayCommandError(f"{option} {spec!r}: cannot import {module_name} ({exc})") from None
     obj = module
     for part in attr.split("."):
@@ -50,16 +52,23 @@ def resolve(spec: str, option: str) -> Any:
 _FILES: dict[str, Any] = {}
 
 
+def _is_the_module(exc: ImportError, name: str) -> bool:
+    """Whether ``exc`` says that module ``name`` itself (or a package above it) cannot be found,
+    as against an import that failed inside it."""
+    missing = exc.name
+    return missing is not None and (missing == name or name.startswith(missing + "."))
+
+
 def _import(name: str) -> Any:
     if name.endswith(".py"):
         if not os.path.isfile(name):
-            raise ImportError(f"no such file {name}")
+            raise ImportError(f"no such file {name}", name=name)
         path = os.path.realpath(name)
         if path in _FILES:
             return _FILES[path]
         spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
         if spec is None or spec.loader is None:
-            raise ImportError(f"{name} is not a Python file")
+            raise ImportError(f"{name} is not a Python file", name=name)
         module = importlib.util.module_from_spec(spec)
         folder = os.path.dirname(path)
         if folder not in sys.path:  # as `python file.py` does: the file imports its neighbours

@@ -6,7 +6,7 @@ import json
 import math
 
 from ._replay import ReplayResult
-from ._text import fmt_num, json_safe
+from ._text import fmt_num, fmt_scale, json_safe
 from ._watch import TensorStats
 
 __all__ = ["explain", "format_json", "format_text"]
@@ -29,7 +29,7 @@ def format_text(result: ReplayResult) -> str:
     times = "once" if r.repeats == 1 else f"{r.repeats} times"
     lines.append(f"  replayed {times}: reproduced {r.reproduced_runs} of {r.repeats}{agree}")
     if r.scale is not None:
-        lines.append(f"  loss scale {fmt_num(r.scale)} (GradScaler), as in the original backward")
+        lines.append(f"  loss scale {fmt_scale(r.scale)} (GradScaler), as in the original backward")
     lines.append(f"  total norm: snapshot {fmt_num(r.snapshot_norm)}, replay {fmt_num(r.replay_norm)}")
     replayed = _names(r.replay_nonfinite_grads)
     if r.replay_nonfinite_grads and r.replay_nonfinite_grads == r.snapshot_nonfinite_grads:
@@ -72,7 +72,7 @@ def explain(r: ReplayResult) -> str:
         "fault of the model on this batch; guard that operation (clamp its input, add an epsilon).",
         "fp16-overflow": "a float16/bfloat16 result was too large for its dtype (float16 ends at 65504), "
         "from finite inputs: compute that operation in float32 or scale its inputs down.",
-        "loss-scale": f"the backward overflowed only with the loss scale {fmt_num(r.scale)}; without it "
+        "loss-scale": f"the backward overflowed only with the loss scale {fmt_scale(r.scale)}; without it "
         "the gradients are finite: GradScaler's normal operation (it lowers the scale and skips).",
         "data": f"the attached {_names(r.attached_nonfinite)} hold non-finite values: the data, not the "
         f"model; {_first_seen(r)}",

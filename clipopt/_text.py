@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["fmt_num", "json_safe", "whole_number"]
+__all__ = ["fmt_num", "fmt_scale", "json_safe", "whole_number"]
 
 
 def fmt_num(value: float | None) -> str:
@@ -19,6 +19,14 @@ def fmt_num(value: float | None) -> str:
     if math.isinf(value):
         return "inf" if value > 0 else "-inf"
     return f"{value:.4g}"
+
+
+def fmt_scale(value: float | None) -> str:
+    """A GradScaler's loss scale: a whole number (a power of two, as GradScaler keeps it) in full,
+    e.g. 65536 rather than :func:`fmt_num`'s 6.554e+04; anything else as :func:`fmt_num` does."""
+    if value is not None and math.isfinite(value) and float(value).is_integer() and abs(value) < 2.0**53:
+        return str(int(value))
+    return fmt_num(value)
 
 
 def json_safe(value: Any) -> Any:

@@ -201,6 +201,34 @@ def test_csv_write_failure_warns_at_the_users_line(
     assert where == [(__file__, line)]
 
 
+def test_csv_rows_that_cannot_be_written_at_exit_are_reported_lost(tmp_path: Path) -> None:
+    """The disk fills during training (warned once: "rows are kept and written at the next flush")
+    and is still full at exit: the exit flush says how many rows are lost, instead of nothing (the
+    cause was already warned about, so WarnOnce kept quiet and the rows vanished silently)."""
+    import subprocess
+
+    path = tmp_path / "grads.csv"
+    code = (
+        "import errno, warnings, torch, clipopt, clipopt._logging as L\n"
+        "warnings.simplefilter('default')\n"
+        "def full(path, data):\n    raise OSError(errno.ENOSPC, 'No space left on device')\n"
+        "L.append_bytes = full  # every append fails (os.write itself is used by tempfile too)\n"
+        "m = torch.nn.Linear(2, 1)\n"
+        f"opt = clipopt.ClippedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), "
+        f"loggers=[clipopt.CSVLogger({str(path)!r}, flush_every=1)])\n"
+        "for _ in range(3):\n    m(torch.ones(1, 2)).sum().backward(); opt.step(); opt.zero_grad()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    warned = [line for line in proc.stderr.splitlines() if "RuntimeWarning" in line]
+    assert len(warned) == 2 and "rows are kept and written at the next flush" in warned[0]
+    assert warned[1].endswith(
+        f"RuntimeWarning: clipopt could not write the last 3 rows of the CSV log {path} at exit; they "
+        "are lost (call opt.close() while the disk can still be written)"
+    )
+
+
 def test_csv_buffer_is_bounded_while_writes_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """While the disk stays full the logger keeps at most max_buffered rows and counts the dropped."""
     monkeypatch.setattr("clipopt._logging.MAX_BUFFERED_ROWS", 3)

@@ -135,6 +135,19 @@ def test_nonfinite_error_unpickles_as_itself(snapshot: str | None) -> None:
     assert (back.count, back.step, back.snapshot, str(back)) == (3, 7, snapshot, str(err))
 
 
+def test_nonfinite_error_keeps_its_notes_and_attributes_through_pickle() -> None:
+    """What pickle keeps of any exception by default, its ``__dict__``, survives too: a note added
+    with ``add_note()`` (e.g. which rank raised it) and an attribute set on it (before, the fields
+    alone travelled and both were lost)."""
+    err = clipopt.NonFiniteGradientError(3, 7)
+    err.add_note("raised on rank 1")
+    err.rank = 1  # type: ignore[attr-defined]
+    back = pickle.loads(pickle.dumps(err))
+    assert back.__notes__ == ["raised on rank 1"]
+    assert back.rank == 1
+    assert (back.count, back.step, back.snapshot, str(back)) == (3, 7, None, str(err))
+
+
 def test_no_numpy_warning_without_numpy() -> None:
     """Where NumPy is not installed, `clipopt --version` prints its version and nothing on stderr.
 

@@ -147,6 +147,26 @@ def test_inspect_shows_the_loss_scale_of_an_overflow(
     assert json.loads(out, parse_constant=reject_constant)["scale"] is None
 
 
+def test_inspect_shows_the_default_loss_scale_in_full(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """GradScaler's default scale 2**16 is shown as 65536, the value scaler.get_scale() gives, not
+    rounded to four digits (before: "6.554e+04", a value the scaler never had)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    scaler = torch.amp.GradScaler("cpu")
+    opt = clipopt.ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler, snapshot_dir=tmp_path
+    )
+    x = torch.ones(4, 3)
+    x[0, 0] = math.inf
+    scaler.scale(model(x).sum()).backward()
+    opt.step()
+    assert opt.last_snapshot is not None
+    code, out, _ = run(capsys, "inspect", opt.last_snapshot)
+    assert code == 0 and "  scale          65536  (the GradScaler's loss scale)" in out.splitlines()
+
+
 # ----------------------------------------------------------------------------- json
 
 

@@ -179,6 +179,29 @@ def test_replay_tells_the_users_bug_from_bad_input(
     assert info.value.args == ("a bug in my loss",)
 
 
+def test_replay_shows_an_import_error_inside_the_users_module_with_its_traceback(
+    files: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A module named by --model that is found but fails to import (it imports a package that is not
+    installed) is the user's code failing: the error propagates with its traceback, instead of the
+    one line "cannot import user_models.py", which read as if the file itself could not be found;
+    a file or module that does not exist is still one line."""
+    script = tmp_path / "user_models.py"
+    script.write_text("import clipopt_no_such_dependency\ndef build():\n    return None\n")
+    with pytest.raises(ModuleNotFoundError) as info:
+        main(["replay", files["log"], "--model", f"{script}:build", "--loss", LOSS])
+    assert info.value.name == "clipopt_no_such_dependency"
+    missing = tmp_path / "absent.py"
+    code, _, err = run(capsys, "replay", files["log"], "--model", f"{missing}:build", "--loss", LOSS)
+    want = f"--model '{missing}:build': cannot import {missing} (no such file {missing})"
+    assert (code, err) == (2, f"clipopt replay: error: {want}\n")
+    code, _, err = run(capsys, "replay", files["log"], "--model", "no_such_pkg.models:build", "--loss", LOSS)
+    want = (
+        "--model 'no_such_pkg.models:build': cannot import no_such_pkg.models (No module named 'no_such_pkg')"
+    )
+    assert (code, err) == (2, f"clipopt replay: error: {want}\n")
+
+
 def test_replay_loads_a_python_file(
     files: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

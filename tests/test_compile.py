@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import sys
+import warnings
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ import torch._dynamo as dynamo
 from torch import nn
 from torch._dynamo.utils import counters
 
-from clipopt import ClippedOptimizer
+from clipopt import ClippedOptimizer, SpikeGuard
 
 from .helpers import mlp, pairs
 
@@ -101,3 +104,58 @@ def test_compiled_step_fused_no_graph_break_from_clipopt() -> None:
     assert ours and all(
         "_fused_inner_step" in reason and "should not be traced" in reason for reason in ours
     ), f"graph breaks from clipopt's own code: {list(ours)}"
+
+
+def test_warning_in_compiled_step_names_the_users_line() -> None:
+    """A warning raised while ``torch.compile(opt.step)`` runs (the SpikeGuard's, no ``loss=``)
+    names the user's ``step()`` line, not torch/_dynamo/eval_frame.py (before: the walk out of
+    clipopt stopped at the compiled function's wrapper)."""
+    dynamo.reset()
+    model = _model()
+    guard = SpikeGuard(signals=("loss",))
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-2), max_norm=0.5, spike_guard=guard)
+    step = torch.compile(opt.step, backend="eager")
+    x, y = _batch(0)
+    nn.functional.mse_loss(model(x), y).backward()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        step()
+    where = [(w.filename, w.lineno) for w in record if "SpikeGuard watches the loss" in str(w.message)]
+    assert where == [(__file__, line)]
+
+
+def test_compiled_step_with_a_candidate_row_raises_no_dynamo_warning(tmp_path: Path) -> None:
+    """torch.compile(opt.step) with per-layer rows logged (layer_stats + a CSV logger) and a
+    parameter without a gradient (the candidate bad row's index path): no warning from dynamo
+    about a traced ``functools.lru_cache`` (the index cache is left to eager windows), and the
+    rows written equal the eager run's."""
+    from clipopt import CSVLogger
+
+    rows: list[str] = []
+    for compile_step in (False, True):
+        dynamo.reset()
+        model = _model()
+        unused = nn.Parameter(torch.ones(3))  # never gets a gradient
+        path = tmp_path / f"compiled-{compile_step}.csv"
+        opt = ClippedOptimizer(
+            torch.optim.AdamW([*model.parameters(), unused], lr=1e-2, fused=True),
+            max_norm=0.5,
+            layer_stats=1000,
+            loggers=[CSVLogger(path, flush_every=1000)],
+        )
+        step = torch.compile(opt.step, backend="eager") if compile_step else opt.step
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            for i in range(3):
+                x, y = _batch(i)
+                if i == 2:
+                    x = x.clone()
+                    x[0, 0] = float("nan")  # a non-finite window: its candidate row is written
+                nn.functional.mse_loss(model(x), y).backward()
+                (opt.step if i == 0 else step)()
+                opt.zero_grad()
+        opt.close()
+        assert [str(w.message) for w in record if "lru_cache" in str(w.message)] == []
+        rows.append(path.read_text())
+    assert rows[0] == rows[1]

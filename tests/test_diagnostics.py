@@ -578,6 +578,58 @@ def test_unpickled_csv_logger_writes_at_exit(tmp_path: Path) -> None:
     assert [row["step"] for row in _read_csv(path)] == ["1", "2", "3", "4", "5"]
 
 
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "copy"])
+def test_logger_copied_in_the_same_process_writes_no_row_twice(tmp_path: Path, how: str) -> None:
+    """A copy of the wrapper (or of its CSVLogger) made in the process that keeps training the
+    original (an in-memory checkpoint: pickle round trip, copy.deepcopy or copy.copy of the
+    logger) does not write the rows buffered when it was made a second time at exit: the
+    original writes them (before, the pickled and deep copies' exit flush wrote rows 1-3 again)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "exit.csv"
+    copy_of = {
+        "pickle": "keep = pickle.loads(pickle.dumps(opt))\n",
+        "deepcopy": "keep = copy.deepcopy(opt.loggers[0])\n",
+        "copy": "keep = copy.copy(opt.loggers[0])\n",
+    }[how]
+    train_code = (
+        "for _ in range({n}):\n    m(torch.ones(1, 2)).sum().backward(); opt.step(); opt.zero_grad()\n"
+    )
+    code = (
+        "import copy, pickle, torch, clipopt\n"
+        "m = torch.nn.Linear(2, 1)\n"
+        f"opt = clipopt.ClippedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), "
+        f"loggers=[clipopt.CSVLogger({str(path)!r})])\n"
+        + train_code.format(n=3)
+        + copy_of
+        + train_code.format(n=2)
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert [row["step"] for row in _read_csv(path)] == ["1", "2", "3", "4", "5"]
+
+
+def test_logger_copy_used_in_the_same_process_writes_its_own_rows_at_exit(tmp_path: Path) -> None:
+    """A copy made by a pickle round trip in the same process and trained on (a rollback to an
+    in-memory checkpoint) writes the rows it logs itself at exit; the original writes the rows
+    buffered before the copy (each row once)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "exit.csv"
+    code = (
+        "import pickle, torch, clipopt\n"
+        "m = torch.nn.Linear(2, 1)\n"
+        f"opt = clipopt.ClippedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), "
+        f"loggers=[clipopt.CSVLogger({str(path)!r})])\n"
+        "for _ in range(3):\n    m(torch.ones(1, 2)).sum().backward(); opt.step(); opt.zero_grad()\n"
+        "m, back = pickle.loads(pickle.dumps((m, opt)))\n"
+        "for _ in range(2):\n    m(torch.ones(1, 2)).sum().backward(); back.step(); back.zero_grad()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert sorted(row["step"] for row in _read_csv(path)) == ["1", "2", "3", "4", "5"]
+
+
 def test_custom_logger_protocol() -> None:
     """Any object with log(stats, optimizer) and close() is a logger; it sees every window in order."""
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
 from functools import partial
 from pathlib import Path
 
@@ -115,3 +117,21 @@ def test_stacked_accumulation_raises() -> None:
     with pytest.raises(RuntimeError, match=r"2 backward passes ran since the previous step\(\)") as info:
         _accelerate_run(_batches(8), k=2, accumulation_steps=2)
     assert "backward_passes_per_step=2" in str(info.value)
+
+
+def test_warning_through_accelerated_optimizer_names_the_users_line() -> None:
+    """A warning raised in a step the user calls through Accelerate's ``AcceleratedOptimizer.step()``
+    (the SpikeGuard's: Accelerate passes no ``loss=``) names the user's ``opt.step()`` line, not
+    accelerate/optimizer.py (before: the walk stopped at Accelerate's wrapper)."""
+    model = _model()
+    guard = clipopt.SpikeGuard(signals=("loss",))
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), max_norm=1.0, spike_guard=guard)
+    model, opt = accelerate.Accelerator(cpu=True).prepare(model, opt)
+    x, y = _batches(1)[0]
+    nn.functional.mse_loss(model(x), y).backward()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        opt.step()
+    where = [(w.filename, w.lineno) for w in record if "SpikeGuard watches the loss" in str(w.message)]
+    assert where == [(__file__, line)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import csv
 import math
+import sys
 import warnings
 from pathlib import Path
 
@@ -167,6 +168,41 @@ def test_manual_optimization_schedule_counts_applied_updates(tmp_path: Path) -> 
     assert (opt.num_windows, opt.num_updates) == (6, 5)
     assert sched.last_epoch == 5
     assert opt.param_groups[0]["lr"] == pytest.approx(LR * 0.5**5)
+
+
+class _SpikeGuardedManual(L.LightningModule):
+    """Manual optimization with a SpikeGuard that watches the loss, and ``opt.step()`` given none:
+    the guard warns; :attr:`step_line` is the line of the user's ``opt.step()`` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp((8, 16, 1))
+        self.automatic_optimization = False
+        self.step_line = 0
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        self.manual_backward(nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+        self.step_line = sys._getframe().f_lineno + 1
+        opt.step()
+        opt.zero_grad()
+
+    def configure_optimizers(self):
+        guard = clipopt.SpikeGuard(signals=("loss",))
+        return ClippedOptimizer(torch.optim.SGD(self.parameters(), lr=LR), spike_guard=guard)
+
+
+def test_warning_under_manual_optimization_names_the_users_line(tmp_path: Path) -> None:
+    """Manual optimization: a warning raised in the step the user calls through LightningOptimizer
+    (the SpikeGuard's: no ``loss=``) names the user's ``opt.step()`` line in training_step, not
+    lightning/pytorch/plugins/precision/precision.py (before: the walk out of clipopt stopped at
+    the precision plugin that LightningOptimizer.step() goes through)."""
+    model = _SpikeGuardedManual()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, accumulate_grad_batches=1).fit(model, DataLoader(_data(8), batch_size=4))
+    where = [(w.filename, w.lineno) for w in record if "SpikeGuard watches the loss" in str(w.message)]
+    assert where == [(__file__, model.step_line)]
 
 
 def test_stacked_accumulation_raises(tmp_path: Path) -> None:

@@ -383,6 +383,16 @@ def test_scaler_overflow_of_the_loss_scale(runs: dict[str, str]) -> None:
     assert r.loss_finite is True
 
 
+def test_scaler_overflow_text_shows_the_loss_scale_in_full(runs: dict[str, str]) -> None:
+    """The text account of the 2**16 overflow names the scale as 65536 in both places (the scale
+    line and the loss-scale cause), not rounded to four digits (before: "6.554e+04")."""
+    from clipopt._replay_text import format_text
+
+    text = format_text(replay(runs["scale"], log_model(), mse_fp16))
+    assert "  loss scale 65536 (GradScaler), as in the original backward" in text.splitlines()
+    assert "the backward overflowed only with the loss scale 65536; without it" in text
+
+
 def test_scaler_snapshot_of_a_genuine_backward_fault(runs: dict[str, str]) -> None:
     """sqrt at 0 in a GradScaler run: the snapshot's reason is overflow, but the backward is infinite
     without the scale too, and the division is infinite in float32 as well: a genuine fault, named."""
