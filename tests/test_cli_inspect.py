@@ -118,27 +118,31 @@ def test_rank_parameters_order() -> None:
     assert ranked == ["many_bad", "few_bad", "overflow", "big", "small", "no_grad"]
 
 
-def test_inspect_shows_the_loss_scale_of_an_overflow(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A GradScaler run's overflow snapshot: the text has a "scale" line with the window's loss scale
-    and --json its value; a snapshot without a scaler has neither the line nor a value."""
+def _overflow_snapshot(directory: Path, scaler: torch.amp.GradScaler) -> str:
+    """The snapshot of one GradScaler window whose gradients overflow (reason "overflow")."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     opt = clipopt.ClippedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler, snapshot_dir=tmp_path
+        torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler, snapshot_dir=directory
     )
     x = torch.ones(4, 3)
     x[0, 0] = math.inf
     scaler.scale(model(x).sum()).backward()
     opt.step()
-    assert (
-        opt.last_snapshot is not None and opt.last_stats is not None and opt.last_stats.reason == "overflow"
-    )
-    code, out, _ = run(capsys, "inspect", opt.last_snapshot)
+    assert opt.last_snapshot is not None and opt.last_stats is not None
+    assert opt.last_stats.reason == "overflow"
+    return opt.last_snapshot
+
+
+def test_inspect_shows_the_loss_scale_of_an_overflow(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A GradScaler run's overflow snapshot: the text has a "scale" line with the window's loss scale
+    and --json its value; a snapshot without a scaler has neither the line nor a value."""
+    path = _overflow_snapshot(tmp_path, torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    code, out, _ = run(capsys, "inspect", path)
     assert code == 0 and "  scale          1024  (the GradScaler's loss scale)" in out.splitlines()
-    code, out, _ = run(capsys, "inspect", opt.last_snapshot, "--json")
+    code, out, _ = run(capsys, "inspect", path, "--json")
     assert code == 0 and json.loads(out)["scale"] == 1024.0
     plain, _ = make_snapshot(tmp_path / "plain")
     _, out, _ = run(capsys, "inspect", plain)
@@ -152,18 +156,8 @@ def test_inspect_shows_the_default_loss_scale_in_full(
 ) -> None:
     """GradScaler's default scale 2**16 is shown as 65536, the value scaler.get_scale() gives, not
     rounded to four digits (before: "6.554e+04", a value the scaler never had)."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2)
-    scaler = torch.amp.GradScaler("cpu")
-    opt = clipopt.ClippedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler, snapshot_dir=tmp_path
-    )
-    x = torch.ones(4, 3)
-    x[0, 0] = math.inf
-    scaler.scale(model(x).sum()).backward()
-    opt.step()
-    assert opt.last_snapshot is not None
-    code, out, _ = run(capsys, "inspect", opt.last_snapshot)
+    path = _overflow_snapshot(tmp_path, torch.amp.GradScaler("cpu"))
+    code, out, _ = run(capsys, "inspect", path)
     assert code == 0 and "  scale          65536  (the GradScaler's loss scale)" in out.splitlines()
 
 
