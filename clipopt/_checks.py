@@ -10,6 +10,7 @@ from typing import Any
 __all__ = [
     "check_choice",
     "check_flag",
+    "check_int_at_least",
     "check_norm_type",
     "check_optional_positive_float",
     "check_optional_positive_int",
@@ -65,15 +66,21 @@ def check_norm_type(value: Any) -> float:
     return p
 
 
-def check_positive_int(name: str, value: Any, example: int = 4) -> int:
-    """An int >= 1 (bool rejected)."""
+def check_int_at_least(name: str, value: Any, minimum: int, example: int) -> int:
+    """An int >= ``minimum`` (bool rejected)."""
     if not isinstance(value, Integral) or isinstance(value, bool):
         raise TypeError(
-            f"{name} must be an int >= 1, got {value!r} ({type(value).__name__}); pass e.g. {name}={example}"
+            f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__}); "
+            f"pass e.g. {name}={example}"
         )
-    if value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}; pass e.g. {name}={example}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}; pass e.g. {name}={example}")
     return int(value)
+
+
+def check_positive_int(name: str, value: Any, example: int = 4) -> int:
+    """An int >= 1 (bool rejected)."""
+    return check_int_at_least(name, value, 1, example)
 
 
 def check_path(name: str, value: Any, example: str) -> str | os.PathLike[str]:

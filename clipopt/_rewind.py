@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from numbers import Integral
 from typing import Any, TypeVar
 
 import torch
@@ -34,7 +33,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ._caller import user_stacklevel
-from ._checks import check_positive_int
+from ._checks import check_int_at_least, check_positive_int
 from ._host_copy import HostCopy, TrainingState, capture, copy_extra, copy_problem, restore
 
 __all__ = ["Rewind", "RewindEvent", "rewind_target"]
@@ -82,16 +81,6 @@ def rewind_target(
     return first, (max(older) if older else -1)
 
 
-def _check_count(name: str, value: Any, example: int) -> int:
-    if not isinstance(value, Integral) or isinstance(value, bool):
-        raise TypeError(
-            f"{name} must be an int >= 0, got {value!r} ({type(value).__name__}); pass e.g. {name}={example}"
-        )
-    if value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}; pass e.g. {name}={example}")
-    return int(value)
-
-
 class Rewind:
     """Keep copies of the training state; after repeated spike skips, restore one.
 
@@ -127,7 +116,7 @@ class Rewind:
                 f"windows (spikes={self.spikes}, within={self.within}), so this Rewind would never rewind; "
                 f"pass e.g. spikes=3, within=50, or within={self.spikes * 10}"
             )
-        self.skip_batches = _check_count("skip_batches", skip_batches, 200)
+        self.skip_batches = check_int_at_least("skip_batches", skip_batches, 0, 200)
         if module is not None and not isinstance(module, torch.nn.Module):
             raise TypeError(
                 f"module must be a torch.nn.Module or None, got {type(module).__name__}; "

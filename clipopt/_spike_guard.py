@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ._caller import user_stacklevel
+from ._checks import check_int_at_least
 from ._spike_stats import push_history, spike_scores
 
 __all__ = ["SIGNALS", "SpikeGuard"]
@@ -45,16 +46,6 @@ def _check_z_thresh(value: Any) -> float:
     if not (float(value) > 0 and math.isfinite(float(value))):
         raise ValueError(f"z_thresh must be a positive finite number, got {value!r}; pass e.g. z_thresh=6.0")
     return float(value)
-
-
-def _check_window(value: Any) -> int:
-    if not isinstance(value, Integral) or isinstance(value, bool):
-        raise TypeError(
-            f"window must be an int >= 2, got {value!r} ({type(value).__name__}); pass e.g. window=128"
-        )
-    if value < 2:
-        raise ValueError(f"window must be an int >= 2, got {value!r}; pass e.g. window=128")
-    return int(value)
 
 
 def _check_signals(value: Any) -> tuple[str, ...]:
@@ -116,7 +107,7 @@ class SpikeGuard:
         eps: float = 1e-8,
     ) -> None:
         self.z_thresh = _check_z_thresh(z_thresh)
-        self.window = _check_window(window)
+        self.window = check_int_at_least("window", window, 2, 128)
         self.signals = _check_signals(signals)
         self.warmup = _check_warmup(warmup, self.window)
         if not isinstance(eps, Real) or isinstance(eps, bool):
