@@ -596,7 +596,6 @@ class ClippedOptimizer(InnerOptimizerView):
         loss = self._loss.combined(self.reduction)  # kept in the sum until the close commits
         rows = s.rows and g.shards is None  # the candidate bad row: plain tensors only
         d, self._diagnostics.bad_row = measure(s, g, self.layer_names() if rows else None)
-        self._recovery.shared_loss = None
         watch, sharded = self._recovery.watches_loss(), self._index.has_dtensor
         d, self._recovery.shared_loss = agree(
             self._replicas, d, n, self._counters.windows + 1, loss, watch_loss=watch, sharded=sharded
