@@ -211,6 +211,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self._recovery = SpikeRecovery.attach(spike_guard, rewind, self._params(), optimizer)
         if spike_guard is not None:
             self._skip_sources.append(self._recovery)  # reason "spike"
+        self._forwarding = True  # the inner optimizer's public attributes: read, not hidden (_wrapping)
 
     def _init_state(self, snapshot_dir: str | os.PathLike[str] | None) -> None:
         """What the wrapper records and caches while it runs (beside the configuration)."""
