@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import pickle
 import re
 from collections.abc import Callable
@@ -287,3 +288,140 @@ def test_zero_redundancy_consolidate_state_dict_through_the_wrapper() -> None:
     assert opt.num_updates == opt2.num_updates == 4
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------ inner state dicts in a layout of their own (#22 item 8)
+
+
+def _layered(name: str, params: Any) -> torch.optim.Optimizer:
+    """An inner optimizer whose state dict is not torch's layout (pytorch_optimizer's Lookahead,
+    ScheduleFreeWrapper), or schedulefree's AdamW (torch's layout, extra group keys)."""
+    import pytorch_optimizer
+
+    if name == "Lookahead":
+        return pytorch_optimizer.Lookahead(torch.optim.AdamW(params, lr=0.05), k=3, pullback_momentum="none")
+    if name == "ScheduleFreeWrapper":
+        return _schedule_free("pytorch_optimizer.ScheduleFreeWrapper", params)
+    return _schedule_free("schedulefree.AdamWScheduleFree", params)
+
+
+LAYERED = ["Lookahead", "ScheduleFreeWrapper", "AdamWScheduleFree"]
+
+
+def _resumable_run(
+    name: str, model: torch.nn.Module, opt: ClippedOptimizer, batches: list[Any], *, start: bool
+) -> None:
+    """Micro-batches with ``train()`` first and ``eval()`` last where the inner optimizer has them
+    (schedule-free: evaluate and save in eval mode, as its README says)."""
+    if hasattr(opt, "train"):
+        opt.train()
+    helpers_train(model, opt, batches, mse)
+    if hasattr(opt, "eval") and start:
+        opt.eval()
+
+
+@pytest.mark.parametrize("name", LAYERED)
+def test_state_dict_of_another_layout_resumes_bit_identically(name: str) -> None:
+    """#22 item 8: Lookahead and ScheduleFreeWrapper save ``lookahead_state``/``schedulefree_state``
+    and ``base_optimizer``, not ``state``/``param_groups``; ``opt.load_state_dict(opt.state_dict())``
+    failed ("'state' must be a dict").  Now 5 micro-batches (mid-window: 2 per window), a checkpoint
+    through torch.save/torch.load(weights_only=True), a fresh model and optimizer loading it and 5
+    more micro-batches equal 10 in one go, bit for bit: parameters and the whole inner state dict."""
+    from .test_skip import assert_identical
+
+    def make(model: torch.nn.Module) -> ClippedOptimizer:
+        return ClippedOptimizer(_layered(name, model.parameters()), MAX_NORM, accumulation_steps=2)
+
+    data = batches_for(10, seed=5)
+    model = mlp((5, 4, 3))
+    opt = make(model)
+    _resumable_run(name, model, opt, data[:5], start=True)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    _resumable_run(name, model, opt, data[5:], start=False)
+
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    resumed = mlp((5, 4, 3), seed=1)
+    resumed.load_state_dict(ckpt["model"])
+    opt2 = make(resumed)
+    opt2.load_state_dict(ckpt["opt"])
+    assert opt2.micro_batches == 1 and opt2.num_updates == 2
+    _resumable_run(name, resumed, opt2, data[5:], start=False)
+
+    assert opt2.num_updates == opt.num_updates == 5
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_identical(opt2.optimizer.state_dict(), opt.optimizer.state_dict())
+
+
+def _lookahead_checkpoint() -> tuple[dict[str, Any], Callable[..., ClippedOptimizer]]:
+    """A Lookahead checkpoint after 2 applied windows, and a factory of fresh wrappers for it."""
+
+    def make(model: torch.nn.Module, **kw: Any) -> ClippedOptimizer:
+        return ClippedOptimizer(_layered("Lookahead", model.parameters()), MAX_NORM, **kw)
+
+    model = mlp((5, 4, 3))
+    opt = make(model)
+    helpers_train(model, opt, batches_for(2, seed=6), mse)
+    return copy.deepcopy(opt.state_dict()), make
+
+
+REFUSED_LAYOUTS = [
+    pytest.param(
+        lambda: mlp((5, 4, 3), bias=False),
+        "invalid state_dict: the inner Lookahead rejected it (lookahead state does not match the "
+        "current parameters); pass the dict returned by opt.state_dict()",
+        id="inner-refuses",
+    ),
+    pytest.param(
+        lambda: mlp((5, 6, 3)),
+        "invalid state_dict: state[0]['slow_params'] has shape (4, 5), parameter has (6, 5); "
+        "pass the dict returned by opt.state_dict()",
+        id="loaded-shapes-checked",
+    ),
+]
+
+
+@pytest.mark.parametrize(("other_model", "message"), REFUSED_LAYOUTS)
+def test_state_dict_of_another_layout_that_does_not_fit_is_refused_untouched(
+    other_model: Callable[[], torch.nn.Module], message: str
+) -> None:
+    """A Lookahead checkpoint of another model: the inner optimizer refuses one of other parameter
+    count itself; one of other shapes, which Lookahead and torch load without a word, is refused by
+    the wrapper's check of the state the inner optimizer then holds (``opt.state``).  Either way the
+    wrapper, its Lookahead and the base optimizer are left as they were."""
+    from .test_skip import assert_identical
+
+    sd, make = _lookahead_checkpoint()
+    other = other_model()
+    opt = make(other)
+    helpers_train(other, opt, batches_for(1, seed=7), mse)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=re.escape(message)):
+        opt.load_state_dict(sd)
+    assert_identical(opt.state_dict(), before)
+
+
+def test_group_options_of_another_layout_are_checked_once_visible() -> None:
+    """The wrapper's per-group checks apply where the groups are visible: a Lookahead checkpoint whose
+    base group carries ``max_norm=-1`` is refused with the constructor's message once the inner
+    optimizer has loaded it, and everything is put back; a group's own ``max_norm`` set now and absent
+    from the checkpoint is kept after loading, as for torch's layout."""
+    sd, make = _lookahead_checkpoint()
+    bad = copy.deepcopy(sd)
+    bad["base_optimizer"]["param_groups"][0]["max_norm"] = -1.0
+    model = mlp((5, 4, 3))
+    opt = make(model)
+    before = copy.deepcopy(opt.state_dict())
+    message = (
+        "invalid state_dict: parameter group 0: 'max_norm' must be a positive finite number or None, got -1.0"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        opt.load_state_dict(bad)
+    from .test_skip import assert_identical
+
+    assert_identical(opt.state_dict(), before)
+    opt.param_groups[0]["max_norm"] = 0.5
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["max_norm"] == 0.5 and opt.num_updates == 2
