@@ -97,15 +97,11 @@ class Checkpoint(NamedTuple):
         kept; a failure leaves it as it was), the open window's gradients into ``params``, the
         scaler's, the policy's and the recovery's; return the counters to take over."""
         with restore_on_failure(inner, reload=self.own_layout), keep_group_keys(inner):
-            before = [dict(group) for group in inner.param_groups]
-            state_before = {p: dict(s) for p, s in inner.state.items()}
-            inner.load_state_dict(self.inner)
-            kept = self.kept_options
-            if self.own_layout:  # state and groups are visible now: checked as torch-layout ones are before
-                check_loaded_state(inner, state_before)
-                kept = _checked_kept_options(
-                    inner.param_groups, before, inner.defaults, policy, self.norm_group
-                )
+            if self.own_layout:
+                kept = _load_own_layout(inner, self.inner, policy, self.norm_group)
+            else:
+                inner.load_state_dict(self.inner)
+                kept = self.kept_options
             for group, extra in zip(inner.param_groups, kept, strict=False):
                 group.update(extra)  # per-group clipping set now, absent from the checkpoint
         counters = self.counters if self.counters is not None else WrapperState()
@@ -171,6 +167,19 @@ def read_checkpoint(
         own,
         norm_group,
     )
+
+
+def _load_own_layout(
+    inner: Optimizer, entry: dict[str, Any], policy: ClipPolicy | None, norm_group: Any
+) -> list[dict[str, Any]]:
+    """Load an entry in the inner optimizer's own layout (checked by its ``load_state_dict``), then
+    check what has become visible as a torch-layout entry is checked before loading: the state in
+    ``inner.state`` fits the parameters, the groups' clipping options; returns the kept options."""
+    groups = [dict(group) for group in inner.param_groups]
+    state = {p: dict(s) for p, s in inner.state.items()}
+    inner.load_state_dict(entry)
+    check_loaded_state(inner, state)
+    return _checked_kept_options(inner.param_groups, groups, inner.defaults, policy, norm_group)
 
 
 def _checked_kept_options(

@@ -16,6 +16,7 @@ from clipopt import ClippedOptimizer
 
 from .helpers import batches_for, mlp, mse
 from .helpers import train as helpers_train
+from .test_skip import assert_identical
 
 
 class SignMomentum(torch.optim.Optimizer):
@@ -327,7 +328,6 @@ def test_state_dict_of_another_layout_resumes_bit_identically(name: str) -> None
     failed ("'state' must be a dict").  Now 5 micro-batches (mid-window: 2 per window), a checkpoint
     through torch.save/torch.load(weights_only=True), a fresh model and optimizer loading it and 5
     more micro-batches equal 10 in one go, bit for bit: parameters and the whole inner state dict."""
-    from .test_skip import assert_identical
 
     def make(model: torch.nn.Module) -> ClippedOptimizer:
         return ClippedOptimizer(_layered(name, model.parameters()), MAX_NORM, accumulation_steps=2)
@@ -391,8 +391,6 @@ def test_state_dict_of_another_layout_that_does_not_fit_is_refused_untouched(
     count itself; one of other shapes, which Lookahead and torch load without a word, is refused by
     the wrapper's check of the state the inner optimizer then holds (``opt.state``).  Either way the
     wrapper, its Lookahead and the base optimizer are left as they were."""
-    from .test_skip import assert_identical
-
     sd, make = _lookahead_checkpoint()
     other = other_model()
     opt = make(other)
@@ -419,9 +417,26 @@ def test_group_options_of_another_layout_are_checked_once_visible() -> None:
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         opt.load_state_dict(bad)
-    from .test_skip import assert_identical
-
     assert_identical(opt.state_dict(), before)
     opt.param_groups[0]["max_norm"] = 0.5
     opt.load_state_dict(sd)
     assert opt.param_groups[0]["max_norm"] == 0.5 and opt.num_updates == 2
+
+
+def test_torch_layout_refused_by_an_inner_optimizer_with_read_only_groups() -> None:
+    """A torch-layout state dict (a wrapped AdamW's) handed to a wrapped Lookahead: Lookahead refuses
+    it, and putting its state back raised ``AttributeError`` (its ``param_groups`` has no setter)
+    instead of the ``ValueError`` saying why.  Now only replaced objects are put back: the refusal is
+    reported, and nothing changed."""
+    model = mlp((5, 4, 3))
+    plain = ClippedOptimizer(torch.optim.AdamW(model.parameters()), MAX_NORM)
+    helpers_train(model, plain, batches_for(1, seed=8), mse)
+    opt = ClippedOptimizer(_layered("Lookahead", model.parameters()), MAX_NORM)
+    before = copy.deepcopy(opt.state_dict())
+    message = (
+        "invalid state_dict: the inner Lookahead rejected it ('lookahead_state'); "
+        "pass the dict returned by opt.state_dict()"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        opt.load_state_dict(plain.state_dict())
+    assert_identical(opt.state_dict(), before)
