@@ -83,6 +83,10 @@ class ClippedOptimizer(InnerOptimizerView):
 
     ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's own
     objects, so LR schedulers, ``add_param_group`` and checkpoints work as usual.
+    Other public attributes the wrapper does not define are read from the inner
+    optimizer (``train()``/``eval()`` of schedule-free optimizers,
+    ``consolidate_state_dict()`` of ``ZeroRedundancyOptimizer``); assigning one
+    on the wrapper raises (set it on :attr:`optimizer`).
     Reading :attr:`update_applied`, :attr:`step_was_skipped` or a field of
     :attr:`last_stats` may wait for the device; recording them does not.
 
