@@ -21,7 +21,10 @@ from ._group_options import check_groups, group_keys, kept_options
 from ._loss import LossSum
 from ._recovery import SpikeRecovery
 from ._state import (
+    StateDictError,
     WrapperState,
+    check_loaded_state,
+    has_own_layout,
     keep_group_keys,
     read_wrapper_state,
     restore_on_failure,
@@ -76,6 +79,10 @@ class Checkpoint(NamedTuple):
     kept_options: list[dict[str, Any]]
     #: The SpikeGuard's and Rewind's checked state (see ``SpikeRecovery.validate``).
     recovery: tuple[Any, Any] = (None, None)
+    #: The inner entry is in the inner optimizer's own layout (``_state.has_own_layout``): its groups
+    #: are checked once loaded (``kept_options`` is empty then), with this ``norm_group``.
+    own_layout: bool = False
+    norm_group: Any = None
 
     def take_over(
         self,
@@ -89,10 +96,14 @@ class Checkpoint(NamedTuple):
         """Load the checked state: the inner optimizer's (the groups' current clipping options
         kept; a failure leaves it as it was), the open window's gradients into ``params``, the
         scaler's, the policy's and the recovery's; return the counters to take over."""
-        with restore_on_failure(inner), keep_group_keys(inner):
-            inner.load_state_dict(self.inner)
-            for group, kept in zip(inner.param_groups, self.kept_options, strict=False):
-                group.update(kept)  # per-group clipping set now, absent from the checkpoint
+        with restore_on_failure(inner, reload=self.own_layout), keep_group_keys(inner):
+            if self.own_layout:
+                kept = _load_own_layout(inner, self.inner, policy, self.norm_group)
+            else:
+                inner.load_state_dict(self.inner)
+                kept = self.kept_options
+            for group, extra in zip(inner.param_groups, kept, strict=False):
+                group.update(extra)  # per-group clipping set now, absent from the checkpoint
         counters = self.counters if self.counters is not None else WrapperState()
         if self.pending_grads is not None:
             for p, g in zip(params, self.pending_grads, strict=True):
@@ -117,10 +128,18 @@ def read_checkpoint(
     recovery: SpikeRecovery | None = None,
     norm_group: Any = None,
 ) -> Checkpoint:
-    """Validate ``state_dict`` completely (``ValueError``, touching nothing) and return its parts."""
-    wrapper = read_wrapper_state(state_dict, params, accumulation_steps)
-    validate_inner_state(state_dict, inner)
-    kept = _check_group_options(state_dict, inner, policy, norm_group)
+    """Validate ``state_dict`` completely (``ValueError``, touching nothing) and return its parts.
+
+    An inner entry in the inner optimizer's own layout (pytorch_optimizer's ``Lookahead``) is left
+    to the inner optimizer's own ``load_state_dict``, which :meth:`Checkpoint.take_over` undoes
+    when it, or the check of the groups it loaded, fails."""
+    own = isinstance(state_dict, dict) and has_own_layout(state_dict, inner)
+    wrapper = read_wrapper_state(state_dict, params, accumulation_steps, own_layout=own)
+    kept: list[dict[str, Any]] = []
+    if not own:
+        validate_inner_state(state_dict, inner)
+        saved = [g for g in state_dict["param_groups"] if isinstance(g, dict)]
+        kept = _checked_kept_options(saved, inner.param_groups, inner.defaults, policy, norm_group)
     policy_state = _checked_policy_state(state_dict, policy)
     _check_scaler_state(wrapper, scaler)
     ext = state_dict.get("clipopt")
@@ -136,23 +155,49 @@ def read_checkpoint(
     inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
     counters, pending, scaler_state = wrapper if wrapper is not None else (None, None, None)
     return Checkpoint(
-        inner_sd, counters, pending, scaler_state, policy_state, loss_sum, unsynced, kept, checked
+        inner_sd,
+        counters,
+        pending,
+        scaler_state,
+        policy_state,
+        loss_sum,
+        unsynced,
+        kept,
+        checked,
+        own,
+        norm_group,
     )
 
 
-def _check_group_options(
-    state_dict: dict[str, Any], inner: Optimizer, policy: ClipPolicy | None, norm_group: Any
+def _load_own_layout(
+    inner: Optimizer, entry: dict[str, Any], policy: ClipPolicy | None, norm_group: Any
+) -> list[dict[str, Any]]:
+    """Load an entry in the inner optimizer's own layout (checked by its ``load_state_dict``), then
+    check what has become visible as a torch-layout entry is checked before loading: the state in
+    ``inner.state`` fits the parameters, the groups' clipping options; returns the kept options."""
+    groups = [dict(group) for group in inner.param_groups]
+    state = {p: dict(s) for p, s in inner.state.items()}
+    inner.load_state_dict(entry)
+    check_loaded_state(inner, state)
+    return _checked_kept_options(inner.param_groups, groups, inner.defaults, policy, norm_group)
+
+
+def _checked_kept_options(
+    saved: list[dict[str, Any]],
+    current: list[dict[str, Any]],
+    defaults: dict[str, Any],
+    policy: ClipPolicy | None,
+    norm_group: Any,
 ) -> list[dict[str, Any]]:
     """The groups' ``max_norm``/``clip_value`` after loading -- torch restores every group option from
-    the saved dict; options set now that a saved group lacks are kept (returned) -- checked as the
-    constructor checks them: ``ValueError`` before anything loads."""
-    saved = [g for g in state_dict["param_groups"] if isinstance(g, dict)]
-    kept = kept_options(saved, inner.param_groups, group_keys(inner.defaults))
+    the ``saved`` groups; options set now (``current``) that a saved group lacks are kept (returned)
+    -- checked as the constructor checks them (``StateDictError``, a ``ValueError``)."""
+    kept = kept_options(saved, current, group_keys(defaults))
     try:
         merged = [{**extra, **group} for group, extra in zip(saved, kept, strict=False)]
-        check_groups(merged, inner.defaults, policy=policy, norm_group=norm_group, clip_value=None)
+        check_groups(merged, defaults, policy=policy, norm_group=norm_group, clip_value=None)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"invalid state_dict: {exc}") from None
+        raise StateDictError(f"invalid state_dict: {exc}") from None
     return kept
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 from torch.optim import Optimizer
@@ -29,11 +29,66 @@ HOOK_DICTS = (
 )
 
 
+def forwardable(owner: type, name: str) -> bool:
+    """Whether ``name`` is read from the inner optimizer: public, and not defined by the wrapper's class.
+
+    Private names never are (GradScaler would see the inner ``_step_supports_amp_scaling``),
+    and the wrapper's own attributes (its class's, its instance's) are found before
+    ``__getattr__`` is asked.
+    """
+    return not name.startswith("_") and not hasattr(owner, name)
+
+
+def _no_attribute(view: object, name: str, inner: object | None) -> AttributeError:
+    where = "" if inner is None else f" (nor has its inner {type(inner).__name__})"
+    return AttributeError(f"'{type(view).__name__}' object has no attribute '{name}'{where}")
+
+
 class InnerOptimizerView(Optimizer):
-    """Delegates ``param_groups``, ``state``, ``defaults`` and ``add_param_group`` to :attr:`optimizer`."""
+    """Delegates ``param_groups``, ``state``, ``defaults`` and ``add_param_group`` to :attr:`optimizer`,
+    and reads every other public attribute the wrapper does not define from it (``train()``/``eval()``
+    of schedule-free optimizers, ``consolidate_state_dict()`` of ``ZeroRedundancyOptimizer``)."""
 
     #: The inner optimizer.
     optimizer: Optimizer
+
+    #: Set at the end of the constructor: from then on, assigning a name read from the inner
+    #: optimizer raises instead of hiding it (see ``__setattr__``).
+    _forwarding = False
+
+    if not TYPE_CHECKING:  # hidden from mypy, which would otherwise type every misspelt attribute Any
+
+        def __getattr__(self, name: str) -> Any:
+            """The inner optimizer's public attribute ``name`` (only asked when the wrapper has none).
+
+            Reads ``__dict__`` directly: while unpickling, before it is filled, no lookup recurses.
+            """
+            inner = self.__dict__.get("optimizer")
+            if inner is None or not forwardable(type(self), name):
+                raise _no_attribute(self, name, None)
+            try:
+                return getattr(inner, name)
+            except AttributeError:
+                raise _no_attribute(self, name, inner) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if forwardable(type(self), name) and self._forwarding and name not in self.__dict__:
+            inner = self.__dict__.get("optimizer")
+            if inner is not None and hasattr(inner, name):
+                kind = type(inner).__name__
+                raise AttributeError(
+                    f"cannot set '{name}' on the {type(self).__name__}: it is the inner {kind}'s "
+                    f"attribute, read through the wrapper; set it there: opt.optimizer.{name} = ..."
+                )
+        super().__setattr__(name, value)
+
+    def __dir__(self) -> list[str]:
+        """The wrapper's names and the inner optimizer's public ones (what ``__getattr__`` reads)."""
+        inner = self.__dict__.get("optimizer")
+        names = set(super().__dir__())
+        if inner is not None:
+            names.update(n for n in dir(inner) if forwardable(type(self), n))
+        return sorted(names)
 
     def _init_hooks(self) -> None:
         for name in HOOK_DICTS:
