@@ -662,6 +662,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self._counters.windows += 1
         self._last_skipped, self._update_applied = True, False
         self._counters.record(True, False)
+        self._recovery.closed(self._counters.windows)
         self._record(d, n, None)
         return loss
 

@@ -487,3 +487,103 @@ def test_load_state_dict_checks_the_wrapper_parts_inside_rewind_copies(
     _assert_identical(_state(opt, model), before)
     assert opt.rewind.copies == copies
     opt.load_state_dict(good)
+
+
+# ----------------------------------------------------------------------------- rewind: module buffers
+
+
+def _bn_model() -> nn.Module:
+    """A model with batch-norm statistics (running_mean, running_var, num_batches_tracked)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 3))
+
+
+def _wild(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets 1000 times larger: a loss spike, and batch statistics far off the running ones."""
+    return batch[0] * 1000, batch[1] * 1000
+
+
+def _full_state(opt: ClippedOptimizer, model: nn.Module) -> dict[str, Any]:
+    """Independent clones of parameters, module buffers and inner state."""
+    return {**_state(opt, model), "buffers": {k: v.clone() for k, v in model.named_buffers()}}
+
+
+def _bn_rewind_run(
+    rewind: Rewind, wild: set[int], n: int = 26
+) -> tuple[list[tuple[int, dict[str, Any], dict[str, Any]]], nn.Module]:
+    """Train a batch-norm model with a guard and ``rewind`` on ``n`` batches (those in ``wild`` wild);
+    the state right after every window's close is recorded as the reference.  Returns, per rewind,
+    (restored window, the state right after the rewinding window, the reference of the restored window)."""
+    model = _bn_model()
+    rewind.module = model
+    opt = ClippedOptimizer(optim.AdamW(model.parameters(), lr=0.01), spike_guard=_guard(), rewind=rewind)
+    refs: dict[int, dict[str, Any]] = {0: _full_state(opt, model)}
+    out = []
+    batches = [_wild(b) if i in wild else b for i, b in enumerate(batches_for(n, seed=11))]
+    for b in rewind.batches(batches):
+        _window(CASES[0], opt, model, b)
+        assert opt.last_stats is not None
+        if opt.last_stats.reason == "rewind":
+            restored = rewind.log[-1].restored
+            out.append((restored, _full_state(opt, model), refs[restored]))
+        refs[opt.num_windows] = _full_state(opt, model)
+    return out, model
+
+
+def test_rewind_restores_batch_norm_statistics_of_the_copy_window() -> None:
+    """The copy of window 12 is taken while window 13 closes, after window 13's (wild) forward pass:
+    the rewind still brings back the running statistics as they were when window 12 closed
+    (running_var not the wild batch's, num_batches_tracked 12), bit for bit, with the parameters."""
+    rewind = Rewind(every=1, keep=2, spikes=2, within=4, skip_batches=0, check_every=1)
+    rewinds, _ = _bn_rewind_run(rewind, wild={12, 13})  # windows 13 and 14
+    (restored, got, want) = rewinds[0]
+    assert restored == 12
+    assert int(want["buffers"]["1.num_batches_tracked"]) == 12
+    assert float(want["buffers"]["1.running_var"].max()) < 10  # the reference is not the wild batch's
+    _assert_identical(got, want)
+
+
+@pytest.mark.parametrize("check_every", [1, 2, 3])
+@pytest.mark.parametrize("keep", [1, 2, 3])
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_rewind_restores_module_buffers_bit_identically(every: int, keep: int, check_every: int) -> None:
+    """Every combination of every/keep/check_every: each rewind restores parameters, inner state and
+    batch-norm buffers bit for bit to their values right after the restored copy's window closed."""
+    rewind = Rewind(every=every, keep=keep, spikes=2, within=4, skip_batches=1, check_every=check_every)
+    rewinds, _ = _bn_rewind_run(rewind, wild={12, 13, 24, 25}, n=34)
+    assert rewinds, "the run must rewind"
+    for restored, got, want in rewinds:
+        _assert_identical(got, want, f"window {restored}")
+
+
+def test_checkpoint_between_a_close_and_its_check_resumes_exactly() -> None:
+    """A checkpoint saved right after a window whose next close checks (and copies) carries the buffers
+    copied at that close: the resumed run's copy, and the state after a later rewind to it, equal the
+    uninterrupted run's bit for bit (without them the copy would hold the buffers after the next
+    forward pass)."""
+    batches = [_wild(b) if i in {22, 23} else b for i, b in enumerate(batches_for(30, seed=11))]
+
+    def build() -> tuple[nn.Module, ClippedOptimizer]:
+        model = _bn_model()
+        rewind = Rewind(every=2, keep=2, spikes=2, within=4, skip_batches=0, module=model, check_every=3)
+        opt = ClippedOptimizer(optim.AdamW(model.parameters(), lr=0.01), spike_guard=_guard(), rewind=rewind)
+        return model, opt
+
+    model, opt = build()
+    for b in batches[:21]:
+        _window(CASES[0], opt, model, b)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    for b in batches[21:]:
+        _window(CASES[0], opt, model, b)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    model2, opt2 = build()
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    for b in batches[21:]:
+        _window(CASES[0], opt2, model2, b)
+    assert opt.rewind is not None and opt2.rewind is not None
+    assert opt2.rewinds == opt.rewinds == 1 and opt.rewind.log[0].restored == 21
+    _assert_identical(_full_state(opt2, model2), _full_state(opt, model))
+    _assert_identical(opt2.rewind.state_dict()["copies"], opt.rewind.state_dict()["copies"])
