@@ -231,7 +231,8 @@ class ClippedOptimizer(InnerOptimizerView):
     # ------------------------------------------------------------------ delegation
 
     def __getstate__(self) -> dict[str, Any]:
-        """Everything but the hooks (as torch does); mid-window also the gradients.
+        """Everything but the hooks and a scheduler's ``step`` wrapper (as torch does, see
+        ``_wrapping.NOT_PICKLED``); mid-window also the gradients.
 
         Pickling a parameter does not carry its ``.grad``, so the gradients of a
         half-accumulated window travel with the wrapper.

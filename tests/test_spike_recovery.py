@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import csv
 import io
+import pickle
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -508,26 +509,35 @@ def _full_state(opt: ClippedOptimizer, model: nn.Module) -> dict[str, Any]:
     return {**_state(opt, model), "buffers": {k: v.clone() for k, v in model.named_buffers()}}
 
 
-def _bn_rewind_run(
-    rewind: Rewind, wild: set[int], n: int = 26
-) -> tuple[list[tuple[int, dict[str, Any], dict[str, Any]]], nn.Module]:
-    """Train a batch-norm model with a guard and ``rewind`` on ``n`` batches (those in ``wild`` wild);
-    the state right after every window's close is recorded as the reference.  Returns, per rewind,
-    (restored window, the state right after the rewinding window, the reference of the restored window)."""
-    model = _bn_model()
-    rewind.module = model
-    opt = ClippedOptimizer(optim.AdamW(model.parameters(), lr=0.01), spike_guard=_guard(), rewind=rewind)
-    refs: dict[int, dict[str, Any]] = {0: _full_state(opt, model)}
+def _record_rewinds(
+    opt: ClippedOptimizer, model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> list[tuple[int, dict[str, Any], dict[str, Any]]]:
+    """Train on ``opt.rewind.batches(batches)``, recording the state right after every window's close
+    as the reference.  Per rewind: (restored window, the state right after the rewinding window, the
+    reference of the restored window)."""
+    assert opt.rewind is not None
+    refs: dict[int, dict[str, Any]] = {opt.num_windows: _full_state(opt, model)}
     out = []
-    batches = [_wild(b) if i in wild else b for i, b in enumerate(batches_for(n, seed=11))]
-    for b in rewind.batches(batches):
+    for b in opt.rewind.batches(batches):
         _window(CASES[0], opt, model, b)
         assert opt.last_stats is not None
         if opt.last_stats.reason == "rewind":
-            restored = rewind.log[-1].restored
+            restored = opt.rewind.log[-1].restored
             out.append((restored, _full_state(opt, model), refs[restored]))
         refs[opt.num_windows] = _full_state(opt, model)
-    return out, model
+    return out
+
+
+def _bn_rewind_run(
+    rewind: Rewind, wild: set[int], n: int = 26
+) -> list[tuple[int, dict[str, Any], dict[str, Any]]]:
+    """:func:`_record_rewinds` of a batch-norm model with a guard and ``rewind`` on ``n`` batches,
+    those in ``wild`` wild."""
+    model = _bn_model()
+    rewind.module = model
+    opt = ClippedOptimizer(optim.AdamW(model.parameters(), lr=0.01), spike_guard=_guard(), rewind=rewind)
+    batches = [_wild(b) if i in wild else b for i, b in enumerate(batches_for(n, seed=11))]
+    return _record_rewinds(opt, model, batches)
 
 
 def test_rewind_restores_batch_norm_statistics_of_the_copy_window() -> None:
@@ -535,7 +545,7 @@ def test_rewind_restores_batch_norm_statistics_of_the_copy_window() -> None:
     the rewind still brings back the running statistics as they were when window 12 closed
     (running_var not the wild batch's, num_batches_tracked 12), bit for bit, with the parameters."""
     rewind = Rewind(every=1, keep=2, spikes=2, within=4, skip_batches=0, check_every=1)
-    rewinds, _ = _bn_rewind_run(rewind, wild={12, 13})  # windows 13 and 14
+    rewinds = _bn_rewind_run(rewind, wild={12, 13})  # windows 13 and 14
     (restored, got, want) = rewinds[0]
     assert restored == 12
     assert int(want["buffers"]["1.num_batches_tracked"]) == 12
@@ -550,7 +560,7 @@ def test_rewind_restores_module_buffers_bit_identically(every: int, keep: int, c
     """Every combination of every/keep/check_every: each rewind restores parameters, inner state and
     batch-norm buffers bit for bit to their values right after the restored copy's window closed."""
     rewind = Rewind(every=every, keep=keep, spikes=2, within=4, skip_batches=1, check_every=check_every)
-    rewinds, _ = _bn_rewind_run(rewind, wild={12, 13, 24, 25}, n=34)
+    rewinds = _bn_rewind_run(rewind, wild={12, 13, 24, 25}, n=34)
     assert rewinds, "the run must rewind"
     for restored, got, want in rewinds:
         _assert_identical(got, want, f"window {restored}")
@@ -587,3 +597,31 @@ def test_checkpoint_between_a_close_and_its_check_resumes_exactly() -> None:
     assert opt2.rewinds == opt.rewinds == 1 and opt.rewind.log[0].restored == 21
     _assert_identical(_full_state(opt2, model2), _full_state(opt, model))
     _assert_identical(opt2.rewind.state_dict()["copies"], opt.rewind.state_dict()["copies"])
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_wrapper_with_guard_and_rewind_recovers_on_its_own(how: str) -> None:
+    """copy.deepcopy (or a pickle round trip) of a wrapper with a SpikeGuard and a Rewind of a batch-norm
+    model: the copy's Rewind holds the copied model, whose parameters are the copy's; spikes fed to the
+    copy make it rewind, bit for bit to its own reference; the original (parameters, buffers, inner
+    state, guard, Rewind, counters) is untouched."""
+    model = _bn_model()
+    rewind = Rewind(every=1, keep=2, spikes=2, within=4, skip_batches=0, module=model, check_every=1)
+    opt = ClippedOptimizer(optim.AdamW(model.parameters(), lr=0.01), spike_guard=_guard(), rewind=rewind)
+    batches = batches_for(18, seed=11)
+    for b in batches[:10]:
+        _window(CASES[0], opt, model, b)
+    assert opt.spike_guard is not None
+    before = _full_state(opt, model)
+    guard, copies, windows = copy.deepcopy(opt.spike_guard.state_dict()), rewind.copies, opt.num_windows
+    dup = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    assert dup.rewind is not None and dup.rewind is not rewind and dup.rewind.module is not None
+    twin = dup.rewind.module
+    assert [id(p) for p in twin.parameters()] == [id(p) for p in dup.param_groups[0]["params"]]
+    rewinds = _record_rewinds(dup, twin, [_wild(b) if i in {1, 2} else b for i, b in enumerate(batches[10:])])
+    assert [r[0] for r in rewinds] == [11] and dup.rewinds == 1
+    for _, got, want in rewinds:
+        _assert_identical(got, want)
+    _assert_identical(_full_state(opt, model), before)
+    _assert_identical(opt.spike_guard.state_dict(), guard)
+    assert opt.rewinds == 0 and rewind.copies == copies and opt.num_windows == windows
