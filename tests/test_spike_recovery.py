@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn, optim
 
 from clipopt import AutoClip, ClippedOptimizer, CSVLogger, Rewind, SpikeGuard, ZClip
@@ -512,14 +514,17 @@ def _full_state(opt: ClippedOptimizer, model: nn.Module) -> dict[str, Any]:
 def _record_rewinds(
     opt: ClippedOptimizer, model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> list[tuple[int, dict[str, Any], dict[str, Any]]]:
-    """Train on ``opt.rewind.batches(batches)``, recording the state right after every window's close
-    as the reference.  Per rewind: (restored window, the state right after the rewinding window, the
-    reference of the restored window)."""
+    """Train on ``opt.rewind.batches(batches)`` (micro-batches), recording the state right after
+    every window's close as the reference.  Per rewind: (restored window, the state right after the
+    rewinding window, the reference of the restored window)."""
     assert opt.rewind is not None
     refs: dict[int, dict[str, Any]] = {opt.num_windows: _full_state(opt, model)}
     out = []
     for b in opt.rewind.batches(batches):
+        closed = opt.num_windows
         _window(CASES[0], opt, model, b)
+        if opt.num_windows == closed:  # a micro-batch of an open window
+            continue
         assert opt.last_stats is not None
         if opt.last_stats.reason == "rewind":
             restored = opt.rewind.log[-1].restored
@@ -561,6 +566,40 @@ def test_rewind_restores_module_buffers_bit_identically(every: int, keep: int, c
     batch-norm buffers bit for bit to their values right after the restored copy's window closed."""
     rewind = Rewind(every=every, keep=keep, spikes=2, within=4, skip_batches=1, check_every=check_every)
     rewinds = _bn_rewind_run(rewind, wild={12, 13, 24, 25}, n=34)
+    assert rewinds, "the run must rewind"
+    for restored, got, want in rewinds:
+        _assert_identical(got, want, f"window {restored}")
+
+
+@given(
+    every=st.integers(1, 3),
+    keep=st.integers(1, 3),
+    check_every=st.integers(1, 3),
+    accumulation=st.integers(1, 3),
+    first=st.integers(6, 10),
+    gap=st.integers(1, 3),
+    micro=st.integers(0, 2),
+)
+def test_rewind_restores_module_buffers_under_accumulation(
+    every: int, keep: int, check_every: int, accumulation: int, first: int, gap: int, micro: int
+) -> None:
+    """Drawn every/keep/check_every, accumulation_steps and two spike windows (one wild micro-batch in
+    each): every rewind restores parameters, inner state and batch-norm buffers bit for bit to their
+    values right after the restored copy's window closed (all its micro-batches' forward passes)."""
+    model = _bn_model()
+    rewind = Rewind(
+        every=every, keep=keep, spikes=2, within=4, skip_batches=0, module=model, check_every=check_every
+    )
+    opt = ClippedOptimizer(
+        optim.AdamW(model.parameters(), lr=0.01),
+        accumulation_steps=accumulation,
+        spike_guard=_guard(),
+        rewind=rewind,
+    )
+    windows = first + gap + check_every + 2
+    wild = {w * accumulation + min(micro, accumulation - 1) for w in (first, first + gap)}
+    batches = batches_for(windows * accumulation, seed=11)
+    rewinds = _record_rewinds(opt, model, [_wild(b) if i in wild else b for i, b in enumerate(batches)])
     assert rewinds, "the run must rewind"
     for restored, got, want in rewinds:
         _assert_identical(got, want, f"window {restored}")
