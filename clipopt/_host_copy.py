@@ -7,6 +7,9 @@ guard), all as CPU tensors.  Taking one from an accelerator enqueues
 not wait and the device is not stalled (later kernels on the same stream run
 after the copies, so the values are those of the moment of the capture).  A
 new copy reuses the host buffers of the one it replaces when the shapes match.
+:func:`host_tensors` copies some tensors the same way ahead of a copy (a
+module's buffers at a window's close, before the next forward pass changes
+them); :func:`capture` then holds those instead of the live ones.
 Restoring is exact, bit for bit: parameters and buffers are written in place
 (their identity is kept), and so is every optimizer state tensor whose shape
 and dtype still match, on its live device (no new device memory at a rewind;

@@ -19,6 +19,11 @@ read, and then either
 
 A rewind may therefore happen up to ``check_every - 1`` windows after the
 spike that triggers it; those windows are undone by the rewind as well.
+
+In an optimizer the check after window ``c`` runs in the close of window
+``c + 1``, after that window's forward pass; so the module's buffers are copied
+at window ``c``'s close (:meth:`Rewind.stage_buffers`), and the copy holds
+those: a copy is the state at its window's close, buffers included.
 """
 
 from __future__ import annotations
