@@ -37,6 +37,7 @@ __all__ = [
     "copy_extra",
     "copy_problem",
     "host_tensors",
+    "plain",
     "restore",
 ]
 
@@ -227,9 +228,14 @@ def _host_buffer(src: Tensor, old: Tensor | None) -> Tensor:
     return torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
 
 
+def plain(t: Tensor) -> bool:
+    """Whether a copy can hold ``t``: a dense tensor (not sparse, not a subclass such as DTensor)."""
+    return not t.is_sparse and t.layout == torch.strided and type(t) in (Tensor, torch.nn.Parameter)
+
+
 def _check_plain(tensors: Sequence[Tensor]) -> None:
     for t in tensors:
-        if t.is_sparse or t.layout != torch.strided or type(t) not in (Tensor, torch.nn.Parameter):
+        if not plain(t):
             raise TypeError(
                 f"Rewind copies dense tensors only, got a {type(t).__name__} with layout {t.layout}; "
                 "pass rewind=None for sparse or distributed (DTensor) state"
@@ -259,7 +265,8 @@ def _to_host(
 
 
 def host_tensors(tensors: Sequence[Tensor], step: int, reuse: HostTensors | None = None) -> HostTensors:
-    """Host copies of ``tensors`` as they are now (window ``step``), without waiting for them.
+    """Host copies of ``tensors`` (:func:`plain` ones) as they are now (window ``step``), without
+    waiting for them.
 
     ``reuse``: earlier ones whose host tensors may be overwritten (copies on the same stream land in order).
     """

@@ -47,6 +47,7 @@ from ._host_copy import (
     copy_extra,
     copy_problem,
     host_tensors,
+    plain,
     restore,
 )
 
@@ -244,7 +245,7 @@ class Rewind:
         accelerator (pinned host memory, the host tensors of the last ones reused).
         """
         buffers = [] if self.module is None else list(self.module.buffers())
-        if buffers:
+        if buffers and all(plain(b) for b in buffers):  # else the copy itself says why it cannot be taken
             self._staged = host_tensors(buffers, step, self._staged)
 
     def capture(self, step: int, extra: Any) -> None:

@@ -664,3 +664,25 @@ def test_a_copy_of_a_wrapper_with_guard_and_rewind_recovers_on_its_own(how: str)
     _assert_identical(_full_state(opt, model), before)
     _assert_identical(opt.spike_guard.state_dict(), guard)
     assert opt.rewinds == 0 and rewind.copies == copies and opt.num_windows == windows
+
+
+def test_a_buffer_a_copy_cannot_hold_is_refused_at_the_check_not_after_an_update() -> None:
+    """A module with a sparse buffer: the window before a check closes and is recorded as usual (its
+    buffers are not copied at its close), and the check refuses with the TypeError naming the fix
+    before the next window changes anything."""
+    model = model_for()
+    model.register_buffer("counts", torch.zeros(4, 3).to_sparse())
+    opt = ClippedOptimizer(
+        optim.SGD(model.parameters(), lr=0.1),
+        spike_guard=_guard(),
+        rewind=Rewind(every=1, module=model, check_every=1),
+    )
+    first, second = batches_for(2, seed=3)
+    _window(CASES[0], opt, model, first)
+    assert opt.num_windows == 1 and opt.last_stats is not None and opt.last_stats.step == 1
+    before = _state(opt, model)
+    message = "Rewind copies dense tensors only, got a Tensor with layout torch.sparse_coo; "
+    with pytest.raises(TypeError, match=re.escape(message)):
+        _window(CASES[0], opt, model, second)
+    assert opt.num_windows == 1
+    _assert_identical(_state(opt, model), before)
