@@ -236,7 +236,8 @@ class ClippedOptimizer(InnerOptimizerView):
     # ------------------------------------------------------------------ delegation
 
     def __getstate__(self) -> dict[str, Any]:
-        """Everything but the hooks (as torch does); mid-window also the gradients.
+        """Everything but the hooks and a scheduler's ``step`` wrapper (as torch does, see
+        ``_wrapping.NOT_PICKLED``); mid-window also the gradients.
 
         Pickling a parameter does not carry its ``.grad``, so the gradients of a
         half-accumulated window travel with the wrapper.
@@ -667,6 +668,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self._counters.windows += 1
         self._last_skipped, self._update_applied = True, False
         self._counters.record(True, False)
+        self._recovery.closed(self._counters.windows)
         self._record(d, n, None)
         return loss
 
