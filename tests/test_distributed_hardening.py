@@ -237,6 +237,115 @@ def test_tensor_parallel_clipping_equals_one_process(tp: list[dict[str, Any]], c
         assert_tensors_close(rank[case]["params"], rank[case]["ref_params"])
 
 
+# ---------------------------------------------------------------------------- the ranks' state
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _spawn(jobs.ranks_job, "ranks", tmp_path_factory.mktemp("ranks"), 2)
+
+
+_STATE_DIFFERS = (
+    "the ranks of the replica group hold different training states at window 3, the first after "
+    "load_state_dict: the checksums of the parameters and of the loaded optimizer state differ ({}); "
+    "a rank loaded another run's checkpoint or another step's; load the same checkpoint on every rank "
+    "(under FSDP2 each rank's file of the same save); the window was skipped on every rank"
+)
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_load_of_another_runs_checkpoint_fails_on_every_rank(ranks: list[dict[str, Any]], wrap: str) -> None:
+    """Rank 1 loads a checkpoint of another run (other data) at the same step, rank 0 this run's: the
+    next window is skipped on both ranks and both raise, instead of training on with replicas drifting
+    apart.  DDP compares the parameters and the whole optimizer state; FSDP2 (each rank holds its own
+    shards) the replicated part of the state: here ZClip's statistics."""
+    res = [rank[f"load-{wrap}-other"] for rank in ranks]
+    assert res[0]["error"] == res[1]["error"]
+    head, tail = _STATE_DIFFERS.split("{}")
+    assert res[0]["error"].startswith(head) and res[0]["error"].endswith(tail)
+    spread = res[0]["error"][len(head) : -len(tail)]
+    if wrap == "ddp":  # the smallest and the largest checksum: two different values
+        low, high = spread.split(" to ")
+        assert int(low) < int(high)
+    else:  # a SUM reduction: the mean of the two ranks' checksums
+        assert spread.startswith("average ") and spread.endswith(" over 2 ranks")
+    for r in res:
+        assert r["skipped"] == [True] and r["reasons"] == ["divergence"] and r["windows"] == 3
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_load_of_the_same_checkpoint_trains_on(ranks: list[dict[str, Any]], wrap: str) -> None:
+    """Every rank loads the same run's checkpoint (under FSDP2 each its own shards of it): no error,
+    the two windows after the load are applied."""
+    for rank in ranks:
+        res = rank[f"load-{wrap}-same"]
+        assert res == {"error": None, "skipped": [False, False], "reasons": [None, None], "windows": 4}
+
+
+def test_ddp_failed_step_on_one_rank_names_the_failure(ranks: list[dict[str, Any]]) -> None:
+    """Rank 1's inner step raises in window 2 (the loop catches it; rank 1 rolls the window back,
+    rank 0 applied it).  Window 3 is skipped on both and both raise, naming the failed close (not
+    flush() or accumulation_steps, which the message used to blame)."""
+    common = (
+        "after the ranks had agreed on it (e.g. an error in the inner optimizer's step, caught by the "
+        "training loop): that rank rolled the window back while the others applied it, so the replicas "
+        "differ now; the window was skipped on every rank; resume every rank from the same checkpoint"
+    )
+    assert ranks[1]["failed-ddp"]["caught"] == "inner step failed"
+    for r, rank in enumerate(ranks):
+        res = rank["failed-ddp"]
+        who = "this rank" if r == 1 else "another rank"
+        assert res["error"] == (
+            f"the window counters of the ranks of the replica group differ: this rank closed window {3 - r} "
+            f"after 1 micro-batches, the ranks' windows: 2 to 3; the close of window 2 raised on {who} "
+            + common
+        )
+        assert res["reasons"] == [None, None, "divergence"][r:]
+
+
+@pytest.mark.parametrize("p", [2.0, math.inf])
+def test_fsdp2_window_counters_out_of_step_fail_on_every_rank(ranks: list[dict[str, Any]], p: float) -> None:
+    """FSDP2: rank 1's inner step raises in window 2, so it closes window 2 again while rank 0 closes
+    window 3.  The window index rides in the norm's reduction (SUM of p-th powers for p = 2, MAX for
+    the inf-norm; no extra collective): both ranks skip that window and raise, naming the counters,
+    where they used to train on with 3 and 2 windows."""
+    tail = (
+        "after the ranks had agreed on it (e.g. an error in the inner optimizer's step, caught by the "
+        "training loop): that rank rolled the window back while the others applied it, so the replicas "
+        "differ now; the window was skipped on every rank; resume every rank from the same checkpoint"
+    )
+    for r, rank in enumerate(ranks):
+        res = rank[f"failed-fsdp-{p}"]
+        head = (
+            f"the window counters of the ranks of the replica group differ: this rank closed window {3 - r} "
+            "after 1 micro-batches, the ranks' windows: "
+        )
+        if math.isinf(p):
+            who = "this rank" if r == 1 else "another rank"
+            cause = f"2 to 3; the close of window 2 raised on {who} "
+        else:
+            who = ", this one among them" if r == 1 else ""
+            cause = f"average 2.5 over 2 ranks; a window's close raised on 1 rank(s){who} "
+        assert res["error"] == head + cause + tail
+        assert res["reasons"] == [None, None, "divergence"][r:]
+
+
+def test_fsdp2_accumulation_steps_changed_to_different_values_fails_fast(ranks: list[dict[str, Any]]) -> None:
+    """FSDP2 with no_sync: after one window rank 0 sets accumulation_steps to 3 and rank 1 to 4.  Their
+    collectives no longer pair up; this used to hang until the process group's timeout (30 minutes by
+    default, 60 s here).  Now the next no_sync() checks the settings again: both raise at once."""
+    for r, rank in enumerate(ranks):
+        res = rank["changed-k"]
+        assert res["error"] == (
+            "ClippedOptimizer settings differ across the ranks of the replica group: accumulation_steps "
+            f"(from 3 to 4; this rank: {3 + r}); build the optimizer with the same settings on every rank "
+            "(and resume every rank from the same checkpoint step), or pass replica_group=None if the "
+            "ranks train independent models"
+        )
+        assert res["windows"] == 1
+        assert res["seconds"] < jobs.PROCESS_GROUP_TIMEOUT_S / 4
+
+
 # ---------------------------------------------------------------------------- one process
 
 
@@ -318,3 +427,81 @@ def test_ddp_policy_state_and_spike_decisions_stay_identical(hard: list[dict[str
     assert first[3][1] == "divergence"
     assert all(torch.equal(s, res["stats"][0]) for s in res["stats"])
     assert res["same"]
+
+
+_CHECK_FIELDS = ("window", "micro_batches", "settings", "state")
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"window": 2**40 + 6},  # a limb carries over: the higher limbs differ too
+        {"micro_batches": 3},
+        {"settings": 2**32 - 1},
+        {"state": 17},
+        {"window": 2**40 + 4, "settings": 5},
+    ],
+)
+def test_rank_check_encodings_name_every_value_the_ranks_do_not_share(changes: dict[str, int]) -> None:
+    """Three ranks' check entries reduced as the collectives do (elementwise MAX; SUM): both encodings
+    name exactly the values that differ (compared field by field in plain Python), the device flag
+    agrees, and a state carried by some ranks only is no difference."""
+    from clipopt._rank_check import CheckValues, decode, encode, mismatch
+
+    cpu = torch.device("cpu")
+    ranks = [
+        CheckValues(2**40 + 5, 2, 2**31 + 7, 99),
+        CheckValues(2**40 + 5, 2, 2**31 + 7, None),
+        CheckValues(
+            **{"window": 2**40 + 5, "micro_batches": 2, "settings": 2**31 + 7, "state": 99, **changes}
+        ),
+    ]
+    want = {
+        ("micro-batches" if name == "micro_batches" else name)
+        for name in _CHECK_FIELDS
+        if len({getattr(v, name) for v in ranks if getattr(v, name) is not None}) > 1
+    }
+    for summed in (False, True):
+        entries = torch.stack([encode(v, summed, cpu) for v in ranks])
+        reduced = entries.sum(0) if summed else entries.max(0).values
+        for v in ranks:
+            differ, _ = decode(reduced.tolist(), v, summed)
+            assert {d.name for d in differ} == want
+        assert float(mismatch(reduced, summed)) == float(bool(want))
+
+
+def test_rank_check_checksums_are_exact() -> None:
+    """tensor_checksum is the sum of the tensors' bits read as int32 (numpy), each modulo 2**31 - 1,
+    weighted by position: the same for any thread count, changed by one flipped bit or by a swap of
+    two tensors; state_checksum tells a state dict from one with a float one ulp away."""
+    import numpy as np
+
+    from clipopt._rank_check import MODULUS, state_checksum, tensor_checksum
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(1000, generator=gen), torch.randn(3, 4, generator=gen).double()]
+    residues = [
+        int(np.frombuffer(t.numpy().tobytes(), dtype=np.int32).astype(np.int64).sum()) % MODULUS
+        for t in tensors
+    ]
+    want = sum((i + 1) * r for i, r in enumerate(residues)) % MODULUS
+    cpu = torch.device("cpu")
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert int(tensor_checksum(tensors, cpu)) == want
+    finally:
+        torch.set_num_threads(threads)
+    flipped = tensors[0].clone()
+    flipped.view(torch.int32)[500] ^= 1
+    assert int(tensor_checksum([flipped, tensors[1]], cpu)) != want
+    assert int(tensor_checksum(tensors[::-1], cpu)) != want
+    state = {"state": {0: {"exp_avg": tensors[0]}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    other = {
+        "state": {0: {"exp_avg": tensors[0].clone()}},
+        "param_groups": [{"lr": math.nextafter(0.1, 1), "params": [0]}],
+    }
+    assert state_checksum(state) == state_checksum({**state, "state": {0: {"exp_avg": tensors[0].clone()}}})
+    assert state_checksum(state) != state_checksum(other)
