@@ -6,20 +6,23 @@ one rank's copy change after the all-reduce (a buggy hook, silent data
 corruption), the ranks would take different decisions and their replicas
 drift apart.  :class:`ReplicaDecision` makes the decision common:
 
-* **per window, one collective**: an ``all_reduce(MAX)`` of nine float64
+* **per window, one collective**: an ``all_reduce(MAX)`` of sixteen float64
   values — the non-finite indicator, ``norm`` and ``-norm`` (the largest and
-  the smallest norm over the replicas), the micro-batch count, the window
-  index and the packet kind (each with its negation).  Every rank then skips when any rank is
+  the smallest norm over the replicas), the packet kind and its negation, the
+  loss (a SpikeGuard's), and the ranks' check (:mod:`clipopt._rank_check`:
+  window index, micro-batch count, settings key, loaded-state checksum, a
+  failed close).  Every rank then skips when any rank is
   non-finite, and skips with reason ``"divergence"`` when the replicas' norms
-  differ by more than :data:`DIVERGENCE_RTOL` (relative) or when the ranks
-  closed different windows (``flush()`` on some ranks only).  Every rank
+  differ by more than :data:`DIVERGENCE_RTOL` (relative) or when the ranks'
+  checks differ (``flush()`` on some ranks only, window counters out of step,
+  settings changed on some ranks, another checkpoint loaded).  Every rank
   continues with the same norm (the largest), so adaptive policies keep the
   same state everywhere.  Nothing is read to the host for this: the agreed
   flag feeds the fused optimizers' ``found_inf``.  The warning (divergence)
   and the error (ranks out of step) need the host value: it is read where the
   window reads the device anyway (the non-fused path, snapshots), otherwise at
-  the next window's close, once the value is on the host (a CUDA event is
-  queried, never waited for).
+  the next window's close (from an accelerator: :data:`LAG` windows later, the
+  same window on every rank, so no rank is left waiting in a collective).
 * **once, at the first** ``step()`` **or** ``no_sync()``: an ``all_reduce(MAX)``
   of the window settings and their negations (accumulation_steps, reduction,
   norm_type, max_norm, clip_value, ...), read to the host once; ranks built
@@ -34,7 +37,12 @@ drift apart.  :class:`ReplicaDecision` makes the decision common:
 
 Under FSDP2 / tensor parallelism (DTensor parameters) the norm is already
 reduced across the shard groups, so every rank holds the same norm and flag
-and no per-window collective is added; the settings check still runs once.
+and no per-window collective is added: the ranks' check rides in the norm's
+reduction (``ShardedGrads.carry``), and its flag is the window's divergence.
+The settings check runs once, and again after ``accumulation_steps`` changed
+(the ranks' own collectives would no longer pair up before the next window).
+After ``load_state_dict`` (:meth:`ReplicaDecision.loaded`) the next window's
+check carries a checksum of the loaded state and of the parameters.
 """
 
 from __future__ import annotations
@@ -201,7 +209,8 @@ class ReplicaDecision:
         """After ``load_state_dict``: the checksum of what every rank must hold alike, carried by the
         next window's check (no collective here).  Left out: what is each rank's own (an open
         window's gradients and loss, the unsynced marker, Rewind's copies, DTensor shards)."""
-        if self.resolve():
+        dist = torch.distributed  # not resolve(): a load may come before init_process_group
+        if self.option is not None and dist.is_available() and dist.is_initialized():
             entry = {k: v for k, v in (state_dict.get("clipopt") or {}).items() if k not in _RANK_OWN}
             inner = {k: v for k, v in state_dict.items() if k != "clipopt"}
             self._loaded = state_checksum([inner, entry])
@@ -214,10 +223,10 @@ class ReplicaDecision:
         if not self.active:
             return
         self.settle(self._sent)
-        params = [p for group in opt.param_groups for p in group["params"]]
-        self._device = params[0].device
+        self._device = next(p for group in opt.param_groups for p in group["params"]).device
         state: int | Tensor | None = self._loaded
         if self._loaded is not None:  # the parameters as they are now (a model loaded after us included)
+            params = [p for group in opt.param_groups for p in group["params"]]
             found = tensor_checksum(params, self._device)
             state = self._loaded if found is None else (found + self._loaded).remainder(MODULUS)
         self._settings = settings_of(opt)
@@ -381,8 +390,9 @@ _FLUSH_ON_SOME = (
 
 _SETTINGS_CHANGED = (
     "ClippedOptimizer settings differ across the ranks of the replica group at window {window}: a "
-    "setting (the clip policy's own settings included) was changed on some ranks only; change it on "
-    "every rank alike; the window was skipped on every rank"
+    "setting the first step's check does not compare (a clip policy's own settings, e.g. ZClip's "
+    "z_thresh) differs; build the optimizer and change its settings alike on every rank; the window "
+    "was skipped on every rank"
 )
 
 _STATE_DIFFERS = (

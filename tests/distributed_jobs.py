@@ -1075,6 +1075,25 @@ def _changed_k_case(rank: int) -> dict[str, Any]:
     return {"error": error, "seconds": time.monotonic() - start, "windows": opt.num_windows}
 
 
+def _settings_case(rank: int, case: str) -> dict[str, Any]:
+    """Replicas kept identical without DDP (every rank sees the same data): "clip_value" sets
+    opt.clip_value on rank 1 only after the first window; "zclip" builds ZClip with z_thresh 2.5 on
+    rank 0 and 3.5 on rank 1 (the first step's check compares the policy's type only)."""
+    from clipopt import ZClip
+
+    model = _model()
+    bound: Any = ZClip(z_thresh=2.5 + rank) if case == "zclip" else MAX_NORM
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, foreach=True), bound)
+
+    def run() -> None:
+        _train(model, opt, 0, range(1))
+        if case == "clip_value" and rank == 1:
+            opt.clip_value = 0.5
+        _train(model, opt, 0, range(1, 3))
+
+    return {"error": _catch(run), "reasons": [s.reason for s in opt.stats]}
+
+
 def ranks_job(rank: int, port: int, out_dir: str, world: int) -> None:
     """The ranks' state compared at every window: loads of another run's checkpoint, a window whose
     close failed on one rank, accumulation_steps changed to different values (DDP and FSDP2)."""
@@ -1089,5 +1108,7 @@ def ranks_job(rank: int, port: int, out_dir: str, world: int) -> None:
     for p in (2.0, math.inf):
         res[f"failed-fsdp-{p}"] = _failed_step_case(rank, _fsdp, p)
     res["changed-k"] = _changed_k_case(rank)
+    for case in ("clip_value", "zclip"):
+        res[f"settings-{case}"] = _settings_case(rank, case)
     torch.save(res, os.path.join(out_dir, f"ranks{rank}.pt"))
     leave_process_group()

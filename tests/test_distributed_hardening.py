@@ -346,6 +346,36 @@ def test_fsdp2_accumulation_steps_changed_to_different_values_fails_fast(ranks: 
         assert res["seconds"] < jobs.PROCESS_GROUP_TIMEOUT_S / 4
 
 
+def test_setting_changed_on_one_rank_mid_run_is_named(ranks: list[dict[str, Any]]) -> None:
+    """opt.clip_value set on rank 1 only after the first window: the settings key in window 2's check
+    differs, the window is skipped on both ranks and the settings check runs again to name it (it used
+    to go unnoticed: the ranks clipped differently from then on)."""
+    for r, rank in enumerate(ranks):
+        res = rank["settings-clip_value"]
+        assert res["error"] == (
+            "ClippedOptimizer settings differ across the ranks of the replica group: clip_value (from -1 "
+            f"to 0.5; this rank: {0.5 if r else -1}); build the optimizer with the same settings on every "
+            "rank (and resume every rank from the same checkpoint step), or pass replica_group=None if the "
+            "ranks train independent models"
+        )
+        assert res["reasons"] == [None, "divergence"]
+
+
+def test_clip_policies_with_different_settings_differ(ranks: list[dict[str, Any]]) -> None:
+    """ZClip(z_thresh=2.5) on rank 0 and ZClip(z_thresh=3.5) on rank 1 passed the first step's check
+    (it compares the policy's type); the per-window settings key holds the policy's own settings:
+    the first window is skipped on both ranks and both raise."""
+    for rank in ranks:
+        res = rank["settings-zclip"]
+        assert res["error"] == (
+            "ClippedOptimizer settings differ across the ranks of the replica group at window 1: a "
+            "setting the first step's check does not compare (a clip policy's own settings, e.g. ZClip's "
+            "z_thresh) differs; build the optimizer and change its settings alike on every rank; the "
+            "window was skipped on every rank"
+        )
+        assert res["reasons"] == ["divergence"]
+
+
 # ---------------------------------------------------------------------------- one process
 
 
