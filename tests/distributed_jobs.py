@@ -1094,6 +1094,25 @@ def _settings_case(rank: int, case: str) -> dict[str, Any]:
     return {"error": _catch(run), "reasons": [s.reason for s in opt.stats]}
 
 
+def _reads_case(rank: int, wrap: Any) -> list[str]:
+    """Fused AdamW: one window (the state is made), state_dict() and load_state_dict() of it on every
+    rank, then three windows whose host reads inside opt.step() are returned."""
+    from .hostreads import count_host_reads
+
+    model = wrap(_model())
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, fused=True), MAX_NORM)
+    _train(model, opt, rank, range(1))
+    opt.load_state_dict(opt.state_dict())
+    reads: list[str] = []
+    for w in range(1, 4):
+        _loss(model, rank, 10 * w).backward()
+        with count_host_reads() as r:
+            opt.step()
+        reads.extend(r.ours)
+        opt.zero_grad()
+    return reads
+
+
 def ranks_job(rank: int, port: int, out_dir: str, world: int) -> None:
     """The ranks' state compared at every window: loads of another run's checkpoint, a window whose
     close failed on one rank, accumulation_steps changed to different values (DDP and FSDP2)."""
@@ -1110,5 +1129,7 @@ def ranks_job(rank: int, port: int, out_dir: str, world: int) -> None:
     res["changed-k"] = _changed_k_case(rank)
     for case in ("clip_value", "zclip"):
         res[f"settings-{case}"] = _settings_case(rank, case)
+    for name, wrap in wraps.items():
+        res[f"reads-{name}"] = _reads_case(rank, wrap)
     torch.save(res, os.path.join(out_dir, f"ranks{rank}.pt"))
     leave_process_group()

@@ -376,6 +376,17 @@ def test_clip_policies_with_different_settings_differ(ranks: list[dict[str, Any]
         assert res["reasons"] == ["divergence"]
 
 
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_ranks_check_adds_no_host_read_to_fused_windows(ranks: list[dict[str, Any]], wrap: str) -> None:
+    """Fused AdamW under DDP and FSDP2, three windows after a load_state_dict: the check (the loaded
+    state's checksum included) reaches the host only as the deferred read of an earlier window's
+    reduced values (on CUDA a pinned copy two windows old), at most one per window."""
+    for rank in ranks:
+        reads = rank[f"reads-{wrap}"]
+        assert reads and all(r.startswith("_distributed_decision.py") and "tolist" in r for r in reads)
+        assert len(reads) <= 3
+
+
 # ---------------------------------------------------------------------------- one process
 
 
