@@ -10,6 +10,7 @@ reference (one process, torch's own functions or the formula written out).
 from __future__ import annotations
 
 import math
+import re
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -546,3 +547,32 @@ def test_rank_check_checksums_are_exact() -> None:
     }
     assert state_checksum(state) == state_checksum({**state, "state": {0: {"exp_avg": tensors[0].clone()}}})
     assert state_checksum(state) != state_checksum(other)
+
+
+def test_checks_copied_from_an_accelerator_are_read_at_the_same_window_on_every_rank() -> None:
+    """A window's reduced check copied from an accelerator (a pinned copy and its event) is read
+    exactly LAG checks after it was sent, whether or not the copy has completed: the rule depends on
+    the sequence only, so every rank raises at the same window.  It used to be read as soon as the
+    event had completed, which differs between ranks: one rank raised while another went on into
+    the next window's collective and waited there."""
+    from clipopt._distributed_decision import _HEAD, LAG, ReplicaDecision
+    from clipopt._rank_check import CheckValues, encode
+
+    class Done:  # a CUDA event whose copy has completed
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+    cpu = torch.device("cpu")
+    mine, other = CheckValues(5, 1, 7), CheckValues(4, 1, 7)  # window counters out of step
+    check = torch.stack([encode(mine, False, cpu), encode(other, False, cpu)]).max(0).values
+    head = torch.tensor([0.0, 1.0, -1.0, 0.0, 0.0, -math.inf], dtype=torch.float64)
+    assert head.numel() == _HEAD
+    replicas = ReplicaDecision("auto")
+    replicas._pending.append((torch.cat([head, check]), Done(), 0, "ddp", mine))
+    for now in range(1, LAG):
+        replicas.settle(now)  # the copy is complete, yet not read before LAG more checks went out
+    with pytest.raises(RuntimeError, match=re.escape("this rank closed window 5 after 1 micro-batches")):
+        replicas.settle(LAG)
