@@ -224,11 +224,12 @@ class ReplicaDecision:
             return
         self.settle(self._sent)
         self._device = next(p for group in opt.param_groups for p in group["params"]).device
-        state: int | Tensor | None = self._loaded
-        if self._loaded is not None:  # the parameters as they are now (a model loaded after us included)
+        # pipeline stages (norm_group) hold different parameters and state: counters and settings only
+        state: int | Tensor | None = self._loaded if opt.norm_group is None else None
+        if state is not None:  # the parameters as they are now (a model loaded after us included)
             params = [p for group in opt.param_groups for p in group["params"]]
             found = tensor_checksum(params, self._device)
-            state = self._loaded if found is None else (found + self._loaded).remainder(MODULUS)
+            state = state if found is None else (found + state).remainder(MODULUS)
         self._settings = settings_of(opt)
         key = settings_key(self._settings, opt.max_norm)
         self._values = CheckValues(window, n, key, state, failed=self._open)

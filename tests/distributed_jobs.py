@@ -1113,6 +1113,18 @@ def _reads_case(rank: int, wrap: Any) -> list[str]:
     return reads
 
 
+def _pipeline_load_case(rank: int) -> str | None:
+    """Pipeline stages (norm_group, each rank its own layer, replica_group left "auto") save and load
+    their own, different, state: no error (the ranks' states are not compared, their counters are)."""
+    model = _model()
+    stage = model[2 * rank]
+    inner = torch.optim.AdamW(stage.parameters(), lr=LR, foreach=True)
+    opt = ClippedOptimizer(inner, MAX_NORM, norm_group=dist.group.WORLD)
+    _train(model, opt, 0, range(1))
+    opt.load_state_dict(opt.state_dict())
+    return _catch(lambda: _train(model, opt, 0, range(1, 3)))
+
+
 def ranks_job(rank: int, port: int, out_dir: str, world: int) -> None:
     """The ranks' state compared at every window: loads of another run's checkpoint, a window whose
     close failed on one rank, accumulation_steps changed to different values (DDP and FSDP2)."""
@@ -1131,5 +1143,6 @@ def ranks_job(rank: int, port: int, out_dir: str, world: int) -> None:
         res[f"settings-{case}"] = _settings_case(rank, case)
     for name, wrap in wraps.items():
         res[f"reads-{name}"] = _reads_case(rank, wrap)
+    res["pipeline-load"] = _pipeline_load_case(rank)
     torch.save(res, os.path.join(out_dir, f"ranks{rank}.pt"))
     leave_process_group()

@@ -377,6 +377,12 @@ def test_clip_policies_with_different_settings_differ(ranks: list[dict[str, Any]
         assert res["reasons"] == ["divergence"]
 
 
+def test_pipeline_stages_load_their_own_state(ranks: list[dict[str, Any]]) -> None:
+    """Pipeline stages (norm_group) hold different parameters and optimizer state: each loads its own
+    checkpoint and trains on (only the counters and settings are compared across them)."""
+    assert [rank["pipeline-load"] for rank in ranks] == [None, None]
+
+
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
 def test_ranks_check_adds_no_host_read_to_fused_windows(ranks: list[dict[str, Any]], wrap: str) -> None:
     """Fused AdamW under DDP and FSDP2, three windows after a load_state_dict: the check (the loaded
