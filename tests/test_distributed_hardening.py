@@ -116,7 +116,7 @@ def test_ddp_nan_written_after_all_reduce_skips_on_every_rank(hard: list[dict[st
 def test_ddp_fused_decision_reads_nothing_of_its_window(hard: list[dict[str, Any]], k: int) -> None:
     """Fused AdamW under DDP: the agreed flag reaches the kernel as found_inf; the only host read clipopt
     makes in a window is the deferred check of the previous window's agreed values (on CPU the copy
-    is already on the host; on CUDA a pinned copy is read once its event has completed)."""
+    is already on the host; on CUDA a pinned copy is read two windows later)."""
     for rank in hard:
         for corrupt in ("diverge", "nan"):
             reads = rank[f"{corrupt}-fused-{k}"]["reads"]
