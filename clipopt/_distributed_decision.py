@@ -331,7 +331,10 @@ class ReplicaDecision:
                 self._compare_settings(self._settings, self._device)  # names the setting: raises
             raise RuntimeError(_SETTINGS_CHANGED.format(window=values.window))
         if "state" in names:
-            raise RuntimeError(_STATE_DIFFERS.format(window=values.window, ranks=names["state"].ranks))
+            state = names["state"]
+            raise RuntimeError(
+                _STATE_DIFFERS.format(window=values.window, ranks=state.ranks, mine=state.mine)
+            )
         low, high = -host[2], host[1]
         if kind == "ddp" and host[0] == 0 and high - low > DIVERGENCE_RTOL * high:
             warnings.warn(
@@ -398,7 +401,8 @@ _SETTINGS_CHANGED = (
 
 _STATE_DIFFERS = (
     "the ranks of the replica group hold different training states at window {window}, the first after "
-    "load_state_dict: the checksums of the parameters and of the loaded optimizer state differ ({ranks}); "
+    "load_state_dict: the checksums of the parameters and of the loaded optimizer state differ ({ranks}; "
+    "this rank: {mine}); "
     "a rank loaded another run's checkpoint or another step's; load the same checkpoint on every rank "
     "(under FSDP2 each rank's file of the same save); the window was skipped on every rank"
 )

@@ -1052,6 +1052,20 @@ def _failed_step_case(rank: int, wrap: Any, p: float) -> dict[str, Any]:
     return {"caught": caught, "error": error, "reasons": [s.reason for s in opt.stats]}
 
 
+def _reload_case(rank: int) -> dict[str, Any]:
+    """FSDP2: after two windows rank 1 reloads the optimizer's checkpoint of window 1 (an older
+    step), rank 0 goes on; then one window."""
+    model = _fsdp(_model())
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, foreach=True), MAX_NORM)
+    _train(model, opt, rank, range(1))
+    older = copy.deepcopy(opt.state_dict())
+    _train(model, opt, rank, range(1, 2))
+    if rank == 1:
+        opt.load_state_dict(older)
+    error = _catch(lambda: _train(model, opt, rank, range(2, 3)))
+    return {"error": error, "reasons": [s.reason for s in opt.stats]}
+
+
 def _changed_k_case(rank: int) -> dict[str, Any]:
     """FSDP2 with no_sync, k = 2; after one window every rank sets accumulation_steps, to 3 on rank 0
     and to 4 on rank 1: the next no_sync() raises on every rank (measured: seconds, not a timeout)."""
@@ -1139,6 +1153,7 @@ def ranks_job(rank: int, port: int, out_dir: str, world: int) -> None:
     for p in (2.0, math.inf):
         res[f"failed-fsdp-{p}"] = _failed_step_case(rank, _fsdp, p)
     res["changed-k"] = _changed_k_case(rank)
+    res["reload-fsdp"] = _reload_case(rank)
     for case in ("clip_value", "zclip"):
         res[f"settings-{case}"] = _settings_case(rank, case)
     for name, wrap in wraps.items():

@@ -257,21 +257,24 @@ _STATE_DIFFERS = (
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
 def test_load_of_another_runs_checkpoint_fails_on_every_rank(ranks: list[dict[str, Any]], wrap: str) -> None:
     """Rank 1 loads a checkpoint of another run (other data) at the same step, rank 0 this run's: the
-    next window is skipped on both ranks and both raise, instead of training on with replicas drifting
-    apart.  DDP compares the parameters and the whole optimizer state; FSDP2 (each rank holds its own
-    shards) the replicated part of the state: here ZClip's statistics."""
-    res = [rank[f"load-{wrap}-other"] for rank in ranks]
-    assert res[0]["error"] == res[1]["error"]
+    next window is skipped on both ranks and both raise, naming each rank's checksum and their range
+    (DDP: MAX, the smallest and the largest) or mean (FSDP2: a SUM), instead of training on with the
+    replicas drifting apart.  DDP compares the parameters and the whole optimizer state; FSDP2 (each
+    rank holds its own shards) the replicated part of the state: here ZClip's statistics."""
     head, tail = _STATE_DIFFERS.split("{}")
-    assert res[0]["error"].startswith(head) and res[0]["error"].endswith(tail)
-    spread = res[0]["error"][len(head) : -len(tail)]
-    if wrap == "ddp":  # the smallest and the largest checksum: two different values
-        low, high = spread.split(" to ")
-        assert int(low) < int(high)
-    else:  # a SUM reduction: the mean of the two ranks' checksums
-        assert spread.startswith("average ") and spread.endswith(" over 2 ranks")
-    for r in res:
-        assert r["skipped"] == [True] and r["reasons"] == ["divergence"] and r["windows"] == 3
+    spreads, mine = [], []
+    for rank in ranks:
+        res = rank[f"load-{wrap}-other"]
+        assert res["error"].startswith(head) and res["error"].endswith(tail)
+        spread, this = res["error"][len(head) : -len(tail)].split("; this rank: ")
+        spreads.append(spread)
+        mine.append(int(this))
+        assert res["skipped"] == [True] and res["reasons"] == ["divergence"] and res["windows"] == 3
+    assert spreads[0] == spreads[1] and mine[0] != mine[1]
+    if wrap == "ddp":
+        assert spreads[0] == f"{min(mine)} to {max(mine)}"
+    else:
+        assert spreads[0] == f"average {sum(mine) / 2:.6g} over 2 ranks"
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
@@ -329,6 +332,23 @@ def test_fsdp2_window_counters_out_of_step_fail_on_every_rank(ranks: list[dict[s
             cause = f"average 2.5 over 2 ranks; a window's close raised on 1 rank(s){who} "
         assert res["error"] == head + cause + tail
         assert res["reasons"] == [None, None, "divergence"][r:]
+
+
+def test_fsdp2_rank_that_reloaded_an_older_checkpoint_fails_on_every_rank(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """FSDP2: rank 1 reloads the checkpoint of window 1 after window 2 while rank 0 goes on: the next
+    window is skipped on both ranks and both raise, naming the counters (they used to end with 3 and
+    2 windows and no error)."""
+    for r, rank in enumerate(ranks):
+        res = rank["reload-fsdp"]
+        assert res["error"] == (
+            f"the window counters of the ranks of the replica group differ: this rank closed window {3 - r} "
+            "after 1 micro-batches, the ranks' windows: average 2.5 over 2 ranks; a rank loaded a checkpoint "
+            "of another step, or skipped a window the others closed; the window was skipped on every rank; "
+            "resume every rank from the same checkpoint"
+        )
+        assert res["reasons"][-1] == "divergence"
 
 
 def test_fsdp2_accumulation_steps_changed_to_different_values_fails_fast(ranks: list[dict[str, Any]]) -> None:
