@@ -198,9 +198,9 @@ class ReplicaDecision:
             raise RuntimeError(
                 "ClippedOptimizer settings differ across the ranks of the replica group: "
                 + ", ".join(bad)
-                + "; build the optimizer with the same settings on every rank (and resume every rank "
-                "from the same checkpoint step), or pass replica_group=None if the ranks train "
-                "independent models"
+                + "; build the optimizer with the same settings on every rank, change them on every "
+                "rank alike (and resume every rank from the same checkpoint step), or pass "
+                "replica_group=None if the ranks train independent models"
             )
 
     # ------------------------------------------------------------------ the state, after a load

@@ -32,6 +32,14 @@ JOB_TIMEOUT_S = 240
 _spawn = partial(spawn_job, pass_world=True, weights_only=False, timeout_s=JOB_TIMEOUT_S)
 
 
+#: the fix every settings error names
+_SETTINGS_FIX = (
+    "; build the optimizer with the same settings on every rank, change them on every rank alike (and "
+    "resume every rank from the same checkpoint step), or pass replica_group=None if the ranks train "
+    "independent models"
+)
+
+
 # ---------------------------------------------------------------------------- FSDP2 edge shapes
 
 
@@ -198,9 +206,7 @@ def test_different_accumulation_steps_fail_fast(hard: list[dict[str, Any]]) -> N
     for r, rank in enumerate(hard):
         assert rank["settings_error"] == (
             "ClippedOptimizer settings differ across the ranks of the replica group: accumulation_steps "
-            f"(from 2 to 3; this rank: {2 + r}); build the optimizer with the same settings on every rank "
-            "(and resume every rank from the same checkpoint step), or pass replica_group=None if the "
-            "ranks train independent models"
+            f"(from 2 to 3; this rank: {2 + r})" + _SETTINGS_FIX
         )
 
 
@@ -359,9 +365,7 @@ def test_fsdp2_accumulation_steps_changed_to_different_values_fails_fast(ranks: 
         res = rank["changed-k"]
         assert res["error"] == (
             "ClippedOptimizer settings differ across the ranks of the replica group: accumulation_steps "
-            f"(from 3 to 4; this rank: {3 + r}); build the optimizer with the same settings on every rank "
-            "(and resume every rank from the same checkpoint step), or pass replica_group=None if the "
-            "ranks train independent models"
+            f"(from 3 to 4; this rank: {3 + r})" + _SETTINGS_FIX
         )
         assert res["windows"] == 1
         assert res["seconds"] < jobs.PROCESS_GROUP_TIMEOUT_S / 4
@@ -375,9 +379,7 @@ def test_setting_changed_on_one_rank_mid_run_is_named(ranks: list[dict[str, Any]
         res = rank["settings-clip_value"]
         assert res["error"] == (
             "ClippedOptimizer settings differ across the ranks of the replica group: clip_value (from -1 "
-            f"to 0.5; this rank: {0.5 if r else -1}); build the optimizer with the same settings on every "
-            "rank (and resume every rank from the same checkpoint step), or pass replica_group=None if the "
-            "ranks train independent models"
+            f"to 0.5; this rank: {0.5 if r else -1})" + _SETTINGS_FIX
         )
         assert res["reasons"] == [None, "divergence"]
 
