@@ -36,12 +36,15 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "MODULUS",
     "CheckValues",
     "Differ",
+    "MAX_SLOTS",
+    "MODULUS",
+    "SUM_SLOTS",
     "decode",
     "encode",
     "mismatch",
+    "settings_key",
     "state_checksum",
     "tensor_checksum",
 ]

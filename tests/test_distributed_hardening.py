@@ -517,7 +517,7 @@ def test_rank_check_encodings_name_every_value_the_ranks_do_not_share(changes: d
     """Three ranks' check entries reduced as the collectives do (elementwise MAX; SUM): both encodings
     name exactly the values that differ (compared field by field in plain Python), the device flag
     agrees, and a state carried by some ranks only is no difference."""
-    from clipopt._rank_check import CheckValues, decode, encode, mismatch
+    from clipopt._rank_check import MAX_SLOTS, SUM_SLOTS, CheckValues, decode, encode, mismatch
 
     cpu = torch.device("cpu")
     ranks = [
@@ -534,6 +534,7 @@ def test_rank_check_encodings_name_every_value_the_ranks_do_not_share(changes: d
     }
     for summed in (False, True):
         entries = torch.stack([encode(v, summed, cpu) for v in ranks])
+        assert entries.shape == (3, SUM_SLOTS if summed else MAX_SLOTS) == (3, 21 if summed else 10)
         reduced = entries.sum(0) if summed else entries.max(0).values
         for v in ranks:
             differ, _ = decode(reduced.tolist(), v, summed)
