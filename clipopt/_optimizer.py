@@ -384,7 +384,7 @@ class ClippedOptimizer(InnerOptimizerView):
     step.hooked = True  # type: ignore[attr-defined]
 
     def _step(self, closure: Callable[[], Any] | None = None, *, loss: Tensor | float | None = None) -> Any:
-        if not self._replicas.checked:
+        if self._replicas.due(self.accumulation_steps):
             self._check_replicas()
         given = check_loss(loss)
         check_closure(closure, self.scaler)
@@ -418,7 +418,7 @@ class ClippedOptimizer(InnerOptimizerView):
         A no-op when no micro-batch is pending.  Under data parallelism it is
         collective: call it on every rank (ranks with different partial windows raise).
         """
-        if not self._replicas.checked:
+        if self._replicas.due(self.accumulation_steps):
             self._check_replicas()
         params = self._params()
         if self._replicas.active and params:
@@ -467,7 +467,7 @@ class ClippedOptimizer(InnerOptimizerView):
         (save one per rank); under FSDP2 it is refused while they are pending.
         """
         check_no_sync_args(model, sync)
-        if not self._replicas.checked:
+        if self._replicas.due(self.accumulation_steps):
             self._check_replicas()
         index = self._counters.micro_batches + 1  # this micro-batch's place in the window
         context, marker = plan_no_sync(
@@ -485,10 +485,11 @@ class ClippedOptimizer(InnerOptimizerView):
             raise
 
     def _check_replicas(self) -> None:
-        """Once, at the first step() or no_sync(): the ranks' window settings must agree (collective)."""
+        """At the first step() or no_sync() (under FSDP2 also after accumulation_steps changed): the
+        ranks' window settings must agree (collective)."""
         params = self._params()
         if params:
-            self._replicas.check_settings(settings_of(self), params[0].device)
+            self._replicas.check_settings(settings_of(self), params[0].device, self._index.has_dtensor)
 
     def _pending_unsynced(self) -> Unsynced | None:
         return pending_unsynced(self._unsynced, self._counters.micro_batches)
@@ -601,6 +602,7 @@ class ClippedOptimizer(InnerOptimizerView):
         """Step 2: the decision's norms and flag (agreed by DDP replicas) and the window's loss."""
         loss = self._loss.combined(self.reduction)  # kept in the sum until the close commits
         rows = s.rows and g.shards is None  # the candidate bad row: plain tensors only
+        self._replicas.prepare(self, g.shards, n, self._counters.windows + 1)  # the ranks' check
         d, self._diagnostics.bad_row = measure(s, g, self.layer_names() if rows else None)
         watch, sharded = self._recovery.watches_loss(), self._index.has_dtensor
         d, self._recovery.shared_loss = agree(
@@ -773,6 +775,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self._loss = ckpt.loss_sum
         self._update_applied, self._last_skipped = False, False
         self._unsynced = ckpt.unsynced
+        self._replicas.loaded(state_dict)  # the next window compares the ranks' states
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ClippedOptimizer:
         new = type(self).__new__(type(self))
