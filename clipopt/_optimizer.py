@@ -40,7 +40,6 @@ from ._group_options import GroupPlan, check_groups
 from ._layers import LayerStats
 from ._logging import Logger, log_window
 from ._loss import LossSum, check_loss, loss_of_closure
-from ._pickling import upgrade_pickled
 from ._policies import ClipPolicy
 from ._recovery import SpikeRecovery, check_recovery
 from ._rewind import Rewind
@@ -252,7 +251,7 @@ class ClippedOptimizer(InnerOptimizerView):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         pending = state.pop("_pending_grads", None)
-        super().__setstate__(upgrade_pickled(state))  # pickled by an earlier clipopt: today's layout
+        super().__setstate__(state)
         if pending is not None:
             for p, g in zip(self._params(), pending, strict=True):
                 p.grad = g
