@@ -352,6 +352,37 @@ def test_several_runs_refused_where_one_is_needed(
     )
 
 
+def test_add_scalars_folders_belong_to_their_run(tmp_path: Path) -> None:
+    """SummaryWriter.add_scalars("Loss", {"train": ..., "test": ...}) writes a folder per key below the
+    run: they are part of that run (one run, not three), and the two keys are not merged into one
+    tag: the train key is read as the loss, the test key ignored."""
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    rows = _train(30, lr=0.01)
+    writer = SummaryWriter(str(tmp_path / "runs" / "exp"))
+    for step, (loss, norm) in enumerate(rows):
+        writer.add_scalars("Loss", {"train": loss, "test": 2 * loss}, step)
+        writer.add_scalar("Grad/total_norm", norm, step)
+    writer.close()
+    assert tensorboard_runs(tmp_path / "runs") == ["exp"]
+    log = read_log(tmp_path / "runs")
+    assert (log.loss_column, log.ignored) == ("Loss_train/Loss", ["Loss_test/Loss"])
+    assert list(log.loss) == pytest.approx([v for v, _ in rows])
+
+
+def test_run_option_on_a_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--run names a run of a folder: with a CSV file it is an error saying so."""
+    path = tmp_path / "norms.csv"
+    path.write_text("step,grad_norm\n1,1.0\n2,1.1\n")
+    code, out, err = _cli(capsys, str(path), "--run", "a")
+    assert (code, out) == (2, "")
+    assert err == (
+        f"clipopt report: error: --run a: {path} is a file, not a folder of TensorBoard runs; "
+        "pass the folder\n"
+    )
+
+
 # ----------------------------------------------------------------------------- --plot's path
 
 
