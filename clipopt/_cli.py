@@ -135,7 +135,10 @@ def _add_report(subparsers: _Subparsers) -> None:
             "norm left its scale for good), nonfinite (a non-finite gradient, with the layer), spikes, "
             "vanishing (per-layer) or healthy, with the step and layer as evidence, one suggested "
             "max_norm, the fraction of updates clipped and whether max_norm looks too tight or too "
-            "loose; --plot draws the norms, the loss and the per-layer heatmap (needs matplotlib: "
+            "loose. It says which columns (tags) it read as the norm and the loss and which it "
+            "ignored; --loss and --norm choose others. A folder of several TensorBoard runs is never "
+            "merged: each run is reported on its own, or --run picks one. "
+            "--plot draws the norms, the loss and the per-layer heatmap (needs matplotlib: "
             "pip install 'clipopt[plot]'). The rules and their reasons are in the documentation, "
             "page 'Choosing max_norm'."
         ),

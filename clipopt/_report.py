@@ -76,7 +76,8 @@ def verdict_line(report: Mapping[str, Any]) -> str:
 
 
 def format_report(report: Mapping[str, Any]) -> str:
-    """The report for a terminal: verdict, evidence, suggested max_norm, clipping, summary, notes."""
+    """The report for a terminal: verdict, file, the names read and ignored, evidence, suggested
+    max_norm, clipping, summary, notes."""
     lines = [
         *_header_lines(report),
         "",
