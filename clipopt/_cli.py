@@ -15,9 +15,12 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._text import whole_number
+
+if TYPE_CHECKING:
+    from ._report_read import GradLog
 
 __all__ = ["CommandError", "main"]
 
@@ -132,7 +135,10 @@ def _add_report(subparsers: _Subparsers) -> None:
             "norm left its scale for good), nonfinite (a non-finite gradient, with the layer), spikes, "
             "vanishing (per-layer) or healthy, with the step and layer as evidence, one suggested "
             "max_norm, the fraction of updates clipped and whether max_norm looks too tight or too "
-            "loose; --plot draws the norms, the loss and the per-layer heatmap (needs matplotlib: "
+            "loose. It says which columns (tags) it read as the norm and the loss and which it "
+            "ignored; --loss and --norm choose others. A folder of several TensorBoard runs is never "
+            "merged: each run is reported on its own, or --run picks one. "
+            "--plot draws the norms, the loss and the per-layer heatmap (needs matplotlib: "
             "pip install 'clipopt[plot]'). The rules and their reasons are in the documentation, "
             "page 'Choosing max_norm'."
         ),
@@ -151,9 +157,33 @@ def _add_report(subparsers: _Subparsers) -> None:
     p.add_argument(
         "--json",
         action="store_true",
-        help='print the report as JSON (non-finite numbers as the strings "nan", "inf", "-inf")',
+        help='print the report as JSON (non-finite numbers as the strings "nan", "inf", "-inf"); '
+        'a folder of several TensorBoard runs gives {"runs": [one report per run]}',
     )
+    _add_report_names(p)
     p.set_defaults(func=_run_report)
+
+
+def _add_report_names(p: argparse.ArgumentParser) -> None:
+    """``--loss``, ``--norm`` and ``--run``: the names the report reads."""
+    p.add_argument(
+        "--loss",
+        metavar="NAME",
+        help="the column (tag, log_history key) to read as the loss (default: a recognised name such as "
+        "loss, train/loss, Loss/train, train_loss)",
+    )
+    p.add_argument(
+        "--norm",
+        metavar="NAME",
+        help="the column (tag, log_history key) to read as the gradient norm (default: a recognised name "
+        "such as total_norm, grad_norm, train/grad_norm, Grad/total_norm)",
+    )
+    p.add_argument(
+        "--run",
+        metavar="NAME",
+        help="the TensorBoard run to read, as a folder below PATH (e.g. exp1 for runs/exp1); a folder "
+        "holding several runs is never merged: without --run each run is reported on its own",
+    )
 
 
 def _run_report(args: argparse.Namespace) -> int:
@@ -168,27 +198,72 @@ def _run_report(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from ._report import analyze, format_json, format_report, plot_log, read_log
+    from ._report import analyze, format_json, format_report, plot_log
+    from ._report_read import tensorboard_runs
+
+    plot = _plot_target(args.plot) if args.plot is not None else None
+    runs = tensorboard_runs(args.csv)
+    chosen: list[str | None] = [args.run] if args.run is not None or len(runs) < 2 else list(runs)
+    if plot is not None and len(chosen) > 1:
+        raise CommandError(
+            f"--plot draws one run and {args.csv} holds {len(runs)} TensorBoard runs ({', '.join(runs)}); "
+            "pick one with --run NAME"
+        )
+    logs = [_read_report_log(args, run) for run in chosen]
+    reports = [analyze(log) for log in logs]
+    if args.json:
+        print(format_json(reports[0] if len(reports) == 1 else {"runs": reports}))
+    elif len(reports) == 1:
+        print(format_report(reports[0]))
+    else:
+        print(
+            f"{args.csv} holds {len(runs)} TensorBoard runs, each reported on its own "
+            f"(--run NAME picks one): {', '.join(runs)}"
+        )
+        for run, report in zip(runs, reports, strict=True):
+            print(f"\n=== run {run} ===\n{format_report(report)}")
+    if plot is not None:
+        sys.stdout.flush()
+        try:
+            plot_log(logs[0], reports[0], plot)
+        except ImportError as exc:
+            raise CommandError(_one_line(exc)) from None
+        except (OSError, ValueError) as exc:  # an unwritable path, or an extension matplotlib cannot write
+            raise CommandError(f"cannot write the plot {plot}: {_one_line(exc)}") from None
+        if not args.json:
+            print(f"\nPlot written to {plot}")
+    return 0
+
+
+def _read_report_log(args: argparse.Namespace, run: str | None) -> GradLog:
+    """The log of ``clipopt report`` (one run of a TensorBoard folder: ``run``); a CommandError when it
+    cannot be read."""
+    from ._report_read import Names, read_log
 
     try:
-        log = read_log(args.csv)
+        return read_log(args.csv, Names(loss=args.loss, norm=args.norm), run)
     except FileNotFoundError:
         raise CommandError(f"{args.csv}: no such file") from None
     except (OSError, ValueError, UnicodeError) as exc:
         raise CommandError(_one_line(exc)) from None
-    report = analyze(log)
-    print(format_json(report) if args.json else format_report(report))
-    if args.plot is not None:
-        sys.stdout.flush()
-        try:
-            plot_log(log, report, args.plot)
-        except ImportError as exc:
-            raise CommandError(_one_line(exc)) from None
-        except (OSError, ValueError) as exc:  # an unwritable path, or an extension matplotlib cannot write
-            raise CommandError(f"cannot write the plot {args.plot}: {_one_line(exc)}") from None
-        if not args.json:
-            print(f"\nPlot written to {args.plot}")
-    return 0
+
+
+def _plot_target(path: str) -> str:
+    """The file ``--plot PATH`` writes: PATH, with ``.png`` added when it has no extension (what
+    matplotlib writes then); a CommandError before any work when its folder is missing or it is one."""
+    target = path if os.path.splitext(path)[1][1:] else path.rstrip(".") + ".png"
+    folder = os.path.dirname(target) or "."
+    if not os.path.isdir(folder):
+        raise CommandError(
+            f"--plot {path}: the folder {folder} does not exist; create it, or pass a path in an existing "
+            "folder"
+        )
+    if os.path.isdir(target):
+        raise CommandError(
+            f"--plot {path}: {target} is a folder; pass an image file, e.g. "
+            f"{os.path.join(target, 'report.png')}"
+        )
+    return target
 
 
 # ---------------------------------------------------------------------------- demo

@@ -61,6 +61,11 @@ _KIND_TEXT = {
 def verdict_line(report: Mapping[str, Any]) -> str:
     """``verdict: exploding (the loss blew up; step 5)``: the first line of the report."""
     findings = report["findings"]
+    if not findings and not report["summary"]["losses"]:
+        return (
+            "verdict: healthy (judged on the gradient norm alone: no loss was read; "
+            "no blow-up, non-finite, spiking or vanishing gradients)"
+        )
     if not findings:
         return "verdict: healthy (no blow-up, non-finite, spiking or vanishing gradients)"
     head = findings[0]
@@ -71,7 +76,8 @@ def verdict_line(report: Mapping[str, Any]) -> str:
 
 
 def format_report(report: Mapping[str, Any]) -> str:
-    """The report for a terminal: verdict, evidence, suggested max_norm, clipping, summary, notes."""
+    """The report for a terminal: verdict, file, the names read and ignored, evidence, suggested
+    max_norm, clipping, summary, notes."""
     lines = [
         *_header_lines(report),
         "",
@@ -79,7 +85,7 @@ def format_report(report: Mapping[str, Any]) -> str:
         "",
         *_threshold_lines(report),
         "",
-        *_summary_lines(report["summary"]),
+        *_summary_lines(report["summary"], _every_update(report)),
     ]
     if report["notes"]:
         lines += ["", "Notes:"]
@@ -88,13 +94,46 @@ def format_report(report: Mapping[str, Any]) -> str:
 
 
 def _header_lines(report: Mapping[str, Any]) -> list[str]:
-    """The verdict line and the file line (format, updates, steps)."""
-    s = report["summary"]
+    """The verdict line, the file line (format, updates, steps) and the names read and ignored."""
     return [
         verdict_line(report),
-        f"file: {report['file']} ({report['source']}; {s['updates']} updates, "
-        f"steps {s['first_step']}-{s['last_step']})",
+        f"file: {report['file']} ({report['source']}; {_rows_text(report)})",
+        _names_line(report),
     ]
+
+
+def _every_update(report: Mapping[str, Any]) -> bool:
+    """True when a row is an update: clipopt's own log, or one row per step (consecutive steps)."""
+    s = report["summary"]
+    own = report["source"] == "clipopt CSV" or report["columns"]["norm"] == "clipopt/total_norm"
+    return own or bool(s["last_step"] - s["first_step"] + 1 == s["updates"])
+
+
+def _rows_text(report: Mapping[str, Any]) -> str:
+    """``200 updates, steps 1-200``; ``60 rows logged at steps 10-600`` when rows were logged every
+    few updates (a Trainer's ``logging_steps``)."""
+    s = report["summary"]
+    if _every_update(report):
+        return f"{s['updates']} updates, steps {s['first_step']}-{s['last_step']}"
+    return f"{s['updates']} rows logged at steps {s['first_step']}-{s['last_step']}"
+
+
+#: What a log's names are called, by source (default: columns).
+_NOUNS = {"TensorBoard": "tags", "Trainer trainer_state.json": "log_history keys"}
+#: At most this many ignored names are listed in the text (``--json`` lists all).
+_MAX_IGNORED = 12
+
+
+def _names_line(report: Mapping[str, Any]) -> str:
+    """``tags read: Grad/total_norm as the norm, Loss/train as the loss; ignored: Loss/test``."""
+    cols = report["columns"]
+    loss = f"{cols['loss']} as the loss" if cols["loss"] is not None else "no loss (--loss NAME picks one)"
+    ignored = cols["ignored"]
+    shown = ", ".join(ignored[:_MAX_IGNORED]) or "none"
+    if len(ignored) > _MAX_IGNORED:
+        shown += f", ... ({len(ignored) - _MAX_IGNORED} more)"
+    noun = _NOUNS.get(report["source"], "columns")
+    return f"{noun} read: {cols['norm']} as the norm, {loss}; ignored: {shown}"
 
 
 def _evidence_lines(report: Mapping[str, Any]) -> list[str]:
@@ -128,11 +167,11 @@ def _suggestion_value(sug: Mapping[str, Any]) -> str:
     return f"{_num(sug['low'])} - {_num(sug['high'])}"
 
 
-def _summary_lines(s: Mapping[str, Any]) -> list[str]:
-    """``Summary:`` and its table: updates, loss, clipped, skipped, non-finite, norms, max_norm, layers,
-    parameter groups."""
+def _summary_lines(s: Mapping[str, Any], every_update: bool = True) -> list[str]:
+    """``Summary:`` and its table: updates (logged rows unless ``every_update``), loss, clipped, skipped,
+    non-finite, norms, max_norm, layers, parameter groups."""
     rows = [
-        ["updates", f"{s['updates']}"],
+        ["updates" if every_update else "logged rows", f"{s['updates']}"],
         ["loss", _loss_text(s)],
         ["clipped", f"{s['clipped']} ({100 * s['clipped_fraction']:.1f}%)"],
         ["skipped", f"{s['skipped']}"],

@@ -1,23 +1,23 @@
 """Reading a training log for ``clipopt report``: every format into one :class:`GradLog`.
 
-Formats (SPEC §3):
+The step, norm, loss and learning-rate columns (tags, keys) of every format
+are chosen from one table of recognised names, :mod:`clipopt._report_names`;
+:class:`Names` (``--loss``, ``--norm``) chooses others.  Formats (SPEC §3):
 
 - a CSV written by :class:`~clipopt.CSVLogger`, or any CSV with a step column and
-  a gradient-norm column (:data:`NORM_NAMES`, a name ending in ``grad_norm``, or
-  Lightning's ``grad_<p>_norm_total``), plus ``loss`` and ``lr`` columns when
-  present (:data:`LOSS_NAMES`, :data:`LR_NAMES`).  Rows are streamed: the file
-  is never held whole, only its columns, each as one ``array('d')``.
-  Lightning's ``metrics.csv`` writes different metrics of one step in separate
-  rows; the values of one step are merged into one row.
+  a gradient-norm column, plus loss and lr columns when present.  Rows are
+  streamed: the file is never held whole, only its columns, each as one
+  ``array('d')``.  Lightning's ``metrics.csv`` writes different metrics of one
+  step in separate rows; the values of one step are merged into one row.
 - a Hugging Face Trainer ``trainer_state.json`` (``log_history`` entries with
   ``step``, ``grad_norm``, ``loss``, ``learning_rate``), or a folder holding
   one (the latest ``checkpoint-*`` one when only those do);
-- a TensorBoard log folder (needs the ``tensorboard`` package): the scalar
-  tags ending in ``total_norm`` or ``grad_norm`` (or Lightning's
-  ``grad_2.0_norm_total`` and per-layer ``grad_2.0_norm/<name>``), ``loss`` and
-  ``lr`` or ``learning_rate``; clipopt's own tags (``clipopt/clipped``, per-layer
+- a TensorBoard run's folder (needs the ``tensorboard`` package): its norm,
+  loss and lr tags (Lightning's per-layer ``grad_2.0_norm/<name>`` too) and
+  clipopt's own tags (``clipopt/clipped``, per-layer
   ``clipopt/layers/<name>/<field>``, per-group ``clipopt/group_norm/<g>`` and
-  ``clipopt/group_coef/<g>``) too.
+  ``clipopt/group_coef/<g>``).  A folder holding several runs
+  (:func:`tensorboard_runs`) is never merged: one run is read, by name.
 
 clipopt's per-group columns (``group_norm.<g>``, ``group_coef.<g>``: per-group
 clipping) are read into :attr:`GradLog.groups`.
@@ -37,7 +37,7 @@ import math
 import os
 import re
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 from operator import itemgetter
@@ -46,26 +46,25 @@ from typing import Any
 import torch
 
 from ._layers import LAYER_FIELDS
+from ._report_names import LOSS_NAMES, LR_NAMES, NORM_NAMES, STEP_NAMES, choose, pick
 
-__all__ = ["LOSS_NAMES", "LR_NAMES", "NORM_NAMES", "STEP_NAMES", "GradLog", "read_log"]
+__all__ = [
+    "LOSS_NAMES",
+    "LR_NAMES",
+    "NORM_NAMES",
+    "STEP_NAMES",
+    "GradLog",
+    "Names",
+    "read_log",
+    "tensorboard_runs",
+]
 
-#: Step columns, in order of preference.
-STEP_NAMES = ("step", "global_step", "trainer/global_step", "iteration", "iter")
-#: Gradient-norm columns, in order of preference (then Lightning's total, then a name ending in grad_norm).
-NORM_NAMES = ("total_norm", "grad_norm", "gradient_norm", "train/grad_norm")
-#: Loss columns, in order of preference (then any name ending in ``loss`` that is not a validation one).
-LOSS_NAMES = ("loss", "train_loss", "train/loss", "train_loss_step", "training_loss")
-#: Learning-rate columns, in order of preference (then a name starting with ``lr-`` or ``lr/``).
-LR_NAMES = ("lr", "learning_rate", "train/learning_rate", "train/lr")
-
-_LIGHTNING_TOTAL = re.compile(r"grad_(?:[0-9.]+|inf)_norm_total")
 _LIGHTNING_LAYER = re.compile(r"grad_(?:[0-9.]+|inf)_norm/(.+)")
 #: clipopt's per-group columns (CSV) and tags (TensorBoard): what, group index.
 _GROUP_COLUMN = re.compile(r"group_(norm|coef)\.([0-9]+)")
 _GROUP_TAG = re.compile(r"clipopt/group_(norm|coef)/([0-9]+)")
 #: clipopt's TensorBoard tags read by exact name (``clipopt/<key>``), besides the norm, loss and lr.
 _CLIPOPT_TAGS = ("max_norm", "clipped", "skipped", "overflow", "spike", "rewind")
-_NOT_TRAIN = ("val", "eval", "test", "valid")
 _NAN = math.nan
 #: Rows converted column by column at once.
 _CHUNK = 16384
@@ -74,7 +73,7 @@ _FLAGS = {"0": 0, "1": 1, "": 0, "True": 1, "False": 0, "true": 1, "false": 0, "
 _SNIFF = 4096
 _EXPECTED = (
     "a step column and a gradient-norm column (total_norm, grad_norm, gradient_norm, a name ending "
-    "in grad_norm, or Lightning's grad_2.0_norm_total)"
+    "in total_norm or grad_norm such as Grad/total_norm, or Lightning's grad_2.0_norm_total)"
 )
 
 
@@ -94,6 +93,10 @@ class GradLog:
     column (or tag) for: clipopt's, not Lightning's.  ``groups[g]`` holds
     parameter group ``g``'s ``"norm"`` and ``"coef"`` (per-group clipping), one
     value per row, ``nan`` where not recorded; empty without per-group clipping.
+    ``norm_column`` and ``loss_column`` name the column (tag, key) read as the
+    norm and the loss (None: no loss); ``ignored`` lists those read as nothing,
+    in the log's order; ``run`` names the TensorBoard run read (None: the
+    path holds one).
     """
 
     path: str
@@ -113,6 +116,8 @@ class GradLog:
     notes: list[str] = field(default_factory=list)
     norm_column: str = "total_norm"
     loss_column: str | None = None
+    ignored: list[str] = field(default_factory=list)
+    run: str | None = None
     has_clipping: bool = False
 
     def __len__(self) -> int:
@@ -127,13 +132,26 @@ class GradLog:
 # ---------------------------------------------------------------------------- entry point
 
 
-def read_log(path: str | os.PathLike[str]) -> GradLog:
-    """Read any supported log (see the module docstring); ``ValueError`` with one line when it is not one."""
+@dataclass(frozen=True)
+class Names:
+    """The names the user chose (``--loss NAME``, ``--norm NAME``); None: recognised ones."""
+
+    loss: str | None = None
+    norm: str | None = None
+
+
+def read_log(path: str | os.PathLike[str], names: Names = Names(), run: str | None = None) -> GradLog:
+    """Read any supported log (see the module docstring); ``ValueError`` with one line when it is not one.
+
+    ``names`` replaces the recognised loss and norm names; ``run`` picks one of a folder's TensorBoard
+    runs (:func:`tensorboard_runs`): a folder holding several is never merged, it needs ``run``."""
     name = os.fspath(path)
     if os.path.isdir(name):
-        return _read_folder(name)
+        return _read_folder(name, names, run)
     if not os.path.exists(name):
         raise FileNotFoundError(f"{name}: no such file")
+    if run is not None:
+        raise ValueError(f"--run {run}: {name} is a file, not a folder of TensorBoard runs; pass the folder")
     with open(name, "rb") as f:
         head = f.read(_SNIFF)
     if not head.strip(b"\xef\xbb\xbf \t\r\n"):
@@ -141,10 +159,10 @@ def read_log(path: str | os.PathLike[str]) -> GradLog:
     if b"\x00" in head or _mostly_binary(head):
         raise ValueError(f"{name} is not a text file (binary data); expected a CSV or JSON training log")
     if head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] in (b"{", b"["):
-        return _read_trainer_state(name)
+        return _read_trainer_state(name, names)
     if os.path.basename(name).startswith("events.out.tfevents"):
-        return _read_tensorboard(os.path.dirname(name) or ".")
-    return _read_csv(name)
+        return _read_tensorboard(os.path.dirname(name) or ".", names)
+    return _read_csv(name, names)
 
 
 def _mostly_binary(head: bytes) -> bool:
@@ -159,23 +177,74 @@ def _mostly_binary(head: bytes) -> bool:
     return control > max(2, len(text) // 100)
 
 
-def _read_folder(name: str) -> GradLog:
-    """The log in a folder: trainer_state.json, metrics.csv, event files, or the latest checkpoint's state."""
+def _read_folder(name: str, names: Names, run: str | None) -> GradLog:
+    """The log in a folder: trainer_state.json, metrics.csv, event files (one run), or the latest
+    checkpoint's state."""
+    runs = tensorboard_runs(name)
+    if run is not None or len(runs) > 1:
+        return _read_run(name, runs, names, run)
     for candidate in ("trainer_state.json", "metrics.csv"):
         path = os.path.join(name, candidate)
         if os.path.isfile(path):
-            return read_log(path)
-    events = glob.glob(os.path.join(glob.escape(name), "**", "events.out.tfevents*"), recursive=True)
-    if events:
-        return _read_tensorboard(name)
+            return read_log(path, names)
+    if runs:  # one run: the folder itself or one below it (runs/<run>/, lightning_logs/version_0/)
+        log = _read_tensorboard(_run_folder(name, runs[0]), names)
+        log.path = name
+        return log
     states = glob.glob(os.path.join(glob.escape(name), "checkpoint-*", "trainer_state.json"))
     if states:
         latest = max(states, key=lambda p: _checkpoint_number(os.path.dirname(p)))
-        return read_log(latest)
+        return read_log(latest, names)
     raise ValueError(
         f"{name} is a folder without a training log (looked for trainer_state.json, metrics.csv and "
         "TensorBoard event files); pass the CSV file, trainer_state.json or TensorBoard log folder"
     )
+
+
+def _read_run(name: str, runs: list[str], names: Names, run: str | None) -> GradLog:
+    """The TensorBoard run ``run`` of the folder; several runs and no ``run``: an error naming them."""
+    if run is None:
+        raise ValueError(
+            f"{name} holds {len(runs)} TensorBoard runs ({', '.join(runs)}), which are never merged; "
+            "pick one with --run NAME"
+        )
+    if not runs:
+        raise ValueError(f"--run {run}: {name} holds no TensorBoard runs; pass the log itself without --run")
+    if run not in runs:
+        raise ValueError(f"{name} has no TensorBoard run {run!r} (--run {run}); its runs: {', '.join(runs)}")
+    log = _read_tensorboard(_run_folder(name, run), names)
+    log.run = run
+    return log
+
+
+def tensorboard_runs(path: str | os.PathLike[str]) -> list[str]:
+    """The TensorBoard runs of a folder read as TensorBoard (``[]`` for a file, or a folder read as a
+    trainer_state.json or metrics.csv), sorted, as paths relative to it (``"."``: the folder itself).
+
+    A run is a folder holding event files none of whose parents (up to ``path``) holds any, as
+    SummaryWriter's ``runs/<run>/`` and Lightning's ``version_<n>/``; a folder below a run (written by
+    ``add_scalars``, one per key) belongs to that run."""
+    name = os.fspath(path)
+    if not os.path.isdir(name) or any(
+        os.path.isfile(os.path.join(name, c)) for c in ("trainer_state.json", "metrics.csv")
+    ):
+        return []
+    events = glob.glob(os.path.join(glob.escape(name), "**", "events.out.tfevents*"), recursive=True)
+    folders = {os.path.relpath(os.path.dirname(e), name) for e in events}
+    return sorted(f for f in folders if not any(p in folders for p in _parents(f)))
+
+
+def _run_folder(name: str, run: str) -> str:
+    """The folder of the run ``run`` (:func:`tensorboard_runs`) of the folder ``name``."""
+    return name if run == "." else os.path.join(name, run)
+
+
+def _parents(folder: str) -> list[str]:
+    """The parent folders of a relative path, ``"."`` included (none for ``"."``)."""
+    if folder == ".":
+        return []
+    parts = folder.split(os.sep)
+    return [".", *(os.sep.join(parts[:k]) for k in range(1, len(parts)))]
 
 
 def _checkpoint_number(path: str) -> int:
@@ -202,51 +271,31 @@ class _Columns:
     layers: dict[str, dict[str, int]] = field(default_factory=dict)
     groups: list[tuple[int, str, int]] = field(default_factory=list)  # (group, "norm"/"coef", column)
 
-
-def _pick(header: list[str], names: Iterable[str]) -> int:
-    """The index of the first of ``names`` in the header (-1: none of them)."""
-    for n in names:
-        if n in header:
-            return header.index(n)
-    return -1
+    def used(self) -> set[int]:
+        """The columns read as something (the others are listed as ignored)."""
+        singles = (self.step, self.norm, self.loss, self.lr, self.max_norm, self.clipped, self.skipped)
+        used = {*singles, self.reason, *(i for _, _, i in self.groups)}
+        return used | {i for fields in self.layers.values() for i in fields.values()}
 
 
-def _columns(name: str, header: list[str]) -> _Columns:
+def _columns(name: str, header: list[str], names: Names) -> _Columns:
     """Where the step, norm, loss, lr, clipopt, per-layer and per-group columns are in the header."""
-    norm = _pick(header, NORM_NAMES)
-    if norm < 0:
-        norm = next((i for i, c in enumerate(header) if _LIGHTNING_TOTAL.fullmatch(c)), -1)
-    if norm < 0:
-        norm = next(
-            (
-                i
-                for i, c in enumerate(header)
-                if c.endswith("grad_norm") and c.rpartition(".")[2] != "grad_norm"
-            ),
-            -1,
-        )
-    if norm < 0:
+    norm_name = choose("norm", header, names.norm, name, "column")
+    if norm_name is None:
         shown = ", ".join(header[:12]) + (", ..." if len(header) > 12 else "")
-        raise ValueError(f"{name} has no gradient-norm column; expected {_EXPECTED}; its columns: {shown}")
-    step = _pick(header, STEP_NAMES)
-    loss = _pick(header, LOSS_NAMES)
-    if loss < 0:
-        loss = next(
-            (
-                i
-                for i, c in enumerate(header)
-                if c.lower().endswith("loss")
-                and not c.lower().startswith(_NOT_TRAIN)
-                and "val" not in c.lower()
-            ),
-            -1,
+        raise ValueError(
+            f"{name} has no gradient-norm column; expected {_EXPECTED}; its columns: {shown}; "
+            "or name the column with --norm NAME"
         )
-    lr = _pick(header, LR_NAMES)
-    if lr < 0:
-        lr = next((i for i, c in enumerate(header) if c.startswith(("lr-", "lr/"))), -1)
-    cols = _Columns(step, norm, loss, lr)
+    norm = header.index(norm_name)
+    at = {n: i for i, n in enumerate(header)}
+    loss_name = choose("loss", header, names.loss, name, "column")
+    step, lr = pick("step", header), pick("lr", header)
+    cols = _Columns(at[step] if step is not None else -1, norm)
+    cols.loss = at[loss_name] if loss_name is not None else -1
+    cols.lr = at[lr] if lr is not None else -1
     for key in ("max_norm", "clipped", "skipped", "reason"):
-        setattr(cols, key, _pick(header, (key,)))
+        setattr(cols, key, at.get(key, -1))
     for i, col in enumerate(header):
         base, _, fld = col.rpartition(".")
         if (m := _GROUP_COLUMN.fullmatch(col)) is not None:
@@ -258,13 +307,13 @@ def _columns(name: str, header: list[str]) -> _Columns:
     return cols
 
 
-def _read_csv(name: str) -> GradLog:
+def _read_csv(name: str, names: Names) -> GradLog:
     """A UTF-8 byte-order mark is dropped and undecodable bytes replaced; csv errors become one line."""
     enabled = gc.isenabled()
     gc.disable()  # millions of short-lived row lists: the cyclic collector would scan them again and again
     try:
         with open(name, newline="", encoding="utf-8-sig", errors="replace") as f:
-            return _read_csv_rows(name, csv.reader(f))
+            return _read_csv_rows(name, csv.reader(f), names)
     except csv.Error as exc:
         raise ValueError(f"{name} is not readable as CSV ({exc}); expected {_EXPECTED}") from None
     finally:
@@ -272,7 +321,7 @@ def _read_csv(name: str) -> GradLog:
             gc.enable()
 
 
-def _read_csv_rows(name: str, rows: Iterator[list[str]]) -> GradLog:
+def _read_csv_rows(name: str, rows: Iterator[list[str]], names: Names) -> GradLog:
     """The header checked and its columns found, then every row parsed into a GradLog."""
     header = next((r for r in rows if r), None)
     if header is None:
@@ -281,10 +330,12 @@ def _read_csv_rows(name: str, rows: Iterator[list[str]]) -> GradLog:
     if len(set(header)) != len(header):
         dup = next(c for c in header if header.count(c) > 1)
         raise ValueError(f"{name}: its header repeats the column {dup!r}; expected one column per name")
-    cols = _columns(name, header)
+    cols = _columns(name, header, names)
     clipopt = cols.clipped >= 0 and cols.skipped >= 0 and cols.step >= 0 and header[cols.norm] == "total_norm"
     log = GradLog(name, "clipopt CSV" if clipopt else "CSV", norm_column=header[cols.norm])
     log.loss_column = header[cols.loss] if cols.loss >= 0 else None
+    used = cols.used()
+    log.ignored = [c for i, c in enumerate(header) if i not in used]
     log.has_clipping = cols.clipped >= 0 or cols.max_norm >= 0
     if cols.step < 0:
         log.notes.append("no step column: the row number is used as the step")
@@ -596,8 +647,38 @@ def _from_records(
     return log
 
 
-def _read_trainer_state(name: str) -> GradLog:
-    """A Hugging Face Trainer trainer_state.json: the log_history entries with a grad_norm."""
+def _read_trainer_state(name: str, names: Names) -> GradLog:
+    """A Hugging Face Trainer trainer_state.json: the log_history entries with a gradient norm."""
+    history = _log_history(name)
+    entries = [e for e in history if isinstance(e, dict) and isinstance(e.get("step"), int)]
+    keys = list(dict.fromkeys(k for e in entries for k in e if k != "step"))
+    norm_key = choose("norm", keys, names.norm, name, "log_history key")
+    if norm_key is None:
+        raise ValueError(
+            f"{name} has no 'grad_norm' in its log_history; expected a Trainer run with max_grad_norm > 0 "
+            "that logged at least once (logging_steps)"
+        )
+    wanted = {"norm": norm_key, "loss": choose("loss", keys, names.loss, name, "log_history key")}
+    wanted["lr"] = pick("lr", keys)
+    records: dict[int, dict[str, float]] = {}
+    for entry in entries:
+        rec = records.setdefault(entry["step"], {})
+        for out, key in wanted.items():
+            value = entry.get(key) if key is not None else None
+            if (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
+                isinstance(value, str) and value.lower() in ("nan", "inf", "infinity", "-inf")
+            ):
+                rec[out] = float(value)
+    log = _from_records(name, "Trainer trainer_state.json", records, {})
+    log.norm_column, log.loss_column = norm_key, wanted["loss"]
+    log.ignored = [k for k in keys if k not in wanted.values()]
+    if not log.steps:
+        raise ValueError(f"{name} has no {norm_key!r} value in its log_history; expected a number there")
+    return log
+
+
+def _log_history(name: str) -> list[Any]:
+    """The ``log_history`` list of a trainer_state.json; ValueError when it is not JSON or has none."""
     try:
         with open(name, encoding="utf-8-sig") as f:
             state = json.load(f)
@@ -608,40 +689,28 @@ def _read_trainer_state(name: str) -> GradLog:
         raise ValueError(
             f"{name} is JSON without a 'log_history' list; expected a Hugging Face Trainer trainer_state.json"
         )
-    records: dict[int, dict[str, float]] = {}
-    keys = (("grad_norm", "norm"), ("loss", "loss"), ("learning_rate", "lr"))
-    for entry in history:
-        if not isinstance(entry, dict) or not isinstance(entry.get("step"), int):
-            continue
-        rec = records.setdefault(entry["step"], {})
-        for key, out in keys:
-            value = entry.get(key)
-            if (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
-                isinstance(value, str) and value.lower() in ("nan", "inf", "infinity", "-inf")
-            ):
-                rec[out] = float(value)
-    log = _from_records(name, "Trainer trainer_state.json", records, {})
-    log.norm_column, log.loss_column = "grad_norm", "loss"
-    if not log.steps:
-        raise ValueError(
-            f"{name} has no 'grad_norm' in its log_history; expected a Trainer run with max_grad_norm > 0 "
-            "that logged at least once (logging_steps)"
-        )
-    return log
+    return history
 
 
 # ---------------------------------------------------------------------------- TensorBoard
 
 
-def _read_tensorboard(name: str) -> GradLog:
-    """A TensorBoard log folder: its total-norm tag, the loss, lr and clipopt's own tags, per step."""
+def _read_tensorboard(name: str, names: Names) -> GradLog:
+    """A TensorBoard run's folder: its total-norm tag, the loss, lr and clipopt's own tags, per step."""
     scalars = _tensorboard_scalars(name)
-    norm_tag = _norm_tag(name, scalars)
+    tags = sorted(scalars)
+    norm_tag = choose("norm", tags, names.norm, name, "scalar tag")
+    if norm_tag is None:
+        raise ValueError(
+            f"{name} has no gradient-norm scalar; expected a tag ending in total_norm or grad_norm "
+            f"(e.g. train/grad_norm, Grad/total_norm); its scalar tags: {', '.join(tags[:12]) or 'none'}; "
+            "or name the tag with --norm NAME"
+        )
     wanted = {
         "norm": norm_tag,
-        "loss": _tag(scalars, ("clipopt/loss", *LOSS_NAMES), ("/loss", "train_loss")),
-        "lr": _tag(scalars, ("clipopt/lr", *LR_NAMES), ("/learning_rate", "/lr")),
-        **{key: _tag(scalars, (f"clipopt/{key}",), ()) for key in _CLIPOPT_TAGS},
+        "loss": choose("loss", tags, names.loss, name, "scalar tag"),
+        "lr": pick("lr", tags),
+        **{key: f"clipopt/{key}" if f"clipopt/{key}" in scalars else None for key in _CLIPOPT_TAGS},
     }
     records: dict[int, dict[str, float]] = {}
     for key, tag in wanted.items():
@@ -650,12 +719,16 @@ def _read_tensorboard(name: str) -> GradLog:
     layers, groups = _tensorboard_layers_and_groups(scalars)
     log = _from_records(name, "TensorBoard", records, layers, groups)
     log.norm_column, log.loss_column = norm_tag, wanted["loss"]
+    log.ignored = [t for t in tags if t not in wanted.values() and not _layer_or_group_tag(t)]
     log.has_clipping = wanted["clipped"] is not None
     return log
 
 
 def _tensorboard_scalars(name: str) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar of every run under ``name``: tag -> ``(step, value)`` events; needs tensorboard."""
+    """Every scalar of the run in ``name``: tag -> ``(step, value)`` events; needs tensorboard.
+
+    The tags of a folder below it (``add_scalars`` writes one per key, e.g. ``Loss_train``) are
+    named ``<folder>/<tag>``, so that two keys of one tag are never merged."""
     try:
         from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
     except ImportError:
@@ -668,23 +741,22 @@ def _tensorboard_scalars(name: str) -> dict[str, list[tuple[int, float]]]:
     mux.Reload()
     scalars: dict[str, list[tuple[int, float]]] = {}
     for run, tags in mux.Runs().items():
+        prefix = "" if run == "." else run.replace(os.sep, "/") + "/"
         for tag in tags.get("scalars", []):
-            scalars.setdefault(tag, []).extend((e.step, float(e.value)) for e in mux.Scalars(run, tag))
+            scalars.setdefault(prefix + tag, []).extend(
+                (e.step, float(e.value)) for e in mux.Scalars(run, tag)
+            )
     return scalars
 
 
-def _norm_tag(name: str, scalars: dict[str, list[tuple[int, float]]]) -> str:
-    """The total-norm tag (clipopt's, a name ending in total_norm or grad_norm, or Lightning's)."""
-    norm_tag = _tag(scalars, ("clipopt/total_norm", *NORM_NAMES), ("total_norm", "grad_norm"))
-    if norm_tag is None:  # Lightning's TensorBoardLogger with its grad_norm() utility
-        norm_tag = next((t for t in sorted(scalars) if _LIGHTNING_TOTAL.fullmatch(t)), None)
-    if norm_tag is None:
-        shown = ", ".join(sorted(scalars)[:12]) or "none"
-        raise ValueError(
-            f"{name} has no gradient-norm scalar; expected a tag ending in total_norm or grad_norm "
-            f"(e.g. train/grad_norm); its scalar tags: {shown}"
-        )
-    return norm_tag
+def _layer_or_group_tag(tag: str) -> bool:
+    """A per-layer (clipopt's or Lightning's) or per-group (clipopt's) tag."""
+    parts = tag.split("/")
+    return (
+        _GROUP_TAG.fullmatch(tag) is not None
+        or _LIGHTNING_LAYER.fullmatch(tag) is not None
+        or (len(parts) >= 4 and parts[:2] == ["clipopt", "layers"] and parts[-1] in LAYER_FIELDS)
+    )
 
 
 def _tensorboard_layers_and_groups(
@@ -707,15 +779,3 @@ def _tensorboard_layers_and_groups(
             for step, value in events:
                 per.setdefault(step, {})["grad_norm"] = value
     return layers, groups
-
-
-def _tag(scalars: dict[str, Any], exact: tuple[str, ...], endings: tuple[str, ...]) -> str | None:
-    """The first ``exact`` tag present, else the first (sorted) training tag ending in one of ``endings``."""
-    for t in exact:
-        if t in scalars:
-            return t
-    for t in sorted(scalars):
-        low = t.lower()
-        if any(low.endswith(e) for e in endings) and "layers/" not in low and not low.startswith(_NOT_TRAIN):
-            return t
-    return None

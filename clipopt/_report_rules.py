@@ -224,7 +224,8 @@ def _start(x: Tensor) -> float:
 def analyze(log: GradLog) -> dict[str, Any]:
     """The verdict, its findings, the suggested ``max_norm``, the clipping assessment and a summary.
 
-    Keys: ``file``, ``source``, ``verdict`` (one of :data:`VERDICTS`),
+    Keys: ``file``, ``source``, ``run`` (the TensorBoard run, or None), ``columns`` (the names read as
+    ``norm`` and ``loss``, and those ``ignored``), ``verdict`` (one of :data:`VERDICTS`),
     ``findings`` (most severe first; each ``kind`` -- ``blowup``, ``growth``,
     ``nonfinite``, ``spikes``, ``loss_spikes`` or ``vanishing`` --,
     ``verdict``, ``step``, ``layer``, ``evidence``, ``values``),
@@ -254,6 +255,8 @@ def analyze(log: GradLog) -> dict[str, Any]:
     return {
         "file": log.path,
         "source": log.source,
+        "run": log.run,
+        "columns": {"norm": log.norm_column, "loss": log.loss_column, "ignored": list(log.ignored)},
         "verdict": verdict,
         "findings": findings,
         "suggested_max_norm": suggested,

@@ -29,8 +29,12 @@ def _xy(n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(1, keepdim=True)
 
 
-def test_trainer_state_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A tiny transformers.Trainer run: grad_norm, loss and learning_rate of log_history are read per step."""
+#: The log_history keys the report reads (step, norm, loss, lr); the others are listed as ignored.
+READ_KEYS = ("step", "grad_norm", "loss", "learning_rate")
+
+
+def _trainer_state(out: Path, max_steps: int, logging_steps: int) -> Path:
+    """The trainer_state.json of a tiny transformers.Trainer run (Linear(8, 1), MSE, max_grad_norm 1.0)."""
     transformers = pytest.importorskip("transformers")
     x, y = _xy()
 
@@ -51,10 +55,10 @@ def test_trainer_state_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
             return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
 
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=20,
+        output_dir=str(out),
+        max_steps=max_steps,
         per_device_train_batch_size=8,
-        logging_steps=1,
+        logging_steps=logging_steps,
         max_grad_norm=1.0,
         report_to=[],
         save_strategy="no",
@@ -65,7 +69,12 @@ def test_trainer_state_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     trainer = transformers.Trainer(model=Model(), args=args, train_dataset=Data())
     trainer.train()
     trainer.save_state()
-    path = tmp_path / "out" / "trainer_state.json"
+    return out / "trainer_state.json"
+
+
+def test_trainer_state_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tiny transformers.Trainer run: grad_norm, loss and learning_rate of log_history are read per step."""
+    path = _trainer_state(tmp_path / "out", max_steps=20, logging_steps=1)
     history = [e for e in json.loads(path.read_text())["log_history"] if "grad_norm" in e]
     log = read_log(path)
     assert list(log.steps) == [e["step"] for e in history]
@@ -77,6 +86,28 @@ def test_trainer_state_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert main(["report", str(path)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("verdict: healthy") and "Trainer trainer_state.json" in out
+    assert f"file: {path} (Trainer trainer_state.json; 20 updates, steps 1-20)" in out.splitlines()
+
+
+def test_trainer_state_logged_every_few_updates_counts_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Trainer run of 60 updates with logging_steps=10 logs 6 rows: the report says "6 rows logged at
+    steps 10-60", not "6 updates" (issue #22: 60 logged rows were called 60 updates)."""
+    path = _trainer_state(tmp_path / "out", max_steps=60, logging_steps=10)
+    history = json.loads(path.read_text())["log_history"]
+    assert [e["step"] for e in history if "grad_norm" in e] == list(range(10, 61, 10))
+    others = [k for k in dict.fromkeys(k for e in history for k in e) if k not in READ_KEYS]
+    capsys.readouterr()
+    assert main(["report", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == f"file: {path} (Trainer trainer_state.json; 6 rows logged at steps 10-60)"
+    assert "updates" not in "\n".join(lines[lines.index("Summary:") :])
+    assert lines[lines.index("Summary:") + 1].split() == ["logged", "rows", "6"]
+    assert "train_runtime" in others and "train_loss" in others  # the Trainer's closing entry
+    assert lines[2] == (
+        f"log_history keys read: grad_norm as the norm, loss as the loss; ignored: {', '.join(others)}"
+    )
 
 
 def _lightning_fit(logger: Any, nan_at_step: int | None = None) -> None:
