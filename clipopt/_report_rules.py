@@ -85,6 +85,14 @@ below :data:`VANISH_RELATIVE` times the median over layers, or whose median
 ``grad_norm / param_norm`` is below :data:`VANISH_TO_PARAM`.  Step: its first
 per-layer row below.  Why: in a deep saturating net the first layers' gradients
 are orders of magnitude below the last ones' while the total norm looks calm.
+*A gradient zero by construction is not vanishing*: a parameter whose median
+gradient norm is also below :data:`VANISH_RELATIVE` times that of another
+parameter of its module (the name up to its last dot: ``0.bias`` and
+``0.weight``) gets a note instead -- the gradient reaches that module, so
+nothing vanished on the way; gradients that vanish shrink a module's weight and
+bias together.  A convolution's bias followed by a BatchNorm is one: the
+normalisation subtracts the batch mean, so the bias gets no gradient while the
+run learns (the Conv+BatchNorm run of the corpus).
 
 ``healthy`` -- none of the above.
 
@@ -298,7 +306,7 @@ def _nonfinite_findings(
 def _layer_findings(log: GradLog, notes: list[str]) -> list[dict[str, Any]]:
     """The ``vanishing`` findings from the per-layer rows, or a note on why they were not checked."""
     if log.layer_rows:
-        return _vanishing(log)
+        return _vanishing(log, notes)
     if log.layers:
         notes.append("the per-layer columns are empty in every row: vanishing gradients were not checked")
     else:
@@ -796,14 +804,55 @@ def _most_unusual_layer(log: GradLog, row: int) -> str | None:
 # ---------------------------------------------------------------------------- vanishing
 
 
-def _vanishing(log: GradLog) -> list[dict[str, Any]]:
-    """One ``vanishing`` finding per layer whose gradients are far below the others' or its weights'."""
+def _vanishing(log: GradLog, notes: list[str]) -> list[dict[str, Any]]:
+    """One ``vanishing`` finding per layer whose gradients are far below the others' or its weights', but
+    for the parameters whose gradient is zero by construction (:func:`_zero_by_construction`): a note."""
     medians, ratios = _layer_medians(log)
     if not medians:
         return []
     reference = _median(torch.tensor(list(medians.values()), dtype=torch.float64))
-    found = (_vanishing_finding(log, name, med, ratios[name], reference) for name, med in medians.items())
-    return [f for f in found if f is not None]
+    findings, by_construction = [], []
+    for name, med in medians.items():
+        found = _vanishing_finding(log, name, med, ratios[name], reference)
+        if found is None:
+            continue
+        sibling = _zero_by_construction(name, medians)
+        if sibling is None:
+            findings.append(found)
+        else:
+            by_construction.append(f"{name} (median {_num(med)}; {sibling} {_num(medians[sibling])})")
+    if by_construction:
+        notes.append(
+            f"{len(by_construction)} parameter(s) with a gradient far below that of another parameter of "
+            f"the same module: {', '.join(by_construction[:10])}{', ...' if len(by_construction) > 10 else ''}; the gradient reaches that module, so this is "
+            "not vanishing but a gradient that is zero by construction (e.g. a bias followed by a "
+            "normalisation, which removes the mean)"
+        )
+    return findings
+
+
+def _module_of(name: str) -> str | None:
+    """The module a parameter belongs to: its name up to the last dot (None: no dot)."""
+    return name.rpartition(".")[0] or None
+
+
+def _zero_by_construction(name: str, medians: dict[str, float]) -> str | None:
+    """Another parameter of ``name``'s module whose median gradient norm is at least 1 / VANISH_RELATIVE
+    times ``name``'s (the largest such), or None.
+
+    Why: gradients vanish layer by layer, so a module's weight and bias shrink
+    together (the deep-sigmoid run of the corpus: within 6x of each other,
+    both 1e-12); a bias whose gradient is 1e-7 of its own module's weight's is
+    cancelled by what follows it -- a BatchNorm subtracts the batch mean, so a
+    convolution's bias before it gets no gradient at all -- and the layers
+    around it learn."""
+    module = _module_of(name)
+    if module is None:
+        return None
+    mine = medians[name]
+    others = [(m, n) for n, m in medians.items() if n != name and _module_of(n) == module]
+    best = max(others, default=None)
+    return best[1] if best is not None and mine < VANISH_RELATIVE * best[0] else None
 
 
 def _layer_medians(log: GradLog) -> tuple[dict[str, float], dict[str, Tensor]]:

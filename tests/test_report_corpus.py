@@ -50,6 +50,7 @@ def train(
     scaler: torch.amp.GradScaler | None = None,
     warmup: int = 0,
     data: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.nn.functional.mse_loss,
 ) -> list[float]:
     """Train and log to ``path``; return the losses."""
     torch.manual_seed(0)
@@ -70,7 +71,7 @@ def train(
         if corrupt is not None:
             x, y = corrupt(step, x, y)
         with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
-            loss = torch.nn.functional.mse_loss(net(x).float(), y)
+            loss = loss_fn(net(x).float(), y)
         (scaler.scale(loss) if scaler is not None else loss).backward()
         if nan_at is not None and step == nan_at[0]:
             dict(net.named_parameters())[nan_at[1]].grad.view(-1)[0] = math.nan
@@ -109,6 +110,30 @@ def _linear() -> torch.nn.Module:
 def _deep_sigmoid() -> torch.nn.Module:
     torch.manual_seed(0)
     return _mlp(depth=14, width=16, act=torch.nn.Sigmoid)
+
+
+def _conv_batchnorm() -> torch.nn.Module:
+    """Two Conv2d (with biases) each followed by BatchNorm2d and ReLU, then a linear read-out: the conv
+    biases get no gradient (BatchNorm subtracts the batch mean of each channel)."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 8 * 8, 4),
+    )
+
+
+def _quadrant_images(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """8x8 noise images; the class is the quadrant with the largest mean (4 classes)."""
+    x = torch.randn(32, 1, 8, 8, generator=torch.Generator().manual_seed(step))
+    quadrants = x.view(32, 2, 4, 2, 4).mean((2, 4)).flatten(1)
+    return x, quadrants.argmax(1)
 
 
 #: name -> (train kwargs, expected verdict, expected step or None, expected layer or None)
@@ -192,6 +217,17 @@ CORPUS: dict[str, tuple[dict[str, Any], str, int | None, str | None]] = {
         None,
         None,
     ),
+    "healthy-conv-batchnorm": (
+        {
+            "make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+            "model": _conv_batchnorm(),
+            "data": _quadrant_images,
+            "loss_fn": torch.nn.functional.cross_entropy,
+        },
+        "healthy",
+        None,
+        None,
+    ),
     "vanishing-deep-sigmoid": (
         {"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.05), "model": _deep_sigmoid()},
         "vanishing",
@@ -255,6 +291,36 @@ def test_labels_of_growth_and_overflow_runs_are_true(corpus: dict[str, tuple[Pat
     assert set(log.reason.values()) == {"overflow"} and len(log.reason) >= 3
     losses = corpus["gradscaler-overflows"][1]
     assert sum(losses[-20:]) / 20 < losses[0]
+
+
+def test_conv_batchnorm_run_learns_and_its_conv_biases_get_no_gradient(
+    corpus: dict[str, tuple[Path, list[float]]],
+) -> None:
+    """The label of the Conv+BatchNorm run is true -- it learns (the loss falls to under half its start)
+    and the conv biases' gradient norms are below 1e-5 of their weights' in every per-layer row (zero
+    by construction) -- and the report says so in a note while its verdict stays healthy."""
+    path, losses = corpus["healthy-conv-batchnorm"]
+    assert sum(losses[-20:]) / 20 < 0.5 * sum(losses[:3]) / 3
+    log = read_log(path)
+    assert len(log.layer_rows) >= 10
+    for conv in ("0", "3"):
+        bias, weight = log.layers[f"{conv}.bias"]["grad_norm"], log.layers[f"{conv}.weight"]["grad_norm"]
+        assert all(b < 1e-5 * w for b, w in zip(bias, weight, strict=True))
+    report = analyze(log)
+    assert report["verdict"] == "healthy" and not report["findings"]
+    note = next(n for n in report["notes"] if "zero by construction" in n)
+    assert note.startswith("2 parameter(s) with a gradient far below that of another parameter of the same module: 0.bias (median ")
+    assert "; 0.weight " in note and "3.bias (median " in note and "; 3.weight " in note
+
+
+def test_vanishing_is_not_taken_for_zero_by_construction(corpus: dict[str, tuple[Path, list[float]]]) -> None:
+    """In the deep-sigmoid run, weight and bias of each vanishing layer shrink together (within 10x of
+    each other in every module), so every vanishing finding stays, none becomes a note."""
+    log = read_log(corpus["vanishing-deep-sigmoid"][0])
+    report = analyze(log)
+    layers = [f["layer"] for f in report["findings"] if f["kind"] == "vanishing"]
+    assert layers[:2] == ["0.weight", "0.bias"] and len(layers) >= 10
+    assert not any("zero by construction" in n for n in report["notes"])
 
 
 def test_cli_json_and_text_on_a_corpus_run(
