@@ -112,7 +112,9 @@ suggestion).  Further values for reference: AutoClip's
 :data:`AUTOCLIP_PERCENTILE`-th percentile (Seetharaman et al. 2020), Pascanu et
 al.'s range of :data:`PASCANU_LOW`-:data:`PASCANU_HIGH` times the mean norm
 (2013), and a static ZClip bound, mean + :data:`ZCLIP_Z` standard deviations
-(Kumar et al. 2025).
+(Kumar et al. 2025), of all the finite norms -- or, when the run exploded, of
+the healthy stretch the suggestion came from: the blow-up's norms (1e16 and
+more in the corpus's exploding runs) would only measure how far it went.
 """
 
 from __future__ import annotations
@@ -258,7 +260,9 @@ def analyze(log: GradLog) -> dict[str, Any]:
     notes += _run_notes(log, n_overflow, handled)
     end = min(onset, first_bad) if explosions else n
     spike_rows = set(spikes["values"]["rows"]) if spikes is not None else set()
-    suggested = _suggest_for(norm, finite, end, spike_rows, verdict)
+    stretch, stretch_end = _stretch_for(norm, finite, end, spike_rows, verdict)
+    suggested = _suggest(stretch, exploding=verdict == "exploding")
+    references = _references(log, norm, stretch, stretch_end) if verdict == "exploding" else None
     return {
         "file": log.path,
         "source": log.source,
@@ -266,7 +270,7 @@ def analyze(log: GradLog) -> dict[str, Any]:
         "findings": findings,
         "suggested_max_norm": suggested,
         "clipping": _clipping(log, verdict, findings, suggested),
-        "suggestions": _suggestions(norm[finite]),
+        "suggestions": _suggestions(norm[finite]) if references is None else references,
         "summary": _summary(log, norm, loss, finite, n_overflow, len(handled)),
         "notes": notes,
     }
@@ -822,11 +826,12 @@ def _vanishing(log: GradLog, notes: list[str]) -> list[dict[str, Any]]:
         else:
             by_construction.append(f"{name} (median {_num(med)}; {sibling} {_num(medians[sibling])})")
     if by_construction:
+        listed = ", ".join(by_construction[:10]) + (", ..." if len(by_construction) > 10 else "")
         notes.append(
             f"{len(by_construction)} parameter(s) with a gradient far below that of another parameter of "
-            f"the same module: {', '.join(by_construction[:10])}{', ...' if len(by_construction) > 10 else ''}; the gradient reaches that module, so this is "
-            "not vanishing but a gradient that is zero by construction (e.g. a bias followed by a "
-            "normalisation, which removes the mean)"
+            f"the same module: {listed}; the gradient reaches that module, so this is not vanishing but a "
+            "gradient that is zero by construction (e.g. a bias followed by a normalisation, which "
+            "removes the mean)"
         )
     return findings
 
@@ -927,18 +932,19 @@ def _healthy_stretch(norm: Tensor, end: int, spike_rows: set[int]) -> Tensor:
     return x
 
 
-def _suggest_for(norm: Tensor, finite: Tensor, end: int, spike_rows: set[int], verdict: str) -> float | None:
-    """The suggested ``max_norm`` from the healthy stretch before row ``end`` (spikes left out).
+def _stretch_for(
+    norm: Tensor, finite: Tensor, end: int, spike_rows: set[int], verdict: str
+) -> tuple[Tensor, int]:
+    """The healthy stretch's norms before row ``end`` (spikes left out), and the row where it ends.
 
     When the run exploded, the stretch ends where the norms first left their
     start's order (:data:`GROWTH_ONSET_RATIO` x the start), if that is earlier."""
-    exploding = verdict == "exploding"
-    if exploding:
+    if verdict == "exploding":
         start = norm[finite][:START_ROWS]
         if start.numel():
             above = (norm[:end] > GROWTH_ONSET_RATIO * _median(start)).nonzero().flatten()
             end = int(above[0]) if above.numel() else end
-    return _suggest(_healthy_stretch(norm, end, spike_rows), exploding=exploding)
+    return _healthy_stretch(norm, end, spike_rows), end
 
 
 def _suggest(stretch: Tensor, *, exploding: bool) -> float | None:
@@ -1010,8 +1016,21 @@ def _unclipped_bad(log: GradLog, findings: list[dict[str, Any]]) -> bool:
     return any(r is not None and not log.clipped[r] and math.isfinite(log.total_norm[r]) for r in bad_rows)
 
 
-def _suggestions(norms: Tensor) -> list[dict[str, Any]]:
-    """The reference values: AutoClip's percentile, Pascanu et al.'s range, a static ZClip bound."""
+def _references(log: GradLog, norm: Tensor, stretch: Tensor, end: int) -> list[dict[str, Any]]:
+    """The reference values of an exploded run: from its healthy stretch ``stretch`` (the norms before
+    row ``end``, or the first START_ROWS norms when none is), not from the blow-up's norms."""
+    head = norm[:end]
+    if end < len(log) and bool((torch.isfinite(head) & (head > 0)).any()):
+        where = f" before step {log.steps[end]}"
+    else:
+        where = "" if end >= len(log) else " at the start"
+    return _suggestions(stretch, where)
+
+
+def _suggestions(norms: Tensor, where: str = "") -> list[dict[str, Any]]:
+    """The reference values: AutoClip's percentile, Pascanu et al.'s range, a static ZClip bound.
+
+    ``where`` (`` before step 5``): which rows ``norms`` are, when not all the finite norms."""
     if norms.numel() == 0:
         return []
     scale = float(norms.abs().max()) or 1.0
@@ -1019,24 +1038,26 @@ def _suggestions(norms: Tensor) -> list[dict[str, Any]]:
     mean = float(scaled.mean()) * scale
     std = float(scaled.std(unbiased=False)) * scale
     n = int(norms.numel())
+    of = f"the {n} finite norms{where}"
+    mean_of = where
     return [
         {
             "name": "autoclip",
-            "rule": f"the {AUTOCLIP_PERCENTILE:g}th percentile of the {n} finite norms (AutoClip, Seetharaman et al. 2020)",  # noqa: E501
+            "rule": f"the {AUTOCLIP_PERCENTILE:g}th percentile of {of} (AutoClip, Seetharaman et al. 2020)",
             "value": percentile(norms, AUTOCLIP_PERCENTILE),
             "low": None,
             "high": None,
         },
         {
             "name": "pascanu",
-            "rule": f"{PASCANU_LOW:g} to {PASCANU_HIGH:g} times the mean norm {_num(mean)} (Pascanu et al. 2013)",  # noqa: E501
+            "rule": f"{PASCANU_LOW:g} to {PASCANU_HIGH:g} times the mean norm {_num(mean)}{mean_of} (Pascanu et al. 2013)",  # noqa: E501
             "value": None,
             "low": PASCANU_LOW * mean,
             "high": PASCANU_HIGH * mean,
         },
         {
             "name": "zclip",
-            "rule": f"mean {_num(mean)} + {ZCLIP_Z:g} x std {_num(std)} (a static ZClip bound, Kumar et al. 2025)",  # noqa: E501
+            "rule": f"mean {_num(mean)} + {ZCLIP_Z:g} x std {_num(std)}{mean_of} (a static ZClip bound, Kumar et al. 2025)",  # noqa: E501
             "value": mean + ZCLIP_Z * std if math.isfinite(mean + ZCLIP_Z * std) else math.inf,
             "low": None,
             "high": None,
