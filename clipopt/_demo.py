@@ -26,13 +26,16 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._logging import CSVLogger
 from ._optimizer import ClippedOptimizer
-from ._text import json_safe, whole_number
+from ._text import fmt_num, json_safe, whole_number
+
+if TYPE_CHECKING:
+    from ._report_read import GradLog
 
 __all__ = ["DemoConfig", "DemoResult", "RunResult", "run_demo"]
 
@@ -50,7 +53,6 @@ class DemoConfig:
     batch: int = 32
     seq_len: int = 32
     layer_stats: int = 25
-    blowup_factor: float = 10.0  #: "blew up": loss above this many times its start, or non-finite
 
 
 @dataclass
@@ -59,7 +61,9 @@ class RunResult:
 
     name: str
     losses: list[float] = field(default_factory=list)  #: training loss per update (nan once non-finite)
-    blew_up_at: int | None = None  #: first update whose loss was non-finite or > blowup_factor x start
+    #: the update (= the log's step) where ``clipopt report`` puts the explosion's onset; None: not exploding
+    blew_up_at: int | None = None
+    blew_up_loss: float = math.nan  #: the loss logged at that update
     heldout_loss: float = math.nan  #: cross-entropy on held-out text after training, nats per character
     updates: int = 0
     clipped: int = 0
@@ -211,7 +215,6 @@ def _train(
     result = RunResult(name)
     bar = _progress(cfg.steps, name, progress)
     start = time.perf_counter()
-    first = math.nan
     for step in range(1, cfg.steps + 1):
         x, y = next(batches)
         loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
@@ -220,10 +223,6 @@ def _train(
         opt.zero_grad()
         value = float(loss.detach())
         result.losses.append(value)
-        if step == 1:
-            first = value
-        if result.blew_up_at is None and (not math.isfinite(value) or value > cfg.blowup_factor * first):
-            result.blew_up_at = step
         if bar is not None:
             bar.update(1)
             bar.set_postfix_str(f"loss {value:.3g}")
@@ -297,6 +296,7 @@ def _write_reports(demo: DemoResult, out: Path) -> None:
         log = read_log(out / f"{stem}.csv")
         report = analyze(log)
         run.verdict = str(report["verdict"])
+        _take_onset(run, log, report)
         logs[stem] = (log, report)
         reports[stem] = report
         texts.append(f"== {run.name} ({stem}.csv) ==\n{format_report(report)}")
@@ -312,6 +312,18 @@ def _write_reports(demo: DemoResult, out: Path) -> None:
         demo.files.append(str(out / "demo.png"))
     except ImportError:
         print(PLOTS_SKIPPED, file=sys.stderr)
+
+
+def _take_onset(run: RunResult, log: GradLog, report: dict[str, Any]) -> None:
+    """``run.blew_up_at`` / ``blew_up_loss``: the step and logged loss of the report's first explosion
+    finding (the demo's CSV step is its update count, from 1), so that the summary and the report name
+    the same update."""
+    onset = next((f for f in report["findings"] if f["kind"] in ("blowup", "growth")), None)
+    if onset is None:
+        run.blew_up_at, run.blew_up_loss = None, math.nan
+        return
+    run.blew_up_at = int(onset["step"])
+    run.blew_up_loss = log.loss[int(onset["values"]["row"])]
 
 
 #: What the demo says (on stderr) when matplotlib is missing.
@@ -369,7 +381,7 @@ def _comparison_rows(demo: DemoResult) -> list[tuple[str, str, str]]:
     p, c = demo.plain, demo.clipped
     return [
         ("", "plain torch.optim.SGD", f"ClippedOptimizer(max_norm={demo.config.max_norm:g})"),
-        ("blew up (loss > 10x start or non-finite)", _blew_up_text(p), _blew_up_text(c)),
+        ("blew up (onset, as clipopt report finds it)", _blew_up_text(p), _blew_up_text(c)),
         ("final training loss (mean of last 20)", _fmt(_tail_mean(p.losses)), _fmt(_tail_mean(c.losses))),
         ("held-out loss, nats/char", _fmt(p.heldout_loss), _fmt(c.heldout_loss)),
         ("largest gradient norm (finite)", _fmt(p.max_grad_norm, 1), _fmt(c.max_grad_norm, 1)),
@@ -384,11 +396,10 @@ def _comparison_rows(demo: DemoResult) -> list[tuple[str, str, str]]:
 
 
 def _blew_up_text(r: RunResult) -> str:
-    """``at update 6 (loss 46.4)``, or ``no``."""
+    """``at update 5 (loss 35.87)`` (the loss as the report writes it), or ``no``."""
     if r.blew_up_at is None:
         return "no"
-    loss = r.losses[r.blew_up_at - 1]
-    return f"at update {r.blew_up_at} (loss {_fmt(loss, 1)})"
+    return f"at update {r.blew_up_at} (loss {fmt_num(r.blew_up_loss)})"
 
 
 def _conclusion_lines(demo: DemoResult) -> list[str]:

@@ -10,29 +10,39 @@ from typing import Any
 from ._report_read import GradLog
 from ._text import fmt_num as _num
 
-__all__ = ["plot_log"]
+__all__ = ["plot_log", "short_names"]
 
 _INSTALL = (
     "drawing the plot needs matplotlib, which is not installed; install it with: pip install 'clipopt[plot]'"
 )
 #: At most this many layer names are written along the heatmap (every k-th otherwise).
 _MAX_LABELS = 30
+#: The heatmap's row labels are at most this many characters (:func:`short_names`).
+_LABEL_WIDTH = 28
 
 
-def plot_log(log: GradLog, report: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+def plot_log(log: GradLog, report: Mapping[str, Any], path: str | os.PathLike[str]) -> Any:
     """Draw the total norm, the loss (when logged) and the per-layer heatmap (when logged); save to ``path``.
 
     Panel 1: the pre-clip total norm per step on a log scale, the ``max_norm``
     used, the suggested ``max_norm``, clipped updates (dots), spikes (circles),
-    skipped or non-finite updates (red crosses along the top) and the onset of
-    an explosion (a vertical line).  Panel 2, with a loss: the loss per step
-    (log scale when it is positive), non-finite losses as red crosses.  Panel 3,
-    with per-layer rows: ``log10(grad_norm)`` per layer and per-layer row, each
-    cell spanning the steps since the previous per-layer row, non-finite cells
-    crossed out, its colour bar beside it.  Uses ``matplotlib.figure.Figure``
-    with the Agg canvas: pyplot and the process's backend are left alone.
+    updates skipped with a finite norm (red crosses on the line), updates with a
+    non-finite norm (crosses along the top inside the panel: red where the log
+    says they were skipped, black for the others -- "applied" in clipopt's logs,
+    which record every skip, plain "non-finite" in logs that record none) and
+    the onset of an explosion (a vertical line).  Panel 2,
+    with a loss: the loss per step (log scale when it is positive), non-finite
+    losses as red crosses along the top.  Panel 3, with per-layer rows:
+    ``log10(grad_norm)`` per layer and per-layer row, each cell spanning the
+    steps since the previous per-layer row, non-finite cells crossed out, its
+    colour bar beside it; the rows are named by the parameters' names, shortened
+    (:func:`short_names`) so that the parts that tell them apart stay.  The
+    x axis spans every logged step, the non-finite ones too.  Uses
+    ``matplotlib.figure.Figure`` with the Agg canvas: pyplot and the process's
+    backend are left alone.
 
-    Raises :class:`ImportError` with an install hint when matplotlib is missing.
+    Returns the ``Figure`` (drawn and saved).  Raises :class:`ImportError`
+    with an install hint when matplotlib is missing.
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -55,9 +65,11 @@ def plot_log(log: GradLog, report: Mapping[str, Any], path: str | os.PathLike[st
     if heat:
         _heatmap(axes[-1], log, names)
     axes[-1].set_xlabel("update (step)")
+    axes[0].set_xlim(*_step_range(log))  # the panels share it
     for a in axes:
         a.tick_params(labelsize=9)
     fig.savefig(os.fspath(path), dpi=110)
+    return fig
 
 
 def _legend(ax: Any) -> None:
@@ -80,14 +92,46 @@ def _norm_panel(ax: Any, log: GradLog, report: Mapping[str, Any]) -> None:
     bounds = _max_norm_line(ax, log)
     _suggested_line(ax, report)
     _onset_line(ax, report)
-    bad = [log.steps[i] for i in range(len(log)) if log.skipped[i] or not math.isfinite(log.total_norm[i])]
-    if bad:
-        _top_crosses(ax, bad, 0.97, f"skipped / non-finite ({len(bad)})", zorder=5)
+    _skip_marks(ax, log)
     if good or bounds:
         ax.set_yscale("log")
     ax.set_ylabel("gradient norm")
     ax.grid(True, which="major", alpha=0.3)
     _legend(ax)
+
+
+def _step_range(log: GradLog) -> tuple[float, float]:
+    """The x limits: every logged step, with a margin of 1 % of the span (at least half a step)."""
+    lo, hi = min(log.steps), max(log.steps)
+    pad = max(0.5, 0.01 * (hi - lo))
+    return lo - pad, hi + pad
+
+
+def _skip_marks(ax: Any, log: GradLog) -> None:
+    """Skipped updates with a finite norm: red crosses on the line.  Non-finite norms: crosses along the
+    top, red for those the log marks skipped, black for the others (applied, or not recorded)."""
+    finite = [math.isfinite(x) and x > 0 for x in log.total_norm]
+    skipped = [i for i in range(len(log)) if log.skipped[i] and finite[i]]
+    if skipped:
+        ax.scatter(
+            [log.steps[i] for i in skipped],
+            [log.total_norm[i] for i in skipped],
+            marker="x",
+            s=30,
+            color="tab:red",
+            zorder=5,
+            label=f"skipped ({len(skipped)})",
+        )
+    bad = [i for i, x in enumerate(log.total_norm) if not math.isfinite(x)]
+    bad_skipped = [log.steps[i] for i in bad if log.skipped[i]]
+    bad_kept = [log.steps[i] for i in bad if not log.skipped[i]]
+    if bad_skipped:
+        _top_crosses(ax, bad_skipped, 0.96, f"non-finite, skipped ({len(bad_skipped)})", zorder=5)
+    if bad_kept:  # clipopt's logs record every skip: the others were applied; other logs record none
+        label = (
+            f"non-finite, applied ({len(bad_kept)})" if log.has_clipping else f"non-finite ({len(bad_kept)})"
+        )
+        _top_crosses(ax, bad_kept, 0.92, label, zorder=5, color="black")
 
 
 def _clipped_dots(ax: Any, log: GradLog, good: list[int]) -> None:
@@ -152,8 +196,8 @@ def _onset_line(ax: Any, report: Mapping[str, Any]) -> None:
 
 
 def _top_crosses(ax: Any, steps: list[int], height: float, label: str, **kwargs: Any) -> None:
-    """Red crosses at ``steps``, at ``height`` in axes coordinates (0: bottom, 1: top): updates whose value
-    cannot be drawn."""
+    """Crosses (red unless ``color`` says otherwise) at ``steps``, at ``height`` in axes coordinates
+    (0: bottom, 1: top), inside the panel: updates whose value cannot be drawn."""
     from matplotlib.transforms import blended_transform_factory
 
     top = blended_transform_factory(ax.transData, ax.transAxes)
@@ -163,10 +207,8 @@ def _top_crosses(ax: Any, steps: list[int], height: float, label: str, **kwargs:
         transform=top,
         marker="x",
         s=30,
-        color="tab:red",
-        clip_on=False,
+        **{"color": "tab:red", **kwargs},
         label=label,
-        **kwargs,
     )
 
 
@@ -218,7 +260,8 @@ def _heatmap(ax: Any, log: GradLog, names: list[str]) -> None:
         ax.scatter(bad_x, bad_y, marker="x", s=22, color="tab:red", lw=1.5)
     every = max(1, math.ceil(len(names) / _MAX_LABELS))
     ticks = list(range(0, len(names), every))
-    ax.set_yticks(ticks, [_short(names[i]) for i in ticks], fontsize=8)
+    labels = short_names(names)
+    ax.set_yticks(ticks, [labels[i] for i in ticks], fontsize=8)
     ax.set_ylim(len(names) - 0.5, -0.5)
     crosses = "; red x: non-finite" if bad_x else ""
     ax.set_title(f"per-layer gradient norm (log10; white: not recorded{crosses})", fontsize="medium")
@@ -227,6 +270,46 @@ def _heatmap(ax: Any, log: GradLog, names: list[str]) -> None:
     fig.colorbar(mesh, cax=cax, label="log10 grad_norm")
 
 
-def _short(name: str, width: int = 28) -> str:
-    """The name, its start cut to ``...`` when longer than ``width``."""
-    return name if len(name) <= width else "..." + name[-(width - 3) :]
+def short_names(names: list[str], width: int = _LABEL_WIDTH) -> list[str]:
+    """The heatmap's row labels: each name at most ``width`` characters, its distinguishing parts kept.
+
+    A longer name keeps its last part (``weight``) and every part with a digit
+    (the indices: ``layers.0`` and ``layers.1`` stay apart), then as many of the
+    other parts as fit, nearest the end first; each run of parts left out is
+    ``…``.  ``model.layers.10.self_attn.q_proj.weight`` becomes
+    ``…10.self_attn.q_proj.weight``.  When even the kept parts do not fit, their
+    end is kept.  Labels that would still coincide are the names' ends."""
+    labels = [_short(name, width) for name in names]
+    seen: dict[str, int] = {}
+    for label in labels:
+        seen[label] = seen.get(label, 0) + 1
+    return [
+        label if seen[label] == 1 or len(name) <= width else "…" + name[-(width - 1) :]
+        for name, label in zip(names, labels, strict=True)
+    ]
+
+
+def _short(name: str, width: int) -> str:
+    """``name`` within ``width`` characters (see :func:`short_names`)."""
+    if len(name) <= width:
+        return name
+    parts = name.split(".")
+    keep = [i == len(parts) - 1 or any(c.isdigit() for c in part) for i, part in enumerate(parts)]
+    for i in reversed(range(len(parts))):
+        if not keep[i]:
+            keep[i] = True
+            if len(_joined(parts, keep)) > width:
+                keep[i] = False
+    text = _joined(parts, keep)
+    return text if len(text) <= width else "…" + text[-(width - 1) :]
+
+
+def _joined(parts: list[str], keep: list[bool]) -> str:
+    """The kept parts joined by dots, each run of parts left out written ``…`` (no dot beside it)."""
+    out = ""
+    for i, part in enumerate(parts):
+        if keep[i]:
+            out += ("." if out and not out.endswith("…") else "") + part
+        elif not out.endswith("…"):
+            out += "…"
+    return out

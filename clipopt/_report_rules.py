@@ -85,6 +85,14 @@ below :data:`VANISH_RELATIVE` times the median over layers, or whose median
 ``grad_norm / param_norm`` is below :data:`VANISH_TO_PARAM`.  Step: its first
 per-layer row below.  Why: in a deep saturating net the first layers' gradients
 are orders of magnitude below the last ones' while the total norm looks calm.
+*A gradient zero by construction is not vanishing*: a parameter whose median
+gradient norm is also below :data:`VANISH_RELATIVE` times that of another
+parameter of its module (the name up to its last dot: ``0.bias`` and
+``0.weight``) gets a note instead -- the gradient reaches that module, so
+nothing vanished on the way; gradients that vanish shrink a module's weight and
+bias together.  A convolution's bias followed by a BatchNorm is one: the
+normalisation subtracts the batch mean, so the bias gets no gradient while the
+run learns (the Conv+BatchNorm run of the corpus).
 
 ``healthy`` -- none of the above.
 
@@ -104,7 +112,9 @@ suggestion).  Further values for reference: AutoClip's
 :data:`AUTOCLIP_PERCENTILE`-th percentile (Seetharaman et al. 2020), Pascanu et
 al.'s range of :data:`PASCANU_LOW`-:data:`PASCANU_HIGH` times the mean norm
 (2013), and a static ZClip bound, mean + :data:`ZCLIP_Z` standard deviations
-(Kumar et al. 2025).
+(Kumar et al. 2025), of all the finite norms -- or, when the run exploded, of
+the healthy stretch the suggestion came from: the blow-up's norms (1e16 and
+more in the corpus's exploding runs) would only measure how far it went.
 """
 
 from __future__ import annotations
@@ -251,7 +261,9 @@ def analyze(log: GradLog) -> dict[str, Any]:
     notes += _run_notes(log, n_overflow, handled)
     end = min(onset, first_bad) if explosions else n
     spike_rows = set(spikes["values"]["rows"]) if spikes is not None else set()
-    suggested = _suggest_for(norm, finite, end, spike_rows, verdict)
+    stretch, stretch_end = _stretch_for(norm, finite, end, spike_rows, verdict)
+    suggested = _suggest(stretch, exploding=verdict == "exploding")
+    references = _references(log, norm, stretch, stretch_end) if verdict == "exploding" else None
     return {
         "file": log.path,
         "source": log.source,
@@ -261,7 +273,7 @@ def analyze(log: GradLog) -> dict[str, Any]:
         "findings": findings,
         "suggested_max_norm": suggested,
         "clipping": _clipping(log, verdict, findings, suggested),
-        "suggestions": _suggestions(norm[finite]),
+        "suggestions": _suggestions(norm[finite]) if references is None else references,
         "summary": _summary(log, norm, loss, finite, n_overflow, len(handled)),
         "notes": notes,
     }
@@ -301,7 +313,7 @@ def _nonfinite_findings(
 def _layer_findings(log: GradLog, notes: list[str]) -> list[dict[str, Any]]:
     """The ``vanishing`` findings from the per-layer rows, or a note on why they were not checked."""
     if log.layer_rows:
-        return _vanishing(log)
+        return _vanishing(log, notes)
     if log.layers:
         notes.append("the per-layer columns are empty in every row: vanishing gradients were not checked")
     else:
@@ -799,14 +811,56 @@ def _most_unusual_layer(log: GradLog, row: int) -> str | None:
 # ---------------------------------------------------------------------------- vanishing
 
 
-def _vanishing(log: GradLog) -> list[dict[str, Any]]:
-    """One ``vanishing`` finding per layer whose gradients are far below the others' or its weights'."""
+def _vanishing(log: GradLog, notes: list[str]) -> list[dict[str, Any]]:
+    """One ``vanishing`` finding per layer whose gradients are far below the others' or its weights', but
+    for the parameters whose gradient is zero by construction (:func:`_zero_by_construction`): a note."""
     medians, ratios = _layer_medians(log)
     if not medians:
         return []
     reference = _median(torch.tensor(list(medians.values()), dtype=torch.float64))
-    found = (_vanishing_finding(log, name, med, ratios[name], reference) for name, med in medians.items())
-    return [f for f in found if f is not None]
+    findings, by_construction = [], []
+    for name, med in medians.items():
+        found = _vanishing_finding(log, name, med, ratios[name], reference)
+        if found is None:
+            continue
+        sibling = _zero_by_construction(name, medians)
+        if sibling is None:
+            findings.append(found)
+        else:
+            by_construction.append(f"{name} (median {_num(med)}; {sibling} {_num(medians[sibling])})")
+    if by_construction:
+        listed = ", ".join(by_construction[:10]) + (", ..." if len(by_construction) > 10 else "")
+        notes.append(
+            f"{len(by_construction)} parameter(s) with a gradient far below that of another parameter of "
+            f"the same module: {listed}; the gradient reaches that module, so this is not vanishing but a "
+            "gradient that is zero by construction (e.g. a bias followed by a normalisation, which "
+            "removes the mean)"
+        )
+    return findings
+
+
+def _module_of(name: str) -> str | None:
+    """The module a parameter belongs to: its name up to the last dot (None: no dot)."""
+    return name.rpartition(".")[0] or None
+
+
+def _zero_by_construction(name: str, medians: dict[str, float]) -> str | None:
+    """Another parameter of ``name``'s module whose median gradient norm is at least 1 / VANISH_RELATIVE
+    times ``name``'s (the largest such), or None.
+
+    Why: gradients vanish layer by layer, so a module's weight and bias shrink
+    together (the deep-sigmoid run of the corpus: within 6x of each other,
+    both 1e-12); a bias whose gradient is 1e-7 of its own module's weight's is
+    cancelled by what follows it -- a BatchNorm subtracts the batch mean, so a
+    convolution's bias before it gets no gradient at all -- and the layers
+    around it learn."""
+    module = _module_of(name)
+    if module is None:
+        return None
+    mine = medians[name]
+    others = [(m, n) for n, m in medians.items() if n != name and _module_of(n) == module]
+    best = max(others, default=None)
+    return best[1] if best is not None and mine < VANISH_RELATIVE * best[0] else None
 
 
 def _layer_medians(log: GradLog) -> tuple[dict[str, float], dict[str, Tensor]]:
@@ -881,18 +935,19 @@ def _healthy_stretch(norm: Tensor, end: int, spike_rows: set[int]) -> Tensor:
     return x
 
 
-def _suggest_for(norm: Tensor, finite: Tensor, end: int, spike_rows: set[int], verdict: str) -> float | None:
-    """The suggested ``max_norm`` from the healthy stretch before row ``end`` (spikes left out).
+def _stretch_for(
+    norm: Tensor, finite: Tensor, end: int, spike_rows: set[int], verdict: str
+) -> tuple[Tensor, int]:
+    """The healthy stretch's norms before row ``end`` (spikes left out), and the row where it ends.
 
     When the run exploded, the stretch ends where the norms first left their
     start's order (:data:`GROWTH_ONSET_RATIO` x the start), if that is earlier."""
-    exploding = verdict == "exploding"
-    if exploding:
+    if verdict == "exploding":
         start = norm[finite][:START_ROWS]
         if start.numel():
             above = (norm[:end] > GROWTH_ONSET_RATIO * _median(start)).nonzero().flatten()
             end = int(above[0]) if above.numel() else end
-    return _suggest(_healthy_stretch(norm, end, spike_rows), exploding=exploding)
+    return _healthy_stretch(norm, end, spike_rows), end
 
 
 def _suggest(stretch: Tensor, *, exploding: bool) -> float | None:
@@ -964,8 +1019,21 @@ def _unclipped_bad(log: GradLog, findings: list[dict[str, Any]]) -> bool:
     return any(r is not None and not log.clipped[r] and math.isfinite(log.total_norm[r]) for r in bad_rows)
 
 
-def _suggestions(norms: Tensor) -> list[dict[str, Any]]:
-    """The reference values: AutoClip's percentile, Pascanu et al.'s range, a static ZClip bound."""
+def _references(log: GradLog, norm: Tensor, stretch: Tensor, end: int) -> list[dict[str, Any]]:
+    """The reference values of an exploded run: from its healthy stretch ``stretch`` (the norms before
+    row ``end``, or the first START_ROWS norms when none is), not from the blow-up's norms."""
+    head = norm[:end]
+    if end < len(log) and bool((torch.isfinite(head) & (head > 0)).any()):
+        where = f" before step {log.steps[end]}"
+    else:
+        where = "" if end >= len(log) else " at the start"
+    return _suggestions(stretch, where)
+
+
+def _suggestions(norms: Tensor, where: str = "") -> list[dict[str, Any]]:
+    """The reference values: AutoClip's percentile, Pascanu et al.'s range, a static ZClip bound.
+
+    ``where`` (`` before step 5``): which rows ``norms`` are, when not all the finite norms."""
     if norms.numel() == 0:
         return []
     scale = float(norms.abs().max()) or 1.0
@@ -973,24 +1041,26 @@ def _suggestions(norms: Tensor) -> list[dict[str, Any]]:
     mean = float(scaled.mean()) * scale
     std = float(scaled.std(unbiased=False)) * scale
     n = int(norms.numel())
+    of = f"the {n} finite norms{where}"
+    mean_of = where
     return [
         {
             "name": "autoclip",
-            "rule": f"the {AUTOCLIP_PERCENTILE:g}th percentile of the {n} finite norms (AutoClip, Seetharaman et al. 2020)",  # noqa: E501
+            "rule": f"the {AUTOCLIP_PERCENTILE:g}th percentile of {of} (AutoClip, Seetharaman et al. 2020)",
             "value": percentile(norms, AUTOCLIP_PERCENTILE),
             "low": None,
             "high": None,
         },
         {
             "name": "pascanu",
-            "rule": f"{PASCANU_LOW:g} to {PASCANU_HIGH:g} times the mean norm {_num(mean)} (Pascanu et al. 2013)",  # noqa: E501
+            "rule": f"{PASCANU_LOW:g} to {PASCANU_HIGH:g} times the mean norm {_num(mean)}{mean_of} (Pascanu et al. 2013)",  # noqa: E501
             "value": None,
             "low": PASCANU_LOW * mean,
             "high": PASCANU_HIGH * mean,
         },
         {
             "name": "zclip",
-            "rule": f"mean {_num(mean)} + {ZCLIP_Z:g} x std {_num(std)} (a static ZClip bound, Kumar et al. 2025)",  # noqa: E501
+            "rule": f"mean {_num(mean)} + {ZCLIP_Z:g} x std {_num(std)}{mean_of} (a static ZClip bound, Kumar et al. 2025)",  # noqa: E501
             "value": mean + ZCLIP_Z * std if math.isfinite(mean + ZCLIP_Z * std) else math.inf,
             "low": None,
             "high": None,

@@ -7,6 +7,7 @@ its truth is known by construction.  The runs are generated once per session.
 
 from __future__ import annotations
 
+import csv
 import itertools
 import json
 import math
@@ -14,10 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from clipopt import ClippedOptimizer, CSVLogger
+from clipopt import ClippedOptimizer, CSVLogger, SpikeGuard
 from clipopt._cli import main
 from clipopt._report import analyze, read_log
 
@@ -50,6 +52,9 @@ def train(
     scaler: torch.amp.GradScaler | None = None,
     warmup: int = 0,
     data: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.nn.functional.mse_loss,
+    skip_nonfinite: bool = True,
+    spike_guard: SpikeGuard | None = None,
 ) -> list[float]:
     """Train and log to ``path``; return the losses."""
     torch.manual_seed(0)
@@ -60,6 +65,8 @@ def train(
         inner,
         scaler=scaler,
         max_norm=max_norm,
+        skip_nonfinite=skip_nonfinite,
+        spike_guard=spike_guard,
         param_names=net.named_parameters(),
         layer_stats=layer_stats,
         loggers=[CSVLogger(path)],
@@ -70,7 +77,7 @@ def train(
         if corrupt is not None:
             x, y = corrupt(step, x, y)
         with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
-            loss = torch.nn.functional.mse_loss(net(x).float(), y)
+            loss = loss_fn(net(x).float(), y)
         (scaler.scale(loss) if scaler is not None else loss).backward()
         if nan_at is not None and step == nan_at[0]:
             dict(net.named_parameters())[nan_at[1]].grad.view(-1)[0] = math.nan
@@ -109,6 +116,30 @@ def _linear() -> torch.nn.Module:
 def _deep_sigmoid() -> torch.nn.Module:
     torch.manual_seed(0)
     return _mlp(depth=14, width=16, act=torch.nn.Sigmoid)
+
+
+def _conv_batchnorm() -> torch.nn.Module:
+    """Two Conv2d (with biases) each followed by BatchNorm2d and ReLU, then a linear read-out: the conv
+    biases get no gradient (BatchNorm subtracts the batch mean of each channel)."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 8 * 8, 4),
+    )
+
+
+def _quadrant_images(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """8x8 noise images; the class is the quadrant with the largest mean (4 classes)."""
+    x = torch.randn(32, 1, 8, 8, generator=torch.Generator().manual_seed(step))
+    quadrants = x.view(32, 2, 4, 2, 4).mean((2, 4)).flatten(1)
+    return x, quadrants.argmax(1)
 
 
 #: name -> (train kwargs, expected verdict, expected step or None, expected layer or None)
@@ -192,6 +223,17 @@ CORPUS: dict[str, tuple[dict[str, Any], str, int | None, str | None]] = {
         None,
         None,
     ),
+    "healthy-conv-batchnorm": (
+        {
+            "make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+            "model": _conv_batchnorm(),
+            "data": _quadrant_images,
+            "loss_fn": torch.nn.functional.cross_entropy,
+        },
+        "healthy",
+        None,
+        None,
+    ),
     "vanishing-deep-sigmoid": (
         {"make_opt": lambda m: torch.optim.SGD(m.parameters(), lr=0.05), "model": _deep_sigmoid()},
         "vanishing",
@@ -257,6 +299,63 @@ def test_labels_of_growth_and_overflow_runs_are_true(corpus: dict[str, tuple[Pat
     assert sum(losses[-20:]) / 20 < losses[0]
 
 
+def test_conv_batchnorm_run_learns_and_its_conv_biases_get_no_gradient(
+    corpus: dict[str, tuple[Path, list[float]]],
+) -> None:
+    """The label of the Conv+BatchNorm run is true -- it learns (the loss falls to under half its start)
+    and the conv biases' gradient norms are below 1e-5 of their weights' in every per-layer row (zero
+    by construction) -- and the report says so in a note while its verdict stays healthy."""
+    path, losses = corpus["healthy-conv-batchnorm"]
+    assert sum(losses[-20:]) / 20 < 0.5 * sum(losses[:3]) / 3
+    log = read_log(path)
+    assert len(log.layer_rows) >= 10
+    for conv in ("0", "3"):
+        bias, weight = log.layers[f"{conv}.bias"]["grad_norm"], log.layers[f"{conv}.weight"]["grad_norm"]
+        assert all(b < 1e-5 * w for b, w in zip(bias, weight, strict=True))
+    report = analyze(log)
+    assert report["verdict"] == "healthy" and not report["findings"]
+    note = next(n for n in report["notes"] if "zero by construction" in n)
+    assert note.startswith(
+        "2 parameter(s) with a gradient far below that of another parameter of the same module: "
+        "0.bias (median "
+    )
+    assert "; 0.weight " in note and "3.bias (median " in note and "; 3.weight " in note
+
+
+def test_vanishing_is_not_taken_for_zero_by_construction(corpus: dict[str, tuple[Path, list[float]]]) -> None:
+    """In the deep-sigmoid run, weight and bias of each vanishing layer shrink together (within 10x of
+    each other in every module), so every vanishing finding stays, none becomes a note."""
+    log = read_log(corpus["vanishing-deep-sigmoid"][0])
+    report = analyze(log)
+    layers = [f["layer"] for f in report["findings"] if f["kind"] == "vanishing"]
+    assert layers[:2] == ["0.weight", "0.bias"] and len(layers) >= 10
+    assert not any("zero by construction" in n for n in report["notes"])
+
+
+@pytest.mark.parametrize("name", ["early-blowup", "slow-growth-to-overflow"])
+def test_references_of_an_exploded_run_come_from_before_the_blow_up(
+    corpus: dict[str, tuple[Path, list[float]]], name: str
+) -> None:
+    """AutoClip's percentile, Pascanu's range and the ZClip bound of an exploded run are computed (NumPy
+    here) on the norms before the blow-up -- before the explosion's first step and the first norm above
+    10x the start (median of the first 3) -- not on norms that reach 1e16 and more; the rules say so."""
+    with corpus[name][0].open(newline="") as f:
+        norms = np.array([float(r["total_norm"]) for r in csv.DictReader(f)])
+    assert np.nanmax(norms[np.isfinite(norms)]) > 1e15  # the label is true: the norms blew up
+    report = analyze(read_log(corpus[name][0]))
+    onset = min(f["step"] for f in report["findings"] if f["kind"] in ("blowup", "growth")) - 1
+    start = float(np.median(norms[:3]))
+    end = min(onset, int(np.argmax(norms > 10 * start)))
+    stretch = norms[:end]
+    sug = {s["name"]: s for s in report["suggestions"]}
+    assert sug["autoclip"]["value"] == pytest.approx(np.percentile(stretch, 10), rel=1e-12)
+    assert sug["pascanu"]["low"] == pytest.approx(0.5 * stretch.mean(), rel=1e-12)
+    assert sug["pascanu"]["high"] == pytest.approx(10 * stretch.mean(), rel=1e-12)
+    assert sug["zclip"]["value"] == pytest.approx(stretch.mean() + 2.5 * stretch.std(), rel=1e-12)
+    assert f"of the {end} finite norms before step {end + 1} (AutoClip" in sug["autoclip"]["rule"]
+    assert f"before step {end + 1} (Pascanu" in sug["pascanu"]["rule"]
+
+
 def test_cli_json_and_text_on_a_corpus_run(
     corpus: dict[str, tuple[Path, list[float]]], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -306,6 +405,165 @@ def test_plot_has_the_loss_panel(corpus: dict[str, tuple[Path, list[float]]], tm
     heat, bar = axes[2].get_position(), colorbar.get_position()
     assert bar.x0 >= heat.x1 and axes[0].get_position().x1 == pytest.approx(heat.x1)
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _figure(log: Any, tmp_path: Path) -> Any:
+    """The figure ``plot_log`` draws for ``log`` (and saves under tmp_path), drawn once more so that the
+    positions in display coordinates are final."""
+    from clipopt._report_plot import plot_log
+
+    fig = plot_log(log, analyze(log), tmp_path / "plot.png")
+    fig.canvas.draw()
+    return fig
+
+
+def _collection(ax: Any, label: str) -> Any:
+    """The scatter of ``ax`` with that legend label (the labels there are in the failure message)."""
+    found = [c for c in ax.collections if c.get_label() == label]
+    assert len(found) == 1, [c.get_label() for c in ax.collections]
+    return found[0]
+
+
+def _inside(ax: Any, collection: Any) -> bool:
+    """Every marker of ``collection`` lies inside ``ax`` (display coordinates) and is clipped to it."""
+    points = collection.get_offset_transform().transform(collection.get_offsets())
+    box = ax.get_window_extent()
+    xs, ys = points[:, 0], points[:, 1]
+    inside = (xs >= box.x0) & (xs <= box.x1) & (ys >= box.y0) & (ys <= box.y1)
+    return bool(inside.all()) and collection.get_clip_on()
+
+
+def _legend_labels(ax: Any) -> list[str]:
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_plot_of_a_run_ending_in_skipped_nonfinite_updates(
+    corpus: dict[str, tuple[Path, list[float]]], tmp_path: Path
+) -> None:
+    """The slow-growth run ends in 33 non-finite, skipped updates (steps 168-200): the x axis spans all
+    200 steps, their crosses sit at those steps inside the norm panel (not over the legend) and the
+    legend says what they are."""
+    pytest.importorskip("matplotlib")
+    log = read_log(corpus["slow-growth-to-overflow"][0])
+    bad = [s for s, x in zip(log.steps, log.total_norm, strict=True) if not math.isfinite(x)]
+    assert bad == list(range(168, 201))  # the label is true
+    fig = _figure(log, tmp_path)
+    norm_ax, loss_ax = fig.axes
+    lo, hi = norm_ax.get_xlim()
+    assert lo <= 1 and hi >= 200 and loss_ax.get_xlim() == (lo, hi)
+    crosses = _collection(norm_ax, "non-finite, skipped (33)")
+    assert list(crosses.get_offsets()[:, 0]) == bad
+    assert _inside(norm_ax, crosses)
+    assert _legend_labels(norm_ax) == [
+        "total norm (pre-clip)",
+        f"suggested max_norm {analyze(log)['suggested_max_norm']:.4g}",
+        "explosion (step 6)",
+        "non-finite, skipped (33)",
+    ]
+    losses = _collection(loss_ax, "non-finite loss (37)")
+    assert _inside(loss_ax, losses)
+
+
+def _applied_nan_run(path: Path) -> None:
+    """A run with skipping off and a nan put into one gradient at step 120: applied, the parameters go
+    non-finite and every later norm too."""
+    train(
+        path,
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
+        nan_at=(120, "2.weight"),
+        skip_nonfinite=False,
+        layer_stats=False,
+    )
+
+
+def test_plot_does_not_call_applied_nonfinite_updates_skipped(tmp_path: Path) -> None:
+    """Non-finite updates that were applied (skip_nonfinite=False) are "non-finite, applied" in a clipopt
+    log and "non-finite" in a log with only step, norm and loss (which records no skips); never
+    "skipped".  The x axis spans every step, the crosses are inside the panel."""
+    pytest.importorskip("matplotlib")
+    _applied_nan_run(tmp_path / "applied.csv")
+    with (tmp_path / "applied.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert sum(r["skipped"] == "1" for r in rows) == 0  # the label is true: nothing skipped
+    bad = [int(r["step"]) for r in rows if not math.isfinite(float(r["total_norm"]))]
+    assert bad == list(range(120, 201))
+    with (tmp_path / "plain.csv").open("w", newline="") as f:  # a user's own logger: no skip column
+        writer = csv.writer(f)
+        writer.writerow(["step", "grad_norm", "loss"])
+        writer.writerows([r["step"], r["total_norm"], r["loss"]] for r in rows)
+    for name, label in (("applied.csv", "non-finite, applied (81)"), ("plain.csv", "non-finite (81)")):
+        norm_ax = _figure(read_log(tmp_path / name), tmp_path)
+        norm_ax = norm_ax.axes[0]
+        assert not any("skipped" in text for text in _legend_labels(norm_ax)), name
+        crosses = _collection(norm_ax, label)
+        assert list(crosses.get_offsets()[:, 0]) == bad and _inside(norm_ax, crosses)
+        lo, hi = norm_ax.get_xlim()
+        assert lo <= 1 and hi >= 200
+
+
+def test_plot_marks_skipped_spikes_on_the_line(tmp_path: Path) -> None:
+    """A SpikeGuard skips the two corrupted batches (steps 80 and 140; finite norms): they are red
+    crosses at their own norm, labelled "skipped (2)", inside the panel; nothing is drawn as non-finite."""
+    pytest.importorskip("matplotlib")
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.02)  # noqa: E731
+    train(tmp_path / "guarded.csv", sgd, corrupt=_corrupted, spike_guard=SpikeGuard(window=32))
+    log = read_log(tmp_path / "guarded.csv")
+    assert log.reason == {79: "spike", 139: "spike"}  # the label is true
+    norm_ax = _figure(log, tmp_path).axes[0]
+    crosses = _collection(norm_ax, "skipped (2)")
+    assert [list(p) for p in crosses.get_offsets()] == [[80, log.total_norm[79]], [140, log.total_norm[139]]]
+    assert _inside(norm_ax, crosses)
+    assert not any("non-finite" in text for text in _legend_labels(norm_ax))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = torch.nn.ModuleDict(
+            {"q_proj": torch.nn.Linear(8, 8), "k_proj": torch.nn.Linear(8, 8)}
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.self_attn["q_proj"](x)) * torch.sigmoid(self.self_attn["k_proj"](x))
+
+
+class _Decoder(torch.nn.Module):
+    """Parameter names as a Hugging Face decoder's: ``model.layers.<i>.self_attn.q_proj.weight``."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList(_Block() for _ in range(depth))
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.model.layers:
+            x = block(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def test_heatmap_labels_keep_the_layer_index(tmp_path: Path) -> None:
+    """The heatmap's rows of a decoder with 12 layers are labelled with the layer index and the
+    parameter kept (``…10.self_attn.q_proj.weight``), every label distinct; names that fit are whole."""
+    pytest.importorskip("matplotlib")
+    torch.manual_seed(0)
+    train(
+        tmp_path / "dec.csv",
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+        model=_Decoder(12),
+        steps=20,
+    )
+    log = read_log(tmp_path / "dec.csv")
+    heat = _figure(log, tmp_path).axes[2]
+    labels = [t.get_text() for t in heat.get_yticklabels()]
+    assert len(log.layers) == 12 * 4 + 2 and len(labels) == 25  # every 2nd of 50 names
+    names = [
+        f"…{i}.self_attn.{p}_proj.{kind}" for i in range(12) for p in "qk" for kind in ("weight", "bias")
+    ]
+    expected = [*names[::2], "head.weight"]
+    assert len(set(labels)) == 25  # layers 0 and 10 apart
+    assert labels == expected
 
 
 def _classifier_diverging_to_chance(path: Path, jump_at: int, steps: int) -> list[float]:
