@@ -10,6 +10,7 @@ returns what the optimizer then takes over.  The format is ``_state.FORMAT_VERSI
 from __future__ import annotations
 
 import copy
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -18,6 +19,7 @@ from torch.optim import Optimizer
 
 from ._distributed import Unsynced
 from ._group_options import check_groups, group_keys, kept_options
+from ._inner import inner_optimizers, inner_state_dicts
 from ._loss import LossSum
 from ._recovery import SpikeRecovery
 from ._state import (
@@ -89,7 +91,10 @@ class Checkpoint(NamedTuple):
         """Load the checked state: the inner optimizer's (the groups' current clipping options
         kept; a failure leaves it as it was), the open window's gradients into ``params``, the
         scaler's, the policy's and the recovery's; return the counters to take over."""
-        with restore_on_failure(inner), keep_group_keys(inner):
+        with ExitStack() as stack:  # several inner optimizers: all as they were if one fails
+            for o in inner_optimizers(inner):
+                stack.enter_context(restore_on_failure(o))
+                stack.enter_context(keep_group_keys(o))
             inner.load_state_dict(self.inner)
             for group, kept in zip(inner.param_groups, self.kept_options, strict=False):
                 group.update(kept)  # per-group clipping set now, absent from the checkpoint
@@ -118,9 +123,12 @@ def read_checkpoint(
     norm_group: Any = None,
 ) -> Checkpoint:
     """Validate ``state_dict`` completely (``ValueError``, touching nothing) and return its parts."""
-    wrapper = read_wrapper_state(state_dict, params, accumulation_steps)
-    validate_inner_state(state_dict, inner)
-    kept = _check_group_options(state_dict, inner, policy, norm_group)
+    parts = inner_state_dicts(state_dict, inner) if isinstance(state_dict, dict) else []
+    wrapper = read_wrapper_state(state_dict, params, accumulation_steps, [sd for sd, _ in parts])
+    kept: list[dict[str, Any]] = []
+    for part, optimizer in parts:  # one optimizer: the state dict itself
+        validate_inner_state(part, optimizer)
+        kept += _check_group_options(part, optimizer, policy, norm_group)
     policy_state = _checked_policy_state(state_dict, policy)
     _check_scaler_state(wrapper, scaler)
     ext = state_dict.get("clipopt")

@@ -167,7 +167,7 @@ class ClippedOptimizer(InnerOptimizerView):
 
     def __init__(
         self,
-        optimizer: Optimizer,
+        optimizer: Optimizer | Sequence[Optimizer],
         max_norm: float | ClipPolicy | None = 1.0,
         norm_type: float = 2.0,
         clip_value: float | None = None,
@@ -203,12 +203,12 @@ class ClippedOptimizer(InnerOptimizerView):
         self._replicas = ReplicaDecision(cfg.replica_group)
         self.backward_passes_per_step = cfg.backward_passes_per_step
         self._names = cfg.names
-        self.optimizer = optimizer
+        self._inner = cfg.inner  # the optimizer, or an _inner.InnerOptimizers over a list of several
         self.scaler = scaler
         self.foreach = foreach
         self._init_hooks()
         self._init_state(snapshot_dir)
-        self._recovery = SpikeRecovery.attach(spike_guard, rewind, self._params(), optimizer)
+        self._recovery = SpikeRecovery.attach(spike_guard, rewind, self._params(), self._inner)
         if spike_guard is not None:
             self._skip_sources.append(self._recovery)  # reason "spike"
 
@@ -260,7 +260,7 @@ class ClippedOptimizer(InnerOptimizerView):
         for name, part in (("spike_guard", self._recovery.guard), ("rewind", self._recovery.rewind)):
             if part is not None:
                 opts += f", {name}={part!r}"
-        inner = "\n".join("  " + line for line in repr(self.optimizer).splitlines())
+        inner = "\n".join("  " + line for line in repr(self._inner).splitlines())
         return f"ClippedOptimizer({opts},\n{inner}\n)"
 
     @property
@@ -272,19 +272,19 @@ class ClippedOptimizer(InnerOptimizerView):
     def max_norm(self, value: float | ClipPolicy | None) -> None:
         self._policy, self._bound = check_max_norm(value)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
+    def add_param_group(self, param_group: dict[str, Any], optimizer: int | None = None) -> None:
         """Add a parameter group to the inner optimizer; its ``max_norm`` and ``clip_value``
         (per-group clipping, SPEC §1) are checked first, so a bad one adds nothing."""
         if isinstance(param_group, dict):
             self._group_plan([*self.param_groups, param_group])
-        super().add_param_group(param_group)
+        super().add_param_group(param_group, optimizer)
 
     def _group_plan(self, groups: list[dict[str, Any]] | None = None) -> GroupPlan | None:
         """The per-group options of ``groups`` (default: the current ones), all checked; None
         when no group has one.  Read at every window: they may change like a learning rate."""
         return check_groups(
             self.param_groups if groups is None else groups,
-            self.optimizer.defaults,
+            self._inner.defaults,
             policy=self._policy,
             norm_group=self.norm_group,
             clip_value=self.clip_value,
@@ -428,7 +428,7 @@ class ClippedOptimizer(InnerOptimizerView):
         ``zero_grad()`` may be called after every micro-batch.
         """
         if self._counters.micro_batches == 0:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
+            self._inner.zero_grad(set_to_none=set_to_none)
 
     @contextmanager
     def no_sync(self, model: torch.nn.Module, *, sync: bool | None = None) -> Iterator[None]:
@@ -543,7 +543,7 @@ class ClippedOptimizer(InnerOptimizerView):
         s = WindowSettings.read(self, n, self._group_plan())  # group options checked before any change
         if self._recovery.due(self._counters.windows):  # Rewind: a copy, or back to one
             hit = self._recovery.check(
-                self._counters.windows, params, self.optimizer, self._policy, self.scaler
+                self._counters.windows, params, self._inner, self._policy, self.scaler
             )
             if hit is not None:
                 undo.committed = True  # the training state was restored: this window is discarded
@@ -588,7 +588,7 @@ class ClippedOptimizer(InnerOptimizerView):
             return None
         if self.scaler is not None:
             undo.touched = True
-            self.scaler.unscale_(self.optimizer)
+            self.scaler.unscale_(self._inner)
         return g
 
     def _measure(self, s: WindowSettings, g: WindowGrads, n: int) -> WindowDecision:
@@ -617,7 +617,7 @@ class ClippedOptimizer(InnerOptimizerView):
             window=(self._counters.windows + 1, n),
             sharded=self._index.has_dtensor,
             spike=lambda: recovery.is_spike(d, recovery.shared_loss),
-            saved=(self.optimizer, self._counters, self.scaler),
+            saved=(self._inner, self._counters, self.scaler),
         )
 
     def _apply(
@@ -627,7 +627,7 @@ class ClippedOptimizer(InnerOptimizerView):
         ``step()``'s result and whether the fused (host-read-free) path ran."""
         step_result = (loss, closure)
         out, skipped, fused = apply_window(
-            self.optimizer, s, d, g, step_result, self._reclip, self._readiness
+            self._inner, s, d, g, step_result, self._reclip, self._readiness
         )
         self._last_skipped = skipped
         self._update_applied = not skipped if isinstance(skipped, bool) else None
@@ -726,7 +726,7 @@ class ClippedOptimizer(InnerOptimizerView):
 
     def _state_dict(self) -> dict[str, Any]:
         self._check_checkpointable()
-        sd = dict(self.optimizer.state_dict())
+        sd = dict(self._inner.state_dict())
         sd["clipopt"] = wrapper_entry(
             self._counters,
             self._params(),
@@ -752,14 +752,14 @@ class ClippedOptimizer(InnerOptimizerView):
             state_dict,
             params,
             accumulation_steps=self.accumulation_steps,
-            inner=self.optimizer,
+            inner=self._inner,
             policy=self._policy,
             scaler=self.scaler,
             recovery=self._recovery,
             norm_group=self.norm_group,
         )
         self._counters = ckpt.take_over(
-            self.optimizer, params, scaler=self.scaler, policy=self._policy, recovery=self._recovery
+            self._inner, params, scaler=self.scaler, policy=self._policy, recovery=self._recovery
         )
         self._readiness.reset()
         self._window_guard.reset()  # loaded gradients are new tensors

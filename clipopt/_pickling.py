@@ -28,6 +28,8 @@ _OLD_DIAGNOSTICS = ("_snapshots", "_attached", "_bad_row", "last_snapshot", "_la
 
 def upgrade_pickled(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` (a pickled wrapper's ``__dict__``) with every attribute today's code reads."""
+    if "optimizer" in state:  # before several inner optimizers: the one is `_inner`
+        state["_inner"] = state.pop("optimizer")
     state.setdefault("norm_group", None)
     state.setdefault("_replicas", ReplicaDecision("auto"))
     state.setdefault("backward_passes_per_step", 1)

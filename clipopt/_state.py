@@ -141,18 +141,29 @@ def _int_field(ext: dict[str, Any], key: str, low: int, high: int | None = None)
     return int(value)
 
 
+def _check_layout(parts: list[Any]) -> None:
+    """Each inner optimizer's state dict has a ``"state"`` dict and a ``"param_groups"`` list."""
+    for k, part in enumerate(parts):
+        where = "" if len(parts) == 1 else f"optimizers[{k}]."
+        for key, kind in (("state", dict), ("param_groups", list)):
+            value = part.get(key) if isinstance(part, dict) else None
+            if not isinstance(value, kind):
+                raise _bad(f"'{where}{key}' must be a {kind.__name__}, got {type(value).__name__}")
+
+
 def read_wrapper_state(
-    state_dict: Any, params: list[Tensor], accumulation_steps: int
+    state_dict: Any, params: list[Tensor], accumulation_steps: int, parts: list[Any] | None = None
 ) -> tuple[WrapperState, list[Tensor | None] | None, Any] | None:
-    """Validate ``state_dict["clipopt"]``; None for a plain optimizer's state dict."""
+    """Validate ``state_dict["clipopt"]``; None for a plain optimizer's state dict.
+
+    ``parts``: the inner optimizers' state dicts (default: ``state_dict`` itself), each checked
+    for its ``"state"`` and ``"param_groups"``."""
     if not isinstance(state_dict, dict):
         raise TypeError(
             f"state_dict must be a dict, got {type(state_dict).__name__}; "
             "pass the dict returned by opt.state_dict() (or torch.load of it)"
         )
-    for key, kind in (("state", dict), ("param_groups", list)):
-        if not isinstance(state_dict.get(key), kind):
-            raise _bad(f"'{key}' must be a {kind.__name__}, got {type(state_dict.get(key)).__name__}")
+    _check_layout([state_dict] if parts is None else parts)
     ext = state_dict.get("clipopt")
     if ext is None:
         return None

@@ -16,6 +16,8 @@ from typing import Any
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ._inner import inner_optimizers
+
 __all__ = ["HOOK_DICTS", "InnerOptimizerView"]
 
 #: torch's per-optimizer hook dictionaries, created here since ``Optimizer.__init__`` is not called.
@@ -30,10 +32,15 @@ HOOK_DICTS = (
 
 
 class InnerOptimizerView(Optimizer):
-    """Delegates ``param_groups``, ``state``, ``defaults`` and ``add_param_group`` to :attr:`optimizer`."""
+    """Delegates ``param_groups``, ``state``, ``defaults`` and ``add_param_group`` to the inner optimizer.
 
-    #: The inner optimizer.
-    optimizer: Optimizer
+    ``_inner`` is the optimizer, or an ``_inner.InnerOptimizers`` over several: then
+    ``param_groups`` is every inner optimizer's group dicts in order, ``state`` a view
+    of their ``state`` and ``defaults`` a new dict merging theirs.
+    """
+
+    #: The inner optimizer (an ``InnerOptimizers`` over several).
+    _inner: Optimizer
 
     def _init_hooks(self) -> None:
         for name in HOOK_DICTS:
@@ -42,32 +49,65 @@ class InnerOptimizerView(Optimizer):
         self._patch_step_function()
 
     @property
+    def optimizers(self) -> list[Optimizer]:
+        """The inner optimizers, in the order given (a new list)."""
+        return inner_optimizers(self._inner)
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """The inner optimizer; ``AttributeError`` over several (use :attr:`optimizers`)."""
+        several = self.optimizers
+        if len(several) > 1:
+            names = ", ".join(type(o).__name__ for o in several)
+            raise AttributeError(
+                f"this ClippedOptimizer wraps {len(several)} optimizers ({names}); "
+                "opt.optimizer is the inner optimizer of one: use opt.optimizers[i]"
+            )
+        return self._inner
+
+    def _assign(self, name: str, value: Any) -> None:
+        if len(self.optimizers) > 1:
+            raise TypeError(
+                f"cannot assign {name} of a ClippedOptimizer over several optimizers; "
+                f"assign each inner optimizer's (opt.optimizers[i].{name} = ...)"
+            )
+        setattr(self._inner, name, value)
+
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
+        return self._inner.param_groups
 
     @param_groups.setter
     def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
+        self._assign("param_groups", value)
 
     @property
     def state(self) -> collections.defaultdict[Tensor, Any]:
-        return self.optimizer.state
+        return self._inner.state
 
     @state.setter
     def state(self, value: collections.defaultdict[Tensor, Any]) -> None:
-        self.optimizer.state = value
+        self._assign("state", value)
 
     @property
     def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
+        return self._inner.defaults
 
     @defaults.setter
     def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
+        self._assign("defaults", value)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a parameter group to the inner optimizer."""
-        self.optimizer.add_param_group(param_group)
+    def add_param_group(self, param_group: dict[str, Any], optimizer: int | None = None) -> None:
+        """Add a parameter group to the inner optimizer (over several: to ``optimizers[optimizer]``)."""
+        if len(self.optimizers) > 1:
+            self._inner.add_param_group(param_group, optimizer)  # type: ignore[call-arg]
+        elif optimizer not in (None, 0):
+            raise TypeError(
+                f"optimizer={optimizer!r}: this ClippedOptimizer wraps one optimizer; "
+                "call opt.add_param_group(group)"
+            )
+        else:
+            self._inner.add_param_group(param_group)
 
     def _hooked_state_dict(self, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """``build()`` with torch's state-dict hooks around it, as ``Optimizer.state_dict`` runs them."""
