@@ -99,9 +99,9 @@ class StateReadiness:
         states = tuple(o.state for o in optimizers)
         size = (sum(len(state) for state in states), len(params))
         known = self._state  # a tuple; an earlier clipopt's pickle holds one state object
-        if isinstance(known, tuple) and len(known) == len(states) and self._size == size:
-            if all(a is b for a, b in zip(known, states, strict=True)):
-                return True
+        same = isinstance(known, tuple) and len(known) == len(states) and self._size == size
+        if same and all(a is b for a, b in zip(known, states, strict=True)):
+            return True
         all_ready = True
         for o in optimizers:
             sgd = isinstance(o, torch.optim.SGD)

@@ -46,8 +46,9 @@ def _param_label(optimizer: Optimizer, p: Tensor) -> str:
     return f"of shape {tuple(p.shape)}"
 
 
-def _check_disjoint(optimizers: Sequence[Optimizer], new: Sequence[Tensor] = (), into: int = -1) -> None:
-    """Every parameter in one optimizer only: ``ValueError`` naming the first one held twice."""
+def _check_disjoint(optimizers: Sequence[Optimizer], new: Sequence[Tensor] = (), into: int = 0) -> None:
+    """Every parameter in one optimizer only (``new``: parameters to add to ``optimizers[into]``):
+    ``ValueError`` naming the first one held twice."""
     owner: dict[Tensor, int] = {}
     entries = [(k, p) for k, o in enumerate(optimizers) for g in o.param_groups for p in g["params"]]
     for k, p in [*entries, *((into, p) for p in new)]:
@@ -59,6 +60,13 @@ def _check_disjoint(optimizers: Sequence[Optimizer], new: Sequence[Tensor] = (),
                 f"({type(optimizers[k]).__name__}) both hold parameter {label}; the optimizers "
                 "must hold disjoint parameters: give each parameter to one of them"
             )
+
+
+def _refuse(name: str) -> None:
+    raise TypeError(
+        f"cannot assign {name} of several optimizers; assign each inner optimizer's "
+        f"(opt.optimizers[i].{name} = ...)"
+    )
 
 
 class _StateView(MutableMapping[Tensor, Any]):
@@ -96,7 +104,7 @@ class _StateView(MutableMapping[Tensor, Any]):
     def __len__(self) -> int:
         return sum(len(o.state) for o in self._owner.optimizers)
 
-    def get(self, p: Tensor, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, p: Tensor, default: Any = None) -> Any:
         """The entry of ``p``, or ``default``: never adds one (``Mapping.get`` would, via ``[]``)."""
         for o in self._owner.optimizers:
             if p in o.state:
@@ -114,7 +122,7 @@ class _StateView(MutableMapping[Tensor, Any]):
 class InnerOptimizers(Optimizer):
     """Several optimizers over disjoint parameters, stepped as one (see the module docstring)."""
 
-    def __init__(self, optimizers: Sequence[Optimizer]) -> None:  # noqa: D107 -- no Optimizer.__init__
+    def __init__(self, optimizers: Sequence[Optimizer]) -> None:
         self.optimizers = list(optimizers)
         for k, o in enumerate(self.optimizers):
             if reevaluates(o):
@@ -137,7 +145,7 @@ class InnerOptimizers(Optimizer):
             self._owners = (key, owners)
         return self._owners[1][p]
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         """Every inner optimizer's group dicts, in order (the same list until one of theirs changes)."""
         key = tuple(n for o in self.optimizers for n in (id(o.param_groups), len(o.param_groups)))
@@ -146,18 +154,30 @@ class InnerOptimizers(Optimizer):
             self._key = key
         return self._groups
 
-    @property  # type: ignore[override]
+    @param_groups.setter
+    def param_groups(self, value: Any) -> None:
+        _refuse("param_groups")
+
+    @property
     def state(self) -> Any:
         """A view of every inner optimizer's ``state`` (each entry lives in its optimizer's)."""
         return _StateView(self)
 
-    @property  # type: ignore[override]
+    @state.setter
+    def state(self, value: Any) -> None:
+        _refuse("state")
+
+    @property
     def defaults(self) -> dict[str, Any]:
         """A new dict merging the inner optimizers' ``defaults`` (the first one's value for a shared key)."""
         merged: dict[str, Any] = {}
         for o in reversed(self.optimizers):
             merged.update(o.defaults)
         return merged
+
+    @defaults.setter
+    def defaults(self, value: Any) -> None:
+        _refuse("defaults")
 
     def add_param_group(self, param_group: dict[str, Any], optimizer: int | None = None) -> None:
         """Add ``param_group`` to ``self.optimizers[optimizer]`` (its parameters held by no other)."""
@@ -170,12 +190,11 @@ class InnerOptimizers(Optimizer):
             )
         params = param_group.get("params") if isinstance(param_group, dict) else None
         new = [params] if isinstance(params, Tensor) else list(params or [])
-        others = [o for k, o in enumerate(self.optimizers) if k != optimizer]
-        _check_disjoint([*others, self.optimizers[optimizer]], [p for p in new if isinstance(p, Tensor)])
+        _check_disjoint(self.optimizers, [p for p in new if isinstance(p, Tensor)], optimizer)
         self.optimizers[optimizer].add_param_group(param_group)
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         """Evaluate ``closure`` once (if given), then step every inner optimizer in order.
 
         ``grad_scale``/``found_inf`` set on this object (the fused path, all inner
@@ -185,7 +204,9 @@ class InnerOptimizers(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        fused = {k: self.__dict__[k] for k in ("grad_scale", "found_inf") if k in self.__dict__}
+        fused: dict[str, Any] = {
+            k: self.__dict__[k] for k in ("grad_scale", "found_inf") if k in self.__dict__
+        }
         for o in self.optimizers:
             o.__dict__.update(fused)
             try:
