@@ -12,7 +12,7 @@ directly: :func:`inner_optimizers` lists the inner optimizers of either.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 from ._rollback import reevaluates
 from ._state import StateDictError
 
-__all__ = ["InnerOptimizers", "inner_optimizers", "inner_state_dicts"]
+__all__ = ["InnerOptimizers", "flat_state_dict", "inner_optimizers", "inner_state_dicts"]
 
 
 def inner_optimizers(inner: Optimizer) -> list[Optimizer]:
@@ -257,3 +257,28 @@ def inner_state_dicts(state_dict: dict[str, Any], inner: Optimizer) -> list[tupl
             "opt.state_dict() of a ClippedOptimizer over the same optimizers, in the same order"
         )
     return list(zip(parts, inner.optimizers, strict=True))
+
+
+def flat_state_dict(state_dict: Any) -> Any:
+    """A state dict of several optimizers (``{"optimizers": [...]}``, e.g. in a snapshot) in one torch
+    layout: every group in order, parameter ids renumbered in that order; anything else unchanged."""
+    parts = state_dict.get("optimizers") if isinstance(state_dict, Mapping) else None
+    if not isinstance(parts, list):
+        return state_dict
+    groups: list[dict[str, Any]] = []
+    state: dict[int, Any] = {}
+    count = 0  # parameters numbered so far
+    for part in parts:
+        part = part if isinstance(part, Mapping) else {}
+        renumber: dict[Any, int] = {}
+        for group in part.get("param_groups") or []:
+            ids = group.get("params") if isinstance(group, Mapping) else None
+            ids = ids if isinstance(ids, list) else []
+            for old in ids:
+                renumber[old], count = count, count + 1
+            groups.append({**group, "params": [renumber[old] for old in ids]})
+        part_state = part.get("state")
+        for old, entry in part_state.items() if isinstance(part_state, Mapping) else ():
+            if old in renumber:
+                state[renumber[old]] = entry
+    return {"state": state, "param_groups": groups}

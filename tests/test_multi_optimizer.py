@@ -419,3 +419,27 @@ def test_csv_logger_writes_each_optimizers_lr(tmp_path: Path) -> None:
         (row,) = list(csv.DictReader(f))
     assert float(row["lr"]) == 0.02 and float(row["lr.1"]) == 0.01
     assert float(row["total_norm"]) == pytest.approx(norm, rel=1e-6)
+
+
+def test_snapshot_of_several_optimizers_is_read_by_inspect_and_growth(tmp_path: Path) -> None:
+    """An anomaly snapshot of a Muon + AdamW run holds {'optimizers': [...]}; `clipopt inspect` counts
+    every inner optimizer's groups, learning rates and parameters with state, and the layer-growth
+    reading (replay's spike diagnosis) finds AdamW's history, numbered in the wrapper's order."""
+    from clipopt._growth import layer_growth
+    from clipopt._inspect import inspect_file
+
+    model = mlp((5, 4, 3))
+    opt = ClippedOptimizer(_muon_adamw(model), snapshot_dir=tmp_path, param_names=model.named_parameters())
+    for i in range(3):
+        mse(model, pairs(1, (8, 5), (8, 3), seed=40 + i)[0]).backward()
+        if i == 2:
+            model[0].weight.grad[0, 0] = math.nan
+        opt.step()
+        opt.zero_grad()
+    assert opt.last_snapshot is not None
+    summary = inspect_file(opt.last_snapshot)
+    assert summary["optimizer"] == {"param_groups": 2, "lr": [0.02, 0.01], "params_with_state": 4}
+    growth, why = layer_growth(clipopt.load_snapshot(opt.last_snapshot))
+    assert why is None
+    assert {g.name for g in growth} >= {"0.bias", "2.bias"}
+    assert all(g.source == "exp_avg_sq" for g in growth if g.name.endswith("bias"))
