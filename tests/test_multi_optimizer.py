@@ -443,3 +443,54 @@ def test_snapshot_of_several_optimizers_is_read_by_inspect_and_growth(tmp_path: 
     assert why is None
     assert {g.name for g in growth} >= {"0.bias", "2.bias"}
     assert all(g.source == "exp_avg_sq" for g in growth if g.name.endswith("bias"))
+
+
+def test_grad_scaler_overflow_in_one_optimizer_skips_both_and_backs_off_once() -> None:
+    """With a GradScaler the wrapper unscales every inner optimizer's gradients at once: an inf in one
+    Muon gradient skips the whole update (both states untouched, reason 'overflow') and halves the
+    scale once; the applied updates equal unscaled gradients + clip_grad_norm_ + each step()."""
+    model = mlp((5, 4, 3))
+    ref = copy.deepcopy(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    opt = ClippedOptimizer(_muon_adamw(model), max_norm=0.3, scaler=scaler)
+    ref_opts = _muon_adamw(ref)
+    for i, batch in enumerate(pairs(4, (8, 5), (8, 3), seed=50)):
+        scaler.scale(mse(model, batch)).backward()
+        if i == 2:
+            model[0].weight.grad[0, 0] = math.inf
+            before = _inner_states(opt.optimizers)
+        opt.step()
+        opt.zero_grad()
+        if i == 2:
+            assert opt.last_stats.reason == "overflow" and scaler.get_scale() == 2.0**3
+            _assert_same(_inner_states(opt.optimizers), before)
+            continue
+        mse(ref, batch).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
+        for o in ref_opts:
+            o.step()
+        ref.zero_grad()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert opt.num_updates == 3 and scaler.get_scale() == 2.0**3
+
+
+def test_rewind_puts_back_both_inner_states() -> None:
+    """SpikeGuard + Rewind over Muon + AdamW: two spikes rewind to the copy taken after window 11, and
+    the parameters and both inner optimizers' states are that copy's, bit for bit."""
+    from .test_spike_recovery import _guard, _spiky
+
+    model = mlp((5, 4, 3))
+    rewind = clipopt.Rewind(every=5, keep=2, spikes=2, within=5, skip_batches=3, module=model, check_every=1)
+    opt = ClippedOptimizer(_muon_adamw(model), spike_guard=_guard(), rewind=rewind)
+    after: dict[int, Any] = {}
+    for x, y in rewind.batches(_spiky(30, {12, 14})):
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step(loss=loss)
+        params = [p.detach().clone() for p in model.parameters()]
+        after[opt.num_windows] = (params, _inner_states(opt.optimizers), opt.last_stats.reason)
+    assert [after[w][2] for w in (13, 15, 16)] == ["spike", "spike", "rewind"]
+    assert opt.rewinds == 1 and rewind.log[0].restored == 11
+    _assert_same(after[16][:2], after[11][:2])
