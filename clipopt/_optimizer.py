@@ -101,7 +101,10 @@ class ClippedOptimizer(InnerOptimizerView):
     :meth:`step` from one thread at a time (concurrent calls miscount windows).
 
     Args:
-        optimizer: any ``torch.optim.Optimizer`` (also third-party subclasses).
+        optimizer: any ``torch.optim.Optimizer`` (also third-party subclasses), or a list of
+            optimizers over disjoint parameters (``[Muon(matrices), AdamW(others)]``): one decision
+            for all (one norm, coefficient and skip); :attr:`optimizers` lists them, and
+            ``param_groups`` is their groups in order (docs/concepts.md, "Several inner optimizers").
         max_norm: global norm bound, a :class:`ClipPolicy` (:class:`AutoClip`,
             :class:`ZClip`, :class:`AGC`) that sets it per window on the device, or
             None to turn norm clipping off.  A parameter group of the inner
