@@ -545,9 +545,7 @@ class ClippedOptimizer(InnerOptimizerView):
         n, params = self._counters.micro_batches, self._params()
         s = WindowSettings.read(self, n, self._group_plan())  # group options checked before any change
         if self._recovery.due(self._counters.windows):  # Rewind: a copy, or back to one
-            hit = self._recovery.check(
-                self._counters.windows, params, self._inner, self._policy, self.scaler
-            )
+            hit = self._recovery.check(self._counters.windows, params, self._inner, self._policy, self.scaler)
             if hit is not None:
                 undo.committed = True  # the training state was restored: this window is discarded
                 return self._close_rewound(n, loss, hit[1])
@@ -629,9 +627,7 @@ class ClippedOptimizer(InnerOptimizerView):
         """Step 5: the inner step or the skip (see :mod:`clipopt._apply`), then the counters; returns
         ``step()``'s result and whether the fused (host-read-free) path ran."""
         step_result = (loss, closure)
-        out, skipped, fused = apply_window(
-            self._inner, s, d, g, step_result, self._reclip, self._readiness
-        )
+        out, skipped, fused = apply_window(self._inner, s, d, g, step_result, self._reclip, self._readiness)
         self._last_skipped = skipped
         self._update_applied = not skipped if isinstance(skipped, bool) else None
         self._counters.record(skipped, d.counted_nonfinite(skipped, s.skip_enabled))
