@@ -182,16 +182,19 @@ class InnerOptimizers(Optimizer):
     def add_param_group(self, param_group: dict[str, Any], optimizer: int | None = None) -> None:
         """Add ``param_group`` to ``self.optimizers[optimizer]`` (its parameters held by no other)."""
         n = len(self.optimizers)
-        if not isinstance(optimizer, int) or isinstance(optimizer, bool) or not 0 <= optimizer < n:
-            raise TypeError(
-                f"add_param_group over {n} optimizers ({_describe(self.optimizers)}) needs the one "
-                f"to add the group to, got optimizer={optimizer!r}; pass e.g. "
-                "opt.add_param_group(group, optimizer=1) (an index into opt.optimizers)"
+        index = optimizer if isinstance(optimizer, int) and not isinstance(optimizer, bool) else None
+        if index is None or not 0 <= index < n:
+            raise (TypeError if index is None else ValueError)(
+                f"add_param_group over {n} optimizers ({_describe(self.optimizers)}) needs the index "
+                f"of the one to add the group to, 0 to {n - 1}, got optimizer={optimizer!r}; pass "
+                "e.g. opt.add_param_group(group, optimizer=1) (an index into opt.optimizers)"
             )
         params = param_group.get("params") if isinstance(param_group, dict) else None
+        if params is not None and not isinstance(params, (Tensor, list, tuple, set)):
+            param_group["params"] = params = list(params)  # a generator: read once, kept (torch does too)
         new = [params] if isinstance(params, Tensor) else list(params or [])
-        _check_disjoint(self.optimizers, [p for p in new if isinstance(p, Tensor)], optimizer)
-        self.optimizers[optimizer].add_param_group(param_group)
+        _check_disjoint(self.optimizers, [p for p in new if isinstance(p, Tensor)], index)
+        self.optimizers[index].add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:

@@ -205,8 +205,9 @@ def test_param_groups_state_and_defaults_are_the_inner_optimizers() -> None:
 
 
 def test_add_param_group_goes_to_the_optimizer_named_by_index() -> None:
-    """add_param_group(group, optimizer=i) adds to opt.optimizers[i]; without the index, or with a
-    parameter another optimizer holds, it refuses before anything changes."""
+    """add_param_group(group, optimizer=i) adds to opt.optimizers[i] (params may be a generator); without
+    the index, with one out of range, or with a parameter another optimizer holds, it refuses before
+    anything changes."""
     model = mlp((5, 4, 3))
     adamw = (optimizers := _muon_adamw(model))[1]
     opt = ClippedOptimizer(optimizers)
@@ -214,11 +215,14 @@ def test_add_param_group_goes_to_the_optimizer_named_by_index() -> None:
     with pytest.raises(
         TypeError,
         match=re.escape(
-            "add_param_group over 2 optimizers (Muon, AdamW) needs the one to add the group to, got "
-            "optimizer=None; pass e.g. opt.add_param_group(group, optimizer=1) (an index into opt.optimizers)"
+            "add_param_group over 2 optimizers (Muon, AdamW) needs the index of the one to add the "
+            "group to, 0 to 1, got optimizer=None; pass e.g. opt.add_param_group(group, optimizer=1) "
+            "(an index into opt.optimizers)"
         ),
     ):
         opt.add_param_group({"params": [extra]})
+    with pytest.raises(ValueError, match=re.escape("0 to 1, got optimizer=2; pass e.g.")):
+        opt.add_param_group({"params": [extra]}, optimizer=2)
     with pytest.raises(
         ValueError,
         match=re.escape(
@@ -227,7 +231,7 @@ def test_add_param_group_goes_to_the_optimizer_named_by_index() -> None:
     ):
         opt.add_param_group({"params": [model[0].weight]}, optimizer=1)
     assert len(adamw.param_groups) == 1 and len(opt.param_groups) == 2
-    opt.add_param_group({"params": [extra], "lr": 0.5}, optimizer=1)
+    opt.add_param_group({"params": (q for q in [extra]), "lr": 0.5}, optimizer=1)  # a generator
     assert len(adamw.param_groups) == 2 and opt.param_groups[2]["params"] == [extra]
 
 
@@ -494,3 +498,28 @@ def test_rewind_puts_back_both_inner_states() -> None:
     assert [after[w][2] for w in (13, 15, 16)] == ["spike", "spike", "rewind"]
     assert opt.rewinds == 1 and rewind.log[0].restored == 11
     _assert_same(after[16][:2], after[11][:2])
+
+
+def test_a_groups_own_max_norm_works_across_the_inner_optimizers() -> None:
+    """Per-group clipping over the wrapper's groups: AdamW's group with its own 'max_norm' is clipped by
+    its own norm, Muon's group by the shared bound; equal to clip_grad_norm_ per part + each step()."""
+    model = mlp((5, 4, 3))
+    ref = copy.deepcopy(model)
+    optimizers = _muon_adamw(model)
+    optimizers[1].param_groups[0]["max_norm"] = 0.01
+    opt = ClippedOptimizer(optimizers, max_norm=0.2)
+    ref_opts = _muon_adamw(ref)
+    for batch in pairs(3, (8, 5), (8, 3), seed=60):
+        mse(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+        mse(ref, batch).backward()
+        matrices, others = _split(ref)
+        torch.nn.utils.clip_grad_norm_(matrices, 0.2)
+        torch.nn.utils.clip_grad_norm_(others, 0.01)
+        for o in ref_opts:
+            o.step()
+        ref.zero_grad()
+        assert len(opt.last_stats.group_coefs) == 2 and opt.last_stats.group_coefs[1] < 1.0
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
