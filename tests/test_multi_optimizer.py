@@ -137,8 +137,9 @@ def test_nan_in_one_optimizers_gradient_leaves_every_parameter_and_state_untouch
 
 
 def test_all_fused_list_reads_nothing_and_a_mix_reads_once_per_update() -> None:
-    """Fused SGD + fused AdamW: updates (applied or skipped) read nothing from the device, found_inf
-    handed to each; Muon + fused AdamW: one flag per update, none inside a window (not one per optimizer)."""
+    """Fused SGD (with or without momentum) + fused AdamW: updates (applied or skipped) read nothing
+    from the device, found_inf handed to each; Muon + fused AdamW: one flag per update, none inside a
+    window (not one per optimizer)."""
 
     def reads(optimizers: list[torch.optim.Optimizer], model: nn.Module, pattern: str) -> list[int]:
         opt = ClippedOptimizer(optimizers, max_norm=0.1, accumulation_steps=2)
@@ -156,6 +157,10 @@ def test_all_fused_list_reads_nothing_and_a_mix_reads_once_per_update() -> None:
 
     fused_model = mlp((5, 4, 3))
     assert reads(_all_fused(fused_model), fused_model, "gg" + "ggbggg")[2:] == [0] * 6
+    plain = mlp((5, 4, 3))  # fused SGD without momentum keeps no state: ready from the start
+    matrices, others = _split(plain)
+    stateless = [torch.optim.SGD(matrices, lr=0.05, fused=True), torch.optim.AdamW(others, fused=True)]
+    assert reads(stateless, plain, "gg" + "ggbggg")[2:] == [0] * 6
     mixed = mlp((5, 4, 3))
     matrices, others = _split(mixed)
     mix = [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(others, lr=0.01, fused=True)]
