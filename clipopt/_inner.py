@@ -132,26 +132,33 @@ class InnerOptimizers(Optimizer):
                     f"ClippedOptimizer({type(o).__name__.lower()}, ...)"
                 )
         _check_disjoint(self.optimizers)
-        self._key: tuple[int, ...] = ()
+        self._reset_caches()
+
+    def _reset_caches(self) -> None:
+        # the inner lists themselves (held, so that no new list can take a freed one's id) and their sizes
+        self._lists: tuple[tuple[list[dict[str, Any]], int], ...] = ()
         self._groups: list[dict[str, Any]] = []
-        self._owners: tuple[tuple[int, ...], dict[Tensor, Optimizer]] = ((), {})
+        self._owners: tuple[Any, tuple[int, ...], dict[Tensor, Optimizer]] = (None, (), {})
 
     def owner_of(self, p: Tensor) -> Optimizer:
         """The inner optimizer holding parameter ``p`` (``KeyError`` when none does)."""
         groups = self.param_groups
-        key = (*self._key, *(len(g["params"]) for g in groups))
-        if key != self._owners[0]:
+        sizes = tuple(len(g["params"]) for g in groups)
+        if self._owners[0] is not groups or self._owners[1] != sizes:
             owners = {q: o for o in self.optimizers for g in o.param_groups for q in g["params"]}
-            self._owners = (key, owners)
-        return self._owners[1][p]
+            self._owners = (groups, sizes, owners)
+        return self._owners[2][p]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """Every inner optimizer's group dicts, in order (the same list until one of theirs changes)."""
-        key = tuple(n for o in self.optimizers for n in (id(o.param_groups), len(o.param_groups)))
-        if key != self._key:
+        lists = tuple((o.param_groups, len(o.param_groups)) for o in self.optimizers)
+        same = len(lists) == len(self._lists) and all(
+            a is b and n == m for (a, n), (b, m) in zip(lists, self._lists, strict=True)
+        )
+        if not same:
             self._groups = [g for o in self.optimizers for g in o.param_groups]
-            self._key = key
+            self._lists = lists
         return self._groups
 
     @param_groups.setter
@@ -234,12 +241,11 @@ class InnerOptimizers(Optimizer):
             o.load_state_dict(sd)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_key"], state["_groups"], state["_owners"] = (), [], ((), {})  # ids: this process only
-        return state
+        return {"optimizers": self.optimizers}  # the caches are rebuilt when read
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._reset_caches()
 
     def __repr__(self) -> str:
         body = "\n".join("  " + line for o in self.optimizers for line in repr(o).splitlines())
