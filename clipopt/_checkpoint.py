@@ -91,9 +91,11 @@ class Checkpoint(NamedTuple):
         """Load the checked state: the inner optimizer's (the groups' current clipping options
         kept; a failure leaves it as it was), the open window's gradients into ``params``, the
         scaler's, the policy's and the recovery's; return the counters to take over."""
+        optimizers = inner_optimizers(inner)
         with ExitStack() as stack:  # several inner optimizers: all as they were if one fails
-            for o in inner_optimizers(inner):
+            for o in optimizers:  # outermost: undone last, after any check below failed
                 stack.enter_context(restore_on_failure(o))
+            for o in optimizers:
                 stack.enter_context(keep_group_keys(o))
             inner.load_state_dict(self.inner)
             for group, kept in zip(inner.param_groups, self.kept_options, strict=False):

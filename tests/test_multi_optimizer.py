@@ -529,3 +529,19 @@ def test_a_groups_own_max_norm_works_across_the_inner_optimizers() -> None:
         assert len(opt.last_stats.group_coefs) == 2 and opt.last_stats.group_coefs[1] < 1.0
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_a_group_check_failing_after_loading_puts_every_inner_optimizer_back() -> None:
+    """Muon's saved group lacks a key its group has now (found only once loaded): the error leaves AdamW,
+    loaded after Muon with its own part (lr 0.5), as it was too."""
+    model = mlp((5, 4, 3))
+    muon, adamw = optimizers = _muon_adamw(model)
+    opt = ClippedOptimizer(optimizers)
+    sd = copy.deepcopy(opt.state_dict())
+    del sd["optimizers"][0]["param_groups"][0]["nesterov"]
+    sd["optimizers"][1]["param_groups"][0]["lr"] = 0.5
+    groups = (muon.param_groups, adamw.param_groups)
+    with pytest.raises(ValueError, match=re.escape("invalid state_dict: parameter group 0 lacks 'nesterov'")):
+        opt.load_state_dict(sd)
+    assert (muon.param_groups, adamw.param_groups) == groups and adamw.param_groups[0]["lr"] == 0.01
+    assert muon.param_groups is groups[0] and adamw.param_groups is groups[1]
