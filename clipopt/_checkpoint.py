@@ -23,7 +23,10 @@ from ._inner import inner_optimizers, inner_state_dicts
 from ._loss import LossSum
 from ._recovery import SpikeRecovery
 from ._state import (
+    StateDictError,
     WrapperState,
+    check_loaded_state,
+    has_own_layout,
     keep_group_keys,
     read_wrapper_state,
     restore_on_failure,
@@ -74,10 +77,15 @@ class Checkpoint(NamedTuple):
     policy_state: dict[str, Any] | None
     loss_sum: LossSum
     unsynced: Unsynced | None
-    #: Per group, the clipping options set now that the saved group lacks (put back after loading).
-    kept_options: list[dict[str, Any]]
+    #: Per inner optimizer, per group, the clipping options set now that the saved group lacks (put
+    #: back after loading).
+    kept_options: list[list[dict[str, Any]]]
     #: The SpikeGuard's and Rewind's checked state (see ``SpikeRecovery.validate``).
     recovery: tuple[Any, Any] = (None, None)
+    #: Per inner optimizer, whether its entry is in its own layout (``_state.has_own_layout``): its
+    #: groups are checked once loaded (its ``kept_options`` is empty then), with this ``norm_group``.
+    own_layout: tuple[bool, ...] = ()
+    norm_group: Any = None
 
     def take_over(
         self,
@@ -92,14 +100,22 @@ class Checkpoint(NamedTuple):
         kept; a failure leaves it as it was), the open window's gradients into ``params``, the
         scaler's, the policy's and the recovery's; return the counters to take over."""
         optimizers = inner_optimizers(inner)
+        own = self.own_layout or (False,) * len(optimizers)
         with ExitStack() as stack:  # several inner optimizers: all as they were if one fails
-            for o in optimizers:  # outermost: undone last, after any check below failed
-                stack.enter_context(restore_on_failure(o))
+            for o, reload in zip(optimizers, own, strict=True):  # outermost: undone after any check
+                stack.enter_context(restore_on_failure(o, reload=reload))
             for o in optimizers:
                 stack.enter_context(keep_group_keys(o))
-            inner.load_state_dict(self.inner)
-            for group, kept in zip(inner.param_groups, self.kept_options, strict=False):
-                group.update(kept)  # per-group clipping set now, absent from the checkpoint
+            kept: list[dict[str, Any]] = []
+            parts = inner_state_dicts(self.inner, inner)
+            for (part, o), mine, options in zip(parts, own, self.kept_options, strict=True):
+                if mine:
+                    kept += _load_own_layout(o, part, policy, self.norm_group)
+                else:
+                    o.load_state_dict(part)
+                    kept += options
+            for group, extra in zip(inner.param_groups, kept, strict=False):
+                group.update(extra)  # per-group clipping set now, absent from the checkpoint
         counters = self.counters if self.counters is not None else WrapperState()
         if self.pending_grads is not None:
             for p, g in zip(params, self.pending_grads, strict=True):
@@ -124,13 +140,17 @@ def read_checkpoint(
     recovery: SpikeRecovery | None = None,
     norm_group: Any = None,
 ) -> Checkpoint:
-    """Validate ``state_dict`` completely (``ValueError``, touching nothing) and return its parts."""
+    """Validate ``state_dict`` completely (``ValueError``, touching nothing) and return its parts.
+
+    An inner entry in the inner optimizer's own layout (pytorch_optimizer's ``Lookahead``) is left
+    to the inner optimizer's own ``load_state_dict``, which :meth:`Checkpoint.take_over` undoes
+    when it, or the check of the groups it loaded, fails.  Over several inner optimizers each
+    part of ``state_dict["optimizers"]`` is checked (or left) so."""
     parts = inner_state_dicts(state_dict, inner) if isinstance(state_dict, dict) else []
-    wrapper = read_wrapper_state(state_dict, params, accumulation_steps, [sd for sd, _ in parts])
-    kept: list[dict[str, Any]] = []
-    for part, optimizer in parts:  # one optimizer: the state dict itself
-        validate_inner_state(part, optimizer)
-        kept += _check_group_options(part, optimizer, policy, norm_group)
+    own = tuple(isinstance(part, dict) and has_own_layout(part, o) for part, o in parts)
+    torch_parts = [None if mine else part for (part, _), mine in zip(parts, own, strict=True)]
+    wrapper = read_wrapper_state(state_dict, params, accumulation_steps, torch_parts)
+    kept = _check_parts(parts, own, policy, norm_group)
     policy_state = _checked_policy_state(state_dict, policy)
     _check_scaler_state(wrapper, scaler)
     ext = state_dict.get("clipopt")
@@ -146,23 +166,66 @@ def read_checkpoint(
     inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
     counters, pending, scaler_state = wrapper if wrapper is not None else (None, None, None)
     return Checkpoint(
-        inner_sd, counters, pending, scaler_state, policy_state, loss_sum, unsynced, kept, checked
+        inner_sd,
+        counters,
+        pending,
+        scaler_state,
+        policy_state,
+        loss_sum,
+        unsynced,
+        kept,
+        checked,
+        own,
+        norm_group,
     )
 
 
-def _check_group_options(
-    state_dict: dict[str, Any], inner: Optimizer, policy: ClipPolicy | None, norm_group: Any
+def _check_parts(
+    parts: list[tuple[Any, Optimizer]], own: tuple[bool, ...], policy: ClipPolicy | None, norm_group: Any
+) -> list[list[dict[str, Any]]]:
+    """Each inner optimizer's part in torch's layout checked against it (one optimizer: the state dict
+    itself); per optimizer, the clipping options to keep (none yet for a part in its own layout,
+    whose groups are checked once loaded)."""
+    kept: list[list[dict[str, Any]]] = []
+    for (part, o), mine in zip(parts, own, strict=True):
+        if mine:
+            kept.append([])
+            continue
+        validate_inner_state(part, o)
+        saved = [g for g in part["param_groups"] if isinstance(g, dict)]
+        kept.append(_checked_kept_options(saved, o.param_groups, o.defaults, policy, norm_group))
+    return kept
+
+
+def _load_own_layout(
+    inner: Optimizer, entry: dict[str, Any], policy: ClipPolicy | None, norm_group: Any
+) -> list[dict[str, Any]]:
+    """Load an entry in the inner optimizer's own layout (checked by its ``load_state_dict``), then
+    check what has become visible as a torch-layout entry is checked before loading: the state in
+    ``inner.state`` fits the parameters, the groups' clipping options; returns the kept options."""
+    groups = [dict(group) for group in inner.param_groups]
+    state = {p: dict(s) for p, s in inner.state.items()}
+    inner.load_state_dict(entry)
+    check_loaded_state(inner, state)
+    return _checked_kept_options(inner.param_groups, groups, inner.defaults, policy, norm_group)
+
+
+def _checked_kept_options(
+    saved: list[dict[str, Any]],
+    current: list[dict[str, Any]],
+    defaults: dict[str, Any],
+    policy: ClipPolicy | None,
+    norm_group: Any,
 ) -> list[dict[str, Any]]:
     """The groups' ``max_norm``/``clip_value`` after loading -- torch restores every group option from
-    the saved dict; options set now that a saved group lacks are kept (returned) -- checked as the
-    constructor checks them: ``ValueError`` before anything loads."""
-    saved = [g for g in state_dict["param_groups"] if isinstance(g, dict)]
-    kept = kept_options(saved, inner.param_groups, group_keys(inner.defaults))
+    the ``saved`` groups; options set now (``current``) that a saved group lacks are kept (returned)
+    -- checked as the constructor checks them (``StateDictError``, a ``ValueError``)."""
+    kept = kept_options(saved, current, group_keys(defaults))
     try:
         merged = [{**extra, **group} for group, extra in zip(saved, kept, strict=False)]
-        check_groups(merged, inner.defaults, policy=policy, norm_group=norm_group, clip_value=None)
+        check_groups(merged, defaults, policy=policy, norm_group=norm_group, clip_value=None)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"invalid state_dict: {exc}") from None
+        raise StateDictError(f"invalid state_dict: {exc}") from None
     return kept
 
 

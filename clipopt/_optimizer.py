@@ -83,6 +83,10 @@ class ClippedOptimizer(InnerOptimizerView):
 
     ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's own
     objects, so LR schedulers, ``add_param_group`` and checkpoints work as usual.
+    Other public attributes the wrapper does not define are read from the inner
+    optimizer (``train()``/``eval()`` of schedule-free optimizers,
+    ``consolidate_state_dict()`` of ``ZeroRedundancyOptimizer``); assigning one
+    on the wrapper raises (set it on :attr:`optimizer`).
     Reading :attr:`update_applied`, :attr:`step_was_skipped` or a field of
     :attr:`last_stats` may wait for the device; recording them does not.
 
@@ -214,6 +218,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self._recovery = SpikeRecovery.attach(spike_guard, rewind, self._params(), self._inner)
         if spike_guard is not None:
             self._skip_sources.append(self._recovery)  # reason "spike"
+        self._forwarding = True  # the inner optimizer's public attributes: read, not hidden (_wrapping)
 
     def _init_state(self, snapshot_dir: str | os.PathLike[str] | None) -> None:
         """What the wrapper records and caches while it runs (beside the configuration)."""

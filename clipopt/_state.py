@@ -16,6 +16,8 @@ __all__ = [
     "FORMAT_VERSION",
     "StateDictError",
     "WrapperState",
+    "check_loaded_state",
+    "has_own_layout",
     "keep_group_keys",
     "read_wrapper_state",
     "restore_on_failure",
@@ -141,9 +143,23 @@ def _int_field(ext: dict[str, Any], key: str, low: int, high: int | None = None)
     return int(value)
 
 
+def has_own_layout(state_dict: dict[str, Any], inner: Optimizer) -> bool:
+    """Whether ``state_dict`` holds the inner optimizer's state in a layout of its own, not torch's.
+
+    pytorch_optimizer's ``Lookahead`` saves ``lookahead_state``/``base_optimizer``: it has neither
+    of torch's keys (``state``, ``param_groups``), and its class loads state dicts its own way.
+    Such an entry is checked by the inner optimizer itself (see ``Checkpoint.take_over``).
+    """
+    torch_keys = "state" in state_dict or "param_groups" in state_dict
+    return not torch_keys and type(inner).load_state_dict is not Optimizer.load_state_dict
+
+
 def _check_layout(parts: list[Any]) -> None:
-    """Each inner optimizer's state dict has a ``"state"`` dict and a ``"param_groups"`` list."""
+    """Each inner optimizer's state dict has a ``"state"`` dict and a ``"param_groups"`` list (None:
+    one in its optimizer's own layout, :func:`has_own_layout`, checked by the optimizer)."""
     for k, part in enumerate(parts):
+        if part is None:
+            continue
         where = "" if len(parts) == 1 else f"optimizers[{k}]."
         for key, kind in (("state", dict), ("param_groups", list)):
             value = part.get(key) if isinstance(part, dict) else None
@@ -157,7 +173,7 @@ def read_wrapper_state(
     """Validate ``state_dict["clipopt"]``; None for a plain optimizer's state dict.
 
     ``parts``: the inner optimizers' state dicts (default: ``state_dict`` itself), each checked
-    for its ``"state"`` and ``"param_groups"``."""
+    for its ``"state"`` and ``"param_groups"`` (None for one in its own layout)."""
     if not isinstance(state_dict, dict):
         raise TypeError(
             f"state_dict must be a dict, got {type(state_dict).__name__}; "
@@ -231,6 +247,18 @@ def validate_inner_state(state_dict: dict[str, Any], inner: Optimizer) -> None:
         for name, value in entry.items():
             if isinstance(value, Tensor):
                 _check_state_tensor(key, name, value, p, current.get(name), flat, builtin)
+
+
+def check_loaded_state(inner: Optimizer, before: dict[Tensor, dict[str, Any]]) -> None:
+    """After the inner optimizer loaded a state dict in a layout of its own (:func:`has_own_layout`):
+    the per-parameter state it now holds (``opt.state``) must fit the parameters, as a torch-layout
+    entry's must before loading (the entry held ``before``, else the parameter's shape for moments)."""
+    params = [p for group in inner.param_groups for p in group["params"]]
+    flat = sum(p.numel() for p in params)
+    for i, p in enumerate(params):
+        for name, value in (inner.state.get(p) or {}).items():
+            if isinstance(value, Tensor):
+                _check_state_tensor(i, name, value, p, (before.get(p) or {}).get(name), flat, False)
 
 
 def _kind(value: Any) -> str | None:
@@ -329,18 +357,33 @@ def keep_group_keys(inner: Optimizer) -> Iterator[None]:
 
 
 @contextmanager
-def restore_on_failure(inner: Optimizer) -> Iterator[None]:
+def restore_on_failure(inner: Optimizer, *, reload: bool = False) -> Iterator[None]:
     """Put the inner optimizer's state and groups back if loading fails half-way.
 
     ``Optimizer.load_state_dict`` builds new ``state`` and ``param_groups``
     objects and swaps them in at the end, so keeping the old objects suffices.
+    With ``reload`` (an inner optimizer with a layout of its own, whose state may
+    live in objects it wraps) its own state dict is taken first and loaded back.
     """
+    saved = inner.state_dict() if reload else None
     state, groups = inner.state, inner.param_groups
     try:
         yield
     except StateDictError:
-        inner.state, inner.param_groups = state, groups
+        _put_back(inner, state, groups, saved)
         raise
     except Exception as exc:
-        inner.state, inner.param_groups = state, groups
+        _put_back(inner, state, groups, saved)
         raise _bad(f"the inner {type(inner).__name__} rejected it ({exc})") from exc
+
+
+def _put_back(inner: Optimizer, state: Any, groups: list[dict[str, Any]], saved: Any) -> None:
+    """The objects held before loading (only those replaced: a third-party ``param_groups`` may be a
+    read-only view), or ``saved`` loaded back."""
+    if saved is not None:
+        inner.load_state_dict(saved)
+        return
+    if inner.state is not state:
+        inner.state = state
+    if inner.param_groups is not groups:
+        inner.param_groups = groups

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 from torch.optim import Optimizer
@@ -31,8 +31,50 @@ HOOK_DICTS = (
 )
 
 
+def forwardable(owner: type, name: str) -> bool:
+    """Whether ``name`` is read from the inner optimizer: public, and not defined by the wrapper's class.
+
+    Private names never are (GradScaler would see the inner ``_step_supports_amp_scaling``),
+    and the wrapper's own attributes (its class's, its instance's) are found before
+    ``__getattr__`` is asked.
+    """
+    return not name.startswith("_") and not hasattr(owner, name)
+
+
+def _no_attribute(view: object, name: str, inner: list[Optimizer] | None) -> AttributeError:
+    where = ""
+    if inner:
+        kinds = ", ".join(type(o).__name__ for o in inner)
+        where = f" (nor has its inner {kinds})" if len(inner) == 1 else f" (nor has any of its inner {kinds})"
+    return AttributeError(f"'{type(view).__name__}' object has no attribute '{name}'{where}")
+
+
+def _read_inner(view: object, optimizers: list[Optimizer], name: str) -> Any:
+    """``name`` of the inner optimizer; over several, of the one that has it, and a method that
+    more have is one calling each of theirs in order (``opt.train()`` of schedule-free ones)."""
+    holders = [o for o in optimizers if hasattr(o, name)]
+    if not holders:
+        raise _no_attribute(view, name, optimizers)
+    values = [getattr(o, name) for o in holders]
+    if len(values) == 1:
+        return values[0]
+    if not all(callable(v) for v in values):
+        raise AttributeError(
+            f"'{name}' is an attribute of {len(values)} of the inner optimizers; "
+            f"read it from one of them: opt.optimizers[i].{name}"
+        )
+
+    def each(*args: Any, **kwargs: Any) -> Any:
+        results = [v(*args, **kwargs) for v in values]
+        return None if all(r is None for r in results) else results
+
+    return each
+
+
 class InnerOptimizerView(Optimizer):
-    """Delegates ``param_groups``, ``state``, ``defaults`` and ``add_param_group`` to the inner optimizer.
+    """Delegates ``param_groups``, ``state``, ``defaults`` and ``add_param_group`` to the inner optimizer,
+    and reads every other public attribute the wrapper does not define from it (``train()``/``eval()``
+    of schedule-free optimizers, ``consolidate_state_dict()`` of ``ZeroRedundancyOptimizer``).
 
     ``_inner`` is the optimizer, or an ``_inner.InnerOptimizers`` over several: then
     ``param_groups`` is every inner optimizer's group dicts in order, ``state`` a view
@@ -41,6 +83,49 @@ class InnerOptimizerView(Optimizer):
 
     #: The inner optimizer (an ``InnerOptimizers`` over several).
     _inner: Optimizer
+
+    #: Set at the end of the constructor: from then on, assigning a name read from the inner
+    #: optimizer raises instead of hiding it (see ``__setattr__``).
+    _forwarding = False
+
+    if not TYPE_CHECKING:  # hidden from mypy, which would otherwise type every misspelt attribute Any
+
+        def __getattr__(self, name: str) -> Any:
+            """The inner optimizer's public attribute ``name`` (only asked when the wrapper has none).
+
+            Reads ``__dict__`` directly: while unpickling, before it is filled, no lookup recurses.
+            A property of the wrapper that raised ``AttributeError`` (``opt.optimizer`` over
+            several) raises its own error again.
+            """
+            prop = getattr(type(self), name, None)
+            if isinstance(prop, property) and prop.fget is not None:
+                return prop.fget(self)
+            inner = self.__dict__.get("_inner")
+            if inner is None or not forwardable(type(self), name):
+                raise _no_attribute(self, name, None)
+            return _read_inner(self, inner_optimizers(inner), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if forwardable(type(self), name) and self._forwarding and name not in self.__dict__:
+            inner = self.__dict__.get("_inner")
+            optimizers = [] if inner is None else inner_optimizers(inner)
+            holders = [k for k, o in enumerate(optimizers) if hasattr(o, name)]
+            if holders:
+                kind = type(optimizers[holders[0]]).__name__
+                where = "opt.optimizer" if len(optimizers) == 1 else f"opt.optimizers[{holders[0]}]"
+                raise AttributeError(
+                    f"cannot set '{name}' on the {type(self).__name__}: it is the inner {kind}'s "
+                    f"attribute, read through the wrapper; set it there: {where}.{name} = ..."
+                )
+        super().__setattr__(name, value)
+
+    def __dir__(self) -> list[str]:
+        """The wrapper's names and the inner optimizers' public ones (what ``__getattr__`` reads)."""
+        inner = self.__dict__.get("_inner")
+        names = set(super().__dir__())
+        for o in [] if inner is None else inner_optimizers(inner):
+            names.update(n for n in dir(o) if forwardable(type(self), n))
+        return sorted(names)
 
     def _init_hooks(self) -> None:
         for name in HOOK_DICTS:

@@ -545,3 +545,77 @@ def test_a_group_check_failing_after_loading_puts_every_inner_optimizer_back() -
         opt.load_state_dict(sd)
     assert (muon.param_groups, adamw.param_groups) == groups and adamw.param_groups[0]["lr"] == 0.01
     assert muon.param_groups is groups[0] and adamw.param_groups is groups[1]
+
+
+# ---------------------------------------------------------------- inner methods and layouts
+
+
+def test_a_method_of_the_inner_optimizers_is_called_on_each_that_has_it() -> None:
+    """opt.eval()/opt.train() over [Muon, AdamWScheduleFree, SGDScheduleFree] call each schedule-free
+    optimizer's own (Muon has none); an attribute none has, or one several hold as values, raises
+    naming opt.optimizers[i]; assigning one names the optimizer that holds it."""
+    import schedulefree
+
+    model = mlp((5, 4, 3))
+    matrices, others = _split(model)
+    sf_adamw = schedulefree.AdamWScheduleFree([others[0]], lr=0.05)
+    sf_sgd = schedulefree.SGDScheduleFree([others[1]], lr=0.05)
+    opt = ClippedOptimizer([torch.optim.Muon(matrices, lr=0.02), sf_adamw, sf_sgd])
+    opt.train()
+    assert sf_adamw.param_groups[0]["train_mode"] and sf_sgd.param_groups[0]["train_mode"]
+    opt.eval()
+    assert not sf_adamw.param_groups[0]["train_mode"] and not sf_sgd.param_groups[0]["train_mode"]
+    assert "train" in dir(opt)
+    with pytest.raises(
+        AttributeError,
+        match=re.escape(
+            "'ClippedOptimizer' object has no attribute 'nothing' (nor has any of its inner Muon, "
+            "AdamWScheduleFree, SGDScheduleFree)"
+        ),
+    ):
+        _ = opt.nothing
+    with pytest.raises(
+        AttributeError,
+        match=re.escape(
+            "cannot set 'train' on the ClippedOptimizer: it is the inner AdamWScheduleFree's attribute, read "
+            "through the wrapper; set it there: opt.optimizers[1].train = ..."
+        ),
+    ):
+        opt.train = None
+    with pytest.raises(AttributeError, match=re.escape("opt.optimizer is the inner optimizer of one")):
+        _ = opt.optimizer
+
+
+def test_lookahead_in_a_list_round_trips_its_own_layout() -> None:
+    """[Muon, Lookahead(AdamW)]: Lookahead's part of the state dict is in its own layout (checked by
+    Lookahead once loaded), Muon's in torch's; saved with torch.save and loaded (weights_only) into
+    fresh optimizers, training resumes bit for bit."""
+    from pytorch_optimizer import Lookahead
+
+    def build(model: nn.Module) -> ClippedOptimizer:
+        matrices, others = _split(model)
+        inner = Lookahead(torch.optim.AdamW(others, lr=0.05), k=2, pullback_momentum="none")
+        return ClippedOptimizer([torch.optim.Muon(matrices, lr=0.02), inner], max_norm=0.3)
+
+    model = mlp((5, 4, 3))
+    opt = build(model)
+    batches = pairs(7, (8, 5), (8, 3), seed=70)
+    for batch in batches[:3]:
+        mse(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    assert "state" not in saved["opt"]["optimizers"][1]  # Lookahead's own layout
+    resumed = mlp((5, 4, 3), seed=3)
+    resumed.load_state_dict(saved["model"])
+    opt2 = build(resumed)
+    opt2.load_state_dict(saved["opt"])
+    for m, o in ((model, opt), (resumed, opt2)):
+        for batch in batches[3:]:
+            mse(m, batch).backward()
+            o.step()
+            o.zero_grad()
+    _assert_params_equal(model, resumed)

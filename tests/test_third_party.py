@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import copy
+import io
+import pickle
+import re
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 from clipopt import ClippedOptimizer
+
+from .helpers import batches_for, mlp, mse
+from .helpers import train as helpers_train
+from .test_skip import assert_identical
 
 
 class SignMomentum(torch.optim.Optimizer):
@@ -108,3 +116,327 @@ def test_third_party_state_dict_round_trip() -> None:
             o.zero_grad()
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------ the inner optimizer's own methods (schedule-free, ZeRO)
+
+MAX_NORM = 0.05  # below the gradient norms of these runs: every window is clipped
+
+
+def _schedule_free(name: str, params: Any) -> torch.optim.Optimizer:
+    """A real schedule-free optimizer: the ``schedulefree`` package's or pytorch_optimizer's."""
+    import pytorch_optimizer
+    import schedulefree
+
+    makers: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+        "schedulefree.AdamWScheduleFree": lambda ps: schedulefree.AdamWScheduleFree(ps, lr=0.05),
+        "schedulefree.SGDScheduleFree": lambda ps: schedulefree.SGDScheduleFree(ps, lr=0.05),
+        "pytorch_optimizer.ScheduleFreeAdamW": lambda ps: pytorch_optimizer.ScheduleFreeAdamW(ps, lr=0.05),
+        "pytorch_optimizer.ScheduleFreeWrapper": lambda ps: pytorch_optimizer.ScheduleFreeWrapper(
+            torch.optim.SGD(ps, lr=0.05), momentum=0.9
+        ),
+    }
+    return makers[name](params)
+
+
+SCHEDULE_FREE = [
+    "schedulefree.AdamWScheduleFree",
+    "schedulefree.SGDScheduleFree",
+    "pytorch_optimizer.ScheduleFreeAdamW",
+    "pytorch_optimizer.ScheduleFreeWrapper",
+]
+
+
+def _schedule_free_run(name: str, wrapped: bool) -> list[list[torch.Tensor]]:
+    """Windows of 2 micro-batches (gradients summed), ``eval()``/``train()`` around an evaluation
+    after every micro-batch -- mid-window too -- as schedulefree's README asks; through the wrapper
+    (``wrapped``) or as plain torch (accumulate, ``clip_grad_norm_``, step).  Returns the
+    parameters every evaluation saw."""
+    model = mlp((5, 4, 3))
+    inner = _schedule_free(name, model.parameters())
+    opt: Any = ClippedOptimizer(inner, MAX_NORM, accumulation_steps=2, reduction="sum") if wrapped else inner
+    evaluated = []
+    for i, batch in enumerate(batches_for(8, seed=3)):
+        opt.train()
+        mse(model, batch).backward()
+        if wrapped:
+            opt.step()
+        elif i % 2 == 1:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            opt.step()
+        if wrapped or i % 2 == 1:
+            opt.zero_grad()
+        opt.eval()
+        evaluated.append([p.detach().clone() for p in model.parameters()])
+    return evaluated
+
+
+@pytest.mark.parametrize("name", SCHEDULE_FREE)
+def test_schedule_free_train_and_eval_work_on_the_wrapper(name: str) -> None:
+    """#22 item 7: ``opt.train()``/``opt.eval()`` raised AttributeError on the wrapper.  Now they reach
+    the inner schedule-free optimizer: with eval()/train() around every evaluation (inside an open
+    window too) the run equals plain accumulation + clip_grad_norm_ + step, bit for bit, in both the
+    training and the evaluation weights; the window's gradients survive the swap."""
+    seen = _schedule_free_run(name, wrapped=True)
+    ref_seen = _schedule_free_run(name, wrapped=False)
+    assert len(seen) == len(ref_seen) == 8
+    for got, want in zip(seen, ref_seen, strict=True):
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+    assert seen[0][0].ne(seen[-1][0]).any()  # it trained
+
+
+def test_forwarded_names_hasattr_dir_and_the_wrappers_own() -> None:
+    """What the forwarding answers: ``hasattr``/``dir`` see the inner optimizer's public names (so
+    Trainer/Accelerate, which call ``optimizer.train()`` when it exists, find it); private names are
+    never read through (GradScaler must not see a fused inner's ``_step_supports_amp_scaling``);
+    the wrapper's own attributes win (pytorch_optimizer's Lookahead has its own ``optimizer`` and
+    ``state_dict``); public non-method attributes are read (Lookahead's ``k``)."""
+    from pytorch_optimizer import Lookahead
+
+    model = mlp((5, 4, 3))
+    plain = ClippedOptimizer(torch.optim.AdamW(model.parameters(), fused=True))
+    assert plain.optimizer._step_supports_amp_scaling  # type: ignore[attr-defined]
+    assert not hasattr(plain, "_step_supports_amp_scaling")
+    assert not hasattr(plain, "train") and "train" not in dir(plain)
+    with pytest.raises(
+        AttributeError,
+        match=re.escape("'ClippedOptimizer' object has no attribute 'train' (nor has its inner AdamW)"),
+    ):
+        plain.train  # type: ignore[attr-defined]  # noqa: B018
+
+    sf = ClippedOptimizer(_schedule_free("schedulefree.AdamWScheduleFree", model.parameters()))
+    assert (
+        hasattr(sf, "train") and hasattr(sf, "eval") and {"train", "eval", "step", "max_norm"} <= set(dir(sf))
+    )
+
+    inner = Lookahead(torch.optim.SGD(model.parameters(), lr=0.1), k=3)
+    look = ClippedOptimizer(inner)
+    assert look.optimizer is inner  # the wrapper's, not Lookahead's base optimizer
+    assert look.k == 3  # type: ignore[attr-defined]
+    assert look.backup_and_load_cache.__self__ is inner  # type: ignore[attr-defined]
+    assert type(look).state_dict is ClippedOptimizer.state_dict
+    assert "clipopt" in look.state_dict()
+
+
+def test_assigning_a_forwarded_name_is_refused() -> None:
+    """``opt.k = 10`` on a wrapper that reads ``k`` from its inner Lookahead would have set a second
+    ``k`` on the wrapper, hiding the one the inner optimizer uses; it is refused with the fix.  The
+    wrapper's own attributes and new names are still assigned as usual."""
+    from pytorch_optimizer import Lookahead
+
+    model = mlp((5, 4, 3))
+    look = ClippedOptimizer(Lookahead(torch.optim.SGD(model.parameters(), lr=0.1), k=3))
+    message = (
+        "cannot set 'k' on the ClippedOptimizer: it is the inner Lookahead's attribute, read through "
+        "the wrapper; set it there: opt.optimizer.k = ..."
+    )
+    with pytest.raises(AttributeError, match=re.escape(message)):
+        look.k = 10  # type: ignore[attr-defined]
+    assert look.optimizer.k == 3  # type: ignore[attr-defined]
+    look.optimizer.k = 4  # type: ignore[attr-defined]
+    assert look.k == 4  # type: ignore[attr-defined]
+    look.clip_value = 1.0
+    look.note = "mine"  # type: ignore[attr-defined]
+    assert look.note == "mine" and look.clip_value == 1.0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_forward_to_their_own_inner_optimizer(how: str) -> None:
+    """A deep copy or an unpickled copy (``__getattr__`` runs before its ``__dict__`` is filled:
+    no recursion) forwards ``train()``/``eval()`` to its own inner optimizer, not the original's."""
+    model = mlp((5, 4, 3))
+    opt = ClippedOptimizer(_schedule_free("schedulefree.AdamWScheduleFree", model.parameters()), MAX_NORM)
+    opt.train()
+    helpers_train(model, opt, batches_for(3, seed=1), mse)
+    pair = (model, opt)
+    new_model, new = copy.deepcopy(pair) if how == "deepcopy" else pickle.loads(pickle.dumps(pair))
+    new.eval()
+    assert new.param_groups[0]["train_mode"] is False
+    assert opt.param_groups[0]["train_mode"] is True
+    assert not torch.equal(next(new_model.parameters()), next(model.parameters()))  # the copy swapped
+    opt.eval()
+    for a, b in zip(model.parameters(), new_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_zero_redundancy_consolidate_state_dict_through_the_wrapper() -> None:
+    """#22 item 7: ``opt.consolidate_state_dict()`` of a ZeroRedundancyOptimizer raised AttributeError
+    on the wrapper.  Now it reaches ZeRO (a 1-process gloo group), the wrapper's state dict is then
+    taken, and a fresh model + wrapper loading it trains on bit-identically."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def make(model: torch.nn.Module) -> ClippedOptimizer:
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=0.05)
+        return ClippedOptimizer(zero, MAX_NORM, accumulation_steps=2)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = mlp((5, 4, 3))
+        opt = make(model)
+        data = batches_for(8, seed=4)
+        helpers_train(model, opt, data[:4], mse)
+        opt.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
+        sd = copy.deepcopy(opt.state_dict())
+        model2 = copy.deepcopy(model)
+        opt2 = make(model2)
+        opt2.load_state_dict(sd)
+        helpers_train(model, opt, data[4:], mse)
+        helpers_train(model2, opt2, data[4:], mse)
+    finally:
+        dist.destroy_process_group()
+    assert opt.num_updates == opt2.num_updates == 4
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------ inner state dicts in a layout of their own (#22 item 8)
+
+
+def _layered(name: str, params: Any) -> torch.optim.Optimizer:
+    """An inner optimizer whose state dict is not torch's layout (pytorch_optimizer's Lookahead,
+    ScheduleFreeWrapper), or schedulefree's AdamW (torch's layout, extra group keys)."""
+    import pytorch_optimizer
+
+    if name == "Lookahead":
+        return pytorch_optimizer.Lookahead(torch.optim.AdamW(params, lr=0.05), k=3, pullback_momentum="none")
+    if name == "ScheduleFreeWrapper":
+        return _schedule_free("pytorch_optimizer.ScheduleFreeWrapper", params)
+    return _schedule_free("schedulefree.AdamWScheduleFree", params)
+
+
+LAYERED = ["Lookahead", "ScheduleFreeWrapper", "AdamWScheduleFree"]
+
+
+def _resumable_run(
+    name: str, model: torch.nn.Module, opt: ClippedOptimizer, batches: list[Any], *, start: bool
+) -> None:
+    """Micro-batches with ``train()`` first and ``eval()`` last where the inner optimizer has them
+    (schedule-free: evaluate and save in eval mode, as its README says)."""
+    if hasattr(opt, "train"):
+        opt.train()
+    helpers_train(model, opt, batches, mse)
+    if hasattr(opt, "eval") and start:
+        opt.eval()
+
+
+@pytest.mark.parametrize("name", LAYERED)
+def test_state_dict_of_another_layout_resumes_bit_identically(name: str) -> None:
+    """#22 item 8: Lookahead and ScheduleFreeWrapper save ``lookahead_state``/``schedulefree_state``
+    and ``base_optimizer``, not ``state``/``param_groups``; ``opt.load_state_dict(opt.state_dict())``
+    failed ("'state' must be a dict").  Now 5 micro-batches (mid-window: 2 per window), a checkpoint
+    through torch.save/torch.load(weights_only=True), a fresh model and optimizer loading it and 5
+    more micro-batches equal 10 in one go, bit for bit: parameters and the whole inner state dict."""
+
+    def make(model: torch.nn.Module) -> ClippedOptimizer:
+        return ClippedOptimizer(_layered(name, model.parameters()), MAX_NORM, accumulation_steps=2)
+
+    data = batches_for(10, seed=5)
+    model = mlp((5, 4, 3))
+    opt = make(model)
+    _resumable_run(name, model, opt, data[:5], start=True)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    _resumable_run(name, model, opt, data[5:], start=False)
+
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    resumed = mlp((5, 4, 3), seed=1)
+    resumed.load_state_dict(ckpt["model"])
+    opt2 = make(resumed)
+    opt2.load_state_dict(ckpt["opt"])
+    assert opt2.micro_batches == 1 and opt2.num_updates == 2
+    _resumable_run(name, resumed, opt2, data[5:], start=False)
+
+    assert opt2.num_updates == opt.num_updates == 5
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_identical(opt2.optimizer.state_dict(), opt.optimizer.state_dict())
+
+
+def _lookahead_checkpoint() -> tuple[dict[str, Any], Callable[..., ClippedOptimizer]]:
+    """A Lookahead checkpoint after 2 applied windows, and a factory of fresh wrappers for it."""
+
+    def make(model: torch.nn.Module, **kw: Any) -> ClippedOptimizer:
+        return ClippedOptimizer(_layered("Lookahead", model.parameters()), MAX_NORM, **kw)
+
+    model = mlp((5, 4, 3))
+    opt = make(model)
+    helpers_train(model, opt, batches_for(2, seed=6), mse)
+    return copy.deepcopy(opt.state_dict()), make
+
+
+REFUSED_LAYOUTS = [
+    pytest.param(
+        lambda: mlp((5, 4, 3), bias=False),
+        "invalid state_dict: the inner Lookahead rejected it (lookahead state does not match the "
+        "current parameters); pass the dict returned by opt.state_dict()",
+        id="inner-refuses",
+    ),
+    pytest.param(
+        lambda: mlp((5, 6, 3)),
+        "invalid state_dict: state[0]['slow_params'] has shape (4, 5), parameter has (6, 5); "
+        "pass the dict returned by opt.state_dict()",
+        id="loaded-shapes-checked",
+    ),
+]
+
+
+@pytest.mark.parametrize(("other_model", "message"), REFUSED_LAYOUTS)
+def test_state_dict_of_another_layout_that_does_not_fit_is_refused_untouched(
+    other_model: Callable[[], torch.nn.Module], message: str
+) -> None:
+    """A Lookahead checkpoint of another model: the inner optimizer refuses one of other parameter
+    count itself; one of other shapes, which Lookahead and torch load without a word, is refused by
+    the wrapper's check of the state the inner optimizer then holds (``opt.state``).  Either way the
+    wrapper, its Lookahead and the base optimizer are left as they were."""
+    sd, make = _lookahead_checkpoint()
+    other = other_model()
+    opt = make(other)
+    helpers_train(other, opt, batches_for(1, seed=7), mse)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=re.escape(message)):
+        opt.load_state_dict(sd)
+    assert_identical(opt.state_dict(), before)
+
+
+def test_group_options_of_another_layout_are_checked_once_visible() -> None:
+    """The wrapper's per-group checks apply where the groups are visible: a Lookahead checkpoint whose
+    base group carries ``max_norm=-1`` is refused with the constructor's message once the inner
+    optimizer has loaded it, and everything is put back; a group's own ``max_norm`` set now and absent
+    from the checkpoint is kept after loading, as for torch's layout."""
+    sd, make = _lookahead_checkpoint()
+    bad = copy.deepcopy(sd)
+    bad["base_optimizer"]["param_groups"][0]["max_norm"] = -1.0
+    model = mlp((5, 4, 3))
+    opt = make(model)
+    before = copy.deepcopy(opt.state_dict())
+    message = (
+        "invalid state_dict: parameter group 0: 'max_norm' must be a positive finite number or None, got -1.0"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        opt.load_state_dict(bad)
+    assert_identical(opt.state_dict(), before)
+    opt.param_groups[0]["max_norm"] = 0.5
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["max_norm"] == 0.5 and opt.num_updates == 2
+
+
+def test_torch_layout_refused_by_an_inner_optimizer_with_read_only_groups() -> None:
+    """A torch-layout state dict (a wrapped AdamW's) handed to a wrapped Lookahead: Lookahead refuses
+    it, and putting its state back raised ``AttributeError`` (its ``param_groups`` has no setter)
+    instead of the ``ValueError`` saying why.  Now only replaced objects are put back: the refusal is
+    reported, and nothing changed."""
+    model = mlp((5, 4, 3))
+    plain = ClippedOptimizer(torch.optim.AdamW(model.parameters()), MAX_NORM)
+    helpers_train(model, plain, batches_for(1, seed=8), mse)
+    opt = ClippedOptimizer(_layered("Lookahead", model.parameters()), MAX_NORM)
+    before = copy.deepcopy(opt.state_dict())
+    message = (
+        "invalid state_dict: the inner Lookahead rejected it ('lookahead_state'); "
+        "pass the dict returned by opt.state_dict()"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        opt.load_state_dict(plain.state_dict())
+    assert_identical(opt.state_dict(), before)
