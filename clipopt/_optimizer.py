@@ -722,7 +722,8 @@ class ClippedOptimizer(InnerOptimizerView):
         """The inner optimizer's state dict plus a ``"clipopt"`` entry with the wrapper state.
 
         The result has the usual ``"state"`` and ``"param_groups"`` keys (a plain
-        optimizer can load it) and only tensors, numbers, strings, lists and
+        optimizer can load it; over several inner optimizers, ``"optimizers"``: a
+        list of their state dicts) and only tensors, numbers, strings, lists and
         dicts, so ``torch.load(..., weights_only=True)`` reads it.  Taken
         mid-window it holds a copy of the gradients accumulated so far.
         """
