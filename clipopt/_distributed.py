@@ -30,7 +30,7 @@ import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import Tensor
@@ -184,10 +184,14 @@ class ShardedGrads:
             ``locals`` change the gradients themselves).
     """
 
-    __slots__ = ("_groups", "locals")
+    __slots__ = ("_groups", "carry", "locals")
 
     def __init__(self, grads: Sequence[Tensor]) -> None:
         dtensor = _dtensor_type()
+        #: What rides in the first reduction of the norm (the ranks' check,
+        #: ``ReplicaDecision``): its ``encode(summed, device)`` gives float64 entries
+        #: appended to the reduced values, ``receive(reduced, summed)`` gets them back.
+        self.carry: Any = None
         self.locals: list[Tensor] = []
         groups: dict[tuple[Any, ...], list[int]] = {}
         for i, g in enumerate(grads):
@@ -212,7 +216,7 @@ class ShardedGrads:
         parts = []
         for pgs, indices in self._groups:
             local = _local_norm([grads[i] for i in indices], norm_type, foreach)
-            parts.append(_reduce_norm(local, norm_type, pgs) if pgs else local)
+            parts.append(self._reduce(local, norm_type, pgs) if pgs else local)
         if len(parts) == 1:
             return parts[0]
         return F.get_total_norm(parts, norm_type)
@@ -228,12 +232,23 @@ class ShardedGrads:
         for pgs, indices in self._groups:
             local = _local_norms([grads[i] for i in indices], norm_type, foreach)
             if pgs:
-                local = _reduce_norm(local, norm_type, pgs)
+                local = self._reduce(local, norm_type, pgs)
             for slot, i in enumerate(indices):
                 found[i] = local[slot]
         if not found:
             return torch.zeros(0, dtype=torch.float32)
         return torch.stack([n for n in found if n is not None])
+
+    def _reduce(self, local: Tensor, p: float, groups: Sequence[Any]) -> Tensor:
+        """:func:`_reduce_norm`; the first one carries :attr:`carry` (then cleared)."""
+        carry, self.carry = self.carry, None
+        if carry is None:
+            return _reduce_norm(local, p, groups)
+        summed = not math.isinf(p)
+        extra = carry.encode(summed, local.device)
+        norm, reduced = _reduce_norm(local, p, groups, extra)
+        carry.receive(reduced, summed)
+        return norm
 
 
 def _local_norms(grads: Sequence[Tensor], p: float, foreach: bool | None) -> Tensor:
@@ -268,21 +283,41 @@ def reduce_norm_over(local: Tensor, p: float, group: Any) -> Tensor:
     return _reduce_norm(local, p, [group])
 
 
-def _reduce_norm(local: Tensor, p: float, groups: Sequence[Any]) -> Tensor:
-    """Combine a rank-local p-norm into the norm over ``groups`` (each reduced in turn)."""
+@overload
+def _reduce_norm(local: Tensor, p: float, groups: Sequence[Any]) -> Tensor: ...
+@overload
+def _reduce_norm(local: Tensor, p: float, groups: Sequence[Any], extra: Tensor) -> tuple[Tensor, Tensor]: ...
+def _reduce_norm(
+    local: Tensor, p: float, groups: Sequence[Any], extra: Tensor | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Combine a rank-local p-norm (a scalar or a vector) into the norm over ``groups`` (each
+    reduced in turn).  ``extra`` (float64 entries, encoded for SUM, or MAX for the inf-norm) rides
+    in the same collectives: then ``(norm, extra reduced)``."""
     dist = torch.distributed
+    k = local.numel()
     if math.isinf(p):
         # gloo's MAX drops nan: carry "some rank is nan" as a second, finite value
-        packed = torch.stack([local, torch.isnan(local).to(local.dtype)])
-        for pg in groups:
-            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=pg)
-        return torch.where(packed[1] > 0, torch.full_like(local, math.nan), packed[0])
-    # float64: a float32 partial norm's p-th power is below 3.4e38 (torch computed it as a
-    # float32 sum), so summing WORLD of them cannot overflow where one process would not
-    acc = local.double().pow(p)
+        packed = torch.cat([local.double().reshape(-1), torch.isnan(local).double().reshape(-1)])
+        op = dist.ReduceOp.MAX
+    else:
+        # float64: a float32 partial norm's p-th power is below 3.4e38 (torch computed it as a
+        # float32 sum), so summing WORLD of them cannot overflow where one process would not
+        packed = local.double().pow(p).reshape(-1)
+        op = dist.ReduceOp.SUM
+    if extra is not None:
+        packed = torch.cat([packed, extra])
     for pg in groups:
-        dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=pg)
-    return acc.pow(1.0 / p).to(local.dtype)
+        dist.all_reduce(packed, op=op, group=pg)
+    if math.isinf(p):
+        value = packed[:k].reshape(local.shape).to(local.dtype)
+        norm = torch.where(
+            packed[k : 2 * k].reshape(local.shape) > 0, torch.full_like(local, math.nan), value
+        )
+    else:
+        norm = packed[:k].reshape(local.shape).pow(1.0 / p).to(local.dtype)
+    if extra is None:
+        return norm
+    return norm, packed[packed.numel() - extra.numel() :]
 
 
 def _shard_groups(t: Any, dtensor: Any) -> tuple[Any, ...]:

@@ -6,20 +6,23 @@ one rank's copy change after the all-reduce (a buggy hook, silent data
 corruption), the ranks would take different decisions and their replicas
 drift apart.  :class:`ReplicaDecision` makes the decision common:
 
-* **per window, one collective**: an ``all_reduce(MAX)`` of nine float64
+* **per window, one collective**: an ``all_reduce(MAX)`` of sixteen float64
   values — the non-finite indicator, ``norm`` and ``-norm`` (the largest and
-  the smallest norm over the replicas), the micro-batch count, the window
-  index and the packet kind (each with its negation).  Every rank then skips when any rank is
+  the smallest norm over the replicas), the packet kind and its negation, the
+  loss (a SpikeGuard's), and the ranks' check (:mod:`clipopt._rank_check`:
+  window index, micro-batch count, settings key, loaded-state checksum, a
+  failed close).  Every rank then skips when any rank is
   non-finite, and skips with reason ``"divergence"`` when the replicas' norms
-  differ by more than :data:`DIVERGENCE_RTOL` (relative) or when the ranks
-  closed different windows (``flush()`` on some ranks only).  Every rank
+  differ by more than :data:`DIVERGENCE_RTOL` (relative) or when the ranks'
+  checks differ (``flush()`` on some ranks only, window counters out of step,
+  settings changed on some ranks, another checkpoint loaded).  Every rank
   continues with the same norm (the largest), so adaptive policies keep the
   same state everywhere.  Nothing is read to the host for this: the agreed
   flag feeds the fused optimizers' ``found_inf``.  The warning (divergence)
   and the error (ranks out of step) need the host value: it is read where the
   window reads the device anyway (the non-fused path, snapshots), otherwise at
-  the next window's close, once the value is on the host (a CUDA event is
-  queried, never waited for).
+  the next window's close (from an accelerator: :data:`LAG` windows later, the
+  same window on every rank, so no rank is left waiting in a collective).
 * **once, at the first** ``step()`` **or** ``no_sync()``: an ``all_reduce(MAX)``
   of the window settings and their negations (accumulation_steps, reduction,
   norm_type, max_norm, clip_value, ...), read to the host once; ranks built
@@ -34,7 +37,12 @@ drift apart.  :class:`ReplicaDecision` makes the decision common:
 
 Under FSDP2 / tensor parallelism (DTensor parameters) the norm is already
 reduced across the shard groups, so every rank holds the same norm and flag
-and no per-window collective is added; the settings check still runs once.
+and no per-window collective is added: the ranks' check rides in the norm's
+reduction (``ShardedGrads.carry``), and its flag is the window's divergence.
+The settings check runs once, and again after ``accumulation_steps`` changed
+(the ranks' own collectives would no longer pair up before the next window).
+After ``load_state_dict`` (:meth:`ReplicaDecision.loaded`) the next window's
+check carries a checksum of the loaded state and of the parameters.
 """
 
 from __future__ import annotations
@@ -48,6 +56,18 @@ import torch
 from torch import Tensor
 
 from ._caller import user_stacklevel
+from ._rank_check import (
+    MAX_SLOTS,
+    MODULUS,
+    CheckValues,
+    Differ,
+    decode,
+    encode,
+    mismatch,
+    settings_key,
+    state_checksum,
+    tensor_checksum,
+)
 
 __all__ = ["DIVERGENCE_RTOL", "ReplicaDecision", "check_norm_group", "check_replica_group"]
 
@@ -56,11 +76,12 @@ __all__ = ["DIVERGENCE_RTOL", "ReplicaDecision", "check_norm_group", "check_repl
 #: hardware; the margin leaves room for different kernels on mixed hardware.
 DIVERGENCE_RTOL = 1e-5
 
-#: Agreed windows whose host copy may still be in flight before the oldest is waited for.
-MAX_PENDING = 8
+#: A check copied from an accelerator is read once this many more checks went out (see settle()).
+LAG = 2
 
-#: flag, norm, -norm, n, -n, window, -window, kind, -kind (0: window, 1: flush check), loss
-_PACKET = 10
+#: flag, norm, -norm, kind, -kind (0: window, 1: flush check), loss; then the check (``_rank_check``)
+_HEAD = 6
+_PACKET = _HEAD + MAX_SLOTS
 
 
 def check_replica_group(value: Any) -> Any:
@@ -105,9 +126,17 @@ class ReplicaDecision:
         self._group: Any = None
         self.active = False  # a group of more than one rank: settings check, and (plain tensors) agreement
         self.checked = False  # the settings check ran (or was not needed): step() asks no more
-        # agreed windows not checked on the host yet: (host copy, event or None, n, window), oldest first
-        self._pending: collections.deque[tuple[Tensor, Any, int, int]] = collections.deque()
-        self._current: Tensor | None = None  # this window's packet, reduced, on the device
+        self._checked_k: Any = None  # accumulation_steps when checked; FSDP2 (``_sharded``) checks a change
+        self._sharded = False
+        # reduced checks not read on the host yet, oldest first: (host copy, event or None, sequence
+        # number, encoding ("ddp", "sum" or "max"), this rank's values)
+        self._pending: collections.deque[tuple[Tensor, Any, int, str, CheckValues]] = collections.deque()
+        self._sent = 0  # checks sent so far (the sequence number of the next)
+        self._values: CheckValues | None = None  # this window's check values (prepare)
+        self._settings: list[tuple[str, float]] = []  # this window's settings, to name one that differs
+        self._device: torch.device | None = None
+        self._loaded: int | None = None  # checksum of the state dict loaded last, until a window carried it
+        self._open = 0  # the window whose check went out and whose close has not ended (0: none)
         self.divergence: Tensor | None = None  # this window's divergence indicator (1.0/0.0)
         #: The largest window loss over the ranks (``nan``: none given), set by agree(loss=...).
         self.agreed_loss: Tensor | None = None
@@ -138,15 +167,22 @@ class ReplicaDecision:
                 self.active = _group_world(self._group) > 1
         return self.active
 
-    # ------------------------------------------------------------------ settings, once
+    # ------------------------------------------------------------------ settings: once, and per change
 
-    def check_settings(self, settings: list[tuple[str, float]], device: torch.device) -> None:
-        """Raise on every rank when the ranks' window settings differ (once; one collective, one read)."""
-        if self.checked:
-            return
-        self.checked = True  # also without replicas: step() then never asks again
-        if not self.resolve():
-            return
+    def due(self, accumulation_steps: int) -> bool:
+        """Whether step()/no_sync() must run the settings check first: before the first window, and
+        under FSDP2 after ``accumulation_steps`` changed (the ranks' own collectives would no longer
+        pair up before the next window's check; DDP's agreement packet finds it)."""
+        return not self.checked or (self._sharded and accumulation_steps != self._checked_k)
+
+    def check_settings(self, settings: list[tuple[str, float]], device: torch.device, sharded: bool) -> None:
+        """Raise on every rank when the ranks' window settings differ (one collective, one read)."""
+        self.checked, self._sharded = True, sharded  # also without replicas: step() then never asks again
+        self._checked_k = dict(settings).get("accumulation_steps")
+        if self.resolve():
+            self._compare_settings(settings, device)
+
+    def _compare_settings(self, settings: list[tuple[str, float]], device: torch.device) -> None:
         dist = torch.distributed
         values = torch.tensor([v for _, v in settings], dtype=torch.float64)
         packet = torch.cat([values, -values, torch.ones(1, dtype=torch.float64)]).to(device)
@@ -162,12 +198,57 @@ class ReplicaDecision:
             raise RuntimeError(
                 "ClippedOptimizer settings differ across the ranks of the replica group: "
                 + ", ".join(bad)
-                + "; build the optimizer with the same settings on every rank (and resume every rank "
-                "from the same checkpoint step), or pass replica_group=None if the ranks train "
-                "independent models"
+                + "; build the optimizer with the same settings on every rank, change them on every "
+                "rank alike (and resume every rank from the same checkpoint step), or pass "
+                "replica_group=None if the ranks train independent models"
             )
 
+    # ------------------------------------------------------------------ the state, after a load
+
+    def loaded(self, state_dict: dict[str, Any]) -> None:
+        """After ``load_state_dict``: the checksum of what every rank must hold alike, carried by the
+        next window's check (no collective here).  Left out: what is each rank's own (an open
+        window's gradients and loss, the unsynced marker, Rewind's copies, DTensor shards)."""
+        dist = torch.distributed  # not resolve(): a load may come before init_process_group
+        if self.option is not None and dist.is_available() and dist.is_initialized():
+            entry = {k: v for k, v in (state_dict.get("clipopt") or {}).items() if k not in _RANK_OWN}
+            inner = {k: v for k, v in state_dict.items() if k != "clipopt"}
+            self._loaded = state_checksum([inner, entry])
+
     # ------------------------------------------------------------------ per window
+
+    def prepare(self, opt: Any, shards: Any, n: int, window: int) -> None:
+        """Before a window's norm: read the checks due, then this rank's values for this window's
+        check; under FSDP2 (``shards``) they ride in the norm's own reduction (``shards.carry``)."""
+        if not self.active:
+            return
+        self.settle(self._sent)
+        self._device = next(p for group in opt.param_groups for p in group["params"]).device
+        # pipeline stages (norm_group) hold different parameters and state: counters and settings only
+        state: int | Tensor | None = self._loaded if opt.norm_group is None else None
+        if state is not None:  # the parameters as they are now (a model loaded after us included)
+            params = [p for group in opt.param_groups for p in group["params"]]
+            found = tensor_checksum(params, self._device)
+            state = state if found is None else (found + state).remainder(MODULUS)
+        self._settings = settings_of(opt)
+        key = settings_key(self._settings, opt.max_norm)
+        self._values = CheckValues(window, n, key, state, failed=self._open)
+        self._open = window
+        if shards is not None:
+            shards.carry = self
+
+    def encode(self, summed: bool, device: torch.device) -> Tensor:
+        """This window's check, as entries of the norm's reduction (SUM when ``summed``, else MAX)."""
+        return encode(self._values or CheckValues(0, 0, 0), summed, device)
+
+    def receive(self, reduced: Tensor, summed: bool) -> None:
+        """The check's entries after the norm's reduction: the skip flag now, the message later."""
+        self.divergence = mismatch(reduced, summed)
+        self._send(reduced, "sum" if summed else "max", self._values or CheckValues(0, 0, 0))
+
+    def _send(self, reduced: Tensor, kind: str, values: CheckValues) -> None:
+        self._pending.append((*self._to_host(reduced), self._sent, kind, values))
+        self._sent += 1
 
     def agree(
         self, total_norm: Tensor, flag: Tensor, n: int, window: int, loss: Tensor | float | None = None
@@ -178,27 +259,23 @@ class ReplicaDecision:
         finds the largest window loss over the ranks: :attr:`agreed_loss`
         (``nan`` when no rank gave one).
         """
-        self.settle(wait=False)
         dist = torch.distributed
+        values = self._values if self._values is not None else CheckValues(window, n, 0)
         norm64 = total_norm.detach().to(torch.float64)
         finite = torch.nan_to_num(norm64, nan=0.0, posinf=0.0, neginf=0.0)
-        packet = torch.empty(_PACKET, dtype=torch.float64, device=total_norm.device)
-        packet[:3] = torch.stack([flag.to(torch.float64), finite, -finite])
-        for i, v in enumerate((n, -n, window, -window, 0, 0)):  # fills on the device: no host-to-device copy
-            packet[3 + i].fill_(float(v))
-        packet[9] = _loss_slot(loss, packet)
+        head = torch.stack([flag.to(torch.float64), finite, -finite, finite * 0.0, finite * 0.0])
+        packet = torch.cat([head, _loss_slot(loss, norm64).reshape(1), encode(values, False, norm64.device)])
         dist.all_reduce(packet, op=dist.ReduceOp.MAX, group=self._group)
-        self.agreed_loss = torch.where(packet[9] == -math.inf, math.nan, packet[9])
+        self.agreed_loss = torch.where(packet[5] == -math.inf, math.nan, packet[5])
         any_bad = packet[0] > 0
         high, low = packet[1], -packet[2]
-        out_of_step = (packet[3] != -packet[4]) | (packet[5] != -packet[6]) | (packet[7] != -packet[8])
+        out_of_step = (packet[3] != -packet[4]) | (mismatch(packet[_HEAD:], False) > 0)
         spread = (high - low) > DIVERGENCE_RTOL * high
         self.divergence = ((spread & ~any_bad) | out_of_step).to(torch.float32)
-        self._current = packet
         nan = torch.full_like(total_norm, math.nan)
         common = torch.where(any_bad, nan, high.to(total_norm.dtype))
         norm = torch.where(flag > 0, total_norm, common)  # a non-finite rank keeps its own nan/inf
-        self._pending.append((*self._to_host(packet), n, window))
+        self._send(packet, "ddp", values)
         return norm, any_bad.to(torch.float32)
 
     def agree_loss(self, loss: Tensor | float | None, device: torch.device) -> Tensor:
@@ -216,46 +293,55 @@ class ReplicaDecision:
         """Forget this window's device values; check its outcome now when the window read the host."""
         self.divergence = None
         self.agreed_loss = None
-        self._current = None
+        if self._values is not None and self._values.state is not None:
+            self._loaded = None  # carried: the next windows compare the counters and settings only
+        self._values = None
+        self._open = 0
         if host_read:
-            self.settle(wait=True)
+            self.settle(None)
 
-    def settle(self, wait: bool) -> None:
-        """Warn about divergence / raise on ranks out of step, for the agreed windows not checked yet.
+    def settle(self, now: int | None) -> None:
+        """Warn about divergence / raise on ranks out of step, for the checks not read yet.
 
-        ``wait=False`` reads only values already on the host (no device sync): a
-        window whose copy is still in flight stays pending (at most
-        :data:`MAX_PENDING` do; beyond that the oldest is waited for).
+        ``now=None`` reads every one.  Otherwise (``now``: the checks sent so far) a check whose
+        values are on the host already (CPU) is read, and one copied from an accelerator once
+        :data:`LAG` more checks went out (its copy has long arrived: the wait is no stall).  The
+        rule depends on the sequence only, so every rank raises at the same window and none is
+        left waiting in a collective.
         """
         while self._pending:
-            host, event, n, window = self._pending[0]
-            in_flight = event is not None and not event.query()
-            if in_flight and not wait and len(self._pending) < MAX_PENDING:
+            host, event, sent, kind, values = self._pending[0]
+            if now is not None and event is not None and now - sent < LAG:
                 return
             if event is not None:
                 event.synchronize()
             self._pending.popleft()
-            self._check(host, n, window)
+            self._check(host.tolist(), kind, values)
 
-    def _check(self, host: Tensor, n: int, window: int) -> None:
-        bad, high, neg_low, n_hi, n_lo, w_hi, w_lo, k_hi, k_lo, _ = host.tolist()
-        if k_hi != -k_lo:
+    def _check(self, host: list[float], kind: str, values: CheckValues) -> None:
+        check = host[_HEAD:] if kind == "ddp" else host
+        if kind == "ddp" and host[3] != -host[4]:
             raise RuntimeError(_FLUSH_ON_SOME)
-        if n_hi != -n_lo or w_hi != -w_lo:
+        differ, failed = decode(check, values, kind == "sum")
+        names = {d.name: d for d in differ}
+        if "window" in names or "micro-batches" in names:
+            raise RuntimeError(_out_of_step(values, names, failed, kind == "sum"))
+        if "settings" in names:
+            if self._device is not None:
+                self._compare_settings(self._settings, self._device)  # names the setting: raises
+            raise RuntimeError(_SETTINGS_CHANGED.format(window=values.window))
+        if "state" in names:
+            state = names["state"]
             raise RuntimeError(
-                f"the ranks of the replica group closed different accumulation windows: this rank "
-                f"closed window {window} after {n} micro-batches, the ranks windows "
-                f"{_fmt(-w_lo)} to {_fmt(w_hi)} after {_fmt(-n_lo)} to {_fmt(n_hi)} micro-batches; "
-                "call flush() on every rank (it is collective under data parallelism) and give every "
-                "rank the same accumulation_steps; the window was skipped on every rank"
+                _STATE_DIFFERS.format(window=values.window, ranks=state.ranks, mine=state.mine)
             )
-        low = -neg_low
-        if bad == 0 and high - low > DIVERGENCE_RTOL * high:
+        low, high = -host[2], host[1]
+        if kind == "ddp" and host[0] == 0 and high - low > DIVERGENCE_RTOL * high:
             warnings.warn(
                 f"clipopt: the data-parallel replicas' synchronised gradient norms differ at window "
-                f"{window} (from {low:.9g} to {high:.9g}): a rank's gradients changed after the gradient "
-                "all-reduce (a buggy hook or silent data corruption); the update was skipped on every "
-                "rank (reason 'divergence'). If the ranks train independent models, pass "
+                f"{values.window} (from {low:.9g} to {high:.9g}): a rank's gradients changed after the "
+                "gradient all-reduce (a buggy hook or silent data corruption); the update was skipped on "
+                "every rank (reason 'divergence'). If the ranks train independent models, pass "
                 "replica_group=None",
                 RuntimeWarning,
                 stacklevel=user_stacklevel(),
@@ -268,12 +354,13 @@ class ReplicaDecision:
         """
         if not self.resolve():
             return
-        self.settle(wait=True)
+        self.settle(None)
         dist = torch.distributed
-        values = [0.0, 0.0, 0.0, n, -n, window, -window, 1.0, -1.0, 0.0]
+        values = [0.0, 0.0, 0.0, 1.0, -1.0, -math.inf, window, -window, n, -n]
+        values += [-math.inf] * (_PACKET - len(values) - 2) + [0.0, 0.0]  # settings, state; failed
         packet = torch.tensor(values, dtype=torch.float64).to(device)
         dist.all_reduce(packet, op=dist.ReduceOp.MAX, group=self._group)
-        _, _, _, n_hi, n_lo, w_hi, w_lo, k_hi, k_lo, _ = packet.tolist()
+        _, _, _, k_hi, k_lo, _, w_hi, w_lo, n_hi, n_lo = packet[:10].tolist()
         if k_hi != -k_lo:
             raise RuntimeError(_FLUSH_ON_SOME)
         if n_hi != -n_lo or w_hi != -w_lo:
@@ -297,10 +384,65 @@ class ReplicaDecision:
         return packet, None  # other devices: read (and so waited for) when settled
 
 
+#: "clipopt" entries that are each rank's own under data parallelism (not compared after a load)
+_RANK_OWN = frozenset({"pending_grads", "loss_sum", "loss_count", "unsynced", "rewind"})
+
 _FLUSH_ON_SOME = (
     "flush() was called on some ranks of the replica group only: one rank's flush() met another "
     "rank's window; call flush() on every rank (it is collective under data parallelism)"
 )
+
+_SETTINGS_CHANGED = (
+    "ClippedOptimizer settings differ across the ranks of the replica group at window {window}: a "
+    "setting the first step's check does not compare (a clip policy's own settings, e.g. ZClip's "
+    "z_thresh) differs; build the optimizer and change its settings alike on every rank; the window "
+    "was skipped on every rank"
+)
+
+_STATE_DIFFERS = (
+    "the ranks of the replica group hold different training states at window {window}, the first after "
+    "load_state_dict: the checksums of the parameters and of the loaded optimizer state differ ({ranks}; "
+    "this rank: {mine}); "
+    "a rank loaded another run's checkpoint or another step's; load the same checkpoint on every rank "
+    "(under FSDP2 each rank's file of the same save); the window was skipped on every rank"
+)
+
+
+def _out_of_step(values: CheckValues, names: dict[str, Differ], failed: int, summed: bool) -> str:
+    """The message for ranks at different windows, naming the cause the values point at."""
+    n, window = values.micro_batches, values.window
+    where = f"this rank closed window {window} after {n} micro-batches"
+    if "window" not in names:
+        ranks = names["micro-batches"].ranks
+        ranks = (
+            f"ranks' micro-batches: {ranks}"
+            if summed
+            else f"ranks windows {window} to {window} after {ranks}"
+        )
+        return (
+            f"the ranks of the replica group closed different accumulation windows: {where}, the {ranks}"
+            f"{'' if summed else ' micro-batches'}; call flush() on every rank (it is collective under "
+            "data parallelism) and give every rank the same accumulation_steps; the window was skipped on "
+            "every rank"
+        )
+    ranks = names["window"].ranks
+    cause = "a rank loaded a checkpoint of another step, or skipped a window the others closed"
+    if failed:
+        if summed:
+            who = ", this one among them" if values.failed else ""
+            cause = f"a window's close raised on {failed} rank(s){who} after the ranks had agreed on it"
+        else:
+            who = "this rank" if values.failed else "another rank"
+            cause = f"the close of window {failed} raised on {who} after the ranks had agreed on it"
+        cause += (
+            " (e.g. an error in the inner optimizer's step, caught by the training loop): that rank rolled "
+            "the window back while the others applied it, so the replicas differ now"
+        )
+    return (
+        f"the window counters of the ranks of the replica group differ: {where}, the ranks' windows: "
+        f"{ranks}; {cause}; the window was skipped on every rank; resume every rank from the same "
+        "checkpoint"
+    )
 
 
 def _loss_slot(loss: Tensor | float | None, packet: Tensor) -> Tensor:

@@ -7,6 +7,9 @@ guard), all as CPU tensors.  Taking one from an accelerator enqueues
 not wait and the device is not stalled (later kernels on the same stream run
 after the copies, so the values are those of the moment of the capture).  A
 new copy reuses the host buffers of the one it replaces when the shapes match.
+:func:`host_tensors` copies some tensors the same way ahead of a copy (a
+module's buffers at a window's close, before the next forward pass changes
+them); :func:`capture` then holds those instead of the live ones.
 Restoring is exact, bit for bit: parameters and buffers are written in place
 (their identity is kept), and so is every optimizer state tensor whose shape
 and dtype still match, on its live device (no new device memory at a rewind;
@@ -26,7 +29,17 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["HostCopy", "TrainingState", "capture", "copy_extra", "copy_problem", "restore"]
+__all__ = [
+    "HostCopy",
+    "HostTensors",
+    "TrainingState",
+    "capture",
+    "copy_extra",
+    "copy_problem",
+    "host_tensors",
+    "plain",
+    "restore",
+]
 
 
 @dataclasses.dataclass
@@ -38,8 +51,31 @@ class TrainingState:
     optimizer: Optimizer  #: the inner optimizer, whose ``state`` is copied per parameter
 
 
+class _Landing:
+    """Host tensors filled by non-blocking copies; ``event`` is recorded after them (None: landed)."""
+
+    leaves: list[Tensor]
+    event: Any
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held by the tensors."""
+        return sum(t.numel() * t.element_size() for t in self.leaves)
+
+    def wait(self) -> None:
+        """Block until the copies have landed in host memory (a no-op on CPU)."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+    def order_before_later_work(self) -> None:
+        """Work enqueued later on the current stream runs after the copies (the host does not wait)."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+
 @dataclasses.dataclass
-class HostCopy:
+class HostCopy(_Landing):
     """One copy of the training state in host memory."""
 
     step: int  #: windows closed when the copy was taken
@@ -49,16 +85,21 @@ class HostCopy:
     devices: list[torch.device]  #: where each leaf came from
     event: Any = None  #: a CUDA event recorded after the copies, or None (CPU: already done)
 
-    def wait(self) -> None:
-        """Block until the copies have landed in host memory (a no-op on CPU)."""
-        if self.event is not None:
-            self.event.synchronize()
-            self.event = None
 
-    @property
-    def nbytes(self) -> int:
-        """Host memory held by the copy's tensors."""
-        return sum(t.numel() * t.element_size() for t in self.leaves)
+@dataclasses.dataclass
+class HostTensors(_Landing):
+    """Tensors copied to host memory at one moment: a module's buffers at a window's close, which
+    the copy taken at the next check (after the next forward pass) holds instead of the live ones."""
+
+    step: int  #: windows closed when they were copied
+    leaves: list[Tensor]  #: the host tensors (pinned when copied from an accelerator)
+    event: Any = None  #: a CUDA event recorded after the copies, or None (CPU: already done)
+
+    def fits(self, live: Sequence[Tensor]) -> bool:
+        """Whether they can stand in for ``live`` (same count, shapes and dtypes)."""
+        return len(live) == len(self.leaves) and all(
+            (t.shape, t.dtype) == (h.shape, h.dtype) for t, h in zip(live, self.leaves, strict=True)
+        )
 
 
 class _Leaf(NamedTuple):
@@ -187,21 +228,65 @@ def _host_buffer(src: Tensor, old: Tensor | None) -> Tensor:
     return torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
 
 
+def plain(t: Tensor) -> bool:
+    """Whether a copy can hold ``t``: a dense tensor (not sparse, not a subclass such as DTensor)."""
+    return not t.is_sparse and t.layout == torch.strided and type(t) in (Tensor, torch.nn.Parameter)
+
+
 def _check_plain(tensors: Sequence[Tensor]) -> None:
     for t in tensors:
-        if t.is_sparse or t.layout != torch.strided or type(t) not in (Tensor, torch.nn.Parameter):
+        if not plain(t):
             raise TypeError(
                 f"Rewind copies dense tensors only, got a {type(t).__name__} with layout {t.layout}; "
                 "pass rewind=None for sparse or distributed (DTensor) state"
             )
 
 
+def _to_host(
+    tensors: Sequence[Tensor], old: Sequence[Tensor], held: dict[int, Tensor] | None = None
+) -> tuple[list[Tensor], Any]:
+    """Host copies of ``tensors`` (into ``old``'s tensors where they fit), enqueued without waiting,
+    and the CUDA event recorded after them (None on CPU).  ``held``: positions already copied."""
+    held = held or {}
+    leaves = []
+    with torch.no_grad():
+        for i, src in enumerate(tensors):
+            if i in held:
+                leaves.append(held[i])
+                continue
+            dst = _host_buffer(src, old[i] if i < len(old) else None)
+            dst.copy_(src.detach(), non_blocking=src.device.type == "cuda")
+            leaves.append(dst)
+    event = None
+    if any(t.device.type == "cuda" for t in tensors):
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+    return leaves, event
+
+
+def host_tensors(tensors: Sequence[Tensor], step: int, reuse: HostTensors | None = None) -> HostTensors:
+    """Host copies of ``tensors`` (:func:`plain` ones) as they are now (window ``step``), without
+    waiting for them.
+
+    ``reuse``: earlier ones whose host tensors may be overwritten (copies on the same stream land in order).
+    """
+    _check_plain(tensors)
+    return HostTensors(step, *_to_host(tensors, [] if reuse is None else reuse.leaves))
+
+
 def capture(
-    source: TrainingState, extra: Any, step: int, applied: int, reuse: HostCopy | None = None
+    source: TrainingState,
+    extra: Any,
+    step: int,
+    applied: int,
+    reuse: HostCopy | None = None,
+    buffers: HostTensors | None = None,
 ) -> HostCopy:
     """A copy of ``source`` and of ``extra`` (nested dicts/lists of tensors and numbers).
 
     ``reuse``: a copy whose host buffers may be overwritten (it is waited for first).
+    ``buffers``: host copies of ``source.buffers`` taken earlier (:func:`host_tensors`), which the
+    copy holds instead of the live buffers when they fit (no wait: later copies are ordered after them).
     """
     state = source.optimizer.state
     per_param = [(i, state[p]) for i, p in enumerate(source.params) if p in state]
@@ -210,20 +295,15 @@ def capture(
         {"params": source.params, "buffers": source.buffers, "state": per_param, "extra": extra}, tensors
     )
     _check_plain(tensors)
+    held: dict[int, Tensor] = {}
+    if buffers is not None and buffers.fits(source.buffers):
+        buffers.order_before_later_work()
+        held = dict(enumerate(buffers.leaves, start=len(source.params)))
     old: list[Tensor] = []
     if reuse is not None:
         reuse.wait()
         old = reuse.leaves
-    leaves = []
-    event = None
-    with torch.no_grad():
-        for i, src in enumerate(tensors):
-            dst = _host_buffer(src, old[i] if i < len(old) else None)
-            dst.copy_(src.detach(), non_blocking=src.device.type == "cuda")
-            leaves.append(dst)
-    if any(t.device.type == "cuda" for t in tensors):
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record()
+    leaves, event = _to_host(tensors, old, held)
     return HostCopy(step, applied, spec, leaves, [t.device for t in tensors], event)
 
 

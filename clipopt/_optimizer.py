@@ -40,7 +40,6 @@ from ._group_options import GroupPlan, check_groups
 from ._layers import LayerStats
 from ._logging import Logger, log_window
 from ._loss import LossSum, check_loss, loss_of_closure
-from ._pickling import upgrade_pickled
 from ._policies import ClipPolicy
 from ._recovery import SpikeRecovery, check_recovery
 from ._rewind import Rewind
@@ -239,7 +238,8 @@ class ClippedOptimizer(InnerOptimizerView):
     # ------------------------------------------------------------------ delegation
 
     def __getstate__(self) -> dict[str, Any]:
-        """Everything but the hooks (as torch does); mid-window also the gradients.
+        """Everything but the hooks and a scheduler's ``step`` wrapper (as torch does, see
+        ``_wrapping.NOT_PICKLED``); mid-window also the gradients.
 
         Pickling a parameter does not carry its ``.grad``, so the gradients of a
         half-accumulated window travel with the wrapper.
@@ -254,7 +254,7 @@ class ClippedOptimizer(InnerOptimizerView):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         pending = state.pop("_pending_grads", None)
-        super().__setstate__(upgrade_pickled(state))  # pickled by an earlier clipopt: today's layout
+        super().__setstate__(state)
         if pending is not None:
             for p, g in zip(self._params(), pending, strict=True):
                 p.grad = g
@@ -386,7 +386,7 @@ class ClippedOptimizer(InnerOptimizerView):
     step.hooked = True  # type: ignore[attr-defined]
 
     def _step(self, closure: Callable[[], Any] | None = None, *, loss: Tensor | float | None = None) -> Any:
-        if not self._replicas.checked:
+        if self._replicas.due(self.accumulation_steps):
             self._check_replicas()
         given = check_loss(loss)
         check_closure(closure, self.scaler)
@@ -420,7 +420,7 @@ class ClippedOptimizer(InnerOptimizerView):
         A no-op when no micro-batch is pending.  Under data parallelism it is
         collective: call it on every rank (ranks with different partial windows raise).
         """
-        if not self._replicas.checked:
+        if self._replicas.due(self.accumulation_steps):
             self._check_replicas()
         params = self._params()
         if self._replicas.active and params:
@@ -469,7 +469,7 @@ class ClippedOptimizer(InnerOptimizerView):
         (save one per rank); under FSDP2 it is refused while they are pending.
         """
         check_no_sync_args(model, sync)
-        if not self._replicas.checked:
+        if self._replicas.due(self.accumulation_steps):
             self._check_replicas()
         index = self._counters.micro_batches + 1  # this micro-batch's place in the window
         context, marker = plan_no_sync(
@@ -487,10 +487,11 @@ class ClippedOptimizer(InnerOptimizerView):
             raise
 
     def _check_replicas(self) -> None:
-        """Once, at the first step() or no_sync(): the ranks' window settings must agree (collective)."""
+        """At the first step() or no_sync() (under FSDP2 also after accumulation_steps changed): the
+        ranks' window settings must agree (collective)."""
         params = self._params()
         if params:
-            self._replicas.check_settings(settings_of(self), params[0].device)
+            self._replicas.check_settings(settings_of(self), params[0].device, self._index.has_dtensor)
 
     def _pending_unsynced(self) -> Unsynced | None:
         return pending_unsynced(self._unsynced, self._counters.micro_batches)
@@ -601,6 +602,7 @@ class ClippedOptimizer(InnerOptimizerView):
         """Step 2: the decision's norms and flag (agreed by DDP replicas) and the window's loss."""
         loss = self._loss.combined(self.reduction)  # kept in the sum until the close commits
         rows = s.rows and g.shards is None  # the candidate bad row: plain tensors only
+        self._replicas.prepare(self, g.shards, n, self._counters.windows + 1)  # the ranks' check
         d, self._diagnostics.bad_row = measure(s, g, self.layer_names() if rows else None)
         watch, sharded = self._recovery.watches_loss(), self._index.has_dtensor
         d, self._recovery.shared_loss = agree(
@@ -666,6 +668,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self._counters.windows += 1
         self._last_skipped, self._update_applied = True, False
         self._counters.record(True, False)
+        self._recovery.closed(self._counters.windows)
         self._record(d, n, None)
         return loss
 
@@ -771,6 +774,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self._loss = ckpt.loss_sum
         self._update_applied, self._last_skipped = False, False
         self._unsynced = ckpt.unsynced
+        self._replicas.loaded(state_dict)  # the next window compares the ranks' states
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ClippedOptimizer:
         new = type(self).__new__(type(self))

@@ -124,6 +124,13 @@ class SpikeRecovery:
             else:  # decided on the host
                 spike = torch.full((), float(d.reason == SPIKE), dtype=torch.float32, device=device)
             self.rewind.observe(step, spike * (skip > 0), 1.0 - skip)
+        self.closed(step)
+
+    def closed(self, windows: int) -> None:
+        """Window ``windows`` has closed (applied, skipped or empty): when the next close starts with a
+        :meth:`check`, the Rewind copies the module's buffers now, as they are at this close."""
+        if self.rewind is not None and self.due(windows):
+            self.rewind.stage_buffers(windows)
 
     def due(self, closed: int) -> bool:
         """Whether the close of the next window starts with a :meth:`check` (``closed`` windows so far)."""

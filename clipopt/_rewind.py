@@ -19,6 +19,11 @@ read, and then either
 
 A rewind may therefore happen up to ``check_every - 1`` windows after the
 spike that triggers it; those windows are undone by the rewind as well.
+
+In an optimizer the check after window ``c`` runs in the close of window
+``c + 1``, after that window's forward pass; so the module's buffers are copied
+at window ``c``'s close (:meth:`Rewind.stage_buffers`), and the copy holds
+those: a copy is the state at its window's close, buffers included.
 """
 
 from __future__ import annotations
@@ -34,7 +39,17 @@ from torch.optim import Optimizer
 
 from ._caller import user_stacklevel
 from ._checks import check_int_at_least, check_positive_int
-from ._host_copy import HostCopy, TrainingState, capture, copy_extra, copy_problem, restore
+from ._host_copy import (
+    HostCopy,
+    HostTensors,
+    TrainingState,
+    capture,
+    copy_extra,
+    copy_problem,
+    host_tensors,
+    plain,
+    restore,
+)
 
 __all__ = ["Rewind", "RewindEvent", "rewind_target"]
 
@@ -134,6 +149,7 @@ class Rewind:
         self._copies: list[HostCopy] = []  # oldest first
         self._flags: list[tuple[int, Tensor]] = []  # (window, [spike, applied]) not yet checked
         self._target: TrainingState | None = None
+        self._staged: HostTensors | None = None  # the module's buffers at the close before a check
         self._warned = False
 
     def bind(self, params: list[Tensor], optimizer: Optimizer) -> None:
@@ -220,11 +236,30 @@ class Rewind:
             )
         return self._target
 
+    def stage_buffers(self, step: int) -> None:
+        """Window ``step`` has closed and the next check may take a copy: copy the module's buffers now.
+
+        That check runs in the next window's close, after its forward pass changed
+        them (batch-norm statistics); the copy it takes holds these instead, the
+        buffers as they were at window ``step``'s close.  Non-blocking from an
+        accelerator (pinned host memory, the host tensors of the last ones reused).
+        """
+        buffers = [] if self.module is None else list(self.module.buffers())
+        if buffers and all(plain(b) for b in buffers):  # else the copy itself says why it cannot be taken
+            self._staged = host_tensors(buffers, step, self._staged)
+
     def capture(self, step: int, extra: Any) -> None:
-        """Take a copy now (window ``step``), replacing the oldest when ``keep`` are held."""
+        """Take a copy now (window ``step``), replacing the oldest when ``keep`` are held.
+
+        The module's buffers are those :meth:`stage_buffers` copied at window ``step``'s close, when it
+        did; else the live ones.
+        """
         target = self._bound_target()
+        staged = self._staged if self._staged is not None and self._staged.step == step else None
         reuse = self._copies.pop(0) if len(self._copies) >= self.keep else None
-        self._copies.append(capture(target, extra, step, self.applied, reuse))
+        self._copies.append(capture(target, extra, step, self.applied, reuse, staged))
+        if staged is not None:
+            self._staged = None  # its host tensors belong to the copy now
         self.copies_taken += 1
 
     def _rewind(
@@ -260,8 +295,10 @@ class Rewind:
         from a checkpoint would have nothing to rewind to until its next copy,
         and would not train like the run that never stopped.  They make the
         checkpoint up to ``keep`` times the size of parameters + optimizer state
-        larger.  Only tensors, numbers, strings, lists, tuples and dicts:
-        loadable with ``torch.load(..., weights_only=True)``.
+        larger.  ``"staged"`` (when there are any): the module's buffers copied at
+        the close before a check (:meth:`stage_buffers`), so that a run resumed between that
+        close and the check takes the same copy.  Only tensors, numbers, strings,
+        lists, tuples and dicts: loadable with ``torch.load(..., weights_only=True)``.
         """
         copies = []
         for c in self._copies:
@@ -275,7 +312,7 @@ class Rewind:
                     "devices": [str(d) for d in c.devices],
                 }
             )
-        return {
+        out: dict[str, Any] = {
             "format": 1,
             "rewinds": self.rewinds,
             "pending_skip": self.pending_skip,
@@ -287,6 +324,10 @@ class Rewind:
             "log": [e.to_dict() for e in self.log],
             "copies": copies,
         }
+        if self._staged is not None:  # only then: the state of a Rewind without buffers keeps its format
+            self._staged.wait()
+            out["staged"] = {"step": self._staged.step, "buffers": [t.clone() for t in self._staged.leaves]}
+        return out
 
     def validate_state(self, state: Any, check_extra: Callable[[Any], None] | None = None) -> tuple[Any, ...]:
         """Check a state from :meth:`state_dict` (``ValueError`` naming the cause); changes nothing.
@@ -297,7 +338,7 @@ class Rewind:
         """
         parsed = _parse_state(state, self._target)
         if check_extra is not None:
-            for c in parsed[-1]:
+            for c in parsed[-2]:
                 check_extra(copy_extra(c.spec, c.leaves))
         return parsed
 
@@ -318,6 +359,7 @@ class Rewind:
             self._flags,
             self.log,
             copies,
+            self._staged,
         ) = parsed
         self._copies = copies[-self.keep :]
 
@@ -325,7 +367,13 @@ class Rewind:
         """Pickling / deep copies: the copies' pending events are waited for (events do not travel)."""
         for c in self._copies:
             c.wait()
+        if self._staged is not None:
+            self._staged.wait()
         return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_staged", None)  # pickled by clipopt 0.13 and earlier
 
     def __repr__(self) -> str:
         return (
@@ -384,6 +432,22 @@ def _parse_copy(entry: Any, target: TrainingState | None) -> HostCopy:
     return HostCopy(step, applied, spec, host, places)
 
 
+def _parse_staged(entry: Any, target: TrainingState | None) -> HostTensors | None:
+    """The ``"staged"`` buffers of a state (None: none, or a state saved before they existed)."""
+    if entry is None:
+        return None
+    buffers = entry.get("buffers") if isinstance(entry, dict) else None
+    if not isinstance(buffers, list) or not all(isinstance(t, Tensor) for t in buffers):
+        raise _bad("'staged' must be None or a dict with 'step' and a list of tensors 'buffers'")
+    host = [t.detach().to("cpu", copy=True) for t in buffers]
+    if torch.cuda.is_available():
+        host = [t.pin_memory() for t in host]
+    staged = HostTensors(_int_field(entry, "step"), host)
+    if target is not None and not staged.fits(target.buffers):
+        raise _bad("its 'staged' buffers have other shapes or dtypes than the module's")
+    return staged
+
+
 def _parse_state(state: Any, target: TrainingState | None) -> tuple[Any, ...]:
     if not isinstance(state, dict) or state.get("format") != 1:
         raise _bad(f"expected a dict with format 1, got {type(state).__name__}")
@@ -417,4 +481,4 @@ def _parse_state(state: Any, target: TrainingState | None) -> tuple[Any, ...]:
         raise _bad("'copies' must be a list")
     parsed = [_parse_copy(c, target) for c in copies]
     pending = [(step, f.detach().to("cpu", torch.float32, copy=True)) for step, f in flags]
-    return (*ints, list(spikes), pending, events, parsed)
+    return (*ints, list(spikes), pending, events, parsed, _parse_staged(state.get("staged"), target))

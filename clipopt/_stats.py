@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ._decision import DIVERGENCE, REASONS, SPIKE, reason_name
+from ._decision import reason_name
 
 if TYPE_CHECKING:
     from ._decision import WindowDecision
@@ -29,24 +29,6 @@ def _as_bool(value: bool | Tensor) -> bool:
 def _vector(values: Tensor | None) -> tuple[float, ...] | Tensor:
     """A per-group record: a detached 1-d tensor (read later), or ``()`` when there is none."""
     return () if values is None else values.detach().reshape(-1)
-
-
-def _pick(flag: bool | Tensor, if_set: int | Tensor, otherwise: int | Tensor) -> int | Tensor:
-    if isinstance(flag, Tensor):
-        return torch.where(flag > 0, if_set, otherwise)
-    return if_set if flag else otherwise
-
-
-def _older_reason(
-    reason_if_skipped: str, nonfinite: bool | Tensor | None, divergence: bool | Tensor | None
-) -> int | Tensor:
-    """The reason code of a StepStats pickled before the code existed (same rule as then)."""
-    code: int | Tensor = REASONS.index(reason_if_skipped)
-    if nonfinite is not None:  # set when a skip may also be a spike
-        code = _pick(nonfinite, code, SPIKE)
-    if divergence is not None:
-        code = _pick(divergence, DIVERGENCE, code)
-    return code
 
 
 class StepStats:
@@ -129,17 +111,6 @@ class StepStats:
         self._group_norms: tuple[float, ...] | Tensor = _vector(decision.group_norms)
         self._group_coefs: tuple[float, ...] | Tensor = _vector(decision.group_coefs)
         self._bad_row = bad_row  # per-layer row to log if this window is non-finite (clipopt._badrow)
-
-    def __setstate__(self, state: Any) -> None:
-        """Unpickle; a StepStats pickled by an older clipopt (three reason fields) gets its code."""
-        slots = dict((state[1] if isinstance(state, tuple) else state) or {})
-        if "_reason" not in slots:
-            old = slots.pop("_reason_if_skipped", "nonfinite"), slots.pop("_nonfinite", None)
-            slots["_reason"] = _older_reason(*old, slots.pop("_divergence", None))
-        slots.setdefault("_group_norms", ())  # pickled before per-group clipping
-        slots.setdefault("_group_coefs", ())
-        for name, value in slots.items():
-            setattr(self, name, value)
 
     @property
     def loss(self) -> float:

@@ -100,15 +100,17 @@ def agree(
     watch_loss: bool,
     sharded: bool,
 ) -> tuple[WindowDecision, Tensor | None]:
-    """DDP replicas: one decision on every rank (one scalar collective), with their divergence.
+    """DDP replicas: one decision on every rank (one scalar collective), with their divergence
+    (FSDP2: the ranks' check that rode in the norm's reduction, as the divergence).
 
     When a SpikeGuard watches the loss (``watch_loss``), the largest window ``loss`` over the
     ranks comes from the same collective (FSDP2, ``sharded``: from one scalar all-reduce of its
     own), so every rank scores the same value; it is returned beside the decision, else None.
     """
-    if replicas.active and sharded and watch_loss:  # FSDP2
-        return d, replicas.agree_loss(loss, d.total_norm.device)
-    if not replicas.active or sharded:
+    if replicas.active and sharded:  # FSDP2: the ranks' check rode in the norm's reduction
+        d.divergence = replicas.divergence  # their counters or settings differ: skip on every rank
+        return d, replicas.agree_loss(loss, d.total_norm.device) if watch_loss else None
+    if not replicas.active:
         return d, None
     shared = loss if watch_loss else None
     norm, nonfinite = replicas.agree(d.total_norm, d.nonfinite, n, window, shared)

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from ._inner import inner_optimizers
 
-__all__ = ["HOOK_DICTS", "InnerOptimizerView"]
+__all__ = ["HOOK_DICTS", "NOT_PICKLED", "InnerOptimizerView"]
 
 #: torch's per-optimizer hook dictionaries, created here since ``Optimizer.__init__`` is not called.
 HOOK_DICTS = (
@@ -29,6 +29,13 @@ HOOK_DICTS = (
     "_optimizer_load_state_dict_pre_hooks",
     "_optimizer_load_state_dict_post_hooks",
 )
+
+#: Instance attributes that never travel with a pickle or a deep copy: torch's hook dictionaries
+#: (new empty ones are made), an LR scheduler's wrapper around ``step`` (it marks and calls the
+#: *original* optimizer through a weak reference, and cannot be pickled: a copy would close its
+#: windows on the original) and the ``_opt_called`` flag that wrapper sets.  A ``step`` on the
+#: instance is always such a wrapper (the method is the class's); the copy has the plain method.
+NOT_PICKLED = (*HOOK_DICTS, "step", "_opt_called")
 
 
 def forwardable(owner: type, name: str) -> bool:
@@ -216,9 +223,11 @@ class InnerOptimizerView(Optimizer):
             post_hook(self)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Everything but the hooks (as torch does)."""
+        """Everything but what torch's ``Optimizer.__getstate__`` leaves out of its own: the hooks,
+        and what an LR scheduler puts on the instance (:data:`NOT_PICKLED`), so a copy's ``step``
+        is its own plain method (``__setstate__`` patches the class's hooks as torch does)."""
         state = self.__dict__.copy()
-        for name in HOOK_DICTS:
+        for name in NOT_PICKLED:
             state.pop(name, None)
         return state
 

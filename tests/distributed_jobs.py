@@ -979,3 +979,185 @@ def tp_job(rank: int, port: int, out_dir: str, world: int) -> None:
         res[case] = {"params": _full(model), "ref_params": [q.detach().clone() for q in one.parameters()]}
     torch.save(res, os.path.join(out_dir, f"tp{rank}.pt"))
     leave_process_group()
+
+
+# ---------------------------------------------------------------------------- the ranks' state
+
+
+def _train(model: nn.Module, opt: ClippedOptimizer, rank: int, windows: range, offset: int = 0) -> None:
+    """``len(windows)`` windows of ``opt.accumulation_steps`` micro-batches each (data ``offset``)."""
+    for w in windows:
+        for i in range(opt.accumulation_steps):
+            _loss(model, rank, offset + 10 * w + i).backward()
+            opt.step()
+        opt.zero_grad()
+
+
+def _ranks_opt(model: nn.Module, policy: bool) -> ClippedOptimizer:
+    """Foreach AdamW (the host path: a check is read at its own window), ZClip or MAX_NORM."""
+    from clipopt import ZClip
+
+    bound: Any = ZClip(warmup_steps=1) if policy else MAX_NORM
+    return ClippedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, foreach=True), bound)
+
+
+def _load_case(rank: int, wrap: Any, other: bool, policy: bool) -> dict[str, Any]:
+    """Two runs of two windows (run B on other data) give checkpoints of the same step; a fresh model
+    and optimizer on every rank load run A's, except rank 1 loads run B's when ``other``; then two
+    more windows.  ``wrap``: DDP or FSDP2 (each rank saves and loads its own shards)."""
+    base = _model()
+    saved = []
+    for offset in (0, 500):  # run A, run B
+        model = wrap(base)
+        opt = _ranks_opt(model, policy)
+        _train(model, opt, rank, range(2), offset)
+        saved.append((copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())))
+    model = wrap(base)
+    opt = _ranks_opt(model, policy)
+    model_sd, opt_sd = saved[1 if other and rank == 1 else 0]
+    model.load_state_dict(model_sd)
+    opt.load_state_dict(opt_sd)
+    error = _catch(lambda: _train(model, opt, rank, range(2, 4)))
+    return {
+        "error": error,
+        "skipped": [s.skipped for s in opt.stats],
+        "reasons": [s.reason for s in opt.stats],
+        "windows": opt.num_windows,
+    }
+
+
+def _fail_once(opt: ClippedOptimizer) -> None:
+    """The inner optimizer's next step() raises (once), as a transient fault would."""
+    inner = opt.optimizer
+    original = inner.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        inner.step = original  # type: ignore[method-assign]
+        raise RuntimeError("inner step failed")
+
+    inner.step = step  # type: ignore[method-assign]
+
+
+def _failed_step_case(rank: int, wrap: Any, p: float) -> dict[str, Any]:
+    """Window 2's inner step raises on rank 1 (the loop catches it, the wrapper rolls the window
+    back there) while rank 0 applies it; then window 3."""
+    model = wrap(_model())
+    inner = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
+    opt = ClippedOptimizer(inner, MAX_NORM, norm_type=p)
+    _train(model, opt, rank, range(1))
+    if rank == 1:
+        _fail_once(opt)
+    caught = _catch(lambda: _train(model, opt, rank, range(1, 2)))
+    error = _catch(lambda: _train(model, opt, rank, range(2, 3)))
+    return {"caught": caught, "error": error, "reasons": [s.reason for s in opt.stats]}
+
+
+def _reload_case(rank: int) -> dict[str, Any]:
+    """FSDP2: after two windows rank 1 reloads the optimizer's checkpoint of window 1 (an older
+    step), rank 0 goes on; then one window."""
+    model = _fsdp(_model())
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, foreach=True), MAX_NORM)
+    _train(model, opt, rank, range(1))
+    older = copy.deepcopy(opt.state_dict())
+    _train(model, opt, rank, range(1, 2))
+    if rank == 1:
+        opt.load_state_dict(older)
+    error = _catch(lambda: _train(model, opt, rank, range(2, 3)))
+    return {"error": error, "reasons": [s.reason for s in opt.stats]}
+
+
+def _changed_k_case(rank: int) -> dict[str, Any]:
+    """FSDP2 with no_sync, k = 2; after one window every rank sets accumulation_steps, to 3 on rank 0
+    and to 4 on rank 1: the next no_sync() raises on every rank (measured: seconds, not a timeout)."""
+    import time
+
+    model = _fsdp(_model())
+    inner = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
+    opt = ClippedOptimizer(inner, MAX_NORM, accumulation_steps=2)
+
+    def run() -> None:
+        for i in range(8):
+            with opt.no_sync(model):
+                _loss(model, rank, i).backward()
+            opt.step()
+            if i == 1:
+                opt.zero_grad()
+                opt.accumulation_steps = 3 + rank
+
+    start = time.monotonic()
+    error = _catch(run)
+    return {"error": error, "seconds": time.monotonic() - start, "windows": opt.num_windows}
+
+
+def _settings_case(rank: int, case: str) -> dict[str, Any]:
+    """Replicas kept identical without DDP (every rank sees the same data): "clip_value" sets
+    opt.clip_value on rank 1 only after the first window; "zclip" builds ZClip with z_thresh 2.5 on
+    rank 0 and 3.5 on rank 1 (the first step's check compares the policy's type only)."""
+    from clipopt import ZClip
+
+    model = _model()
+    bound: Any = ZClip(z_thresh=2.5 + rank) if case == "zclip" else MAX_NORM
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, foreach=True), bound)
+
+    def run() -> None:
+        _train(model, opt, 0, range(1))
+        if case == "clip_value" and rank == 1:
+            opt.clip_value = 0.5
+        _train(model, opt, 0, range(1, 3))
+
+    return {"error": _catch(run), "reasons": [s.reason for s in opt.stats]}
+
+
+def _reads_case(rank: int, wrap: Any) -> list[str]:
+    """Fused AdamW: one window (the state is made), state_dict() and load_state_dict() of it on every
+    rank, then three windows whose host reads inside opt.step() are returned."""
+    from .hostreads import count_host_reads
+
+    model = wrap(_model())
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, fused=True), MAX_NORM)
+    _train(model, opt, rank, range(1))
+    opt.load_state_dict(opt.state_dict())
+    reads: list[str] = []
+    for w in range(1, 4):
+        _loss(model, rank, 10 * w).backward()
+        with count_host_reads() as r:
+            opt.step()
+        reads.extend(r.ours)
+        opt.zero_grad()
+    return reads
+
+
+def _pipeline_load_case(rank: int) -> str | None:
+    """Pipeline stages (norm_group, each rank its own layer, replica_group left "auto") save and load
+    their own, different, state: no error (the ranks' states are not compared, their counters are)."""
+    model = _model()
+    stage = model[2 * rank]
+    inner = torch.optim.AdamW(stage.parameters(), lr=LR, foreach=True)
+    opt = ClippedOptimizer(inner, MAX_NORM, norm_group=dist.group.WORLD)
+    _train(model, opt, 0, range(1))
+    opt.load_state_dict(opt.state_dict())
+    return _catch(lambda: _train(model, opt, 0, range(1, 3)))
+
+
+def ranks_job(rank: int, port: int, out_dir: str, world: int) -> None:
+    """The ranks' state compared at every window: loads of another run's checkpoint, a window whose
+    close failed on one rank, accumulation_steps changed to different values (DDP and FSDP2)."""
+    init_world(rank, port, world)
+    res: dict[str, Any] = {}
+    ddp = nn.parallel.DistributedDataParallel
+    wraps = {"ddp": lambda m: ddp(copy.deepcopy(m)), "fsdp": _fsdp}
+    for name, wrap in wraps.items():
+        for other in (False, True):
+            res[f"load-{name}-{'other' if other else 'same'}"] = _load_case(rank, wrap, other, name == "fsdp")
+    res["failed-ddp"] = _failed_step_case(rank, wraps["ddp"], 2.0)
+    for p in (2.0, math.inf):
+        res[f"failed-fsdp-{p}"] = _failed_step_case(rank, _fsdp, p)
+    res["changed-k"] = _changed_k_case(rank)
+    res["reload-fsdp"] = _reload_case(rank)
+    for case in ("clip_value", "zclip"):
+        res[f"settings-{case}"] = _settings_case(rank, case)
+    for name, wrap in wraps.items():
+        res[f"reads-{name}"] = _reads_case(rank, wrap)
+    res["pipeline-load"] = _pipeline_load_case(rank)
+    torch.save(res, os.path.join(out_dir, f"ranks{rank}.pt"))
+    leave_process_group()

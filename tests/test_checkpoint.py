@@ -884,3 +884,14 @@ def test_disabled_scaler_state_is_rejected_untouched() -> None:
     with pytest.raises(ValueError, match=re.escape("the GradScaler rejected 'clipopt.scaler'")):
         opt2.load_state_dict(sd)
     assert opt2.micro_batches == 0 and len(opt2.state) == 0
+
+
+def test_new_step_stats_round_trip_through_pickle() -> None:
+    """A StepStats recorded now (device values not read yet) pickles and keeps every field."""
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = ClippedOptimizer(torch.optim.SGD([w], lr=0.1), max_norm=1.0)
+    w.grad = torch.tensor([float("nan"), 1.0])
+    opt.step()
+    assert opt.last_stats is not None
+    copy = pickle.loads(pickle.dumps(opt.last_stats))
+    assert copy.as_dict()["reason"] == "nonfinite" and copy.skipped and copy.step == 1

@@ -10,6 +10,7 @@ reference (one process, torch's own functions or the formula written out).
 from __future__ import annotations
 
 import math
+import re
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,14 @@ pytestmark = pytest.mark.skipif(
 JOB_TIMEOUT_S = 240
 # job(rank, port, out, world) in ``world`` processes; what each rank saved (it pickles more than tensors)
 _spawn = partial(spawn_job, pass_world=True, weights_only=False, timeout_s=JOB_TIMEOUT_S)
+
+
+#: the fix every settings error names
+_SETTINGS_FIX = (
+    "; build the optimizer with the same settings on every rank, change them on every rank alike (and "
+    "resume every rank from the same checkpoint step), or pass replica_group=None if the ranks train "
+    "independent models"
+)
 
 
 # ---------------------------------------------------------------------------- FSDP2 edge shapes
@@ -115,7 +124,7 @@ def test_ddp_nan_written_after_all_reduce_skips_on_every_rank(hard: list[dict[st
 def test_ddp_fused_decision_reads_nothing_of_its_window(hard: list[dict[str, Any]], k: int) -> None:
     """Fused AdamW under DDP: the agreed flag reaches the kernel as found_inf; the only host read clipopt
     makes in a window is the deferred check of the previous window's agreed values (on CPU the copy
-    is already on the host; on CUDA a pinned copy is read once its event has completed)."""
+    is already on the host; on CUDA a pinned copy is read two windows later)."""
     for rank in hard:
         for corrupt in ("diverge", "nan"):
             reads = rank[f"{corrupt}-fused-{k}"]["reads"]
@@ -197,9 +206,7 @@ def test_different_accumulation_steps_fail_fast(hard: list[dict[str, Any]]) -> N
     for r, rank in enumerate(hard):
         assert rank["settings_error"] == (
             "ClippedOptimizer settings differ across the ranks of the replica group: accumulation_steps "
-            f"(from 2 to 3; this rank: {2 + r}); build the optimizer with the same settings on every rank "
-            "(and resume every rank from the same checkpoint step), or pass replica_group=None if the "
-            "ranks train independent models"
+            f"(from 2 to 3; this rank: {2 + r})" + _SETTINGS_FIX
         )
 
 
@@ -235,6 +242,178 @@ def test_tensor_parallel_clipping_equals_one_process(tp: list[dict[str, Any]], c
     """Norm clipping and AGC (row norms split over tp) on the 2-D mesh give the one-process update."""
     for rank in tp:
         assert_tensors_close(rank[case]["params"], rank[case]["ref_params"])
+
+
+# ---------------------------------------------------------------------------- the ranks' state
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _spawn(jobs.ranks_job, "ranks", tmp_path_factory.mktemp("ranks"), 2)
+
+
+_STATE_DIFFERS = (
+    "the ranks of the replica group hold different training states at window 3, the first after "
+    "load_state_dict: the checksums of the parameters and of the loaded optimizer state differ ({}); "
+    "a rank loaded another run's checkpoint or another step's; load the same checkpoint on every rank "
+    "(under FSDP2 each rank's file of the same save); the window was skipped on every rank"
+)
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_load_of_another_runs_checkpoint_fails_on_every_rank(ranks: list[dict[str, Any]], wrap: str) -> None:
+    """Rank 1 loads a checkpoint of another run (other data) at the same step, rank 0 this run's: the
+    next window is skipped on both ranks and both raise, naming each rank's checksum and their range
+    (DDP: MAX, the smallest and the largest) or mean (FSDP2: a SUM), instead of training on with the
+    replicas drifting apart.  DDP compares the parameters and the whole optimizer state; FSDP2 (each
+    rank holds its own shards) the replicated part of the state: here ZClip's statistics."""
+    head, tail = _STATE_DIFFERS.split("{}")
+    spreads, mine = [], []
+    for rank in ranks:
+        res = rank[f"load-{wrap}-other"]
+        assert res["error"].startswith(head) and res["error"].endswith(tail)
+        spread, this = res["error"][len(head) : -len(tail)].split("; this rank: ")
+        spreads.append(spread)
+        mine.append(int(this))
+        assert res["skipped"] == [True] and res["reasons"] == ["divergence"] and res["windows"] == 3
+    assert spreads[0] == spreads[1] and mine[0] != mine[1]
+    if wrap == "ddp":
+        assert spreads[0] == f"{min(mine)} to {max(mine)}"
+    else:
+        assert spreads[0] == f"average {sum(mine) / 2:.6g} over 2 ranks"
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_load_of_the_same_checkpoint_trains_on(ranks: list[dict[str, Any]], wrap: str) -> None:
+    """Every rank loads the same run's checkpoint (under FSDP2 each its own shards of it): no error,
+    the two windows after the load are applied."""
+    for rank in ranks:
+        res = rank[f"load-{wrap}-same"]
+        assert res == {"error": None, "skipped": [False, False], "reasons": [None, None], "windows": 4}
+
+
+def test_ddp_failed_step_on_one_rank_names_the_failure(ranks: list[dict[str, Any]]) -> None:
+    """Rank 1's inner step raises in window 2 (the loop catches it; rank 1 rolls the window back,
+    rank 0 applied it).  Window 3 is skipped on both and both raise, naming the failed close (not
+    flush() or accumulation_steps, which the message used to blame)."""
+    common = (
+        "after the ranks had agreed on it (e.g. an error in the inner optimizer's step, caught by the "
+        "training loop): that rank rolled the window back while the others applied it, so the replicas "
+        "differ now; the window was skipped on every rank; resume every rank from the same checkpoint"
+    )
+    assert ranks[1]["failed-ddp"]["caught"] == "inner step failed"
+    for r, rank in enumerate(ranks):
+        res = rank["failed-ddp"]
+        who = "this rank" if r == 1 else "another rank"
+        assert res["error"] == (
+            f"the window counters of the ranks of the replica group differ: this rank closed window {3 - r} "
+            f"after 1 micro-batches, the ranks' windows: 2 to 3; the close of window 2 raised on {who} "
+            + common
+        )
+        assert res["reasons"] == [None, None, "divergence"][r:]
+
+
+@pytest.mark.parametrize("p", [2.0, math.inf])
+def test_fsdp2_window_counters_out_of_step_fail_on_every_rank(ranks: list[dict[str, Any]], p: float) -> None:
+    """FSDP2: rank 1's inner step raises in window 2, so it closes window 2 again while rank 0 closes
+    window 3.  The window index rides in the norm's reduction (SUM of p-th powers for p = 2, MAX for
+    the inf-norm; no extra collective): both ranks skip that window and raise, naming the counters,
+    where they used to train on with 3 and 2 windows."""
+    tail = (
+        "after the ranks had agreed on it (e.g. an error in the inner optimizer's step, caught by the "
+        "training loop): that rank rolled the window back while the others applied it, so the replicas "
+        "differ now; the window was skipped on every rank; resume every rank from the same checkpoint"
+    )
+    for r, rank in enumerate(ranks):
+        res = rank[f"failed-fsdp-{p}"]
+        head = (
+            f"the window counters of the ranks of the replica group differ: this rank closed window {3 - r} "
+            "after 1 micro-batches, the ranks' windows: "
+        )
+        if math.isinf(p):
+            who = "this rank" if r == 1 else "another rank"
+            cause = f"2 to 3; the close of window 2 raised on {who} "
+        else:
+            who = ", this one among them" if r == 1 else ""
+            cause = f"average 2.5 over 2 ranks; a window's close raised on 1 rank(s){who} "
+        assert res["error"] == head + cause + tail
+        assert res["reasons"] == [None, None, "divergence"][r:]
+
+
+def test_fsdp2_rank_that_reloaded_an_older_checkpoint_fails_on_every_rank(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """FSDP2: rank 1 reloads the checkpoint of window 1 after window 2 while rank 0 goes on: the next
+    window is skipped on both ranks and both raise, naming the counters (they used to end with 3 and
+    2 windows and no error)."""
+    for r, rank in enumerate(ranks):
+        res = rank["reload-fsdp"]
+        assert res["error"] == (
+            f"the window counters of the ranks of the replica group differ: this rank closed window {3 - r} "
+            "after 1 micro-batches, the ranks' windows: average 2.5 over 2 ranks; a rank loaded a checkpoint "
+            "of another step, or skipped a window the others closed; the window was skipped on every rank; "
+            "resume every rank from the same checkpoint"
+        )
+        assert res["reasons"][-1] == "divergence"
+
+
+def test_fsdp2_accumulation_steps_changed_to_different_values_fails_fast(ranks: list[dict[str, Any]]) -> None:
+    """FSDP2 with no_sync: after one window rank 0 sets accumulation_steps to 3 and rank 1 to 4.  Their
+    collectives no longer pair up; this used to hang until the process group's timeout (30 minutes by
+    default, 60 s here).  Now the next no_sync() checks the settings again: both raise at once."""
+    for r, rank in enumerate(ranks):
+        res = rank["changed-k"]
+        assert res["error"] == (
+            "ClippedOptimizer settings differ across the ranks of the replica group: accumulation_steps "
+            f"(from 3 to 4; this rank: {3 + r})" + _SETTINGS_FIX
+        )
+        assert res["windows"] == 1
+        assert res["seconds"] < jobs.PROCESS_GROUP_TIMEOUT_S / 4
+
+
+def test_setting_changed_on_one_rank_mid_run_is_named(ranks: list[dict[str, Any]]) -> None:
+    """opt.clip_value set on rank 1 only after the first window: the settings key in window 2's check
+    differs, the window is skipped on both ranks and the settings check runs again to name it (it used
+    to go unnoticed: the ranks clipped differently from then on)."""
+    for r, rank in enumerate(ranks):
+        res = rank["settings-clip_value"]
+        assert res["error"] == (
+            "ClippedOptimizer settings differ across the ranks of the replica group: clip_value (from -1 "
+            f"to 0.5; this rank: {0.5 if r else -1})" + _SETTINGS_FIX
+        )
+        assert res["reasons"] == [None, "divergence"]
+
+
+def test_clip_policies_with_different_settings_differ(ranks: list[dict[str, Any]]) -> None:
+    """ZClip(z_thresh=2.5) on rank 0 and ZClip(z_thresh=3.5) on rank 1 passed the first step's check
+    (it compares the policy's type); the per-window settings key holds the policy's own settings:
+    the first window is skipped on both ranks and both raise."""
+    for rank in ranks:
+        res = rank["settings-zclip"]
+        assert res["error"] == (
+            "ClippedOptimizer settings differ across the ranks of the replica group at window 1: a "
+            "setting the first step's check does not compare (a clip policy's own settings, e.g. ZClip's "
+            "z_thresh) differs; build the optimizer and change its settings alike on every rank; the "
+            "window was skipped on every rank"
+        )
+        assert res["reasons"] == ["divergence"]
+
+
+def test_pipeline_stages_load_their_own_state(ranks: list[dict[str, Any]]) -> None:
+    """Pipeline stages (norm_group) hold different parameters and optimizer state: each loads its own
+    checkpoint and trains on (only the counters and settings are compared across them)."""
+    assert [rank["pipeline-load"] for rank in ranks] == [None, None]
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_ranks_check_adds_no_host_read_to_fused_windows(ranks: list[dict[str, Any]], wrap: str) -> None:
+    """Fused AdamW under DDP and FSDP2, three windows after a load_state_dict: the check (the loaded
+    state's checksum included) reaches the host only as the deferred read of an earlier window's
+    reduced values (on CUDA a pinned copy two windows old), at most one per window."""
+    for rank in ranks:
+        reads = rank[f"reads-{wrap}"]
+        assert reads and all(r.startswith("_distributed_decision.py") and "tolist" in r for r in reads)
+        assert len(reads) <= 3
 
 
 # ---------------------------------------------------------------------------- one process
@@ -318,3 +497,111 @@ def test_ddp_policy_state_and_spike_decisions_stay_identical(hard: list[dict[str
     assert first[3][1] == "divergence"
     assert all(torch.equal(s, res["stats"][0]) for s in res["stats"])
     assert res["same"]
+
+
+_CHECK_FIELDS = ("window", "micro_batches", "settings", "state")
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"window": 2**40 + 6},  # a limb carries over: the higher limbs differ too
+        {"micro_batches": 3},
+        {"settings": 2**32 - 1},
+        {"state": 17},
+        {"window": 2**40 + 4, "settings": 5},
+    ],
+)
+def test_rank_check_encodings_name_every_value_the_ranks_do_not_share(changes: dict[str, int]) -> None:
+    """Three ranks' check entries reduced as the collectives do (elementwise MAX; SUM): both encodings
+    name exactly the values that differ (compared field by field in plain Python), the device flag
+    agrees, and a state carried by some ranks only is no difference."""
+    from clipopt._rank_check import MAX_SLOTS, SUM_SLOTS, CheckValues, decode, encode, mismatch
+
+    cpu = torch.device("cpu")
+    ranks = [
+        CheckValues(2**40 + 5, 2, 2**31 + 7, 99),
+        CheckValues(2**40 + 5, 2, 2**31 + 7, None),
+        CheckValues(
+            **{"window": 2**40 + 5, "micro_batches": 2, "settings": 2**31 + 7, "state": 99, **changes}
+        ),
+    ]
+    want = {
+        ("micro-batches" if name == "micro_batches" else name)
+        for name in _CHECK_FIELDS
+        if len({getattr(v, name) for v in ranks if getattr(v, name) is not None}) > 1
+    }
+    for summed in (False, True):
+        entries = torch.stack([encode(v, summed, cpu) for v in ranks])
+        assert entries.shape == (3, SUM_SLOTS if summed else MAX_SLOTS) == (3, 21 if summed else 10)
+        reduced = entries.sum(0) if summed else entries.max(0).values
+        for v in ranks:
+            differ, _ = decode(reduced.tolist(), v, summed)
+            assert {d.name for d in differ} == want
+        assert float(mismatch(reduced, summed)) == float(bool(want))
+
+
+def test_rank_check_checksums_are_exact() -> None:
+    """tensor_checksum is the sum of the tensors' bits read as int32 (numpy), each modulo 2**31 - 1,
+    weighted by position: the same for any thread count, changed by one flipped bit or by a swap of
+    two tensors; state_checksum tells a state dict from one with a float one ulp away."""
+    import numpy as np
+
+    from clipopt._rank_check import MODULUS, state_checksum, tensor_checksum
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(1000, generator=gen), torch.randn(3, 4, generator=gen).double()]
+    residues = [
+        int(np.frombuffer(t.numpy().tobytes(), dtype=np.int32).astype(np.int64).sum()) % MODULUS
+        for t in tensors
+    ]
+    want = sum((i + 1) * r for i, r in enumerate(residues)) % MODULUS
+    cpu = torch.device("cpu")
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert int(tensor_checksum(tensors, cpu)) == want
+    finally:
+        torch.set_num_threads(threads)
+    flipped = tensors[0].clone()
+    flipped.view(torch.int32)[500] ^= 1
+    assert int(tensor_checksum([flipped, tensors[1]], cpu)) != want
+    assert int(tensor_checksum(tensors[::-1], cpu)) != want
+    state = {"state": {0: {"exp_avg": tensors[0]}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    other = {
+        "state": {0: {"exp_avg": tensors[0].clone()}},
+        "param_groups": [{"lr": math.nextafter(0.1, 1), "params": [0]}],
+    }
+    assert state_checksum(state) == state_checksum({**state, "state": {0: {"exp_avg": tensors[0].clone()}}})
+    assert state_checksum(state) != state_checksum(other)
+
+
+def test_checks_copied_from_an_accelerator_are_read_at_the_same_window_on_every_rank() -> None:
+    """A window's reduced check copied from an accelerator (a pinned copy and its event) is read
+    exactly LAG checks after it was sent, whether or not the copy has completed: the rule depends on
+    the sequence only, so every rank raises at the same window.  It used to be read as soon as the
+    event had completed, which differs between ranks: one rank raised while another went on into
+    the next window's collective and waited there."""
+    from clipopt._distributed_decision import _HEAD, LAG, ReplicaDecision
+    from clipopt._rank_check import CheckValues, encode
+
+    class Done:  # a CUDA event whose copy has completed
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+    cpu = torch.device("cpu")
+    mine, other = CheckValues(5, 1, 7), CheckValues(4, 1, 7)  # window counters out of step
+    check = torch.stack([encode(mine, False, cpu), encode(other, False, cpu)]).max(0).values
+    head = torch.tensor([0.0, 1.0, -1.0, 0.0, 0.0, -math.inf], dtype=torch.float64)
+    assert head.numel() == _HEAD
+    replicas = ReplicaDecision("auto")
+    replicas._pending.append((torch.cat([head, check]), Done(), 0, "ddp", mine))
+    for now in range(1, LAG):
+        replicas.settle(now)  # the copy is complete, yet not read before LAG more checks went out
+    with pytest.raises(RuntimeError, match=re.escape("this rank closed window 5 after 1 micro-batches")):
+        replicas.settle(LAG)

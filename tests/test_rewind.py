@@ -320,6 +320,19 @@ def test_load_state_dict_rejects_bad_state_and_keeps_own() -> None:
             dict(good, log=[{"step": "9", "restored": 5, "first_spike": 6, "spikes": 3, "undone": 2}]),
             "invalid Rewind state: 'log' must be a list of rewind records of ints",
         ),
+        (
+            dict(good, staged={"step": 5, "buffers": [1.0]}),
+            "invalid Rewind state: 'staged' must be None or a dict with 'step' and a list of tensors "
+            "'buffers'",
+        ),
+        (
+            dict(good, staged={"step": -5, "buffers": []}),
+            "invalid Rewind state: 'step' must be an int >= 0, got -5",
+        ),
+        (
+            dict(good, staged={"step": 5, "buffers": [torch.zeros(6)]}),  # this Rewind has no module
+            "invalid Rewind state: its 'staged' buffers have other shapes or dtypes than the module's",
+        ),
     ]
     other = torch.nn.Linear(2, 2)
     foreign = Rewind()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
+import re
 import warnings
 from functools import partial
 
@@ -260,3 +262,70 @@ def test_per_update_reads_nothing_inside_a_window() -> None:
         opt.zero_grad()
     assert [reads[i] for i in (0, 1, 3, 4, 6, 7)] == [0] * 6
     assert sched.last_epoch == 2  # windows 1 and 3 applied, window 2 skipped
+
+
+# ----------------------------------------------------------------------- copies of a wrapper with a scheduler
+
+
+def _pickled(opt: ClippedOptimizer) -> ClippedOptimizer:
+    copied: ClippedOptimizer = pickle.loads(pickle.dumps(opt))
+    return copied
+
+
+# The schedulers a copy is taken under: torch's (SCHEDULERS) and per_update.
+COPIED = {
+    **{name: SCHEDULERS[name] for name in ("StepLR", "OneCycleLR-sgd", "LambdaLR", "SequentialLR")},
+    "per_update": (sgd, lambda o: clipopt.per_update(lrs.StepLR(o, step_size=2, gamma=0.5))),
+}
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("name", list(COPIED))
+def test_a_copy_of_a_wrapper_with_a_scheduler_steps_only_itself(name: str, how: str) -> None:
+    """copy.deepcopy, or pickle.dumps/loads, of a wrapper a scheduler is attached to: the copy's step()
+    closes a window on the copy only (the original's parameters and counters unchanged; before, the
+    copy carried the scheduler's step wrapper, which steps the original, and pickling failed); the
+    original then trains on with its scheduler, without a warning, exactly as a twin never copied."""
+    make_opt, make_sched = COPIED[name]
+    runs = []
+    for copied in (False, True):
+        model = make_model()
+        opt = ClippedOptimizer(make_opt(model.parameters()), max_norm=1.0, accumulation_steps=2)
+        sched = make_sched(opt)
+        _run(opt, sched, model, 4)  # two windows
+        if copied:
+            before = [p.detach().clone() for p in model.parameters()]
+            counters = (opt.num_windows, opt.num_updates, opt.micro_batches)
+            dup = copy.deepcopy(opt) if how == "deepcopy" else _pickled(opt)
+            assert dup.step.__func__ is type(dup).step  # its own plain method
+            for p in dup.param_groups[0]["params"]:
+                p.grad = torch.ones_like(p)
+            dup.step()
+            dup.step()  # closes the copy's window
+            assert (dup.num_windows, dup.num_updates) == (counters[0] + 1, counters[1] + 1)
+            moved = dup.param_groups[0]["params"]
+            assert all(not torch.equal(p, q) for p, q in zip(moved, before, strict=True))
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+            assert (opt.num_windows, opt.num_updates, opt.micro_batches) == counters
+        with warnings.catch_warnings():
+            # e.g. torch's "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
+            warnings.simplefilter("error")
+            lrs_seen, _ = _run(opt, sched, model, 4)
+        runs.append((lrs_seen, opt.num_windows, [p.detach().clone() for p in model.parameters()]))
+    (lr_a, windows_a, params_a), (lr_b, windows_b, params_b) = runs
+    assert lr_a == lr_b and windows_a == windows_b == 4
+    assert all(torch.equal(p, q) for p, q in zip(params_a, params_b, strict=True))
+
+
+def test_pickling_a_lambda_scheduler_names_the_lambda_but_the_wrapper_pickles() -> None:
+    """With a LambdaLR on a lambda attached, pickle.dumps(opt) works (the lambda is the scheduler's, not the
+    optimizer's); pickling the per_update scheduler itself fails on the user's lambda, and the error names
+    it (not the wrapper's step)."""
+    model = make_model()
+    opt = ClippedOptimizer(sgd(model.parameters()), max_norm=1.0)
+    sched = clipopt.per_update(lrs.LambdaLR(opt, lambda e: 1.0 / (1 + e)))
+    copied = _pickled(opt)
+    assert copied.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    # pickle's own message: a local lambda is an AttributeError, a module-level one a PicklingError
+    with pytest.raises((AttributeError, pickle.PicklingError), match=re.escape("<lambda>")):
+        pickle.dumps(sched)

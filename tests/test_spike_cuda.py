@@ -98,3 +98,35 @@ def test_rewind_checks_synchronise_only_at_checks() -> None:
         _window(model, opt, seed)
     torch.cuda.set_sync_debug_mode(0)
     assert rewind.copies_taken == 1
+
+
+def test_rewind_copies_batch_norm_buffers_at_the_close_without_synchronising() -> None:
+    """The close before a check copies the module's buffers to pinned host memory without a sync; the
+    copy taken at the check (after the next forward pass) holds them: the batch-norm statistics as
+    they were when its window closed, bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.Tanh(), torch.nn.Linear(64, 4)
+    ).to(DEVICE)
+    rewind = Rewind(every=1, check_every=4, module=model)
+    opt = ClippedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+        spike_guard=SpikeGuard(window=16, warmup=4),
+        rewind=rewind,
+    )
+    for seed in range(5):  # the first check (window 5's start) takes the first copy
+        _window(model, opt, seed)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    for seed in range(5, 8):  # windows 6-8; window 8's close copies the buffers
+        _window(model, opt, seed)
+    torch.cuda.set_sync_debug_mode(0)
+    want = [b.detach().to("cpu", copy=True) for b in model.buffers()]
+    _window(model, opt, 8, scale=1e4)  # window 9: its forward pass changes them; its check copies window 8
+    assert rewind.copies[-1] == (8, 8)
+    saved = rewind.state_dict()["copies"][-1]
+    numbers = [leaf[1] for leaf in dict(saved["spec"][1])["buffers"][1]]
+    got = [saved["leaves"][i] for i in numbers]
+    assert [b.dtype for b in got] == [b.dtype for b in want]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert not torch.equal(got[0], next(model.buffers()).cpu())  # window 9's forward changed running_mean

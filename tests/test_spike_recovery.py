@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import csv
 import io
+import pickle
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -12,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn, optim
 
 from clipopt import AutoClip, ClippedOptimizer, CSVLogger, Rewind, SpikeGuard, ZClip
@@ -487,3 +490,199 @@ def test_load_state_dict_checks_the_wrapper_parts_inside_rewind_copies(
     _assert_identical(_state(opt, model), before)
     assert opt.rewind.copies == copies
     opt.load_state_dict(good)
+
+
+# ----------------------------------------------------------------------------- rewind: module buffers
+
+
+def _bn_model() -> nn.Module:
+    """A model with batch-norm statistics (running_mean, running_var, num_batches_tracked)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 3))
+
+
+def _wild(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets 1000 times larger: a loss spike, and batch statistics far off the running ones."""
+    return batch[0] * 1000, batch[1] * 1000
+
+
+def _full_state(opt: ClippedOptimizer, model: nn.Module) -> dict[str, Any]:
+    """Independent clones of parameters, module buffers and inner state."""
+    return {**_state(opt, model), "buffers": {k: v.clone() for k, v in model.named_buffers()}}
+
+
+def _record_rewinds(
+    opt: ClippedOptimizer, model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> list[tuple[int, dict[str, Any], dict[str, Any]]]:
+    """Train on ``opt.rewind.batches(batches)`` (micro-batches), recording the state right after
+    every window's close as the reference.  Per rewind: (restored window, the state right after the
+    rewinding window, the reference of the restored window)."""
+    assert opt.rewind is not None
+    refs: dict[int, dict[str, Any]] = {opt.num_windows: _full_state(opt, model)}
+    out = []
+    for b in opt.rewind.batches(batches):
+        closed = opt.num_windows
+        _window(CASES[0], opt, model, b)
+        if opt.num_windows == closed:  # a micro-batch of an open window
+            continue
+        assert opt.last_stats is not None
+        if opt.last_stats.reason == "rewind":
+            restored = opt.rewind.log[-1].restored
+            out.append((restored, _full_state(opt, model), refs[restored]))
+        refs[opt.num_windows] = _full_state(opt, model)
+    return out
+
+
+def _bn_rewind_run(
+    rewind: Rewind, wild: set[int], n: int = 26
+) -> list[tuple[int, dict[str, Any], dict[str, Any]]]:
+    """:func:`_record_rewinds` of a batch-norm model with a guard and ``rewind`` on ``n`` batches,
+    those in ``wild`` wild."""
+    model = _bn_model()
+    rewind.module = model
+    opt = ClippedOptimizer(optim.AdamW(model.parameters(), lr=0.01), spike_guard=_guard(), rewind=rewind)
+    batches = [_wild(b) if i in wild else b for i, b in enumerate(batches_for(n, seed=11))]
+    return _record_rewinds(opt, model, batches)
+
+
+def test_rewind_restores_batch_norm_statistics_of_the_copy_window() -> None:
+    """The copy of window 12 is taken while window 13 closes, after window 13's (wild) forward pass:
+    the rewind still brings back the running statistics as they were when window 12 closed
+    (running_var not the wild batch's, num_batches_tracked 12), bit for bit, with the parameters."""
+    rewind = Rewind(every=1, keep=2, spikes=2, within=4, skip_batches=0, check_every=1)
+    rewinds = _bn_rewind_run(rewind, wild={12, 13})  # windows 13 and 14
+    (restored, got, want) = rewinds[0]
+    assert restored == 12
+    assert int(want["buffers"]["1.num_batches_tracked"]) == 12
+    assert float(want["buffers"]["1.running_var"].max()) < 10  # the reference is not the wild batch's
+    _assert_identical(got, want)
+
+
+@pytest.mark.parametrize("check_every", [1, 2, 3])
+@pytest.mark.parametrize("keep", [1, 2, 3])
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_rewind_restores_module_buffers_bit_identically(every: int, keep: int, check_every: int) -> None:
+    """Every combination of every/keep/check_every: each rewind restores parameters, inner state and
+    batch-norm buffers bit for bit to their values right after the restored copy's window closed."""
+    rewind = Rewind(every=every, keep=keep, spikes=2, within=4, skip_batches=1, check_every=check_every)
+    rewinds = _bn_rewind_run(rewind, wild={12, 13, 24, 25}, n=34)
+    assert rewinds, "the run must rewind"
+    for restored, got, want in rewinds:
+        _assert_identical(got, want, f"window {restored}")
+
+
+@given(
+    every=st.integers(1, 3),
+    keep=st.integers(1, 3),
+    check_every=st.integers(1, 3),
+    accumulation=st.integers(1, 3),
+    first=st.integers(6, 10),
+    gap=st.integers(1, 3),
+    micro=st.integers(0, 2),
+)
+def test_rewind_restores_module_buffers_under_accumulation(
+    every: int, keep: int, check_every: int, accumulation: int, first: int, gap: int, micro: int
+) -> None:
+    """Drawn every/keep/check_every, accumulation_steps and two spike windows (one wild micro-batch in
+    each): every rewind restores parameters, inner state and batch-norm buffers bit for bit to their
+    values right after the restored copy's window closed (all its micro-batches' forward passes)."""
+    model = _bn_model()
+    rewind = Rewind(
+        every=every, keep=keep, spikes=2, within=4, skip_batches=0, module=model, check_every=check_every
+    )
+    opt = ClippedOptimizer(
+        optim.AdamW(model.parameters(), lr=0.01),
+        accumulation_steps=accumulation,
+        spike_guard=_guard(),
+        rewind=rewind,
+    )
+    windows = first + gap + check_every + 2
+    wild = {w * accumulation + min(micro, accumulation - 1) for w in (first, first + gap)}
+    batches = batches_for(windows * accumulation, seed=11)
+    rewinds = _record_rewinds(opt, model, [_wild(b) if i in wild else b for i, b in enumerate(batches)])
+    assert rewinds, "the run must rewind"
+    for restored, got, want in rewinds:
+        _assert_identical(got, want, f"window {restored}")
+
+
+def test_checkpoint_between_a_close_and_its_check_resumes_exactly() -> None:
+    """A checkpoint saved right after a window whose next close checks (and copies) carries the buffers
+    copied at that close: the resumed run's copy, and the state after a later rewind to it, equal the
+    uninterrupted run's bit for bit (without them the copy would hold the buffers after the next
+    forward pass)."""
+    batches = [_wild(b) if i in {22, 23} else b for i, b in enumerate(batches_for(30, seed=11))]
+
+    def build() -> tuple[nn.Module, ClippedOptimizer]:
+        model = _bn_model()
+        rewind = Rewind(every=2, keep=2, spikes=2, within=4, skip_batches=0, module=model, check_every=3)
+        opt = ClippedOptimizer(optim.AdamW(model.parameters(), lr=0.01), spike_guard=_guard(), rewind=rewind)
+        return model, opt
+
+    model, opt = build()
+    for b in batches[:21]:
+        _window(CASES[0], opt, model, b)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    for b in batches[21:]:
+        _window(CASES[0], opt, model, b)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    model2, opt2 = build()
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    for b in batches[21:]:
+        _window(CASES[0], opt2, model2, b)
+    assert opt.rewind is not None and opt2.rewind is not None
+    assert opt2.rewinds == opt.rewinds == 1 and opt.rewind.log[0].restored == 21
+    _assert_identical(_full_state(opt2, model2), _full_state(opt, model))
+    _assert_identical(opt2.rewind.state_dict()["copies"], opt.rewind.state_dict()["copies"])
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_wrapper_with_guard_and_rewind_recovers_on_its_own(how: str) -> None:
+    """copy.deepcopy (or a pickle round trip) of a wrapper with a SpikeGuard and a Rewind of a batch-norm
+    model: the copy's Rewind holds the copied model, whose parameters are the copy's; spikes fed to the
+    copy make it rewind, bit for bit to its own reference; the original (parameters, buffers, inner
+    state, guard, Rewind, counters) is untouched."""
+    model = _bn_model()
+    rewind = Rewind(every=1, keep=2, spikes=2, within=4, skip_batches=0, module=model, check_every=1)
+    opt = ClippedOptimizer(optim.AdamW(model.parameters(), lr=0.01), spike_guard=_guard(), rewind=rewind)
+    batches = batches_for(18, seed=11)
+    for b in batches[:10]:
+        _window(CASES[0], opt, model, b)
+    assert opt.spike_guard is not None
+    before = _full_state(opt, model)
+    guard, copies, windows = copy.deepcopy(opt.spike_guard.state_dict()), rewind.copies, opt.num_windows
+    dup = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    assert dup.rewind is not None and dup.rewind is not rewind and dup.rewind.module is not None
+    twin = dup.rewind.module
+    assert [id(p) for p in twin.parameters()] == [id(p) for p in dup.param_groups[0]["params"]]
+    rewinds = _record_rewinds(dup, twin, [_wild(b) if i in {1, 2} else b for i, b in enumerate(batches[10:])])
+    assert [r[0] for r in rewinds] == [11] and dup.rewinds == 1
+    for _, got, want in rewinds:
+        _assert_identical(got, want)
+    _assert_identical(_full_state(opt, model), before)
+    _assert_identical(opt.spike_guard.state_dict(), guard)
+    assert opt.rewinds == 0 and rewind.copies == copies and opt.num_windows == windows
+
+
+def test_a_buffer_a_copy_cannot_hold_is_refused_at_the_check_not_after_an_update() -> None:
+    """A module with a sparse buffer: the window before a check closes and is recorded as usual (its
+    buffers are not copied at its close), and the check refuses with the TypeError naming the fix
+    before the next window changes anything."""
+    model = model_for()
+    model.register_buffer("counts", torch.zeros(4, 3).to_sparse())
+    opt = ClippedOptimizer(
+        optim.SGD(model.parameters(), lr=0.1),
+        spike_guard=_guard(),
+        rewind=Rewind(every=1, module=model, check_every=1),
+    )
+    first, second = batches_for(2, seed=3)
+    _window(CASES[0], opt, model, first)
+    assert opt.num_windows == 1 and opt.last_stats is not None and opt.last_stats.step == 1
+    before = _state(opt, model)
+    message = "Rewind copies dense tensors only, got a Tensor with layout torch.sparse_coo; "
+    with pytest.raises(TypeError, match=re.escape(message)):
+        _window(CASES[0], opt, model, second)
+    assert opt.num_windows == 1
+    _assert_identical(_state(opt, model), before)
