@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from . import functional as F
 from ._config import WindowSettings
 from ._decision import NONFINITE, WindowDecision
+from ._inner import InnerOptimizers, inner_optimizers
 from ._rollback import InnerBackup, nonfinite_loss, reevaluates
 from ._window_grads import WindowGrads
 
@@ -40,7 +41,10 @@ def is_fused(inner: Optimizer) -> bool:
 
     ``_step_supports_amp_scaling`` marks them (and third-party fused optimizers),
     but pickling drops that instance attribute, so the type counts as well.
+    Several inner optimizers (:class:`~clipopt._inner.InnerOptimizers`) are fused when all are.
     """
+    if isinstance(inner, InnerOptimizers):
+        return all(is_fused(o) for o in inner.optimizers)
     if not (getattr(inner, "_step_supports_amp_scaling", False) or isinstance(inner, _FUSED_CAPABLE)):
         return False
     return all(bool(g.get("fused")) for g in inner.param_groups)
@@ -83,7 +87,7 @@ class StateReadiness:
     __slots__ = ("_size", "_state")
 
     def __init__(self) -> None:
-        self._state: Any = None  # the state object known to hold state for every parameter
+        self._state: Any = None  # the state objects known to hold state for every parameter
         self._size: tuple[int, int] = (0, 0)
 
     def reset(self) -> None:
@@ -91,22 +95,27 @@ class StateReadiness:
         self._state = None
 
     def ready(self, inner: Optimizer, params: Sequence[Tensor]) -> bool:
-        state = inner.state
-        if self._state is state and self._size == (len(state), len(params)):
+        optimizers = inner_optimizers(inner)  # several: each one's own state
+        states = tuple(o.state for o in optimizers)
+        size = (sum(len(state) for state in states), len(params))
+        known = self._state  # a tuple; an earlier clipopt's pickle holds one state object
+        same = isinstance(known, tuple) and len(known) == len(states) and self._size == size
+        if same and all(a is b for a, b in zip(known, states, strict=True)):
             return True
-        sgd = isinstance(inner, torch.optim.SGD)
         all_ready = True
-        for group in inner.param_groups:
-            if sgd and group.get("momentum", 0) == 0:
-                continue
-            for p in group["params"]:
-                s = state.get(p)
-                if not s or any(v is None for v in s.values()):
-                    if p.grad is not None:
-                        return False
-                    all_ready = False
+        for o in optimizers:
+            sgd = isinstance(o, torch.optim.SGD)
+            for group in o.param_groups:
+                if sgd and group.get("momentum", 0) == 0:
+                    continue
+                for p in group["params"]:
+                    s = o.state.get(p)
+                    if not s or any(v is None for v in s.values()):
+                        if p.grad is not None:
+                            return False
+                        all_ready = False
         if all_ready:
-            self._state, self._size = state, (len(state), len(params))
+            self._state, self._size = states, size
         return True
 
 

@@ -10,6 +10,7 @@ returns what the optimizer then takes over.  The format is ``_state.FORMAT_VERSI
 from __future__ import annotations
 
 import copy
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -18,6 +19,7 @@ from torch.optim import Optimizer
 
 from ._distributed import Unsynced
 from ._group_options import check_groups, group_keys, kept_options
+from ._inner import inner_optimizers, inner_state_dicts
 from ._loss import LossSum
 from ._recovery import SpikeRecovery
 from ._state import (
@@ -75,13 +77,14 @@ class Checkpoint(NamedTuple):
     policy_state: dict[str, Any] | None
     loss_sum: LossSum
     unsynced: Unsynced | None
-    #: Per group, the clipping options set now that the saved group lacks (put back after loading).
-    kept_options: list[dict[str, Any]]
+    #: Per inner optimizer, per group, the clipping options set now that the saved group lacks (put
+    #: back after loading).
+    kept_options: list[list[dict[str, Any]]]
     #: The SpikeGuard's and Rewind's checked state (see ``SpikeRecovery.validate``).
     recovery: tuple[Any, Any] = (None, None)
-    #: The inner entry is in the inner optimizer's own layout (``_state.has_own_layout``): its groups
-    #: are checked once loaded (``kept_options`` is empty then), with this ``norm_group``.
-    own_layout: bool = False
+    #: Per inner optimizer, whether its entry is in its own layout (``_state.has_own_layout``): its
+    #: groups are checked once loaded (its ``kept_options`` is empty then), with this ``norm_group``.
+    own_layout: tuple[bool, ...] = ()
     norm_group: Any = None
 
     def take_over(
@@ -96,12 +99,21 @@ class Checkpoint(NamedTuple):
         """Load the checked state: the inner optimizer's (the groups' current clipping options
         kept; a failure leaves it as it was), the open window's gradients into ``params``, the
         scaler's, the policy's and the recovery's; return the counters to take over."""
-        with restore_on_failure(inner, reload=self.own_layout), keep_group_keys(inner):
-            if self.own_layout:
-                kept = _load_own_layout(inner, self.inner, policy, self.norm_group)
-            else:
-                inner.load_state_dict(self.inner)
-                kept = self.kept_options
+        optimizers = inner_optimizers(inner)
+        own = self.own_layout or (False,) * len(optimizers)
+        with ExitStack() as stack:  # several inner optimizers: all as they were if one fails
+            for o, reload in zip(optimizers, own, strict=True):  # outermost: undone after any check
+                stack.enter_context(restore_on_failure(o, reload=reload))
+            for o in optimizers:
+                stack.enter_context(keep_group_keys(o))
+            kept: list[dict[str, Any]] = []
+            parts = inner_state_dicts(self.inner, inner)
+            for (part, o), mine, options in zip(parts, own, self.kept_options, strict=True):
+                if mine:
+                    kept += _load_own_layout(o, part, policy, self.norm_group)
+                else:
+                    o.load_state_dict(part)
+                    kept += options
             for group, extra in zip(inner.param_groups, kept, strict=False):
                 group.update(extra)  # per-group clipping set now, absent from the checkpoint
         counters = self.counters if self.counters is not None else WrapperState()
@@ -132,14 +144,13 @@ def read_checkpoint(
 
     An inner entry in the inner optimizer's own layout (pytorch_optimizer's ``Lookahead``) is left
     to the inner optimizer's own ``load_state_dict``, which :meth:`Checkpoint.take_over` undoes
-    when it, or the check of the groups it loaded, fails."""
-    own = isinstance(state_dict, dict) and has_own_layout(state_dict, inner)
-    wrapper = read_wrapper_state(state_dict, params, accumulation_steps, own_layout=own)
-    kept: list[dict[str, Any]] = []
-    if not own:
-        validate_inner_state(state_dict, inner)
-        saved = [g for g in state_dict["param_groups"] if isinstance(g, dict)]
-        kept = _checked_kept_options(saved, inner.param_groups, inner.defaults, policy, norm_group)
+    when it, or the check of the groups it loaded, fails.  Over several inner optimizers each
+    part of ``state_dict["optimizers"]`` is checked (or left) so."""
+    parts = inner_state_dicts(state_dict, inner) if isinstance(state_dict, dict) else []
+    own = tuple(isinstance(part, dict) and has_own_layout(part, o) for part, o in parts)
+    torch_parts = [None if mine else part for (part, _), mine in zip(parts, own, strict=True)]
+    wrapper = read_wrapper_state(state_dict, params, accumulation_steps, torch_parts)
+    kept = _check_parts(parts, own, policy, norm_group)
     policy_state = _checked_policy_state(state_dict, policy)
     _check_scaler_state(wrapper, scaler)
     ext = state_dict.get("clipopt")
@@ -167,6 +178,23 @@ def read_checkpoint(
         own,
         norm_group,
     )
+
+
+def _check_parts(
+    parts: list[tuple[Any, Optimizer]], own: tuple[bool, ...], policy: ClipPolicy | None, norm_group: Any
+) -> list[list[dict[str, Any]]]:
+    """Each inner optimizer's part in torch's layout checked against it (one optimizer: the state dict
+    itself); per optimizer, the clipping options to keep (none yet for a part in its own layout,
+    whose groups are checked once loaded)."""
+    kept: list[list[dict[str, Any]]] = []
+    for (part, o), mine in zip(parts, own, strict=True):
+        if mine:
+            kept.append([])
+            continue
+        validate_inner_state(part, o)
+        saved = [g for g in part["param_groups"] if isinstance(g, dict)]
+        kept.append(_checked_kept_options(saved, o.param_groups, o.defaults, policy, norm_group))
+    return kept
 
 
 def _load_own_layout(

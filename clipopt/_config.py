@@ -30,6 +30,7 @@ from ._checks import (
 from ._distributed import has_dtensor
 from ._distributed_decision import check_norm_group, check_replica_group
 from ._group_options import GroupPlan, check_groups
+from ._inner import InnerOptimizers
 from ._layers import resolve_param_names
 from ._logging import Logger
 from ._policies import ClipPolicy
@@ -70,6 +71,7 @@ class WrapperConfig:
     replica_group: Any  #: ``"auto"``, a process group, or None
     backward_passes_per_step: int
     names: dict[Tensor, str]  #: parameter -> name (see ``param_names``)
+    inner: Optimizer  #: the optimizer, or an ``InnerOptimizers`` over a list of several
 
 
 @dataclass(frozen=True)
@@ -154,18 +156,35 @@ def check_max_norm(value: Any) -> tuple[ClipPolicy | None, float | None]:
     return None, check_optional_positive_float("max_norm", value, "1.0")
 
 
-def check_optimizer(optimizer: Any, wrapper_type: type) -> None:
+def check_optimizer(optimizer: Any, wrapper_type: type, name: str = "optimizer") -> None:
     """The inner optimizer: a ``torch.optim.Optimizer``, not already wrapped."""
     if isinstance(optimizer, wrapper_type):
         raise TypeError(
-            "optimizer is already a ClippedOptimizer; wrap its inner optimizer "
+            f"{name} is already a ClippedOptimizer; wrap its inner optimizer "
             "(opt.optimizer) once, with all the options you need"
         )
     if not isinstance(optimizer, Optimizer):
         raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+            f"{name} must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
             "pass e.g. torch.optim.AdamW(model.parameters())"
+            + (", or a list of optimizers over disjoint parameters" if name == "optimizer" else "")
         )
+
+
+def check_inner(optimizer: Any, wrapper_type: type) -> Optimizer:
+    """``optimizer``: one optimizer, or a non-empty list of them over disjoint parameters (one
+    :class:`~clipopt._inner.InnerOptimizers`; a list of one is that optimizer)."""
+    if not isinstance(optimizer, (list, tuple)):
+        check_optimizer(optimizer, wrapper_type)
+        return optimizer  # type: ignore[no-any-return]
+    if not optimizer:
+        raise ValueError(
+            "optimizer is an empty list; pass an optimizer, or a list of optimizers over disjoint "
+            "parameters, e.g. [torch.optim.Muon(matrices), torch.optim.AdamW(others)]"
+        )
+    for k, o in enumerate(optimizer):
+        check_optimizer(o, wrapper_type, f"optimizer[{k}]")
+    return optimizer[0] if len(optimizer) == 1 else InnerOptimizers(optimizer)
 
 
 def check_layer_stats(value: Any) -> int:
@@ -257,7 +276,7 @@ def _check_names(
 def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> WrapperConfig:
     """Validate every constructor argument (``options``: the keyword arguments by name), in order."""
     o = options
-    check_optimizer(optimizer, wrapper_type)
+    inner = check_inner(optimizer, wrapper_type)
     policy, bound = check_max_norm(o["max_norm"])
     norm_type = check_norm_type(o["norm_type"])
     clip_value = check_optional_positive_float("clip_value", o["clip_value"], "0.5")
@@ -273,9 +292,9 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
     norm_group = check_norm_group(o["norm_group"])
     replica_group = check_replica_group(o["replica_group"])
     passes = check_positive_int("backward_passes_per_step", o["backward_passes_per_step"])
-    names = _check_names(optimizer, o["param_names"], clip_value, o["snapshot_dir"])
-    groups = optimizer.param_groups  # per-group 'max_norm'/'clip_value' (SPEC §1)
-    check_groups(groups, optimizer.defaults, policy=policy, norm_group=norm_group, clip_value=clip_value)
+    names = _check_names(inner, o["param_names"], clip_value, o["snapshot_dir"])
+    groups = inner.param_groups  # per-group 'max_norm'/'clip_value' (SPEC §1)
+    check_groups(groups, inner.defaults, policy=policy, norm_group=norm_group, clip_value=clip_value)
     return WrapperConfig(
         policy,
         bound,
@@ -293,4 +312,5 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
         replica_group,
         passes,
         names,
+        inner,
     )

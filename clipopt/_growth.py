@@ -24,6 +24,8 @@ from typing import Any
 
 from torch import Tensor
 
+from ._inner import flat_state_dict
+
 __all__ = ["LayerGrowth", "layer_growth"]
 
 
@@ -59,7 +61,7 @@ def layer_growth(snap: Mapping[str, Any]) -> tuple[list[LayerGrowth], str | None
     Parameters without a gradient, without optimizer state or without a
     finite gradient norm are left out.
     """
-    optimizer = snap["optimizer"]
+    optimizer = flat_state_dict(snap["optimizer"])  # several inner optimizers: one layout
     groups = optimizer.get("param_groups", [])
     state = optimizer.get("state", {})
     ids = [(i, g) for g in groups for i in g.get("params", [])]

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._inner import flat_state_dict
 from ._layers import LAYER_FIELDS
 from ._snapshot import load_snapshot
 from ._text import fmt_num, fmt_scale, json_safe
@@ -95,7 +96,7 @@ def summarize(snap: Mapping[str, Any], path: str | None = None) -> dict[str, Any
         "versions": dict(snap["versions"]),
         "parameters": ranked,
         "nonfinite_parameters": [r["name"] for r in ranked if r["nonfinite"] > 0],
-        "optimizer": _optimizer_summary(optimizer),
+        "optimizer": _optimizer_summary(flat_state_dict(optimizer)),
         "attached": {str(k): describe(v) for k, v in snap["attached"].items()},
         "scale": None if snap.get("scale") is None else float(snap["scale"]),
     }

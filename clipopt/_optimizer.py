@@ -104,7 +104,10 @@ class ClippedOptimizer(InnerOptimizerView):
     :meth:`step` from one thread at a time (concurrent calls miscount windows).
 
     Args:
-        optimizer: any ``torch.optim.Optimizer`` (also third-party subclasses).
+        optimizer: any ``torch.optim.Optimizer`` (also third-party subclasses), or a list of
+            optimizers over disjoint parameters (``[Muon(matrices), AdamW(others)]``): one decision
+            for all (one norm, coefficient and skip); :attr:`optimizers` lists them, and
+            ``param_groups`` is their groups in order (docs/concepts.md, "Several inner optimizers").
         max_norm: global norm bound, a :class:`ClipPolicy` (:class:`AutoClip`,
             :class:`ZClip`, :class:`AGC`) that sets it per window on the device, or
             None to turn norm clipping off.  A parameter group of the inner
@@ -170,7 +173,7 @@ class ClippedOptimizer(InnerOptimizerView):
 
     def __init__(
         self,
-        optimizer: Optimizer,
+        optimizer: Optimizer | Sequence[Optimizer],
         max_norm: float | ClipPolicy | None = 1.0,
         norm_type: float = 2.0,
         clip_value: float | None = None,
@@ -206,12 +209,12 @@ class ClippedOptimizer(InnerOptimizerView):
         self._replicas = ReplicaDecision(cfg.replica_group)
         self.backward_passes_per_step = cfg.backward_passes_per_step
         self._names = cfg.names
-        self.optimizer = optimizer
+        self._inner = cfg.inner  # the optimizer, or an _inner.InnerOptimizers over a list of several
         self.scaler = scaler
         self.foreach = foreach
         self._init_hooks()
         self._init_state(snapshot_dir)
-        self._recovery = SpikeRecovery.attach(spike_guard, rewind, self._params(), optimizer)
+        self._recovery = SpikeRecovery.attach(spike_guard, rewind, self._params(), self._inner)
         if spike_guard is not None:
             self._skip_sources.append(self._recovery)  # reason "spike"
         self._forwarding = True  # the inner optimizer's public attributes: read, not hidden (_wrapping)
@@ -265,7 +268,7 @@ class ClippedOptimizer(InnerOptimizerView):
         for name, part in (("spike_guard", self._recovery.guard), ("rewind", self._recovery.rewind)):
             if part is not None:
                 opts += f", {name}={part!r}"
-        inner = "\n".join("  " + line for line in repr(self.optimizer).splitlines())
+        inner = "\n".join("  " + line for line in repr(self._inner).splitlines())
         return f"ClippedOptimizer({opts},\n{inner}\n)"
 
     @property
@@ -277,19 +280,19 @@ class ClippedOptimizer(InnerOptimizerView):
     def max_norm(self, value: float | ClipPolicy | None) -> None:
         self._policy, self._bound = check_max_norm(value)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
+    def add_param_group(self, param_group: dict[str, Any], optimizer: int | None = None) -> None:
         """Add a parameter group to the inner optimizer; its ``max_norm`` and ``clip_value``
         (per-group clipping, SPEC §1) are checked first, so a bad one adds nothing."""
         if isinstance(param_group, dict):
             self._group_plan([*self.param_groups, param_group])
-        super().add_param_group(param_group)
+        super().add_param_group(param_group, optimizer)
 
     def _group_plan(self, groups: list[dict[str, Any]] | None = None) -> GroupPlan | None:
         """The per-group options of ``groups`` (default: the current ones), all checked; None
         when no group has one.  Read at every window: they may change like a learning rate."""
         return check_groups(
             self.param_groups if groups is None else groups,
-            self.optimizer.defaults,
+            self._inner.defaults,
             policy=self._policy,
             norm_group=self.norm_group,
             clip_value=self.clip_value,
@@ -433,7 +436,7 @@ class ClippedOptimizer(InnerOptimizerView):
         ``zero_grad()`` may be called after every micro-batch.
         """
         if self._counters.micro_batches == 0:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
+            self._inner.zero_grad(set_to_none=set_to_none)
 
     @contextmanager
     def no_sync(self, model: torch.nn.Module, *, sync: bool | None = None) -> Iterator[None]:
@@ -548,9 +551,7 @@ class ClippedOptimizer(InnerOptimizerView):
         n, params = self._counters.micro_batches, self._params()
         s = WindowSettings.read(self, n, self._group_plan())  # group options checked before any change
         if self._recovery.due(self._counters.windows):  # Rewind: a copy, or back to one
-            hit = self._recovery.check(
-                self._counters.windows, params, self.optimizer, self._policy, self.scaler
-            )
+            hit = self._recovery.check(self._counters.windows, params, self._inner, self._policy, self.scaler)
             if hit is not None:
                 undo.committed = True  # the training state was restored: this window is discarded
                 return self._close_rewound(n, loss, hit[1])
@@ -594,7 +595,7 @@ class ClippedOptimizer(InnerOptimizerView):
             return None
         if self.scaler is not None:
             undo.touched = True
-            self.scaler.unscale_(self.optimizer)
+            self.scaler.unscale_(self._inner)
         return g
 
     def _measure(self, s: WindowSettings, g: WindowGrads, n: int) -> WindowDecision:
@@ -624,7 +625,7 @@ class ClippedOptimizer(InnerOptimizerView):
             window=(self._counters.windows + 1, n),
             sharded=self._index.has_dtensor,
             spike=lambda: recovery.is_spike(d, recovery.shared_loss),
-            saved=(self.optimizer, self._counters, self.scaler),
+            saved=(self._inner, self._counters, self.scaler),
         )
 
     def _apply(
@@ -633,9 +634,7 @@ class ClippedOptimizer(InnerOptimizerView):
         """Step 5: the inner step or the skip (see :mod:`clipopt._apply`), then the counters; returns
         ``step()``'s result and whether the fused (host-read-free) path ran."""
         step_result = (loss, closure)
-        out, skipped, fused = apply_window(
-            self.optimizer, s, d, g, step_result, self._reclip, self._readiness
-        )
+        out, skipped, fused = apply_window(self._inner, s, d, g, step_result, self._reclip, self._readiness)
         self._last_skipped = skipped
         self._update_applied = not skipped if isinstance(skipped, bool) else None
         self._counters.record(skipped, d.counted_nonfinite(skipped, s.skip_enabled))
@@ -726,7 +725,8 @@ class ClippedOptimizer(InnerOptimizerView):
         """The inner optimizer's state dict plus a ``"clipopt"`` entry with the wrapper state.
 
         The result has the usual ``"state"`` and ``"param_groups"`` keys (a plain
-        optimizer can load it) and only tensors, numbers, strings, lists and
+        optimizer can load it; over several inner optimizers, ``"optimizers"``: a
+        list of their state dicts) and only tensors, numbers, strings, lists and
         dicts, so ``torch.load(..., weights_only=True)`` reads it.  Taken
         mid-window it holds a copy of the gradients accumulated so far.
         """
@@ -734,7 +734,7 @@ class ClippedOptimizer(InnerOptimizerView):
 
     def _state_dict(self) -> dict[str, Any]:
         self._check_checkpointable()
-        sd = dict(self.optimizer.state_dict())
+        sd = dict(self._inner.state_dict())
         sd["clipopt"] = wrapper_entry(
             self._counters,
             self._params(),
@@ -760,14 +760,14 @@ class ClippedOptimizer(InnerOptimizerView):
             state_dict,
             params,
             accumulation_steps=self.accumulation_steps,
-            inner=self.optimizer,
+            inner=self._inner,
             policy=self._policy,
             scaler=self.scaler,
             recovery=self._recovery,
             norm_group=self.norm_group,
         )
         self._counters = ckpt.take_over(
-            self.optimizer, params, scaler=self.scaler, policy=self._policy, recovery=self._recovery
+            self._inner, params, scaler=self.scaler, policy=self._policy, recovery=self._recovery
         )
         self._readiness.reset()
         self._window_guard.reset()  # loaded gradients are new tensors

@@ -154,19 +154,32 @@ def has_own_layout(state_dict: dict[str, Any], inner: Optimizer) -> bool:
     return not torch_keys and type(inner).load_state_dict is not Optimizer.load_state_dict
 
 
+def _check_layout(parts: list[Any]) -> None:
+    """Each inner optimizer's state dict has a ``"state"`` dict and a ``"param_groups"`` list (None:
+    one in its optimizer's own layout, :func:`has_own_layout`, checked by the optimizer)."""
+    for k, part in enumerate(parts):
+        if part is None:
+            continue
+        where = "" if len(parts) == 1 else f"optimizers[{k}]."
+        for key, kind in (("state", dict), ("param_groups", list)):
+            value = part.get(key) if isinstance(part, dict) else None
+            if not isinstance(value, kind):
+                raise _bad(f"'{where}{key}' must be a {kind.__name__}, got {type(value).__name__}")
+
+
 def read_wrapper_state(
-    state_dict: Any, params: list[Tensor], accumulation_steps: int, *, own_layout: bool = False
+    state_dict: Any, params: list[Tensor], accumulation_steps: int, parts: list[Any] | None = None
 ) -> tuple[WrapperState, list[Tensor | None] | None, Any] | None:
-    """Validate ``state_dict["clipopt"]``; None for a plain optimizer's state dict.  With
-    ``own_layout`` (:func:`has_own_layout`) torch's ``state``/``param_groups`` are not required."""
+    """Validate ``state_dict["clipopt"]``; None for a plain optimizer's state dict.
+
+    ``parts``: the inner optimizers' state dicts (default: ``state_dict`` itself), each checked
+    for its ``"state"`` and ``"param_groups"`` (None for one in its own layout)."""
     if not isinstance(state_dict, dict):
         raise TypeError(
             f"state_dict must be a dict, got {type(state_dict).__name__}; "
             "pass the dict returned by opt.state_dict() (or torch.load of it)"
         )
-    for key, kind in () if own_layout else (("state", dict), ("param_groups", list)):
-        if not isinstance(state_dict.get(key), kind):
-            raise _bad(f"'{key}' must be a {kind.__name__}, got {type(state_dict.get(key)).__name__}")
+    _check_layout([state_dict] if parts is None else parts)
     ext = state_dict.get("clipopt")
     if ext is None:
         return None

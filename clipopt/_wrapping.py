@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ._inner import inner_optimizers
+
 __all__ = ["HOOK_DICTS", "NOT_PICKLED", "InnerOptimizerView"]
 
 #: torch's per-optimizer hook dictionaries, created here since ``Optimizer.__init__`` is not called.
@@ -46,18 +48,48 @@ def forwardable(owner: type, name: str) -> bool:
     return not name.startswith("_") and not hasattr(owner, name)
 
 
-def _no_attribute(view: object, name: str, inner: object | None) -> AttributeError:
-    where = "" if inner is None else f" (nor has its inner {type(inner).__name__})"
+def _no_attribute(view: object, name: str, inner: list[Optimizer] | None) -> AttributeError:
+    where = ""
+    if inner:
+        kinds = ", ".join(type(o).__name__ for o in inner)
+        where = f" (nor has its inner {kinds})" if len(inner) == 1 else f" (nor has any of its inner {kinds})"
     return AttributeError(f"'{type(view).__name__}' object has no attribute '{name}'{where}")
 
 
-class InnerOptimizerView(Optimizer):
-    """Delegates ``param_groups``, ``state``, ``defaults`` and ``add_param_group`` to :attr:`optimizer`,
-    and reads every other public attribute the wrapper does not define from it (``train()``/``eval()``
-    of schedule-free optimizers, ``consolidate_state_dict()`` of ``ZeroRedundancyOptimizer``)."""
+def _read_inner(view: object, optimizers: list[Optimizer], name: str) -> Any:
+    """``name`` of the inner optimizer; over several, of the one that has it, and a method that
+    more have is one calling each of theirs in order (``opt.train()`` of schedule-free ones)."""
+    holders = [o for o in optimizers if hasattr(o, name)]
+    if not holders:
+        raise _no_attribute(view, name, optimizers)
+    values = [getattr(o, name) for o in holders]
+    if len(values) == 1:
+        return values[0]
+    if not all(callable(v) for v in values):
+        raise AttributeError(
+            f"'{name}' is an attribute of {len(values)} of the inner optimizers; "
+            f"read it from one of them: opt.optimizers[i].{name}"
+        )
 
-    #: The inner optimizer.
-    optimizer: Optimizer
+    def each(*args: Any, **kwargs: Any) -> Any:
+        results = [v(*args, **kwargs) for v in values]
+        return None if all(r is None for r in results) else results
+
+    return each
+
+
+class InnerOptimizerView(Optimizer):
+    """Delegates ``param_groups``, ``state``, ``defaults`` and ``add_param_group`` to the inner optimizer,
+    and reads every other public attribute the wrapper does not define from it (``train()``/``eval()``
+    of schedule-free optimizers, ``consolidate_state_dict()`` of ``ZeroRedundancyOptimizer``).
+
+    ``_inner`` is the optimizer, or an ``_inner.InnerOptimizers`` over several: then
+    ``param_groups`` is every inner optimizer's group dicts in order, ``state`` a view
+    of their ``state`` and ``defaults`` a new dict merging theirs.
+    """
+
+    #: The inner optimizer (an ``InnerOptimizers`` over several).
+    _inner: Optimizer
 
     #: Set at the end of the constructor: from then on, assigning a name read from the inner
     #: optimizer raises instead of hiding it (see ``__setattr__``).
@@ -69,32 +101,37 @@ class InnerOptimizerView(Optimizer):
             """The inner optimizer's public attribute ``name`` (only asked when the wrapper has none).
 
             Reads ``__dict__`` directly: while unpickling, before it is filled, no lookup recurses.
+            A property of the wrapper that raised ``AttributeError`` (``opt.optimizer`` over
+            several) raises its own error again.
             """
-            inner = self.__dict__.get("optimizer")
+            prop = getattr(type(self), name, None)
+            if isinstance(prop, property) and prop.fget is not None:
+                return prop.fget(self)
+            inner = self.__dict__.get("_inner")
             if inner is None or not forwardable(type(self), name):
                 raise _no_attribute(self, name, None)
-            try:
-                return getattr(inner, name)
-            except AttributeError:
-                raise _no_attribute(self, name, inner) from None
+            return _read_inner(self, inner_optimizers(inner), name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if forwardable(type(self), name) and self._forwarding and name not in self.__dict__:
-            inner = self.__dict__.get("optimizer")
-            if inner is not None and hasattr(inner, name):
-                kind = type(inner).__name__
+            inner = self.__dict__.get("_inner")
+            optimizers = [] if inner is None else inner_optimizers(inner)
+            holders = [k for k, o in enumerate(optimizers) if hasattr(o, name)]
+            if holders:
+                kind = type(optimizers[holders[0]]).__name__
+                where = "opt.optimizer" if len(optimizers) == 1 else f"opt.optimizers[{holders[0]}]"
                 raise AttributeError(
                     f"cannot set '{name}' on the {type(self).__name__}: it is the inner {kind}'s "
-                    f"attribute, read through the wrapper; set it there: opt.optimizer.{name} = ..."
+                    f"attribute, read through the wrapper; set it there: {where}.{name} = ..."
                 )
         super().__setattr__(name, value)
 
     def __dir__(self) -> list[str]:
-        """The wrapper's names and the inner optimizer's public ones (what ``__getattr__`` reads)."""
-        inner = self.__dict__.get("optimizer")
+        """The wrapper's names and the inner optimizers' public ones (what ``__getattr__`` reads)."""
+        inner = self.__dict__.get("_inner")
         names = set(super().__dir__())
-        if inner is not None:
-            names.update(n for n in dir(inner) if forwardable(type(self), n))
+        for o in [] if inner is None else inner_optimizers(inner):
+            names.update(n for n in dir(o) if forwardable(type(self), n))
         return sorted(names)
 
     def _init_hooks(self) -> None:
@@ -104,32 +141,65 @@ class InnerOptimizerView(Optimizer):
         self._patch_step_function()
 
     @property
+    def optimizers(self) -> list[Optimizer]:
+        """The inner optimizers, in the order given (a new list)."""
+        return inner_optimizers(self._inner)
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """The inner optimizer; ``AttributeError`` over several (use :attr:`optimizers`)."""
+        several = self.optimizers
+        if len(several) > 1:
+            names = ", ".join(type(o).__name__ for o in several)
+            raise AttributeError(
+                f"this ClippedOptimizer wraps {len(several)} optimizers ({names}); "
+                "opt.optimizer is the inner optimizer of one: use opt.optimizers[i]"
+            )
+        return self._inner
+
+    def _assign(self, name: str, value: Any) -> None:
+        if len(self.optimizers) > 1:
+            raise TypeError(
+                f"cannot assign {name} of a ClippedOptimizer over several optimizers; "
+                f"assign each inner optimizer's (opt.optimizers[i].{name} = ...)"
+            )
+        setattr(self._inner, name, value)
+
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
+        return self._inner.param_groups
 
     @param_groups.setter
     def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
+        self._assign("param_groups", value)
 
     @property
     def state(self) -> collections.defaultdict[Tensor, Any]:
-        return self.optimizer.state
+        return self._inner.state
 
     @state.setter
     def state(self, value: collections.defaultdict[Tensor, Any]) -> None:
-        self.optimizer.state = value
+        self._assign("state", value)
 
     @property
     def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
+        return self._inner.defaults
 
     @defaults.setter
     def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
+        self._assign("defaults", value)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a parameter group to the inner optimizer."""
-        self.optimizer.add_param_group(param_group)
+    def add_param_group(self, param_group: dict[str, Any], optimizer: int | None = None) -> None:
+        """Add a parameter group to the inner optimizer (over several: to ``optimizers[optimizer]``)."""
+        if len(self.optimizers) > 1:
+            self._inner.add_param_group(param_group, optimizer)  # type: ignore[call-arg]
+        elif optimizer not in (None, 0):
+            raise TypeError(
+                f"optimizer={optimizer!r}: this ClippedOptimizer wraps one optimizer; "
+                "call opt.add_param_group(group)"
+            )
+        else:
+            self._inner.add_param_group(param_group)
 
     def _hooked_state_dict(self, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """``build()`` with torch's state-dict hooks around it, as ``Optimizer.state_dict`` runs them."""

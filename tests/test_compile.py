@@ -159,3 +159,36 @@ def test_compiled_step_with_a_candidate_row_raises_no_dynamo_warning(tmp_path: P
         assert [str(w.message) for w in record if "lru_cache" in str(w.message)] == []
         rows.append(path.read_text())
     assert rows[0] == rows[1]
+
+
+def test_compiled_step_over_several_fused_inner_optimizers() -> None:
+    """torch.compile(opt.step) over [fused SGD (the matrices), fused AdamW (the biases)]: the skip goes to
+    both as found_inf from the compiled step; the parameters equal the eager wrapper's (a clipped update
+    and a NaN skip included)."""
+    model = _model()
+    eager_model = copy.deepcopy(model)
+
+    def train(m: nn.Module, compile_step: bool) -> ClippedOptimizer:
+        matrices = [p for p in m.parameters() if p.ndim == 2]
+        others = [p for p in m.parameters() if p.ndim != 2]
+        inner = [
+            torch.optim.SGD(matrices, lr=0.05, momentum=0.9, fused=True),
+            torch.optim.AdamW(others, lr=1e-2, fused=True),
+        ]
+        opt = ClippedOptimizer(inner, max_norm=0.5)
+        step = torch.compile(opt.step) if compile_step else opt.step
+        for i in range(4):
+            x, y = _batch(i)
+            if i == 2:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            nn.functional.mse_loss(m(x), y).backward()
+            (opt.step if i == 0 else step)()  # the first update creates the state eagerly
+            opt.zero_grad()
+        return opt
+
+    compiled_opt = train(model, True)
+    eager_opt = train(eager_model, False)
+    for p, q in zip(eager_model.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert compiled_opt.num_skipped == eager_opt.num_skipped == 1

@@ -157,3 +157,28 @@ def test_resume_from_checkpoint_is_bit_identical(tmp_path: Path) -> None:
     assert (opt.num_windows, opt.num_skipped) == (opt_a.num_windows, opt_a.num_skipped) == (6, 1)
     assert sched.last_epoch == sched_a.last_epoch == 5
     assert opt.param_groups[0]["lr"] == opt_a.param_groups[0]["lr"]
+
+
+def test_muon_and_adamw_under_one_wrapper_in_the_trainer(tmp_path: Path) -> None:
+    """Trainer(optimizers=(ClippedOptimizer([Muon, AdamW]), per_update(StepLR))) through Accelerate's
+    AcceleratedOptimizer: a NaN sample skips the update of both inner optimizers (every parameter
+    finite), and both learning rates halve once per applied update only (9 for 9)."""
+    model = Regressor()
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    others = [p for p in model.parameters() if p.ndim != 2]
+    opt = ClippedOptimizer(
+        [torch.optim.Muon(matrices, lr=LR), torch.optim.AdamW(others, lr=LR)], max_norm=0.5
+    )
+    sched = clipopt.per_update(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    trainer = transformers.Trainer(
+        model=model,
+        args=_args(tmp_path / "out", 4),
+        train_dataset=_data(160, nan_rows=(21,)),
+        optimizers=(opt, sched),
+        callbacks=[ClipoptTrainerCallback()],
+    )
+    trainer.train()
+    assert (opt.num_windows, opt.num_skipped, opt.num_updates) == (10, 1, 9)
+    assert [o.param_groups[0]["lr"] for o in opt.optimizers] == [pytest.approx(LR * 0.5**9)] * 2
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(len(o.state) == len(o.param_groups[0]["params"]) for o in opt.optimizers)

@@ -252,3 +252,46 @@ def test_wrapper_accumulation_under_lightning_counts_micro_batches(tmp_path: Pat
     sched = trainer.lr_scheduler_configs[0].scheduler
     assert (opt.num_updates, sched.last_epoch, trainer.global_step) == (4, 4, 16)
     assert opt.param_groups[0]["lr"] == pytest.approx(LR * 0.5**4)
+
+
+class MuonRegressor(Regressor):
+    """:class:`Regressor` trained by Muon (its weight matrices) and AdamW (its biases) under one wrapper."""
+
+    def configure_optimizers(self):
+        matrices = [p for p in self.parameters() if p.ndim == 2]
+        others = [p for p in self.parameters() if p.ndim != 2]
+        opt = ClippedOptimizer(
+            [torch.optim.Muon(matrices, lr=LR), torch.optim.AdamW(others, lr=LR)], max_norm=0.5
+        )
+        sched = clipopt.per_update(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_muon_and_adamw_under_one_wrapper_skip_schedule_and_resume(tmp_path: Path) -> None:
+    """Automatic optimization with ClippedOptimizer([Muon, AdamW]): a NaN batch skips the update of
+    both, per_update halves both learning rates once per applied update, and a checkpoint taken after
+    epoch 1 resumes epoch 2 bit for bit (parameters and both inner states)."""
+    loader = DataLoader(_data(64), batch_size=4)  # 16 batches: 4 updates per epoch
+    straight = MuonRegressor(nan_batches=(2,))
+    straight_trainer = _trainer(tmp_path / "a", max_epochs=2)
+    straight_trainer.fit(straight, loader)
+
+    first = MuonRegressor(nan_batches=(2,))
+    trainer = _trainer(tmp_path / "b", max_epochs=1)
+    trainer.fit(first, loader)
+    ckpt = tmp_path / "epoch1.ckpt"
+    trainer.save_checkpoint(ckpt)
+    resumed = MuonRegressor(nan_batches=(2,))
+    resumed_trainer = _trainer(tmp_path / "c", max_epochs=2)
+    resumed_trainer.fit(resumed, loader, ckpt_path=str(ckpt))
+
+    for p, q in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q)
+    opt = resumed_trainer.optimizers[0]
+    assert (opt.num_windows, opt.num_skipped, opt.num_updates) == (8, 2, 6)
+    muon, adamw = opt.optimizers
+    assert muon.param_groups[0]["lr"] == pytest.approx(LR * 0.5**6)
+    assert adamw.param_groups[0]["lr"] == pytest.approx(LR * 0.5**6)
+    for a, b in zip(straight_trainer.optimizers[0].optimizers, opt.optimizers, strict=True):
+        for p, q in zip(a.state.values(), b.state.values(), strict=True):
+            assert all(torch.equal(p[k], q[k]) for k in p)
