@@ -63,16 +63,25 @@ def norm_with_row(
     window's candidate bad row (see :mod:`clipopt._badrow`)."""
     norms = F.get_norms(grads, norm_type, foreach=foreach)
     raw_norm = torch.linalg.vector_norm(norms, norm_type)
-    return raw_norm, row_of_norms(norms, params, names, norm_type=norm_type, inv=inv)
+    return raw_norm, row_of_norms(norms, grads, params, names, norm_type=norm_type, foreach=foreach, inv=inv)
 
 
 def row_of_norms(
-    norms: Tensor, params: list[Tensor], names: list[str], *, norm_type: float, inv: float
+    norms: Tensor,
+    grads: list[Tensor],
+    params: list[Tensor],
+    names: list[str],
+    *,
+    norm_type: float,
+    foreach: bool | None,
+    inv: float,
 ) -> LayerStats:
     """The window's candidate bad row from the per-gradient norms already computed (``norms[j]``:
-    the ``j``-th parameter with a gradient)."""
+    the ``j``-th parameter with a gradient, ``grads[j]``), with each gradient's non-finite flag
+    (:func:`clipopt.functional.nonfinite_grads`: its elements, not its norm)."""
     with_grad = [i for i, p in enumerate(params) if p.grad is not None]
-    return candidate_row(names, with_grad, norms, inv, norm_type == 2.0)
+    flags = F.nonfinite_grads(grads, norms, norm_type, foreach=foreach)
+    return candidate_row(names, with_grad, norms, inv, norm_type == 2.0, flags)
 
 
 def snapshot_payload(

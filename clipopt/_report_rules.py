@@ -635,10 +635,12 @@ def _nonfinite_layers_at(log: GradLog, pos: int) -> dict[str, int]:
     bad_layers = {}
     for name, cols in log.layers.items():
         count, g = cols["nonfinite"][pos], cols["grad_norm"][pos]
-        # a nan norm is a non-finite gradient where the log counts no non-finite elements (Lightning);
-        # where it counts them (clipopt), a nan norm with no count > 0 is a parameter without a gradient
+        # a non-finite norm is a non-finite gradient where the log counts no non-finite elements
+        # (Lightning); where it counts them (clipopt), the count decides: a nan norm without one is a
+        # parameter without a gradient, an inf norm without one a finite gradient whose float32 norm
+        # overflowed (elements of 1e25), not the parameter that went non-finite
         counted = name in log.counted
-        if (math.isfinite(count) and count > 0) or math.isinf(g) or (math.isnan(g) and not counted):
+        if (math.isfinite(count) and count > 0) or (not counted and not math.isfinite(g)):
             bad_layers[name] = int(count) if math.isfinite(count) else -1
     return bad_layers
 

@@ -74,7 +74,11 @@ def measure(
     inv = 1.0 / s.divisor
     if s.plan is not None:
         norms = g.norms(g.grads, s.norm_type, s.foreach)
-        row = None if names is None else row_of_norms(norms, g.params, names, norm_type=s.norm_type, inv=inv)
+        row = None
+        if names is not None:
+            row = row_of_norms(
+                norms, g.grads, g.params, names, norm_type=s.norm_type, foreach=s.foreach, inv=inv
+            )
         sizes = [len(group) for group in g.by_group]
         return measured_groups(norms, sizes, s.plan.shared, norm_type=s.norm_type, divisor=s.divisor), row
     row = None

@@ -372,3 +372,78 @@ def test_nonfinite_layer_with_a_frozen_layer_in_the_optimizer(
     head = report["findings"][0]
     assert (head["step"], head["layer"]) == (nan_step, "4.bias")
     assert list(head["values"]["nonfinite_layers"]) == ["4.bias"]
+
+
+class _SideInput(torch.nn.Module):
+    """``deep`` reads the first four features; ``mid`` reads ``deep``'s output plus the last four
+    (a side input, as a skip connection from the data would): a huge side value makes ``mid``'s
+    gradient overflow to ``inf`` while ``deep``'s stays finite (but its float32 norm overflows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.deep = torch.nn.Linear(4, 4)
+        self.mid = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mid(torch.tanh(self.deep(x[:, :4])) + x[:, 4:])
+
+
+def _side_input_run(
+    csv: Path, snapshots: Path | None, layer_stats: int, bad_step: int, side: float
+) -> ClippedOptimizer:
+    """SGD on ``_SideInput`` for 30 steps, one batch at ``bad_step`` with a side input of ``side``
+    (a snapshot of an anomaly computes the full statistics: the window's own row is then those)."""
+    model = _SideInput()
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        max_norm=1.0,
+        param_names=model.named_parameters(),
+        layer_stats=layer_stats,
+        loggers=[CSVLogger(csv)],
+        snapshot_dir=snapshots,
+    )
+    for step in range(1, 31):
+        x, y = _data(step)
+        if step == bad_step:
+            x = x.clone()
+            x[0, 4:] = side
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if step == bad_step:  # what the label claims: deep's gradient finite, mid's holds inf
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            assert torch.isfinite(grads["deep.weight"]).all()
+            assert not torch.isfinite(torch.linalg.vector_norm(grads["deep.weight"]))
+            assert (grads["mid.weight"].abs() == math.inf).any() == (side > 1e29)
+        opt.step(loss=loss)
+        opt.zero_grad()
+    opt.close()
+    return opt
+
+
+@pytest.mark.parametrize(("layer_stats", "bad_step"), [(10, 17), (10, 20), (1, 17)])
+def test_nonfinite_layer_behind_a_layer_whose_float32_norm_overflows(
+    tmp_path: Path, layer_stats: int, bad_step: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real run in which ``deep.weight``'s gradient is finite (elements ~1e27, so its float32 norm
+    overflows) and ``mid.weight``'s, later in parameter order, holds the inf: the per-layer row --
+    the window's own (step 17 with layer_stats=10) or the due statistics -- flags ``mid.weight``
+    only, and ``clipopt report`` and ``clipopt inspect`` name it (before: ``deep.weight``)."""
+    snaps = tmp_path / "snaps"
+    for csv, snapshots in ((tmp_path / "run.csv", None), (tmp_path / "snapshotted.csv", snaps)):
+        _side_input_run(csv, snapshots, layer_stats, bad_step, side=1e30)
+        log = read_log(csv)
+        pos = list(log.layer_rows).index(bad_step - 1)
+        flags = {name: log.layers[name]["nonfinite"][pos] for name in log.layers}
+        assert flags["mid.weight"] >= 1 and flags["deep.weight"] == 0 and flags["deep.bias"] == 0
+        report = analyze(log)
+        assert report["verdict"] == "nonfinite"
+        head = report["findings"][0]
+        assert (head["step"], head["layer"]) == (bad_step, "mid.weight")
+        assert main(["report", str(csv)]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"verdict: nonfinite (non-finite gradient; step {bad_step}, layer mid.weight)")
+    (snapshot,) = snaps.glob("*.pt")
+    assert main(["inspect", str(snapshot), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["nonfinite_parameters"] == ["mid.weight"]
