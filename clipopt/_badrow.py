@@ -26,7 +26,7 @@ from torch.compiler import is_compiling
 
 from ._layers import LAYER_FIELDS, LayerStats
 
-__all__ = ["candidate_row"]
+__all__ = ["any_nonfinite", "candidate_row"]
 
 _NORM = LAYER_FIELDS.index("grad_norm")
 _NONFINITE = LAYER_FIELDS.index("nonfinite")
@@ -68,3 +68,12 @@ def _index(rows: tuple[int, ...], device: torch.device) -> Tensor:
     """``rows`` as an index tensor on ``device``, made once per set of rows: a tensor made from a
     Python list is a blocking host-to-device copy on an accelerator, so not one per window."""
     return torch.tensor(rows, device=device, dtype=torch.long)
+
+
+def any_nonfinite(row: LayerStats) -> Tensor:
+    """1.0 (float32, on the device) when a parameter of the candidate ``row`` holds a nan/inf
+    element, else 0.0: the window's gradients looked at element by element, no host read."""
+    values = row.device_values()
+    if values is None or values.numel() == 0:
+        raise ValueError("any_nonfinite needs a candidate row still on the device (just made)")
+    return values[:, _NONFINITE].nan_to_num(0.0).amax()

@@ -128,6 +128,14 @@ def snapshot_payload(
     }
 
 
+def _look_at_elements(d: WindowDecision, layers: LayerStats) -> None:
+    """The window's elements as the full statistics counted them (a non-finite window): whether
+    any is nan/inf, on the device (``d.elements``; kept when the candidate row set it already)."""
+    values = layers.device_values()
+    if d.elements is None and values is not None and values.numel():
+        d.elements = (values[:, 3].nan_to_num(0.0) > 0).any().to(torch.float32)
+
+
 @dataclass
 class Diagnostics:
     """The wrapper's diagnostics state; closing a window replaces a copy of it on failure (``UndoPoint``)."""
@@ -175,6 +183,8 @@ class Diagnostics:
         bad, reason = read_anomaly(d, s.policy if snapshots else None, snapshots, s.scaled, guard_spike)
         stats_of = sharded_layer_stats if sharded else compute_layer_stats  # the former: collective
         layers = stats_of(params, names(), 1.0 / s.divisor, bad) if due else None
+        if bad and layers is not None and not sharded:
+            _look_at_elements(d, layers)
         if reason is not None and self.writer is not None and self.writer.admit(reason):
             self._snapshot(
                 self.writer, s, d, params, names(), (layers, bad), window=window, reason=reason, saved=saved
@@ -201,6 +211,10 @@ class Diagnostics:
         if layers is None:
             layers = compute_layer_stats(params, names, inv, bad)
             self.bad_row = layers if s.layer_stats else None  # the full row, computed anyway
+            if bad:
+                _look_at_elements(d, layers)
+        if bad and not any(row[3] > 0 for row in layers.rows()):  # read for the payload anyway
+            reason = "norm_overflow"  # every element finite: the float32 norm overflowed
         inner, counters, scaler = saved
         payload = snapshot_payload(
             step=window[0],

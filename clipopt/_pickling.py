@@ -15,6 +15,7 @@ from ._diagnostics import Diagnostics
 from ._distributed_decision import ReplicaDecision
 from ._loss import LossSum
 from ._recovery import SpikeRecovery
+from ._skip_run import SkipRun
 from ._window_grads import ParamIndex
 from ._window_guard import WindowGuard
 
@@ -38,6 +39,7 @@ def upgrade_pickled(state: dict[str, Any]) -> dict[str, Any]:
     state.setdefault("_skip_sources", [])
     state.setdefault("_loss", LossSum())  # before the loss
     state.setdefault("_recovery", SpikeRecovery(None, None))  # before SpikeGuard / Rewind
+    state.setdefault("_skip_run", SkipRun())  # before the consecutive-skip warning
     if "_index" not in state:
         index = ParamIndex()
         index.has_dtensor = bool(state.pop("_has_dtensor", False))

@@ -289,7 +289,12 @@ def _nonfinite_findings(
     if not bad_rows.numel():
         return []
     finding = _nonfinite(log, bad_rows)
-    if explosions and onset <= first_bad:
+    if log.reason.get(first_bad) == "norm_overflow":  # finite gradients, a float32 norm over 3.4e38
+        finding["verdict"] = "exploding"
+        finding["evidence"] += (
+            "; its gradients were finite, their float32 norm overflowed (reason 'norm_overflow')"
+        )
+    elif explosions and onset <= first_bad:
         finding["verdict"] = "exploding"
         finding["evidence"] += " (part of the explosion above)"
     return [finding]

@@ -164,7 +164,9 @@ def test_replay_of_an_accumulated_window_with_a_one_batch_loss(
     x, y = batch(3)
     x[BAD_ROW, 0] = LOG_BAD_VALUE
     train(log_model(), [batch(0), batch(1), batch(2), (x, y)], tmp_path / "window", accumulation_steps=2)
-    code, out, err = run(capsys, "replay", snapshots(tmp_path / "window")[0], "--model", MODEL, "--loss", LOSS)
+    code, out, err = run(
+        capsys, "replay", snapshots(tmp_path / "window")[0], "--model", MODEL, "--loss", LOSS
+    )
     assert (code, out) == (2, "")
     assert err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith("clipopt replay: error: replay(): loss_fn raised TypeError (")

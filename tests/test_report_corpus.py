@@ -413,8 +413,12 @@ def _side_input_run(
         if step == bad_step:  # what the label claims: deep's gradient finite, mid's holds inf
             grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
             assert torch.isfinite(grads["deep.weight"]).all()
-            assert not torch.isfinite(torch.linalg.vector_norm(grads["deep.weight"]))
-            assert (grads["mid.weight"].abs() == math.inf).any() == (side > 1e29)
+            if side > 1e29:  # deep's norm overflows, mid holds the inf
+                assert not torch.isfinite(torch.linalg.vector_norm(grads["deep.weight"]))
+                assert (grads["mid.weight"].abs() == math.inf).any()
+            else:  # every element finite, the total norm (as clip_grad_norm_ takes it) not
+                assert all(torch.isfinite(g).all() for g in grads.values())
+                assert torch.nn.utils.get_total_norm(list(grads.values())) == math.inf
         opt.step(loss=loss)
         opt.zero_grad()
     opt.close()
@@ -447,3 +451,21 @@ def test_nonfinite_layer_behind_a_layer_whose_float32_norm_overflows(
     assert main(["inspect", str(snapshot), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["nonfinite_parameters"] == ["mid.weight"]
+
+
+def test_a_window_whose_float32_norm_overflows_on_finite_gradients(tmp_path: Path) -> None:
+    """A real run whose bad batch makes every gradient finite (``mid.weight`` ~1e28) but the float32
+    total norm overflow: the window is skipped with reason 'norm_overflow' (before: 'nonfinite'), and
+    the report calls it an explosion at that step, naming no non-finite layer."""
+    csv = tmp_path / "run.csv"
+    opt = _side_input_run(csv, None, 10, 17, side=1e15)
+    assert opt.num_skipped == 1
+    log = read_log(csv)
+    assert log.reason == {16: "norm_overflow"} and log.total_norm[16] == math.inf
+    report = analyze(log)
+    assert report["verdict"] == "exploding"
+    head = report["findings"][0]
+    assert (head["kind"], head["step"], head["layer"]) == ("nonfinite", 17, None)
+    assert head["evidence"].endswith(
+        "its gradients were finite, their float32 norm overflowed (reason 'norm_overflow')"
+    )
