@@ -165,7 +165,7 @@ def step_host(
     re-evaluation sets ``bad[0]``.  Returns what ``step()`` returns (the inner
     step's result with a closure, else ``loss``) and whether it was skipped.
     """
-    if d.skip is not None and _read_skip(d, grads, foreach):
+    if d.skip is not None and _read_skip(d, d.skip, grads, foreach):
         for p in params:
             p.grad = None
         return loss, True
@@ -185,12 +185,11 @@ def step_host(
     return out, False
 
 
-def _read_skip(d: WindowDecision, grads: list[Tensor], foreach: bool | None) -> bool:
+def _read_skip(d: WindowDecision, skip_flag: Tensor, grads: list[Tensor], foreach: bool | None) -> bool:
     """The skip flag, read once (with whether the norm is ``+inf``).  A skipped window whose norm
     is ``+inf`` and whose elements nobody looked at is looked at now (one more read, only then): all
     finite means a float32 norm that overflowed, reason ``"norm_overflow"``, not non-finite."""
-    assert d.skip is not None
-    flags = [d.skip, torch.isposinf(d.total_norm), d.bad_elements()]
+    flags = [skip_flag, torch.isposinf(d.total_norm), d.bad_elements()]
     skip, overflowed, bad = torch.stack([f.to(torch.float32) for f in flags]).tolist()
     if skip and overflowed and d.elements is None:
         maxima = F.get_norms(grads, math.inf, foreach=foreach)
