@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -173,14 +174,14 @@ def step_host(
     re-evaluation sets ``bad[0]``.  Returns what ``step()`` returns (the inner
     step's result with a closure, else ``loss``) and whether it was skipped.
     """
+    if d.skip is not None and _read_skip(d, d.skip, grads, foreach):
+        for p in params:
+            p.grad = None
+        return loss, True
     if d.group_scales is not None:  # per-group clipping: each group by its own scale
         F.scale_groups_(grad_groups, d.group_scales, foreach=foreach)
     elif _scaled(d.scale):
         F.scale_grads_(grads, d.scale, foreach=foreach)
-    if d.skip is not None and bool(d.skip.item()):
-        for p in params:
-            p.grad = None
-        return loss, True
     guard = guard and make_closure is not None and reevaluates(inner)
     backup, bad = (InnerBackup(inner, params), [False]) if guard else (None, None)
     out = inner.step(None if make_closure is None else make_closure(bad))
@@ -191,6 +192,20 @@ def step_host(
         d.skipped_as_nonfinite(NONFINITE)
         return out, True
     return out, False
+
+
+def _read_skip(d: WindowDecision, skip_flag: Tensor, grads: list[Tensor], foreach: bool | None) -> bool:
+    """The skip flag, read once (with whether the norm is ``+inf``).  A skipped window whose norm
+    is ``+inf`` and whose elements nobody looked at is looked at now (one more read, only then): all
+    finite means a float32 norm that overflowed, reason ``"norm_overflow"``, not non-finite."""
+    flags = [skip_flag, torch.isposinf(d.total_norm), d.bad_elements()]
+    skip, overflowed, bad = torch.stack([f.to(torch.float32) for f in flags]).tolist()
+    if skip and overflowed and d.elements is None:
+        maxima = F.get_norms(grads, math.inf, foreach=foreach)
+        d.checked_elements(F.nonfinite_grads(grads, maxima, math.inf).amax())
+    else:
+        d.host_bad = bool(bad)  # what counting the skip would read
+    return bool(skip)
 
 
 def _scaled(scale: float | Tensor) -> bool:

@@ -4,11 +4,13 @@ With ``layer_stats=k`` the full per-layer statistics are computed every k-th
 window.  So that the report can name the first parameter whose gradient went
 non-finite in *any* window, every other window also gets a candidate row built
 from the per-parameter norms that the total-norm pass computes anyway
-(:func:`clipopt.functional.get_norms`: no extra read of the gradients, no host
-read), which the loggers write only when the window's total norm turned out
-non-finite (they read the norm anyway).  In that row ``nonfinite`` is 1 when the
-parameter's gradient norm is not finite (an indicator, not a count: counting
-elements would be a second pass), ``grad_norm`` is its 2-norm (``nan`` when
+(:func:`clipopt.functional.get_norms`, no host read), which the loggers write
+only when the window's total norm turned out non-finite (they read the norm
+anyway).  In that row ``nonfinite`` is 1 when the parameter's gradient holds a
+``nan`` or ``inf`` element (an indicator, not a count), from
+:func:`clipopt.functional.nonfinite_grads`: not from the norm, which overflows
+float32 for finite elements of 1e25 and would name such a parameter before the
+one holding the ``inf``.  ``grad_norm`` is its 2-norm (``nan`` when
 ``norm_type`` is not 2), and ``grad_max``, ``grad_min`` and ``param_norm`` are
 ``nan`` (not computed).
 """
@@ -24,16 +26,22 @@ from torch.compiler import is_compiling
 
 from ._layers import LAYER_FIELDS, LayerStats
 
-__all__ = ["candidate_row"]
+__all__ = ["any_nonfinite", "candidate_row"]
 
 _NORM = LAYER_FIELDS.index("grad_norm")
 _NONFINITE = LAYER_FIELDS.index("nonfinite")
 
 
 def candidate_row(
-    names: Sequence[str], with_grad: Sequence[int], norms: Tensor, scale: float, two_norm: bool
+    names: Sequence[str],
+    with_grad: Sequence[int],
+    norms: Tensor,
+    scale: float,
+    two_norm: bool,
+    nonfinite: Tensor,
 ) -> LayerStats:
-    """A ``[P, 5]`` row: ``norms[j] * scale`` is the norm of parameter ``with_grad[j]``'s gradient."""
+    """A ``[P, 5]`` row: ``norms[j] * scale`` is the norm of parameter ``with_grad[j]``'s gradient,
+    ``nonfinite[j]`` 1.0 when that gradient holds a ``nan``/``inf`` element."""
     shape = (len(names), len(LAYER_FIELDS))
     values = torch.full(shape, float("nan"), dtype=torch.float32, device=norms.device)
     # every parameter has a gradient (the usual case): whole columns; else the rows' index, made once
@@ -43,7 +51,7 @@ def candidate_row(
     column = norms.to(torch.float32) * scale
     if two_norm:
         values[index, _NORM] = column
-    values[index, _NONFINITE] = (~torch.isfinite(column)).to(torch.float32)
+    values[index, _NONFINITE] = nonfinite.to(torch.float32)
     return LayerStats(names, values)
 
 
@@ -60,3 +68,12 @@ def _index(rows: tuple[int, ...], device: torch.device) -> Tensor:
     """``rows`` as an index tensor on ``device``, made once per set of rows: a tensor made from a
     Python list is a blocking host-to-device copy on an accelerator, so not one per window."""
     return torch.tensor(rows, device=device, dtype=torch.long)
+
+
+def any_nonfinite(row: LayerStats) -> Tensor:
+    """1.0 (float32, on the device) when a parameter of the candidate ``row`` holds a nan/inf
+    element, else 0.0: the window's gradients looked at element by element, no host read."""
+    values = row.device_values()
+    if values is None or values.numel() == 0:
+        raise ValueError("any_nonfinite needs a candidate row still on the device (just made)")
+    return values[:, _NONFINITE].nan_to_num(0.0).amax()

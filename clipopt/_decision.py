@@ -36,11 +36,13 @@ __all__ = [
     "DIVERGENCE",
     "NOGRAD",
     "NONFINITE",
+    "NORM_OVERFLOW",
     "NO_REASON",
     "OVERFLOW",
     "REASONS",
     "REWIND",
     "SPIKE",
+    "TAGGED_REASONS",
     "SkipSignal",
     "SkipSource",
     "WindowDecision",
@@ -55,8 +57,24 @@ __all__ = [
 ]
 
 #: Reason codes (int64 on the device).  ``REASONS[code]`` is what ``StepStats.reason`` returns.
-NO_REASON, NONFINITE, OVERFLOW, SPIKE, DIVERGENCE, NOGRAD, REWIND = range(7)
-REASONS: tuple[str | None, ...] = (None, "nonfinite", "overflow", "spike", "divergence", "nograd", "rewind")
+#: ``NORM_OVERFLOW``: every gradient element is finite but the float32 total norm overflowed
+#: (``inf``, as ``clip_grad_norm_`` returns it); clipping by it would zero the update, so it is
+#: skipped, but it is no non-finite gradient (see :meth:`WindowDecision.checked_elements`).
+NO_REASON, NONFINITE, OVERFLOW, SPIKE, DIVERGENCE, NOGRAD, REWIND, NORM_OVERFLOW = range(8)
+REASONS: tuple[str | None, ...] = (
+    None,
+    "nonfinite",
+    "overflow",
+    "spike",
+    "divergence",
+    "nograd",
+    "rewind",
+    "norm_overflow",
+)
+
+#: The reasons a TensorBoard log marks with a tag of their own (``clipopt/<reason>`` = 1 in that
+#: window), so that a reader tells them apart; a skipped window without one reads as "nonfinite".
+TAGGED_REASONS = ("overflow", "spike", "rewind", "norm_overflow")
 
 
 def reason_name(code: int) -> str | None:
@@ -92,9 +110,11 @@ class WindowDecision:
         "clipped",
         "coef",
         "divergence",
+        "elements",
         "group_coefs",
         "group_norms",
         "group_scales",
+        "host_bad",
         "loss",
         "max_norm",
         "nonfinite",
@@ -114,6 +134,12 @@ class WindowDecision:
         self.nonfinite = nonfinite
         #: 1.0 when data-parallel replicas disagreed (see ``_distributed_decision``), None without agreement.
         self.divergence = divergence
+        #: 1.0 when some gradient element is nan/inf, 0.0 when all are finite (the norm may still have
+        #: overflowed), from a look at the elements; None when they were not looked at (then
+        #: ``nonfinite`` stands for it).
+        self.elements: Tensor | None = None
+        #: :meth:`bad_elements` as already read on the host (with the skip flag), else None.
+        self.host_bad: bool | None = None
         #: The norm bound of this window (a policy's threshold), or None when norm clipping is off.
         self.max_norm: float | Tensor | None = None
         #: Norm-clipping coefficient ``min(1, max_norm / (norm + 1e-6))`` (1.0 when off).
@@ -160,7 +186,28 @@ class WindowDecision:
     def skipped_as_nonfinite(self, code: int) -> None:
         """The host found the window non-finite after the device decided (a closure's re-evaluation)."""
         self.nonfinite = torch.ones_like(self.nonfinite)
+        self.elements, self.host_bad = None, True
         self.reason = code
+
+    def bad_elements(self) -> Tensor:
+        """1.0 when the window's gradients hold a nan/inf element (as far as known: ``nonfinite``
+        when the elements were not looked at)."""
+        return self.nonfinite if self.elements is None else self.elements
+
+    def checked_elements(self, elements: Tensor) -> None:
+        """The elements were looked at after the skip was decided (``elements``: 1.0 when one is
+        nan/inf): a non-finite skip whose elements are all finite gets reason ``"norm_overflow"``
+        (on the device) and no longer counts as non-finite."""
+        self.elements = elements.to(self.nonfinite.dtype)
+        finite = self.elements == 0
+        reason = self.reason
+        if isinstance(reason, Tensor):
+            self.reason = torch.where(
+                ((reason == NONFINITE) | (reason == OVERFLOW)) & finite, NORM_OVERFLOW, reason
+            )
+        elif reason in (NONFINITE, OVERFLOW):
+            self.reason = torch.where(finite, NORM_OVERFLOW, reason)
+        self.nonfinite_only = False
 
     def counted_nonfinite(self, skipped: bool | Tensor, enabled: bool) -> bool | Tensor:
         """Whether the skip extends the run of non-finite skips (``max_consecutive_nonfinite``).
@@ -171,9 +218,11 @@ class WindowDecision:
         """
         if self.nonfinite_only:
             return skipped
+        bad = self.bad_elements()
         if isinstance(skipped, bool):
-            return skipped and enabled and bool(self.nonfinite.item())
-        return self.nonfinite if enabled else torch.zeros_like(self.nonfinite)
+            known = self.host_bad if self.host_bad is not None else bool(bad.item()) if skipped else False
+            return skipped and enabled and known
+        return bad if enabled else torch.zeros_like(bad)
 
 
 def decide_skip(d: WindowDecision, signals: Sequence[SkipSignal]) -> None:
@@ -183,7 +232,7 @@ def decide_skip(d: WindowDecision, signals: Sequence[SkipSignal]) -> None:
     first of them that is 1.0.  With no signal on, ``skip`` stays None.
     """
     active = [(s.code, s.flag) for s in signals if s.flag is not None]
-    d.nonfinite_only = all(code in (NONFINITE, OVERFLOW) for code, _ in active)
+    d.nonfinite_only = all(code in (NONFINITE, OVERFLOW) for code, _ in active)  # a skip is non-finite
     skip: Tensor | None = None
     reason: int | Tensor = NO_REASON
     for code, flag in reversed(active):

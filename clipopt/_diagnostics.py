@@ -63,16 +63,25 @@ def norm_with_row(
     window's candidate bad row (see :mod:`clipopt._badrow`)."""
     norms = F.get_norms(grads, norm_type, foreach=foreach)
     raw_norm = torch.linalg.vector_norm(norms, norm_type)
-    return raw_norm, row_of_norms(norms, params, names, norm_type=norm_type, inv=inv)
+    return raw_norm, row_of_norms(norms, grads, params, names, norm_type=norm_type, foreach=foreach, inv=inv)
 
 
 def row_of_norms(
-    norms: Tensor, params: list[Tensor], names: list[str], *, norm_type: float, inv: float
+    norms: Tensor,
+    grads: list[Tensor],
+    params: list[Tensor],
+    names: list[str],
+    *,
+    norm_type: float,
+    foreach: bool | None,
+    inv: float,
 ) -> LayerStats:
     """The window's candidate bad row from the per-gradient norms already computed (``norms[j]``:
-    the ``j``-th parameter with a gradient)."""
+    the ``j``-th parameter with a gradient, ``grads[j]``), with each gradient's non-finite flag
+    (:func:`clipopt.functional.nonfinite_grads`: its elements, not its norm)."""
     with_grad = [i for i, p in enumerate(params) if p.grad is not None]
-    return candidate_row(names, with_grad, norms, inv, norm_type == 2.0)
+    flags = F.nonfinite_grads(grads, norms, norm_type, foreach=foreach)
+    return candidate_row(names, with_grad, norms, inv, norm_type == 2.0, flags)
 
 
 def snapshot_payload(
@@ -117,6 +126,14 @@ def snapshot_payload(
         "rank": process_rank(),
         "scale": scale,
     }
+
+
+def _look_at_elements(d: WindowDecision, layers: LayerStats) -> None:
+    """The window's elements as the full statistics counted them (a non-finite window): whether
+    any is nan/inf, on the device (``d.elements``; kept when the candidate row set it already)."""
+    values = layers.device_values()
+    if d.elements is None and values is not None and values.numel():
+        d.elements = (values[:, 3].nan_to_num(0.0) > 0).any().to(torch.float32)
 
 
 @dataclass
@@ -166,6 +183,8 @@ class Diagnostics:
         bad, reason = read_anomaly(d, s.policy if snapshots else None, snapshots, s.scaled, guard_spike)
         stats_of = sharded_layer_stats if sharded else compute_layer_stats  # the former: collective
         layers = stats_of(params, names(), 1.0 / s.divisor, bad) if due else None
+        if bad and layers is not None and not sharded:
+            _look_at_elements(d, layers)
         if reason is not None and self.writer is not None and self.writer.admit(reason):
             self._snapshot(
                 self.writer, s, d, params, names(), (layers, bad), window=window, reason=reason, saved=saved
@@ -192,6 +211,10 @@ class Diagnostics:
         if layers is None:
             layers = compute_layer_stats(params, names, inv, bad)
             self.bad_row = layers if s.layer_stats else None  # the full row, computed anyway
+            if bad:
+                _look_at_elements(d, layers)
+        if bad and not any(row[3] > 0 for row in layers.rows()):  # read for the payload anyway
+            reason = "norm_overflow"  # every element finite: the float32 norm overflowed
         inner, counters, scaler = saved
         payload = snapshot_payload(
             step=window[0],

@@ -44,6 +44,7 @@ from ._policies import ClipPolicy
 from ._recovery import SpikeRecovery, check_recovery
 from ._rewind import Rewind
 from ._rollback import UndoPoint, note_discarded
+from ._skip_run import SkipRun
 from ._snapshot import SnapshotWriter
 from ._spike_guard import SpikeGuard
 from ._state import WrapperState
@@ -234,6 +235,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self._diagnostics = Diagnostics(writer)  # snapshots, attachments, the candidate bad row
         self._window_guard = WindowGuard()  # outside clearing and stacked accumulation, see _window_guard
         self._skip_sources: list[SkipSource] = []  # extra skip signals after the built-in ones (_decision)
+        self._skip_run = SkipRun()  # warns after 10 skipped windows in a row (see _skip_run)
 
     # ------------------------------------------------------------------ delegation
 
@@ -687,6 +689,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self.stats.append(stats)
         log_window(self.loggers, stats, self)  # I/O failures warn; the window is complete either way
         self._diagnostics.attached.clear()
+        self._skip_run.follow(stats)  # after the loggers, which may have read it
         return stats
 
     def _check_consecutive_nonfinite(self) -> None:
@@ -718,6 +721,7 @@ class ClippedOptimizer(InnerOptimizerView):
         """Close every logger (flushes buffered rows)."""
         for logger in self.loggers:
             logger.close()
+        self._skip_run.advance()  # the windows the loggers' last rows read
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -347,7 +347,14 @@ def _run(
     attached = _copy(snap["attached"])
     with torch.random.fork_rng(), tracker.hooks(), watch:
         torch.manual_seed(0)  # every replay draws the same dropout masks
-        loss = _check_loss(loss_fn(model, attached), targets)
+        try:
+            out = loss_fn(model, attached)
+        except (TypeError, AttributeError) as exc:
+            message = micro_batch_message(snap, exc)
+            if message is None:
+                raise
+            raise ReplayTypeError(message) from exc
+        loss = _check_loss(out, targets)
         watch.phase = "backward"
         if loss.requires_grad:
             (loss if scale is None else loss * scale).reshape(()).backward()  # type: ignore[no-untyped-call]
@@ -360,6 +367,31 @@ def _run(
         norm=norm if scale is None else norm / scale,
         origin=watch.origin or watch.first_any,
         first_in_model=watch.first_in_model,
+    )
+
+
+def micro_batch_message(snap: Mapping[str, Any], exc: BaseException) -> str | None:
+    """What to say when ``loss_fn`` fails on an accumulated window's attachments (lists of the
+    window's micro-batches, where a loss function written for one micro-batch expects a tensor),
+    else None (the error is ``loss_fn``'s own)."""
+    count = snap.get("micro_batches")
+    attached = snap["attached"] if isinstance(snap["attached"], dict) else {}
+    lists = {name: v for name, v in attached.items() if isinstance(v, list)}
+    if not (isinstance(count, int) and count > 1 and lists):
+        return None
+    name, first = next(iter(lists.items()))
+    kinds = ", ".join(
+        f"tensor {tuple(v.shape)}" if isinstance(v, Tensor) else type(v).__name__ for v in first[:3]
+    )
+    more = ", ..." if len(first) > 3 else ""
+    names = ", ".join(repr(n) for n in lists)
+    return (
+        f"replay(): loss_fn raised {type(exc).__name__} ({exc}) on the attachments of a window that "
+        f"accumulated {count} micro-batches: each attached name ({names}) is a list of the window's "
+        f"micro-batches, e.g. attached[{name!r}] = [{kinds}{more}], not one batch; make loss_fn take "
+        "the lists and return the mean of the micro-batch losses (as reduction='mean' averages the "
+        f"gradients), e.g. torch.stack([one_batch_loss(model, {{k: v[i] for k, v in attached.items()}}) "
+        f"for i in range({count})]).mean()"
     )
 
 

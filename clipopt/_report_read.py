@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from ._decision import TAGGED_REASONS
 from ._layers import LAYER_FIELDS
 from ._report_names import LOSS_NAMES, LR_NAMES, NORM_NAMES, STEP_NAMES, choose, pick
 
@@ -64,7 +65,7 @@ _LIGHTNING_LAYER = re.compile(r"grad_(?:[0-9.]+|inf)_norm/(.+)")
 _GROUP_COLUMN = re.compile(r"group_(norm|coef)\.([0-9]+)")
 _GROUP_TAG = re.compile(r"clipopt/group_(norm|coef)/([0-9]+)")
 #: clipopt's TensorBoard tags read by exact name (``clipopt/<key>``), besides the norm, loss and lr.
-_CLIPOPT_TAGS = ("max_norm", "clipped", "skipped", "overflow", "spike", "rewind")
+_CLIPOPT_TAGS = ("max_norm", "clipped", "skipped", *TAGGED_REASONS)
 _NAN = math.nan
 #: Rows converted column by column at once.
 _CHUNK = 16384
@@ -615,7 +616,7 @@ def _from_records(
     groups: dict[int, dict[str, dict[int, float]]] | None = None,
 ) -> GradLog:
     """A GradLog from step -> {"norm", "loss", "lr", "max_norm", "clipped", "skipped", "overflow",
-    "spike", "rewind"} (and ``groups``: group -> "norm"/"coef" -> step -> value)."""
+    "spike", "rewind", "norm_overflow"} (and ``groups``: group -> "norm"/"coef" -> step -> value)."""
     log = GradLog(name, source)
     index: dict[int, int] = {}
     for step in sorted(records):
@@ -633,7 +634,7 @@ def _from_records(
         skipped = rec.get("skipped", 0.0) > 0.5
         log.skipped.append(1 if skipped else 0)
         if skipped:
-            marked = [r for r in ("overflow", "spike", "rewind") if rec.get(r, 0.0) > 0.5]
+            marked = [r for r in TAGGED_REASONS if rec.get(r, 0.0) > 0.5]
             log.reason[len(log.steps) - 1] = marked[0] if marked else "nonfinite"
     rows = sorted({s for per in layers.values() for s in per if s in index})
     log.layer_rows.extend(index[s] for s in rows)

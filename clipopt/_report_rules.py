@@ -304,7 +304,12 @@ def _nonfinite_findings(
     if not bad_rows.numel():
         return []
     finding = _nonfinite(log, bad_rows)
-    if explosions and onset <= first_bad:
+    if log.reason.get(first_bad) == "norm_overflow":  # finite gradients, a float32 norm over 3.4e38
+        finding["verdict"] = "exploding"
+        finding["evidence"] += (
+            "; its gradients were finite, their float32 norm overflowed (reason 'norm_overflow')"
+        )
+    elif explosions and onset <= first_bad:
         finding["verdict"] = "exploding"
         finding["evidence"] += " (part of the explosion above)"
     return [finding]
@@ -650,10 +655,12 @@ def _nonfinite_layers_at(log: GradLog, pos: int) -> dict[str, int]:
     bad_layers = {}
     for name, cols in log.layers.items():
         count, g = cols["nonfinite"][pos], cols["grad_norm"][pos]
-        # a nan norm is a non-finite gradient where the log counts no non-finite elements (Lightning);
-        # where it counts them (clipopt), a nan norm with no count > 0 is a parameter without a gradient
+        # a non-finite norm is a non-finite gradient where the log counts no non-finite elements
+        # (Lightning); where it counts them (clipopt), the count decides: a nan norm without one is a
+        # parameter without a gradient, an inf norm without one a finite gradient whose float32 norm
+        # overflowed (elements of 1e25), not the parameter that went non-finite
         counted = name in log.counted
-        if (math.isfinite(count) and count > 0) or math.isinf(g) or (math.isnan(g) and not counted):
+        if (math.isfinite(count) and count > 0) or (not counted and not math.isfinite(g)):
             bad_layers[name] = int(count) if math.isfinite(count) else -1
     return bad_layers
 

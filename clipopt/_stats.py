@@ -51,7 +51,8 @@ class StepStats:
         skipped: True when the update was skipped.
         reason: why it was skipped (``"nonfinite"``, ``"overflow"``, ``"spike"``,
             ``"divergence"``: data-parallel replicas disagreed, ``"nograd"``: no parameter had a
-            gradient, ``"rewind"``: a Rewind restored a copy and discarded the window), or None.
+            gradient, ``"rewind"``: a Rewind restored a copy and discarded the window,
+            ``"norm_overflow"``: every gradient element finite but the float32 norm ``inf``), or None.
         max_norm: the norm bound used for this window (a policy's threshold), or None when off.
         lr: the learning rate of each parameter group when the window closed.
         layers: per-parameter :class:`~clipopt.LayerStats` when they were due
@@ -146,6 +147,10 @@ class StepStats:
         if isinstance(self._skipped, Tensor):
             self._skipped = _as_bool(self._skipped)
         return self._skipped
+
+    def known_skipped(self) -> bool | None:
+        """:attr:`skipped` when the host knows it already (decided there, or read), else None: no read."""
+        return None if isinstance(self._skipped, Tensor) else bool(self._skipped)
 
     @property
     def lr(self) -> tuple[float, ...]:

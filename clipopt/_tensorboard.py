@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_path, check_positive_int
+from ._decision import TAGGED_REASONS
 from ._distributed import check_ranks, rank_target
 from ._files import WarnOnce, check_dir_path
 from ._layers import LAYER_FIELDS
@@ -149,7 +150,7 @@ class TensorBoardLogger:
         add("clipped", float(s.clipped))
         add("skipped", float(s.skipped))
         add("micro_batches", float(s.micro_batches))
-        if s.reason in ("overflow", "spike", "rewind"):  # a GradScaler overflow, a spike skip, a rewind
+        if s.reason in TAGGED_REASONS:  # a GradScaler overflow, a spike skip, a rewind, a norm overflow
             add(s.reason, 1.0)
         if s.max_norm is not None:
             add("max_norm", float(s.max_norm))

@@ -28,10 +28,12 @@ import torch
 from torch import Tensor
 
 from . import functional as F
+from ._badrow import any_nonfinite
 from ._config import WindowSettings
 from ._decision import (
     DIVERGENCE,
     NONFINITE,
+    NORM_OVERFLOW,
     OVERFLOW,
     SPIKE,
     SkipSignal,
@@ -74,9 +76,16 @@ def measure(
     inv = 1.0 / s.divisor
     if s.plan is not None:
         norms = g.norms(g.grads, s.norm_type, s.foreach)
-        row = None if names is None else row_of_norms(norms, g.params, names, norm_type=s.norm_type, inv=inv)
+        row = None
+        if names is not None:
+            row = row_of_norms(
+                norms, g.grads, g.params, names, norm_type=s.norm_type, foreach=s.foreach, inv=inv
+            )
         sizes = [len(group) for group in g.by_group]
-        return measured_groups(norms, sizes, s.plan.shared, norm_type=s.norm_type, divisor=s.divisor), row
+        d = measured_groups(norms, sizes, s.plan.shared, norm_type=s.norm_type, divisor=s.divisor)
+        if row is not None:
+            d.elements = any_nonfinite(row)
+        return d, row
     row = None
     if names is not None:
         raw_norm, row = norm_with_row(
@@ -87,7 +96,10 @@ def measure(
     else:
         raw_norm = g.total_norm(g.grads, s.norm_type, s.foreach, s.norm_group)
     total_norm = raw_norm / s.divisor if s.divisor != 1.0 else raw_norm
-    return WindowDecision(total_norm, F.nonfinite_flag(total_norm)), row
+    d = WindowDecision(total_norm, F.nonfinite_flag(total_norm))
+    if row is not None and s.norm_group is None:  # the row looked at the elements (of this stage only)
+        d.elements = any_nonfinite(row)
+    return d, row
 
 
 def agree(
@@ -176,15 +188,30 @@ def _signals(
 ) -> list[SkipSignal]:
     """The skip signals in priority order: divergence, non-finite (or overflow), the policy's spike,
     the extra sources; only the non-finite one for a closure's re-evaluation (``sources`` None)."""
-    nonfinite = SkipSignal(OVERFLOW if s.scaled else NONFINITE, d.nonfinite if s.skip_enabled else None)
+    bad = _nonfinite_signals(s, d)
     if sources is None:
-        return [nonfinite]
+        return bad
     spike = SkipSignal(SPIKE, policy_spike(None if s.unitwise else policy))
     return [
         SkipSignal(DIVERGENCE, d.divergence),
-        nonfinite,
+        *bad,
         spike,
         *[SkipSignal(x.code, x.flag(d)) for x in sources],
+    ]
+
+
+def _nonfinite_signals(s: WindowSettings, d: WindowDecision) -> list[SkipSignal]:
+    """The window's norm is not finite: non-finite gradients (``"overflow"`` with a GradScaler), or,
+    where the elements were looked at (``d.elements``) and are all finite, a float32 norm that
+    overflowed (``"norm_overflow"``); skipped alike, but only the former counts as non-finite."""
+    code = OVERFLOW if s.scaled else NONFINITE
+    if not s.skip_enabled:
+        return [SkipSignal(code, None)]
+    if d.elements is None:
+        return [SkipSignal(code, d.nonfinite)]
+    return [
+        SkipSignal(code, d.nonfinite * d.elements),
+        SkipSignal(NORM_OVERFLOW, d.nonfinite * (1 - d.elements)),
     ]
 
 

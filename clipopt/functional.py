@@ -12,6 +12,8 @@ parts, so that the wrapper can combine, fold and skip them:
 * :func:`clip_coef` — ``min(1, max_norm / (total_norm + 1e-6))``.
 * :func:`scale_grads_` — multiply every gradient by a 0-d tensor.
 * :func:`nonfinite_flag` — ``1.0`` where the norm is ``nan``/``inf``, else ``0.0``.
+* :func:`nonfinite_grads` — per gradient, ``1.0`` where an element is ``nan``/``inf``
+  (a float32 norm can overflow on finite elements: it cannot tell).
 
 Per-group clipping (a bound per parameter group, see the section at the end):
 :func:`group_norms`, :func:`shared_norm`, :func:`group_clip_coefs`,
@@ -38,6 +40,7 @@ __all__ = [
     "clip_groups_value_",
     "get_norms",
     "get_total_norm",
+    "nonfinite_grads",
     "group_clip_coefs",
     "group_norms",
     "nonfinite_flag",
@@ -342,6 +345,25 @@ def scale_grads_(grads: Sequence[Tensor], coef: Tensor | float, *, foreach: bool
         else:
             for g in dense:
                 g.mul_(c)
+
+
+@torch.no_grad()
+def nonfinite_grads(
+    grads: Sequence[Tensor], norms: Tensor, norm_type: float = 2.0, *, foreach: bool | None = None
+) -> Tensor:
+    """``1.0`` (float32) for each gradient holding a ``nan`` or ``inf`` element, else ``0.0``.
+
+    ``norms`` are the gradients' ``norm_type``-norms (:func:`get_norms`).  A norm is ``nan``
+    only when an element is; an ``inf`` norm may come from finite elements whose squares
+    overflow float32 (elements of 1e25), so those are told apart by ``max |g|``, which never
+    overflows (one more read of the gradients, skipped for ``norm_type=inf``: ``norms`` are
+    those maxima).  On the device, no host read.
+    """
+    if len(grads) == 0:
+        return torch.zeros(0, dtype=torch.float32)
+    p = float(norm_type)
+    maxima = norms if p == math.inf else get_norms(grads, math.inf, foreach=foreach)
+    return (torch.isnan(norms) | ~torch.isfinite(maxima)).to(torch.float32)
 
 
 def nonfinite_flag(total_norm: Tensor) -> Tensor:

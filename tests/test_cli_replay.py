@@ -156,6 +156,23 @@ def test_replay_bad_files_and_repeats(
     assert code == 2 and err.endswith(want)
 
 
+def test_replay_of_an_accumulated_window_with_a_one_batch_loss(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A window of 2 micro-batches replayed with a loss for one batch: exit 2 and one line saying the
+    attachments are lists of micro-batches and what --loss must do (before: a 40-line traceback)."""
+    x, y = batch(3)
+    x[BAD_ROW, 0] = LOG_BAD_VALUE
+    train(log_model(), [batch(0), batch(1), batch(2), (x, y)], tmp_path / "window", accumulation_steps=2)
+    code, out, err = run(
+        capsys, "replay", snapshots(tmp_path / "window")[0], "--model", MODEL, "--loss", LOSS
+    )
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("clipopt replay: error: replay(): loss_fn raised TypeError (")
+    assert "accumulated 2 micro-batches: each attached name ('inputs', 'targets') is a list" in err
+
+
 def test_replay_tells_the_users_bug_from_bad_input(
     files: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

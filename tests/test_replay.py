@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import clipopt
 from clipopt import ReplayResult, ZClip, replay
+from clipopt._replay import ReplayInputError
 from clipopt._text import json_safe
 
 from . import replay_jobs
@@ -331,6 +333,39 @@ def test_accumulated_window(tmp_path: Path) -> None:
     r = replay(snap, log_model(), mse_window)
     assert (r.reproduced, r.cause) == (False, "transient")
     assert r.replay_norm == pytest.approx(float(norm), rel=1e-6)
+
+
+_ONE_BATCH_ON_A_WINDOW = (
+    "replay(): loss_fn raised TypeError (linear(): argument 'input' (position 1) must be Tensor, not "
+    "list) on the attachments of a window that accumulated 2 micro-batches: each attached name "
+    "('inputs', 'targets') is a list of the window's micro-batches, e.g. attached['inputs'] = "
+    "[tensor (8, 3), tensor (8, 3)], not one batch; make loss_fn take the lists and return the mean "
+    "of the micro-batch losses (as reduction='mean' averages the gradients), e.g. "
+    "torch.stack([one_batch_loss(model, {k: v[i] for k, v in attached.items()}) for i in range(2)]).mean()"
+)
+
+
+def test_a_one_batch_loss_on_an_accumulated_window_says_the_inputs_are_lists(tmp_path: Path) -> None:
+    """A loss_fn written for one micro-batch, given an accumulation window's snapshot, gets one
+    ReplayTypeError naming what it received (lists of 2 micro-batches) and what to write instead
+    (before: torch's 'must be Tensor, not list' from deep inside the model); the model is restored.
+    A loss_fn that fails the same way on a one-batch window keeps its own error."""
+    x, y = _bad(3, cell=(0, LOG_BAD_VALUE))
+    train(log_model(), [batch(0), batch(1), batch(2), (x, y)], tmp_path / "window", accumulation_steps=2)
+    model = log_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ReplayInputError) as info:
+        replay(snapshots(tmp_path / "window")[0], model, mse)
+    assert isinstance(info.value, TypeError) and str(info.value) == _ONE_BATCH_ON_A_WINDOW
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+    def broken(model: nn.Module, attached: dict[str, Any]) -> torch.Tensor:
+        return model(list(attached["inputs"]))
+
+    train(log_model(), [batch(0), (x, y)], tmp_path / "single")
+    with pytest.raises(TypeError, match=re.escape("must be Tensor, not list")) as own:
+        replay(snapshots(tmp_path / "single")[0], log_model(), broken)
+    assert not isinstance(own.value, ReplayInputError)
 
 
 def test_a_minus_inf_mask_is_not_the_origin(runs: dict[str, str]) -> None:

@@ -630,3 +630,100 @@ def test_nonfinite_layer_with_a_frozen_layer_in_the_optimizer(
     head = report["findings"][0]
     assert (head["step"], head["layer"]) == (nan_step, "4.bias")
     assert list(head["values"]["nonfinite_layers"]) == ["4.bias"]
+
+
+class _SideInput(torch.nn.Module):
+    """``deep`` reads the first four features; ``mid`` reads ``deep``'s output plus the last four
+    (a side input, as a skip connection from the data would): a huge side value makes ``mid``'s
+    gradient overflow to ``inf`` while ``deep``'s stays finite (but its float32 norm overflows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.deep = torch.nn.Linear(4, 4)
+        self.mid = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mid(torch.tanh(self.deep(x[:, :4])) + x[:, 4:])
+
+
+def _side_input_run(
+    csv: Path, snapshots: Path | None, layer_stats: int, bad_step: int, side: float
+) -> ClippedOptimizer:
+    """SGD on ``_SideInput`` for 30 steps, one batch at ``bad_step`` with a side input of ``side``
+    (a snapshot of an anomaly computes the full statistics: the window's own row is then those)."""
+    model = _SideInput()
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        max_norm=1.0,
+        param_names=model.named_parameters(),
+        layer_stats=layer_stats,
+        loggers=[CSVLogger(csv)],
+        snapshot_dir=snapshots,
+    )
+    for step in range(1, 31):
+        x, y = _data(step)
+        if step == bad_step:
+            x = x.clone()
+            x[0, 4:] = side
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if step == bad_step:  # what the label claims: deep's gradient finite, mid's holds inf
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            assert torch.isfinite(grads["deep.weight"]).all()
+            if side > 1e29:  # deep's norm overflows, mid holds the inf
+                assert not torch.isfinite(torch.linalg.vector_norm(grads["deep.weight"]))
+                assert (grads["mid.weight"].abs() == math.inf).any()
+            else:  # every element finite, the total norm (as clip_grad_norm_ takes it) not
+                assert all(torch.isfinite(g).all() for g in grads.values())
+                assert torch.nn.utils.get_total_norm(list(grads.values())) == math.inf
+        opt.step(loss=loss)
+        opt.zero_grad()
+    opt.close()
+    return opt
+
+
+@pytest.mark.parametrize(("layer_stats", "bad_step"), [(10, 17), (10, 20), (1, 17)])
+def test_nonfinite_layer_behind_a_layer_whose_float32_norm_overflows(
+    tmp_path: Path, layer_stats: int, bad_step: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real run in which ``deep.weight``'s gradient is finite (elements ~1e27, so its float32 norm
+    overflows) and ``mid.weight``'s, later in parameter order, holds the inf: the per-layer row --
+    the window's own (step 17 with layer_stats=10) or the due statistics -- flags ``mid.weight``
+    only, and ``clipopt report`` and ``clipopt inspect`` name it (before: ``deep.weight``)."""
+    snaps = tmp_path / "snaps"
+    for csv, snapshots in ((tmp_path / "run.csv", None), (tmp_path / "snapshotted.csv", snaps)):
+        _side_input_run(csv, snapshots, layer_stats, bad_step, side=1e30)
+        log = read_log(csv)
+        pos = list(log.layer_rows).index(bad_step - 1)
+        flags = {name: log.layers[name]["nonfinite"][pos] for name in log.layers}
+        assert flags["mid.weight"] >= 1 and flags["deep.weight"] == 0 and flags["deep.bias"] == 0
+        report = analyze(log)
+        assert report["verdict"] == "nonfinite"
+        head = report["findings"][0]
+        assert (head["step"], head["layer"]) == (bad_step, "mid.weight")
+        assert main(["report", str(csv)]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"verdict: nonfinite (non-finite gradient; step {bad_step}, layer mid.weight)")
+    (snapshot,) = snaps.glob("*.pt")
+    assert main(["inspect", str(snapshot), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["nonfinite_parameters"] == ["mid.weight"]
+
+
+def test_a_window_whose_float32_norm_overflows_on_finite_gradients(tmp_path: Path) -> None:
+    """A real run whose bad batch makes every gradient finite (``mid.weight`` ~1e28) but the float32
+    total norm overflow: the window is skipped with reason 'norm_overflow' (before: 'nonfinite'), and
+    the report calls it an explosion at that step, naming no non-finite layer."""
+    csv = tmp_path / "run.csv"
+    opt = _side_input_run(csv, None, 10, 17, side=1e15)
+    assert opt.num_skipped == 1
+    log = read_log(csv)
+    assert log.reason == {16: "norm_overflow"} and log.total_norm[16] == math.inf
+    report = analyze(log)
+    assert report["verdict"] == "exploding"
+    head = report["findings"][0]
+    assert (head["kind"], head["step"], head["layer"]) == ("nonfinite", 17, None)
+    assert head["evidence"].endswith(
+        "its gradients were finite, their float32 norm overflowed (reason 'norm_overflow')"
+    )
