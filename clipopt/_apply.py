@@ -259,7 +259,7 @@ def apply_window(
     reclip: Callable[[float | Tensor | None], tuple[Tensor, list[Tensor]]],
     readiness: StateReadiness,
 ) -> tuple[Any, bool | Tensor, bool]:
-    """Step 5: the inner step or the skip of the window decided as ``d`` (settings ``s``).
+    """Stage 6 (apply): the inner step or the skip of the window decided as ``d`` (settings ``s``).
 
     ``step_result``: the loss the wrapper's ``step()`` computed and the user's closure (or
     None); ``reclip(max_norm)`` clips a closure's re-evaluation (:func:`reevaluating_closure`).

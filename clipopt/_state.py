@@ -60,7 +60,7 @@ class WrapperState:
     windows: int = 0
     """Windows closed so far, applied or skipped: the ``step`` of the latest ``StepStats``."""
     skipped: int | Tensor = 0
-    """Windows skipped because their gradients were not finite."""
+    """Windows skipped, whatever the reason (docs/design.md, 'Reasons')."""
     consecutive: int | Tensor = 0
     """Skipped windows in a row, ending at the latest one."""
 

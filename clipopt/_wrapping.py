@@ -1,5 +1,5 @@
 """Wrapping, never copying: an ``Optimizer`` whose ``param_groups``, ``state`` and ``defaults``
-are the inner optimizer's own objects (SPEC §1, "Wraps, never copies").
+are the inner optimizer's own objects (docs/concepts.md, 'The wrapper and its arguments').
 
 :class:`InnerOptimizerView` is the base of :class:`~clipopt.ClippedOptimizer`:
 it owns the delegation and torch's hook dictionaries (kept off pickles, as

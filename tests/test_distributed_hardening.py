@@ -1,5 +1,6 @@
-"""Distributed hardening (SPEC §4): edge shapes under FSDP2, one decision on every rank, misuse that
-fails fast instead of hanging, loggers on rank 0, tensor-parallel and pipeline-parallel norms.
+"""Distributed hardening (docs/design.md, 'Data-parallel agreement'): edge shapes under FSDP2,
+one decision on every rank, misuse that fails fast instead of hanging, loggers on rank 0,
+tensor-parallel and pipeline-parallel norms.
 
 Each job in ``tests/distributed_jobs.py`` runs in 2, 3 or 4 gloo processes (CPU) with a 30 s
 process-group timeout, and the spawn itself is bounded: a regression that makes ranks wait for each
