@@ -9,6 +9,7 @@ torch does); the subclass owns everything clipopt adds.
 from __future__ import annotations
 
 import collections
+import inspect
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,12 @@ def forwardable(owner: type, name: str) -> bool:
     return not name.startswith("_") and not hasattr(owner, name)
 
 
+def _defined(obj: object, name: str) -> bool:
+    """Whether ``obj`` has ``name`` without running it (its class's or its instance's own)."""
+    missing = object()
+    return inspect.getattr_static(obj, name, missing) is not missing
+
+
 def _no_attribute(view: object, name: str, inner: object | None) -> AttributeError:
     where = "" if inner is None else f" (nor has its inner {type(inner).__name__})"
     return AttributeError(f"'{type(view).__name__}' object has no attribute '{name}'{where}")
@@ -71,11 +78,15 @@ class InnerOptimizerView(Optimizer):
             Reads ``__dict__`` directly: while unpickling, before it is filled, no lookup recurses.
             """
             inner = self.__dict__.get("optimizer")
+            if hasattr(type(self), name):  # the wrapper's own property raised AttributeError inside
+                return object.__getattribute__(self, name)  # run it again: its own error, not ours
             if inner is None or not forwardable(type(self), name):
                 raise _no_attribute(self, name, None)
             try:
                 return getattr(inner, name)
             except AttributeError:
+                if _defined(inner, name):  # the inner attribute exists; something it reads does not
+                    raise
                 raise _no_attribute(self, name, inner) from None
 
     def __setattr__(self, name: str, value: Any) -> None:

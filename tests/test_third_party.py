@@ -241,6 +241,31 @@ def test_assigning_a_forwarded_name_is_refused() -> None:
     assert look.note == "mine" and look.clip_value == 1.0  # type: ignore[attr-defined]
 
 
+def test_an_attribute_error_inside_a_property_is_not_renamed() -> None:
+    """A property that raises AttributeError inside (a bug in it, a half-restored object) made Python
+    ask ``__getattr__``, which answered "no attribute '<the property>'", hiding the real error: for a
+    property of the inner optimizer ("... (nor has its inner ...)") and for one of a subclass of the
+    wrapper.  Now the property's own error comes through, as it does without the wrapper."""
+
+    class Inner(torch.optim.SGD):
+        @property
+        def momentum_norm(self) -> float:
+            return self.momentum_buffers  # type: ignore[attr-defined, no-any-return]
+
+    class Mine(ClippedOptimizer):
+        @property
+        def inner_lr(self) -> float:
+            return self.optimizer.learning_rate  # type: ignore[attr-defined, no-any-return]
+
+    model = mlp((5, 4, 3))
+    opt = Mine(Inner(model.parameters(), lr=0.1), MAX_NORM)
+    with pytest.raises(AttributeError, match=re.escape("'Inner' object has no attribute 'momentum_buffers'")):
+        opt.momentum_norm  # type: ignore[attr-defined]  # noqa: B018
+    with pytest.raises(AttributeError, match=re.escape("'Inner' object has no attribute 'learning_rate'")):
+        opt.inner_lr  # noqa: B018
+    assert not hasattr(opt, "momentum_buffers")
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_copies_forward_to_their_own_inner_optimizer(how: str) -> None:
     """A deep copy or an unpickled copy (``__getattr__`` runs before its ``__dict__`` is filled:
