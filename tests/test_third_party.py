@@ -426,6 +426,48 @@ def test_state_dict_of_another_layout_that_does_not_fit_is_refused_untouched(
     assert_identical(opt.state_dict(), before)
 
 
+def _corrupt_exp_avg(sd: dict[str, Any]) -> None:
+    sd["base_optimizer"]["state"][0]["exp_avg"] = torch.zeros(7)
+
+
+def _corrupt_lr(sd: dict[str, Any]) -> None:
+    sd["base_optimizer"]["param_groups"][0]["lr"] = "0.05"
+
+
+_SHAPE_MESSAGE = (
+    "invalid state_dict: state[0]['exp_avg'] has shape (7,), parameter has (4, 5); "
+    "pass the dict returned by opt.state_dict()"
+)
+_KIND_MESSAGE = (
+    "invalid state_dict: parameter group 0 has lr='0.05' (str), but the optimizer's lr is a number "
+    "(or a tensor) (now 0.05); pass the dict returned by opt.state_dict()"
+)
+CORRUPT_BASES = [  # the ScheduleFreeWrapper's base (plain SGD) holds no state
+    pytest.param("Lookahead", _corrupt_exp_avg, _SHAPE_MESSAGE, id="Lookahead-base-state-shape"),
+    pytest.param("Lookahead", _corrupt_lr, _KIND_MESSAGE, id="Lookahead-base-group-kind"),
+    pytest.param("ScheduleFreeWrapper", _corrupt_lr, _KIND_MESSAGE, id="ScheduleFreeWrapper-base-group-kind"),
+]
+
+
+@pytest.mark.parametrize(("name", "corrupt", "message"), CORRUPT_BASES)
+def test_state_dict_of_another_layout_checks_the_base_optimizers_state(
+    name: str, corrupt: Callable[[dict[str, Any]], None], message: str
+) -> None:
+    """The base optimizer's part of a Lookahead/ScheduleFreeWrapper checkpoint (``base_optimizer``, in
+    torch's layout) with an ``exp_avg`` of another shape or a string ``lr`` was loaded without a word
+    (only the outer optimizer's own state was checked): the good state was gone and the next step
+    failed.  Now it is refused as a torch-layout entry is, and the state held before is put back."""
+    model = mlp((5, 4, 3))
+    opt = ClippedOptimizer(_layered(name, model.parameters()), MAX_NORM)
+    _resumable_run(name, model, opt, batches_for(2, seed=6), start=True)
+    bad = copy.deepcopy(opt.state_dict())
+    corrupt(bad)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=re.escape(message)):
+        opt.load_state_dict(bad)
+    assert_identical(opt.state_dict(), before)
+
+
 def test_group_options_of_another_layout_are_checked_once_visible() -> None:
     """The wrapper's per-group checks apply where the groups are visible: a Lookahead checkpoint whose
     base group carries ``max_norm=-1`` is refused with the constructor's message once the inner
