@@ -149,10 +149,14 @@ def has_own_layout(state_dict: dict[str, Any], inner: Optimizer) -> bool:
 
     pytorch_optimizer's ``Lookahead`` saves ``lookahead_state``/``base_optimizer``: it has neither
     of torch's keys (``state``, ``param_groups``), and its class loads state dicts its own way.
-    Such an entry is checked by the inner optimizer itself (see ``Checkpoint.take_over``).
+    Such an entry is checked by the inner optimizer itself (see ``Checkpoint.take_over``).  torch's
+    own classes (``ZeroRedundancyOptimizer`` overrides ``load_state_dict``) always use torch's layout:
+    a dict without its keys is the wrong dict (a model's state dict), refused as such.
     """
     torch_keys = "state" in state_dict or "param_groups" in state_dict
-    return not torch_keys and type(inner).load_state_dict is not Optimizer.load_state_dict
+    kind = type(inner)
+    torch_class = kind.__module__ == "torch" or kind.__module__.startswith("torch.")
+    return not torch_keys and not torch_class and kind.load_state_dict is not Optimizer.load_state_dict
 
 
 def read_wrapper_state(

@@ -316,6 +316,35 @@ def test_zero_redundancy_consolidate_state_dict_through_the_wrapper() -> None:
         assert torch.equal(a, b)
 
 
+def test_zero_redundancy_refuses_a_dict_without_torchs_keys_as_such() -> None:
+    """A model's state dict handed to a wrapped ZeroRedundancyOptimizer by mistake (ZeRO overrides
+    ``load_state_dict``, so it was taken for a layout of its own) raised ZeRO's "Optimizer state has not
+    been consolidated ... call consolidate_state_dict" from the backup taken before loading: a fix that
+    does not apply.  torch's own classes use torch's layout: the dict is refused as not an optimizer's,
+    and nothing changed."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = mlp((5, 4, 3))
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=0.05)
+        opt = ClippedOptimizer(zero, MAX_NORM)
+        helpers_train(model, opt, batches_for(2, seed=4), mse)
+        before = copy.deepcopy(opt.optimizer.optim.state_dict())  # type: ignore[attr-defined]
+        message = (
+            "invalid state_dict: 'state' must be a dict, got NoneType; "
+            "pass the dict returned by opt.state_dict()"
+        )
+        for wrong in (model.state_dict(), {}):
+            with pytest.raises(ValueError, match=re.escape(message)):
+                opt.load_state_dict(wrong)
+        assert_identical(opt.optimizer.optim.state_dict(), before)  # type: ignore[attr-defined]
+        assert opt.num_updates == 2
+    finally:
+        dist.destroy_process_group()
+
+
 # ------------------------------------------------ inner state dicts in a layout of their own (#22 item 8)
 
 
