@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from clipopt import AGC, ClippedOptimizer
+from clipopt import AGC, ClippedOptimizer, ClipPolicy
 
 from .helpers import mlp
 
@@ -1108,6 +1108,29 @@ def _settings_case(rank: int, case: str) -> dict[str, Any]:
     return {"error": _catch(run), "reasons": [s.reason for s in opt.stats]}
 
 
+class _HalfBound(ClipPolicy):
+    """A clip policy of the user's own, without a ``__repr__`` (object's holds the address)."""
+
+    def threshold(self, total_norm: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(total_norm, 0.5)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
+def _own_policy_case(rank: int) -> dict[str, Any]:
+    """The same policy class of the user's own on every rank (DDP): three windows."""
+    model = nn.parallel.DistributedDataParallel(_model())
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, foreach=True), _HalfBound())
+    return {
+        "error": _catch(lambda: _train(model, opt, rank, range(3))),
+        "reasons": [s.reason for s in opt.stats],
+    }
+
+
 def _reads_case(rank: int, wrap: Any) -> list[str]:
     """Fused AdamW: one window (the state is made), state_dict() and load_state_dict() of it on every
     rank, then three windows whose host reads inside opt.step() are returned."""
@@ -1159,5 +1182,6 @@ def ranks_job(rank: int, port: int, out_dir: str, world: int) -> None:
     for name, wrap in wraps.items():
         res[f"reads-{name}"] = _reads_case(rank, wrap)
     res["pipeline-load"] = _pipeline_load_case(rank)
+    res["own-policy"] = _own_policy_case(rank)
     torch.save(res, os.path.join(out_dir, f"ranks{rank}.pt"))
     leave_process_group()

@@ -400,6 +400,15 @@ def test_clip_policies_with_different_settings_differ(ranks: list[dict[str, Any]
         assert res["reasons"] == ["divergence"]
 
 
+def test_a_clip_policy_of_ones_own_trains_under_ddp(ranks: list[dict[str, Any]]) -> None:
+    """A ClipPolicy subclass of the user's own without ``__repr__``, the same on both DDP ranks: the
+    settings key held ``repr(policy)``, which holds the object's address, different in every process,
+    so the first window was skipped on both ranks and both raised "settings differ".  Now the key
+    holds the class's name for a policy not of clipopt's: three windows train, none skipped."""
+    for rank in ranks:
+        assert rank["own-policy"] == {"error": None, "reasons": [None, None, None]}
+
+
 def test_pipeline_stages_load_their_own_state(ranks: list[dict[str, Any]]) -> None:
     """Pipeline stages (norm_group) hold different parameters and optimizer state: each loads its own
     checkpoint and trains on (only the counters and settings are compared across them)."""
