@@ -213,16 +213,18 @@ class WindowDecision:
     def counted_nonfinite(self, skipped: bool | Tensor, enabled: bool) -> bool | Tensor:
         """Whether the skip extends the run of non-finite skips (``max_consecutive_nonfinite``).
 
-        ``skipped`` is the outcome (a bool read on the host, or the device flag);
-        the non-finite flag is read only after a host-decided skip that may have
-        had another reason.
+        ``skipped`` is the outcome (a bool read on the host, or the device flag).
+        The non-finite flag is never read here: after a host-decided skip whose
+        cause the host does not know, it is returned as the device flag (the
+        counters then count on the device, as on the fused path).
         """
         if self.nonfinite_only:
             return skipped
         bad = self.bad_elements()
         if isinstance(skipped, bool):
-            known = self.host_bad if self.host_bad is not None else bool(bad.item()) if skipped else False
-            return skipped and enabled and known
+            if not (skipped and enabled):
+                return False
+            return self.host_bad if self.host_bad is not None else bad  # unknown: counted on the device
         return bad if enabled else torch.zeros_like(bad)
 
 
