@@ -196,8 +196,9 @@ def step_host(
 
 def _read_skip(d: WindowDecision, skip_flag: Tensor, grads: list[Tensor], foreach: bool | None) -> bool:
     """The skip flag, read once (with whether the norm is ``+inf``).  A skipped window whose norm
-    is ``+inf`` and whose elements nobody looked at is looked at now (one more read, only then): all
-    finite means a float32 norm that overflowed, reason ``"norm_overflow"``, not non-finite."""
+    is ``+inf`` and whose elements nobody looked at is looked at now, on the device (one more pass
+    over the gradients, only then; no read): all finite means a float32 norm that overflowed,
+    reason ``"norm_overflow"``, not non-finite."""
     flags = [skip_flag, torch.isposinf(d.total_norm), d.bad_elements()]
     skip, overflowed, bad = torch.stack([f.to(torch.float32) for f in flags]).tolist()
     if skip and overflowed and d.elements is None:
