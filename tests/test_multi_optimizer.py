@@ -415,6 +415,55 @@ def test_per_update_scheduler_sets_both_optimizers_lr_and_waits_on_a_skip() -> N
     assert muon.param_groups[0]["lr"] == 0.02 * 0.25 and adamw.param_groups[0]["lr"] == 0.01 * 0.25
 
 
+def test_per_update_over_each_inner_optimizer_keeps_its_own_schedule() -> None:
+    """A schedule per inner optimizer (StepLR for Muon, LambdaLR for AdamW), each through
+    clipopt.per_update(sched, opt): both advance once per applied update of the wrapper and neither on a
+    skipped window; each writes only its own optimizer's lr (values from the schedules' formulas)."""
+    model = mlp((5, 4, 3))
+    muon, adamw = optimizers = _muon_adamw(model)
+    opt = ClippedOptimizer(optimizers, max_norm=1.0, accumulation_steps=2)
+    lrs = torch.optim.lr_scheduler
+    s_muon = clipopt.per_update(lrs.StepLR(muon, step_size=1, gamma=0.5), opt)
+    s_adamw = clipopt.per_update(lrs.LambdaLR(adamw, lambda k: 1.0 / (1 + k)), opt)
+    assert s_muon.optimizer is opt and s_adamw.base_lrs == [0.01]
+    advanced = []
+    for i, bad in enumerate([False, False, False, True, False, False, False, False]):
+        mse(model, pairs(1, (8, 5), (8, 3), seed=30 + i)[0]).backward()
+        if bad:
+            model[2].bias.grad[0] = math.nan  # AdamW's gradient: the whole window is skipped
+        opt.step()
+        advanced.append((s_muon.step(), s_adamw.step()))
+        opt.zero_grad()
+    assert opt.num_updates == 3 and opt.num_skipped == 1
+    assert advanced == [(x, x) for x in (False, True, False, False, False, True, False, True)]
+    assert muon.param_groups[0]["lr"] == 0.02 * 0.5**3
+    assert adamw.param_groups[0]["lr"] == 0.01 / 4
+
+
+def test_per_update_of_an_inner_optimizers_scheduler_names_the_wrapper_argument() -> None:
+    """per_update on a scheduler of opt.optimizers[i] without the wrapper raises TypeError saying to pass
+    it (with it, it is accepted); a wrapper the scheduler's optimizer is not part of raises ValueError;
+    a non-wrapper TypeError."""
+    model = mlp((5, 4, 3))
+    muon, _ = optimizers = _muon_adamw(model)
+    opt = ClippedOptimizer(optimizers, max_norm=1.0)
+    step_lr = torch.optim.lr_scheduler.StepLR(muon, step_size=1)
+    fix = "pass the wrapper too: per_update(StepLR(clipped_opt.optimizers[i], ...), clipped_opt)"
+    with pytest.raises(TypeError, match=re.escape(fix)):
+        clipopt.per_update(step_lr)
+    assert clipopt.per_update(step_lr, opt).optimizer is opt
+    other = ClippedOptimizer(torch.optim.AdamW(mlp((5, 4, 3)).parameters()))
+    message = (
+        "StepLR.optimizer (Muon) is neither this ClippedOptimizer nor one of its inner optimizers "
+        "(AdamW); pass the ClippedOptimizer that wraps it"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        clipopt.per_update(step_lr, other)
+    wrong = "per_update's optimizer must be a ClippedOptimizer, got Muon"
+    with pytest.raises(TypeError, match=re.escape(wrong)):
+        clipopt.per_update(step_lr, muon)
+
+
 def test_csv_logger_writes_each_optimizers_lr(tmp_path: Path) -> None:
     """A CSVLogger row has one lr column per group of every inner optimizer, in order (lr: Muon's,
     lr.1: AdamW's), and the one total norm."""
