@@ -24,7 +24,7 @@ from torch import nn
 import clipopt
 from clipopt import ClippedOptimizer, CSVLogger
 
-from .helpers import mlp, mse, pairs
+from .helpers import assert_tensors_close, mlp, mse, pairs, spawn_job
 from .hostreads import count_host_reads
 
 
@@ -668,3 +668,25 @@ def test_lookahead_in_a_list_round_trips_its_own_layout() -> None:
             o.step()
             o.zero_grad()
     _assert_params_equal(model, resumed)
+
+
+# ---------------------------------------------------------------- data parallel
+
+
+@pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="this torch build has no torch.distributed with the gloo backend",
+)
+def test_ddp_over_several_inner_optimizers_equals_one_process(tmp_path: Path) -> None:
+    """Two gloo ranks under DDP, Muon + AdamW (and fused SGD + fused AdamW): each applied window equals
+    clip_grad_norm_ over the ranks' mean gradient then each inner step() in one process; a NaN loss on
+    one rank skips that window on both, and the ranks end with the same parameters."""
+    from . import distributed_jobs as jobs
+
+    ranks = spawn_job(jobs.multi_ddp_job, "multi", tmp_path, jobs.WORLD, timeout_s=120)
+    for kind in ("muon", "fused"):
+        for res in ranks:
+            assert res[kind]["skipped"] == [False, True, False]
+            assert_tensors_close(res[kind]["params"], res[kind]["ref_params"])
+        for a, b in zip(ranks[0][kind]["params"], ranks[1][kind]["params"], strict=True):
+            assert torch.equal(a, b)
