@@ -131,6 +131,13 @@ class InnerOptimizers(Optimizer):
                     "step(); it cannot share one step with other optimizers: wrap it alone, "
                     f"ClippedOptimizer({type(o).__name__.lower()}, ...)"
                 )
+        for k, o in enumerate(self.optimizers):
+            first = next(j for j, q in enumerate(self.optimizers) if q is o)
+            if first != k:
+                raise ValueError(
+                    f"optimizer[{first}] and optimizer[{k}] are the same {type(o).__name__} object; "
+                    "list each optimizer once"
+                )
         _check_disjoint(self.optimizers)
         self._reset_caches()
 

@@ -274,11 +274,17 @@ def test_add_param_group_goes_to_the_optimizer_named_by_index() -> None:
             TypeError,
             "optimizer[0] is already a ClippedOptimizer; wrap its inner optimizer (opt.optimizer) once",
         ),
+        (
+            "twice",
+            ValueError,
+            "optimizer[0] and optimizer[2] are the same Muon object; list each optimizer once",
+        ),
     ],
 )
 def test_bad_lists_are_refused_with_the_fix(value: Any, error: type, message: str) -> None:
-    """An empty list, a non-optimizer element, a parameter in two optimizers, LBFGS in a list and an
-    already wrapped element are refused at construction, naming the element and the fix."""
+    """An empty list, a non-optimizer element, a parameter in two optimizers, LBFGS in a list, an
+    already wrapped element and one optimizer listed twice are refused at construction, naming the
+    element and the fix (twice: not "both hold parameter ...", which sends the user after the params)."""
     model = mlp((5, 4, 3))
     matrices, others = _split(model)
     muon = torch.optim.Muon(matrices, lr=0.02)
@@ -288,6 +294,7 @@ def test_bad_lists_are_refused_with_the_fix(value: Any, error: type, message: st
         "overlap": lambda: [muon, torch.optim.AdamW([*others, matrices[1]])],
         "lbfgs": lambda: [muon, torch.optim.LBFGS(others)],
         "wrapped": lambda: [ClippedOptimizer(muon), torch.optim.AdamW(others)],
+        "twice": lambda: [muon, torch.optim.AdamW(others), muon],
     }[value]()
     with pytest.raises(error, match=re.escape(message)):
         ClippedOptimizer(arg)
