@@ -62,6 +62,17 @@ def _check_disjoint(optimizers: Sequence[Optimizer], new: Sequence[Tensor] = (),
             )
 
 
+def _note_partial(exc: BaseException, optimizers: Sequence[Optimizer], failed: int) -> None:
+    """Say on ``exc`` (raised by ``optimizers[failed].step()``) which optimizers had already stepped."""
+    if failed > 0 and hasattr(exc, "add_note"):
+        which = "optimizer[0]" if failed == 1 else f"optimizer[0] to optimizer[{failed - 1}]"
+        exc.add_note(
+            f"clipopt: optimizer[{failed}] ({type(optimizers[failed]).__name__}) raised in step() after "
+            f"{which} ({_describe(optimizers[:failed])}) applied this update: those parameters and "
+            "states are updated, the others are not; load a checkpoint before training on"
+        )
+
+
 def _refuse(name: str) -> None:
     raise TypeError(
         f"cannot assign {name} of several optimizers; assign each inner optimizer's "
@@ -224,10 +235,13 @@ class InnerOptimizers(Optimizer):
         fused: dict[str, Any] = {
             k: self.__dict__[k] for k in ("grad_scale", "found_inf") if k in self.__dict__
         }
-        for o in self.optimizers:
+        for i, o in enumerate(self.optimizers):
             o.__dict__.update(fused)
             try:
                 o.step()
+            except BaseException as exc:
+                _note_partial(exc, self.optimizers, i)
+                raise
             finally:
                 for k in fused:
                     del o.__dict__[k]

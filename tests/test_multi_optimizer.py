@@ -167,6 +167,33 @@ def test_all_fused_list_reads_nothing_and_a_mix_reads_once_per_update() -> None:
     assert reads(mix, mixed, "ggggbggg") == [0, 1] * 4
 
 
+def test_an_error_in_the_second_inner_step_says_the_first_already_applied_its_update() -> None:
+    """An error raised by AdamW's step() (a pre-hook here; a CUDA OOM allocating its state in practice)
+    after Muon stepped carries a note naming both: Muon's weights did change, AdamW's biases did not, so
+    the caller cannot mistake the update for undone (the window itself is discarded, as for one
+    optimizer)."""
+    model = mlp((5, 4, 3))
+    muon, adamw = optimizers = _muon_adamw(model)
+    opt = ClippedOptimizer(optimizers, max_norm=1.0)
+
+    def fail(*_: Any) -> None:
+        raise RuntimeError("out of memory")
+
+    adamw.register_step_pre_hook(fail)
+    before = [p.detach().clone() for p in model.parameters()]
+    mse(model, pairs(1, (8, 5), (8, 3), seed=5)[0]).backward()
+    with pytest.raises(RuntimeError, match="out of memory") as info:
+        opt.step()
+    note = (
+        "clipopt: optimizer[1] (AdamW) raised in step() after optimizer[0] (Muon) applied this update: "
+        "those parameters and states are updated, the others are not; load a checkpoint before training on"
+    )
+    assert note in info.value.__notes__
+    changed = [not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True)]
+    assert changed == [True, False, True, False]  # 0.weight, 0.bias, 2.weight, 2.bias
+    assert opt.num_windows == 0 and len(muon.state) == 2 and len(adamw.state) == 0
+
+
 # ---------------------------------------------------------------- the optimizer's surface
 
 
