@@ -9,6 +9,7 @@ Spawning costs seconds, so one job covers many checks.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -1176,22 +1177,34 @@ def _muon_adamw(model: nn.Module, fused: bool) -> list[torch.optim.Optimizer]:
     return [first, torch.optim.AdamW(others, lr=LR, fused=fused)]
 
 
+def _sgd_adamw(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """SGD with momentum for the weight matrices, AdamW for the biases (both take DTensors)."""
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    others = [p for p in model.parameters() if p.ndim != 2]
+    return [torch.optim.SGD(matrices, lr=LR, momentum=0.9), torch.optim.AdamW(others, lr=LR)]
+
+
 def multi_ddp_job(rank: int, port: int, out_dir: str) -> None:
-    """DDP with ``ClippedOptimizer([muon, adamw], ...)`` (and all-fused [SGD, AdamW]): three windows of two
-    micro-batches (no_sync on the first), the second poisoned on rank 1 (NaN loss: skipped on both ranks);
-    the single-process reference is clip_grad_norm_ over the mean gradient then each inner step()."""
+    """DDP with ``ClippedOptimizer([muon, adamw], ...)`` (and all-fused [SGD, AdamW]), and FSDP2 with
+    [SGD, AdamW]: three windows of two micro-batches (DDP: no_sync on the first), the second poisoned on
+    rank 1 (NaN loss: skipped on both ranks); the single-process reference is clip_grad_norm_ over the
+    mean gradient then each inner step()."""
     init_world(rank, port)
     res: dict[str, Any] = {}
-    for fused in (False, True):
+    for kind in ("muon", "fused", "fsdp"):
         base = _model()
-        ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-        opt = ClippedOptimizer(_muon_adamw(ddp, fused), MAX_NORM, accumulation_steps=2)
-        plain = copy.deepcopy(base)
-        ref = _muon_adamw(plain, fused)
+        if kind == "fsdp":
+            model = _fsdp(base)
+            opt = ClippedOptimizer(_sgd_adamw(model), MAX_NORM, accumulation_steps=2)
+            ref = _sgd_adamw(plain := copy.deepcopy(base))
+        else:
+            model = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+            opt = ClippedOptimizer(_muon_adamw(model, kind == "fused"), MAX_NORM, accumulation_steps=2)
+            ref = _muon_adamw(plain := copy.deepcopy(base), kind == "fused")
         for w in range(3):
             for i in (2 * w, 2 * w + 1):
-                with opt.no_sync(ddp):
-                    loss = _loss(ddp, rank, i)
+                with opt.no_sync(model) if kind != "fsdp" else contextlib.nullcontext():
+                    loss = _loss(model, rank, i)
                     (loss * math.nan if w == 1 and rank == 1 else loss).backward()
                 opt.step()
                 opt.zero_grad()
@@ -1204,9 +1217,9 @@ def multi_ddp_job(rank: int, port: int, out_dir: str) -> None:
             for o in ref:
                 o.step()
             plain.zero_grad()
-        res["fused" if fused else "muon"] = {
+        res[kind] = {
             "skipped": [bool(s.skipped) for s in opt.stats],
-            "params": [p.detach().clone() for p in ddp.module.parameters()],
+            "params": _full(model) if kind == "fsdp" else [p.detach().clone() for p in model.parameters()],
             "ref_params": [p.detach().clone() for p in plain.parameters()],
         }
     torch.save(res, os.path.join(out_dir, f"multi{rank}.pt"))
