@@ -713,9 +713,9 @@ def test_lookahead_in_a_list_round_trips_its_own_layout() -> None:
 )
 def test_ddp_and_fsdp2_over_several_inner_optimizers_equal_one_process(tmp_path: Path) -> None:
     """Two gloo ranks under DDP, Muon + AdamW and fused SGD + fused AdamW, and under FSDP2 (fully_shard)
-    SGD + AdamW: each applied window equals
-    clip_grad_norm_ over the ranks' mean gradient then each inner step() in one process; a NaN loss on
-    one rank skips that window on both, and the ranks end with the same parameters."""
+    SGD + AdamW: each applied window equals clip_grad_norm_ over the ranks' mean gradient then each
+    inner step() in one process; a NaN loss on one rank skips that window on both, and the ranks end
+    with the same parameters."""
     from . import distributed_jobs as jobs
 
     ranks = spawn_job(jobs.multi_ddp_job, "multi", tmp_path, jobs.WORLD, timeout_s=120)
