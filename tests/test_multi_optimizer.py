@@ -387,6 +387,23 @@ def test_state_dict_of_the_wrong_count_is_refused_before_anything_changes() -> N
     _assert_same(_inner_states(opt.optimizers), before)
 
 
+def test_a_state_dict_of_several_into_a_wrapper_over_one_says_so() -> None:
+    """Loading the state dict of a wrapper over [Muon, AdamW] into a wrapper over one optimizer raises a
+    ValueError that names the layout (not only "'state' must be a dict, got NoneType"), changing nothing."""
+    model = mlp((5, 4, 3))
+    several = ClippedOptimizer(_muon_adamw(model), max_norm=1.0)
+    mse(model, pairs(1, (8, 5), (8, 3), seed=6)[0]).backward()
+    several.step()
+    one = ClippedOptimizer(torch.optim.AdamW(mlp((5, 4, 3)).parameters()), max_norm=1.0)
+    message = (
+        "it is the state dict of a ClippedOptimizer over 2 optimizers ({'optimizers': [...]}); "
+        "load it into a ClippedOptimizer over the same list of optimizers"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        one.load_state_dict(several.state_dict())
+    assert one.num_windows == 0 and len(one.state) == 0
+
+
 def test_a_failing_second_inner_load_puts_the_first_back() -> None:
     """When the second inner optimizer refuses its part while loading, the first one, already loaded,
     is put back too: the wrapper's load_state_dict changes all or nothing."""
