@@ -136,6 +136,39 @@ def test_nan_in_one_optimizers_gradient_leaves_every_parameter_and_state_untouch
     assert opt.num_updates == 2 and opt.num_skipped == 1
 
 
+@pytest.mark.parametrize("make", [_muon_adamw, _all_fused], ids=["muon+adamw", "all-fused"])
+def test_a_skipped_first_window_creates_no_inner_state(make: Any) -> None:
+    """The very first window non-finite (AdamW's gradient): no inner optimizer creates state (fused
+    SGD's momentum buffers would stay uninitialised memory), and the next windows equal plain torch
+    started from there: clip_grad_norm_ over every parameter, then each inner step()."""
+    model = mlp((5, 4, 3))
+    ref = copy.deepcopy(model)
+    opt = ClippedOptimizer(make(model), max_norm=0.3)
+    ref_optimizers = make(ref)
+    batches = pairs(4, (8, 5), (8, 3), seed=8)
+    mse(model, batches[0]).backward()
+    model[2].bias.grad[0] = math.nan
+    opt.step()
+    opt.zero_grad()
+    assert opt.step_was_skipped and [len(o.state) for o in opt.optimizers] == [0, 0]
+    for batch in batches[1:]:
+        mse(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+        mse(ref, batch).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
+        for o in ref_optimizers:
+            o.step()
+        ref.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    for o, r in zip(opt.optimizers, ref_optimizers, strict=True):
+        for p, q in zip(o.state.values(), r.state.values(), strict=True):
+            assert p.keys() == q.keys()
+            for k in p:
+                torch.testing.assert_close(p[k], q[k], rtol=1e-6, atol=1e-7)
+
+
 def test_all_fused_list_reads_nothing_and_a_mix_reads_once_per_update() -> None:
     """Fused SGD (with or without momentum) + fused AdamW: updates (applied or skipped) read nothing
     from the device, found_inf handed to each; Muon + fused AdamW: one flag per update, none inside a
