@@ -113,6 +113,43 @@ def test_equals_clip_grad_norm_over_all_parameters_then_each_step(reduction: str
         _assert_same(_inner_states(opt.optimizers), _inner_states([ref_muon, ref_adamw]))
 
 
+@pytest.mark.parametrize("norm_type", [1.0, 3.0, math.inf])
+@pytest.mark.parametrize("clip_value", [None, 0.01])
+def test_every_norm_type_and_clip_value_over_all_parameters(norm_type: float, clip_value: Any) -> None:
+    """norm_type 1, 3 and inf, with and without clip_value, windows of two micro-batches (sum): bit for
+    bit clip_grad_value_ and clip_grad_norm_ over every parameter of both optimizers, then each step();
+    the recorded norm is the pre-clip norm of all of them (summed in the optimizers' order: Muon's
+    matrices, then AdamW's biases)."""
+    model = mlp((5, 4, 3))
+    ref = copy.deepcopy(model)
+    opt = ClippedOptimizer(
+        _muon_adamw(model),
+        0.3,
+        norm_type=norm_type,
+        clip_value=clip_value,
+        accumulation_steps=2,
+        reduction="sum",
+    )
+    ref_optimizers = _muon_adamw(ref)
+    batches = pairs(6, (8, 5), (8, 3), seed=11)
+    for w in range(3):
+        for batch in batches[2 * w : 2 * w + 2]:
+            mse(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+            mse(ref, batch).backward()
+        params = [p for o in ref_optimizers for g in o.param_groups for p in g["params"]]  # sum in this order
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(params, clip_value)
+        torch.nn.utils.clip_grad_norm_(params, 0.3, norm_type)
+        for o in ref_optimizers:
+            o.step()
+        ref.zero_grad()
+        assert opt.last_stats.total_norm == norm.item()
+        _assert_params_equal(model, ref)
+
+
 @pytest.mark.parametrize("make", [_muon_adamw, _all_fused], ids=["muon+adamw", "all-fused"])
 def test_nan_in_one_optimizers_gradient_leaves_every_parameter_and_state_untouched(make: Any) -> None:
     """A NaN in a single weight gradient (Muon's) skips the whole update: the AdamW biases do not move
