@@ -62,6 +62,14 @@ def _check_disjoint(optimizers: Sequence[Optimizer], new: Sequence[Tensor] = (),
             )
 
 
+def _skipping(found_inf: Any) -> bool:
+    """Whether a fused step was handed the skip (read on the error path only; False if unreadable)."""
+    try:
+        return isinstance(found_inf, Tensor) and bool(found_inf.item())
+    except Exception:  # a device in an error state: say what may have happened
+        return False
+
+
 def _note_partial(exc: BaseException, optimizers: Sequence[Optimizer], failed: int) -> None:
     """Say on ``exc`` (raised by ``optimizers[failed].step()``) which optimizers had already stepped."""
     if failed > 0 and hasattr(exc, "add_note"):
@@ -240,7 +248,8 @@ class InnerOptimizers(Optimizer):
             try:
                 o.step()
             except BaseException as exc:
-                _note_partial(exc, self.optimizers, i)
+                if not _skipping(fused.get("found_inf")):
+                    _note_partial(exc, self.optimizers, i)
                 raise
             finally:
                 for k in fused:

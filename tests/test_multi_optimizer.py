@@ -264,6 +264,31 @@ def test_an_error_in_the_second_inner_step_says_the_first_already_applied_its_up
     assert opt.num_windows == 0 and len(muon.state) == 2 and len(adamw.state) == 0
 
 
+def test_an_error_in_the_second_fused_step_of_a_skipped_update_adds_no_partial_note() -> None:
+    """All fused, a non-finite window (found_inf handed to each): an error in the second optimizer's
+    step() carries no note that the first applied the update (it skipped it), and nothing changed."""
+    model = mlp((5, 4, 3))
+    sgd, adamw = optimizers = _all_fused(model)
+    opt = ClippedOptimizer(optimizers, max_norm=1.0)
+    for batch in pairs(2, (8, 5), (8, 3), seed=2):  # state in both: the fused path is taken
+        mse(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def fail(*_: Any) -> None:
+        raise RuntimeError("out of memory")
+
+    adamw.register_step_pre_hook(fail)
+    before = [p.detach().clone() for p in model.parameters()]
+    mse(model, pairs(1, (8, 5), (8, 3), seed=5)[0]).backward()
+    model[0].weight.grad[0, 0] = math.nan
+    with pytest.raises(RuntimeError, match="out of memory") as info:
+        opt.step()
+    assert not any("applied this update" in n for n in getattr(info.value, "__notes__", []))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert len(sgd.state) == 2
+
+
 # ---------------------------------------------------------------- the optimizer's surface
 
 
