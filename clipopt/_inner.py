@@ -161,9 +161,7 @@ class InnerOptimizers(Optimizer):
         self._reset_caches()
 
     def _reset_caches(self) -> None:
-        # the inner lists themselves (held, so that no new list can take a freed one's id) and their sizes
-        self._lists: tuple[tuple[list[dict[str, Any]], int], ...] = ()
-        self._groups: list[dict[str, Any]] = []
+        self._groups: list[dict[str, Any]] = []  # the group dicts themselves (held: no id reused)
         self._owners: tuple[Any, tuple[int, ...], dict[Tensor, Optimizer]] = (None, (), {})
 
     def owner_of(self, p: Tensor) -> Optimizer:
@@ -177,14 +175,12 @@ class InnerOptimizers(Optimizer):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """Every inner optimizer's group dicts, in order (the same list until one of theirs changes)."""
-        lists = tuple((o.param_groups, len(o.param_groups)) for o in self.optimizers)
-        same = len(lists) == len(self._lists) and all(
-            a is b and n == m for (a, n), (b, m) in zip(lists, self._lists, strict=True)
-        )
-        if not same:
-            self._groups = [g for o in self.optimizers for g in o.param_groups]
-            self._lists = lists
+        """Every inner optimizer's group dicts, in order (the same list until one of them changes)."""
+        groups = [g for o in self.optimizers for g in o.param_groups]
+        if len(groups) != len(self._groups) or any(
+            a is not b for a, b in zip(groups, self._groups, strict=True)
+        ):
+            self._groups = groups  # a list of theirs changed (load_state_dict, add_param_group, a new dict)
         return self._groups
 
     @param_groups.setter

@@ -332,6 +332,24 @@ def test_param_groups_state_and_defaults_are_the_inner_optimizers() -> None:
     assert single.optimizer is muon and single.optimizers == [muon]
 
 
+def test_a_group_dict_replaced_in_an_inner_list_is_seen_by_the_wrapper() -> None:
+    """adamw.param_groups[0] = {...} (same list, same length, a new dict): opt.param_groups holds the new
+    dict, so an LR scheduler over the wrapper changes the lr AdamW uses (it wrote into the old dict)."""
+    model = mlp((5, 4, 3))
+    muon, adamw = optimizers = _muon_adamw(model)
+    opt = ClippedOptimizer(optimizers, max_norm=1.0)
+    assert opt.param_groups[1] is adamw.param_groups[0]
+    adamw.param_groups[0] = {**adamw.param_groups[0], "lr": 0.5}
+    assert opt.param_groups[1] is adamw.param_groups[0]
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+    mse(model, pairs(1, (8, 5), (8, 3), seed=7)[0]).backward()
+    opt.step()
+    sched.step()
+    assert adamw.param_groups[0]["lr"] == pytest.approx(0.05) and muon.param_groups[0]["lr"] == pytest.approx(
+        0.002
+    )
+
+
 def test_add_param_group_goes_to_the_optimizer_named_by_index() -> None:
     """add_param_group(group, optimizer=i) adds to opt.optimizers[i] (params may be a generator); without
     the index, with one out of range, or with a parameter another optimizer holds, it refuses before
