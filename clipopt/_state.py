@@ -165,6 +165,12 @@ def _check_layout(parts: list[Any]) -> None:
     for k, part in enumerate(parts):
         if part is None:
             continue
+        several = part.get("optimizers") if isinstance(part, dict) and "state" not in part else None
+        if len(parts) == 1 and isinstance(several, list):
+            raise _bad(
+                f"it is the state dict of a ClippedOptimizer over {len(several)} optimizers "
+                "({'optimizers': [...]}); load it into a ClippedOptimizer over the same list of optimizers"
+            )
         where = "" if len(parts) == 1 else f"optimizers[{k}]."
         for key, kind in (("state", dict), ("param_groups", list)):
             value = part.get(key) if isinstance(part, dict) else None
