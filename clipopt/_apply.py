@@ -99,7 +99,7 @@ class StateReadiness:
         optimizers = inner_optimizers(inner)  # several: each one's own state
         states = tuple(o.state for o in optimizers)
         size = (sum(len(state) for state in states), len(params))
-        known = self._state  # a tuple; an earlier clipopt's pickle holds one state object
+        known = self._state  # a tuple of each inner optimizer's state, or None
         same = isinstance(known, tuple) and len(known) == len(states) and self._size == size
         if same and all(a is b for a, b in zip(known, states, strict=True)):
             return True
