@@ -85,12 +85,13 @@ below :data:`VANISH_RELATIVE` times the median over layers, or whose median
 ``grad_norm / param_norm`` is below :data:`VANISH_TO_PARAM`.  Step: its first
 per-layer row below.  Why: in a deep saturating net the first layers' gradients
 are orders of magnitude below the last ones' while the total norm looks calm.
-*A gradient zero by construction is not vanishing*: a parameter whose median
-gradient norm is also below :data:`VANISH_RELATIVE` times that of another
-parameter of its module (the name up to its last dot: ``0.bias`` and
-``0.weight``) gets a note instead -- the gradient reaches that module, so
-nothing vanished on the way; gradients that vanish shrink a module's weight and
-bias together.  A convolution's bias followed by a BatchNorm is one: the
+*A gradient zero by construction is not vanishing*: a bias whose median
+gradient norm is also below :data:`VANISH_RELATIVE` times that of its own
+weight (``0.bias`` and ``0.weight``, ``bias_ih_l0`` and ``weight_ih_l0``) gets
+a note instead -- the gradient reaches that module, so nothing vanished on the
+way; gradients that vanish shrink a module's weight and bias together.  Only a
+bias against its weight: two weights of one module (a ``ParameterList``, a
+stacked RNN) are different layers, which vanish one after the other.  A convolution's bias followed by a BatchNorm is one: the
 normalisation subtracts the batch mean, so the bias gets no gradient while the
 run learns (the Conv+BatchNorm run of the corpus).
 
@@ -839,28 +840,31 @@ def _vanishing(log: GradLog, notes: list[str]) -> list[dict[str, Any]]:
     return findings
 
 
-def _module_of(name: str) -> str | None:
-    """The module a parameter belongs to: its name up to the last dot (None: no dot)."""
-    return name.rpartition(".")[0] or None
+def _weight_of(name: str) -> str | None:
+    """The weight a bias is added to: ``0.bias`` -> ``0.weight``, ``rnn.bias_ih_l0`` ->
+    ``rnn.weight_ih_l0``, ``attn.in_proj_bias`` -> ``attn.in_proj_weight``; None for a name whose last
+    part is not a bias."""
+    module, dot, leaf = name.rpartition(".")
+    return module + dot + leaf.replace("bias", "weight") if "bias" in leaf else None
 
 
 def _zero_by_construction(name: str, medians: dict[str, float]) -> str | None:
-    """Another parameter of ``name``'s module whose median gradient norm is at least 1 / VANISH_RELATIVE
-    times ``name``'s (the largest such), or None.
+    """The weight of the bias ``name`` (:func:`_weight_of`) when ``name``'s median gradient norm is below
+    VANISH_RELATIVE times that weight's, else None.
 
     Why: gradients vanish layer by layer, so a module's weight and bias shrink
     together (the deep-sigmoid run of the corpus: within 6x of each other,
     both 1e-12); a bias whose gradient is 1e-7 of its own module's weight's is
     cancelled by what follows it -- a BatchNorm subtracts the batch mean, so a
     convolution's bias before it gets no gradient at all -- and the layers
-    around it learn."""
-    module = _module_of(name)
-    if module is None:
+    around it learn.  Only a bias against its own weight: the other parameters
+    of a module may be other layers (``nn.ParameterList`` weights ``ws.0`` ...
+    ``ws.14``, a stacked RNN's ``weight_ih_l0`` ... ``weight_ih_l11``), whose
+    gradients vanish one after the other."""
+    weight = _weight_of(name)
+    if weight is None or weight not in medians:
         return None
-    mine = medians[name]
-    others = [(m, n) for n, m in medians.items() if n != name and _module_of(n) == module]
-    best = max(others, default=None)
-    return best[1] if best is not None and mine < VANISH_RELATIVE * best[0] else None
+    return weight if medians[name] < VANISH_RELATIVE * medians[weight] else None
 
 
 def _layer_medians(log: GradLog) -> tuple[dict[str, float], dict[str, Tensor]]:

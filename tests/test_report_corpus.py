@@ -630,3 +630,40 @@ def test_nonfinite_layer_with_a_frozen_layer_in_the_optimizer(
     head = report["findings"][0]
     assert (head["step"], head["layer"]) == (nan_step, "4.bias")
     assert list(head["values"]["nonfinite_layers"]) == ["4.bias"]
+
+
+class _BiaslessDeepSigmoid(torch.nn.Module):
+    """A 14-layer sigmoid MLP without biases whose weights are one ``nn.ParameterList`` (``ws.0`` ...
+    ``ws.14``): every weight is a parameter of the same module, ``ws``."""
+
+    def __init__(self, depth: int = 14, width: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        dims = [8] + [width] * depth + [1]
+        self.ws = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(o, i) / i**0.5) for i, o in itertools.pairwise(dims)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for k, w in enumerate(self.ws):
+            x = x @ w.T
+            x = torch.sigmoid(x) if k < len(self.ws) - 1 else x
+        return x
+
+
+def test_vanishing_weights_of_one_parameter_list_are_not_zero_by_construction(tmp_path: Path) -> None:
+    """A deep sigmoid MLP whose bias-free weights sit in one ParameterList (one module, ``ws``) vanishes:
+    the first weight's median gradient norm is below 1e-3 of the median over layers (checked here from
+    the CSV) and the report says ``vanishing`` at ``ws.0`` -- another layer's weight of the same
+    module is no evidence that the gradient is zero by construction (only a bias against its own
+    weight is)."""
+    path = tmp_path / "paramlist.csv"
+    train(path, lambda m: torch.optim.SGD(m.parameters(), lr=0.05), model=_BiaslessDeepSigmoid())
+    with path.open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["ws.0.grad_norm"]]
+    medians = {k: float(np.median([float(r[f"ws.{k}.grad_norm"]) for r in rows])) for k in range(15)}
+    assert medians[0] < 1e-3 * float(np.median(list(medians.values())))  # the label is true
+    report = analyze(read_log(path))
+    assert report["verdict"] == "vanishing"
+    assert report["findings"][0]["layer"] == "ws.0"
+    assert not any("zero by construction" in n for n in report["notes"])
