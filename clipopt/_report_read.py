@@ -697,9 +697,11 @@ def _log_history(name: str) -> list[Any]:
 
 def _read_tensorboard(name: str, names: Names) -> GradLog:
     """A TensorBoard run's folder: its total-norm tag, the loss, lr and clipopt's own tags, per step."""
-    scalars = _tensorboard_scalars(name)
+    scalars, hparams = _tensorboard_scalars(name)
     tags = sorted(scalars)
-    norm_tag = choose("norm", tags, names.norm, name, "scalar tag")
+    # add_hparams' metrics (one point each, hparam/loss) are never picked; --loss/--norm may name them
+    candidates = [t for t in tags if t not in hparams]
+    norm_tag = choose("norm", tags if names.norm else candidates, names.norm, name, "scalar tag")
     if norm_tag is None:
         raise ValueError(
             f"{name} has no gradient-norm scalar; expected a tag ending in total_norm or grad_norm "
@@ -708,8 +710,8 @@ def _read_tensorboard(name: str, names: Names) -> GradLog:
         )
     wanted = {
         "norm": norm_tag,
-        "loss": choose("loss", tags, names.loss, name, "scalar tag"),
-        "lr": pick("lr", tags),
+        "loss": choose("loss", tags if names.loss else candidates, names.loss, name, "scalar tag"),
+        "lr": pick("lr", candidates),
         **{key: f"clipopt/{key}" if f"clipopt/{key}" in scalars else None for key in _CLIPOPT_TAGS},
     }
     records: dict[int, dict[str, float]] = {}
@@ -724,8 +726,9 @@ def _read_tensorboard(name: str, names: Names) -> GradLog:
     return log
 
 
-def _tensorboard_scalars(name: str) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar of the run in ``name``: tag -> ``(step, value)`` events; needs tensorboard.
+def _tensorboard_scalars(name: str) -> tuple[dict[str, list[tuple[int, float]]], set[str]]:
+    """Every scalar of the run in ``name``: tag -> ``(step, value)`` events, and the tags of the folders
+    below it that ``add_hparams`` wrote (its metrics, e.g. ``<time>/hparam/loss``); needs tensorboard.
 
     The tags of a folder below it (``add_scalars`` writes one per key, e.g. ``Loss_train``) are
     named ``<folder>/<tag>``, so that two keys of one tag are never merged."""
@@ -740,13 +743,17 @@ def _tensorboard_scalars(name: str) -> dict[str, list[tuple[int, float]]]:
     mux.AddRunsFromDirectory(name)
     mux.Reload()
     scalars: dict[str, list[tuple[int, float]]] = {}
+    hparams_runs = {r for r in mux.PluginRunToTagToContent("hparams") if r != "."}
+    hparams: set[str] = set()
     for run, tags in mux.Runs().items():
         prefix = "" if run == "." else run.replace(os.sep, "/") + "/"
         for tag in tags.get("scalars", []):
             scalars.setdefault(prefix + tag, []).extend(
                 (e.step, float(e.value)) for e in mux.Scalars(run, tag)
             )
-    return scalars
+            if run in hparams_runs:
+                hparams.add(prefix + tag)
+    return scalars, hparams
 
 
 def _layer_or_group_tag(tag: str) -> bool:

@@ -416,3 +416,31 @@ def test_plot_into_a_missing_folder_fails_before_the_report(
         f"clipopt report: error: --plot {target}: the folder {tmp_path / 'missing'} does not exist; "
         "create it, or pass a path in an existing folder\n"
     )
+
+
+def test_add_hparams_metrics_are_not_read_as_the_loss(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SummaryWriter.add_hparams writes its metrics (``hparam/loss``) as scalars in a folder below the run
+    named by the time: a blown-up run logging ``train/epoch_loss`` (a loss name matched by pattern, not
+    in the table) and ``add_hparams(..., {"hparam/loss": ...})`` at the end is read with its training
+    loss (exploding), not with the one hparams point as the loss (healthy); the hparams tag is listed
+    among the ignored ones."""
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    rows = _train(200, lr=3.0)
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for step, (loss, norm) in enumerate(rows):
+        writer.add_scalar("train/epoch_loss", loss, step)
+        writer.add_scalar("train/grad_norm", norm, step)
+    writer.add_hparams({"lr": 3.0}, {"hparam/loss": rows[-1][0]})
+    writer.close()
+    (hparams,) = [p.name for p in (tmp_path / "tb").iterdir() if p.is_dir()]
+    code, out, err = _cli(capsys, str(tmp_path / "tb"))
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0] == f"verdict: exploding (the loss blew up; step {_loss_onset([v for v, _ in rows])})"
+    assert lines[2] == (
+        f"tags read: train/grad_norm as the norm, train/epoch_loss as the loss; ignored: {hparams}/hparam/loss"
+    )
