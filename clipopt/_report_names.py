@@ -47,13 +47,17 @@ LOSS_NAMES = (
 LR_NAMES = ("clipopt/lr", "lr", "learning_rate", "train/learning_rate", "train/lr")
 
 _LIGHTNING_TOTAL = re.compile(r"grad_(?:[0-9.]+|inf)_norm_total")
-#: A validation, evaluation or test metric: one of these words between separators.
-_VALIDATION = re.compile(r"(?:^|[/_.\- ])(?:val|valid|validation|eval|evaluation|test)(?:[/_.\- ]|$)")
+_HELD_OUT = "val|valid|validation|eval|evaluation|test|dev"
+#: A validation, evaluation, test or dev-set metric: one of these words between separators (lower case).
+_VALIDATION = re.compile(rf"(?:^|[/_.\- ])(?:{_HELD_OUT})(?:[/_.\- ]|$)")
+#: The same word at the start of a camelCase name or part (``valLoss``, ``Loss/evalLoss``).
+_VALIDATION_CAMEL = re.compile(rf"(?:^|[/_.\- ])(?i:{_HELD_OUT})(?=[A-Z])")
 
 
 def is_validation(name: str) -> bool:
-    """True for a validation, evaluation or test metric (``val_loss``, ``eval/loss``, ``Loss/test``)."""
-    return _VALIDATION.search(name.lower()) is not None
+    """True for a validation, evaluation, test or dev-set metric (``val_loss``, ``eval/loss``,
+    ``Loss/test``, ``dev_loss``, ``valLoss``)."""
+    return _VALIDATION.search(name.lower()) is not None or _VALIDATION_CAMEL.search(name) is not None
 
 
 def _per_layer(low: str) -> bool:

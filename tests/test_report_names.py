@@ -444,3 +444,27 @@ def test_add_hparams_metrics_are_not_read_as_the_loss(
     assert lines[2] == (
         f"tags read: train/grad_norm as the norm, train/epoch_loss as the loss; ignored: {hparams}/hparam/loss"
     )
+
+
+@pytest.mark.parametrize(
+    ("held_out", "train"),
+    [("valLoss", "trainLoss"), ("evalLoss", "trainLoss"), ("dev_loss", "epoch_loss"), ("loss/dev", "loss/epoch")],
+)
+def test_camel_case_and_dev_set_losses_are_not_the_training_loss(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], held_out: str, train: str
+) -> None:
+    """A held-out loss named in camelCase (``valLoss``, ``evalLoss``) or after a dev set (``dev_loss``,
+    ``loss/dev``), written before the training loss of a run that blew up, is not read as the loss
+    (healthy, the held-out loss being flat); the training loss is (exploding), and the held-out one is
+    listed as ignored."""
+    rows = _train(200, lr=3.0)
+    path = tmp_path / "run.csv"
+    with path.open("w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["step", held_out, train, "grad_norm"])
+        out.writerows([step, 1.0, loss, norm] for step, (loss, norm) in enumerate(rows))
+    code, out, _ = _cli(capsys, str(path))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == f"verdict: exploding (the loss blew up; step {_loss_onset([v for v, _ in rows])})"
+    assert lines[2] == f"columns read: grad_norm as the norm, {train} as the loss; ignored: {held_out}"
