@@ -945,13 +945,25 @@ def _stretch_for(
     """The healthy stretch's norms before row ``end`` (spikes left out), and the row where it ends.
 
     When the run exploded, the stretch ends where the norms first left their
-    start's order (:data:`GROWTH_ONSET_RATIO` x the start), if that is earlier."""
+    start's order (:data:`GROWTH_ONSET_RATIO` x the start), if that is earlier;
+    one of the first START_ROWS norms is compared with the start norms before
+    it (a blow-up in the second update is not part of its own start)."""
     if verdict == "exploding":
         start = norm[finite][:START_ROWS]
         if start.numel():
             above = (norm[:end] > GROWTH_ONSET_RATIO * _median(start)).nonzero().flatten()
-            end = int(above[0]) if above.numel() else end
+            end = min(_early_onset(norm, finite, end), int(above[0]) if above.numel() else end)
     return _healthy_stretch(norm, end, spike_rows), end
+
+
+def _early_onset(norm: Tensor, finite: Tensor, end: int) -> int:
+    """The first of the first START_ROWS finite rows (before ``end``) whose norm is above
+    GROWTH_ONSET_RATIO x the median of the finite norms before it; ``end`` when none is."""
+    rows = finite.nonzero().flatten()[:START_ROWS].tolist()
+    for k in range(1, len(rows)):
+        if rows[k] < end and float(norm[rows[k]]) > GROWTH_ONSET_RATIO * _median(norm[rows[:k]]):
+            return int(rows[k])
+    return end
 
 
 def _suggest(stretch: Tensor, *, exploding: bool) -> float | None:

@@ -667,3 +667,24 @@ def test_vanishing_weights_of_one_parameter_list_are_not_zero_by_construction(tm
     assert report["verdict"] == "vanishing"
     assert report["findings"][0]["layer"] == "ws.0"
     assert not any("zero by construction" in n for n in report["notes"])
+
+
+def test_a_blow_up_in_the_first_updates_leaves_its_norms_out_of_the_suggestion(tmp_path: Path) -> None:
+    """Full-batch regression with SGD at 3001 / lambda_max multiplies the error ~3000x per update: the
+    norm of the second update is already over 1000x the first's. The healthy stretch is the first
+    update alone -- each of the first START_ROWS norms is compared with the start norms before it --
+    so the suggestion (the stretch's median) and the reference values are that first norm (read from
+    the CSV), "before step 2", not the mean of the first and the blown-up second (~5000)."""
+    path = tmp_path / "early.csv"
+    lr = 3001 / _LAMBDA_MAX
+    train(path, lambda m: torch.optim.SGD(m.parameters(), lr=lr), model=_linear(), data=_full_batch, steps=30)
+    with path.open(newline="") as f:
+        norms = [float(r["total_norm"]) for r in csv.DictReader(f)]
+    assert norms[1] > 1000 * norms[0]  # the label is true: the second update already blew up
+    report = analyze(read_log(path))
+    assert report["verdict"] == "exploding"
+    assert report["suggested_max_norm"] == pytest.approx(norms[0], rel=1e-12)
+    sug = {s["name"]: s for s in report["suggestions"]}
+    assert sug["autoclip"]["value"] == pytest.approx(norms[0], rel=1e-12)
+    assert sug["pascanu"]["high"] == pytest.approx(10 * norms[0], rel=1e-12)
+    assert "of the 1 finite norms before step 2 (AutoClip" in sug["autoclip"]["rule"]
