@@ -31,7 +31,8 @@ NORM_NAMES = (
     "grad/total_norm",
 )
 #: Loss names, in order of preference; then a training name one of whose ``/``-parts ends in ``loss``
-#: (``Loss/train``, ``train/loss``, ``train_loss``, but not ``val_loss`` or ``Loss/test``).
+#: or ``loss_step`` (``Loss/train``, ``train/loss``, Lightning's ``loss_step``, but not ``val_loss``,
+#: ``Loss/test`` or the per-epoch ``loss_epoch``).
 LOSS_NAMES = (
     "clipopt/loss",
     "loss",
@@ -81,7 +82,7 @@ def _norm_like(name: str) -> bool:
 def _loss_like(name: str) -> bool:
     low = name.lower()
     return (
-        any(part.endswith("loss") for part in low.split("/"))
+        any(part.endswith(("loss", "loss_step")) for part in low.split("/"))
         and "layers/" not in low
         and not is_validation(name)
     )

@@ -110,9 +110,10 @@ def test_trainer_state_logged_every_few_updates_counts_rows(
     )
 
 
-def _lightning_fit(logger: Any, nan_at_step: int | None = None) -> None:
-    """A tiny Lightning fit (Linear(8, 1), SGD lr 0.01, 16 steps of 8 rows) that logs train_loss and
-    grad_norm() to ``logger``; at global step ``nan_at_step`` lin.bias's gradient is set to NaN."""
+def _lightning_fit(logger: Any, nan_at_step: int | None = None, loss_name: str = "train_loss") -> None:
+    """A tiny Lightning fit (Linear(8, 1), SGD lr 0.01, 16 steps of 8 rows) that logs ``loss_name`` and
+    grad_norm() to ``logger``; at global step ``nan_at_step`` lin.bias's gradient is set to NaN.
+    ``loss_name`` "loss" is logged on_step and on_epoch (Lightning writes loss_step and loss_epoch)."""
     pl = pytest.importorskip("lightning.pytorch")
     from lightning.pytorch.utilities import grad_norm
 
@@ -123,7 +124,7 @@ def _lightning_fit(logger: Any, nan_at_step: int | None = None) -> None:
 
         def training_step(self, batch: list[torch.Tensor], i: int) -> torch.Tensor:
             loss = torch.nn.functional.mse_loss(self.lin(batch[0]), batch[1])
-            self.log("train_loss", loss)
+            self.log(loss_name, loss, on_step=True, on_epoch=loss_name == "loss")
             return loss
 
         def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -166,6 +167,23 @@ def test_lightning_metrics_csv(tmp_path: Path) -> None:
         [float(r["grad_2.0_norm/lin.weight"]) for r in rows]
     )
     assert analyze(log)["verdict"] == "healthy"
+
+
+def test_lightning_loss_step_is_read_as_the_loss(tmp_path: Path) -> None:
+    """``self.log("loss", loss, on_step=True, on_epoch=True)`` makes Lightning write ``loss_step`` (per
+    update) and ``loss_epoch``: ``loss_step`` is read as the loss, with the values of metrics.csv, and
+    ``loss_epoch`` is ignored."""
+    pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.loggers import CSVLogger as LightningCSV
+
+    _lightning_fit(LightningCSV(str(tmp_path)), loss_name="loss")
+    path = next(tmp_path.rglob("metrics.csv"))
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    log = read_log(path)
+    assert log.loss_column == "loss_step" and "loss_epoch" in log.ignored
+    steps = {int(r["step"]): float(r["loss_step"]) for r in rows if r["loss_step"]}
+    assert list(log.loss) == pytest.approx([steps[s] for s in log.steps])
 
 
 def test_sparse_csv_rows_of_one_step_are_merged(tmp_path: Path) -> None:
