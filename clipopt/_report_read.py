@@ -210,6 +210,7 @@ def _read_run(name: str, runs: list[str], names: Names, run: str | None) -> Grad
         )
     if not runs:
         raise ValueError(f"--run {run}: {name} holds no TensorBoard runs; pass the log itself without --run")
+    run = os.path.normpath(run) if os.path.normpath(run) in runs else run  # exp1/, ./exp1: exp1
     if run not in runs:
         raise ValueError(f"{name} has no TensorBoard run {run!r} (--run {run}); its runs: {', '.join(runs)}")
     log = _read_tensorboard(_run_folder(name, run), names)

@@ -468,3 +468,16 @@ def test_camel_case_and_dev_set_losses_are_not_the_training_loss(
     lines = out.splitlines()
     assert lines[0] == f"verdict: exploding (the loss blew up; step {_loss_onset([v for v, _ in rows])})"
     assert lines[2] == f"columns read: grad_norm as the norm, {train} as the loss; ignored: {held_out}"
+
+
+@pytest.mark.parametrize("spelling", ["{run}/", "./{run}", "{run}//"])
+def test_run_option_accepts_the_folder_as_a_shell_completes_it(
+    two_runs: tuple[Path, str, str], capsys: pytest.CaptureFixture[str], spelling: str
+) -> None:
+    """--run with the run's folder as tab completion writes it (``exp1/``) or as ``./exp1`` reads that
+    run, as --run exp1 does (its report names the run ``exp1``), instead of "has no TensorBoard run"."""
+    runs, blown, _ = two_runs
+    code, out, err = _cli(capsys, str(runs), "--run", spelling.format(run=blown), "--json")
+    assert (code, err) == (0, "")
+    report = json.loads(out)
+    assert (report["run"], report["verdict"]) == (blown, "exploding")
