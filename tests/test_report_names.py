@@ -257,6 +257,26 @@ def test_healthy_without_a_loss_says_so_first(tmp_path: Path, capsys: pytest.Cap
     )
 
 
+def test_healthy_with_only_non_finite_losses_says_so_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log whose loss column holds only ``nan`` (a script writing float("nan") where it had no loss)
+    and whose norms are calm: no finite loss was read, so the verdict rests on the norm alone, and the
+    first line says so, as it does for a log without a loss."""
+    rows = _train(120, lr=0.01)
+    path = tmp_path / "nanloss.csv"
+    with path.open("w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["step", "loss", "grad_norm"])
+        out.writerows([s, float("nan"), n] for s, (_, n) in enumerate(rows))
+    code, out, _ = _cli(capsys, str(path))
+    assert code == 0
+    assert out.splitlines()[0] == (
+        "verdict: healthy (judged on the gradient norm alone: no finite loss was read; "
+        "no blow-up, non-finite, spiking or vanishing gradients)"
+    )
+
+
 # ----------------------------------------------------------------------------- several runs
 
 
