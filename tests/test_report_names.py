@@ -501,3 +501,31 @@ def test_run_option_accepts_the_folder_as_a_shell_completes_it(
     assert (code, err) == (0, "")
     report = json.loads(out)
     assert (report["run"], report["verdict"]) == (blown, "exploding")
+
+
+def test_an_unreadable_run_of_several_names_the_run_and_run_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Of two SummaryWriter runs, one logged no gradient norm (a run stopped before its first update):
+    the report of the folder fails, and its error names that run, the other and --run NAME (how to
+    report the readable one), not merely --norm NAME; --run picks the readable one."""
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    rows = _train(30, lr=0.01)
+    for name, with_norm in (("good", True), ("stopped", False)):
+        writer = SummaryWriter(str(tmp_path / "runs" / name))
+        for step, (loss, norm) in enumerate(rows[: 30 if with_norm else 1]):
+            writer.add_scalar("Loss/train", loss, step)
+            if with_norm:
+                writer.add_scalar("Grad/total_norm", norm, step)
+        writer.close()
+    runs = tmp_path / "runs"
+    code, out, err = _cli(capsys, str(runs))
+    assert (code, out) == (2, "")
+    assert err.startswith(f"clipopt report: error: {runs / 'stopped'} has no gradient-norm scalar")
+    assert err.rstrip("\n").endswith(
+        f"; {runs} holds 2 TensorBoard runs (good, stopped): report a readable one with --run NAME"
+    )
+    code, out, _ = _cli(capsys, str(runs), "--run", "good")
+    assert code == 0 and out.startswith("verdict: healthy")
