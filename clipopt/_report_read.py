@@ -195,6 +195,14 @@ def _read_folder(name: str, names: Names, run: str | None) -> GradLog:
     if states:
         latest = max(states, key=lambda p: _checkpoint_number(os.path.dirname(p)))
         return read_log(latest, names)
+    below = sorted(
+        p
+        for c in ("metrics.csv", "trainer_state.json")
+        for p in glob.glob(os.path.join(glob.escape(name), "*", c))
+    )
+    if below:  # Lightning's CSVLogger: lightning_logs/version_<n>/metrics.csv
+        shown = ", ".join(below[:10]) + (f", ... ({len(below) - 10} more)" if len(below) > 10 else "")
+        raise ValueError(f"{name} holds no training log itself; the logs below it: {shown}; pass one of them")
     raise ValueError(
         f"{name} is a folder without a training log (looked for trainer_state.json, metrics.csv and "
         "TensorBoard event files); pass the CSV file, trainer_state.json or TensorBoard log folder"

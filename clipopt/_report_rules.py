@@ -89,11 +89,12 @@ are orders of magnitude below the last ones' while the total norm looks calm.
 gradient norm is also below :data:`VANISH_RELATIVE` times that of its own
 weight (``0.bias`` and ``0.weight``, ``bias_ih_l0`` and ``weight_ih_l0``) gets
 a note instead -- the gradient reaches that module, so nothing vanished on the
-way; gradients that vanish shrink a module's weight and bias together.  Only a
-bias against its weight: two weights of one module (a ``ParameterList``, a
-stacked RNN) are different layers, which vanish one after the other.  A convolution's bias followed by a BatchNorm is one: the
-normalisation subtracts the batch mean, so the bias gets no gradient while the
-run learns (the Conv+BatchNorm run of the corpus).
+way; gradients that vanish shrink a module's weight and bias together.  A
+convolution's bias followed by a BatchNorm is one: the normalisation subtracts
+the batch mean, so the bias gets no gradient while the run learns (the
+Conv+BatchNorm run of the corpus).  Only a bias against its weight: two
+weights of one module (a ``ParameterList``, a stacked RNN) are different
+layers, which vanish one after the other.
 
 ``healthy`` -- none of the above.
 

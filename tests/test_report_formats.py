@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +185,26 @@ def test_lightning_loss_step_is_read_as_the_loss(tmp_path: Path) -> None:
     assert log.loss_column == "loss_step" and "loss_epoch" in log.ignored
     steps = {int(r["step"]): float(r["loss_step"]) for r in rows if r["loss_step"]}
     assert list(log.loss) == pytest.approx([steps[s] for s in log.steps])
+
+
+def test_lightning_csv_versions_folder_names_its_logs(tmp_path: Path) -> None:
+    """Two fits with Lightning's CSVLogger write lightning_logs/version_0/metrics.csv and version_1/: the
+    folder lightning_logs holds no log itself, and the error lists the metrics.csv files below it (the
+    way to read each), instead of only "a folder without a training log"."""
+    pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.loggers import CSVLogger as LightningCSV
+
+    for _ in range(2):
+        _lightning_fit(LightningCSV(str(tmp_path)))
+    folder = tmp_path / "lightning_logs"
+    found = ", ".join(str(folder / f"version_{v}" / "metrics.csv") for v in (0, 1))
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"{folder} holds no training log itself; the logs below it: {found}; pass one of them"
+        ),
+    ):
+        read_log(folder)
 
 
 def test_sparse_csv_rows_of_one_step_are_merged(tmp_path: Path) -> None:

@@ -462,13 +462,19 @@ def test_add_hparams_metrics_are_not_read_as_the_loss(
     lines = out.splitlines()
     assert lines[0] == f"verdict: exploding (the loss blew up; step {_loss_onset([v for v, _ in rows])})"
     assert lines[2] == (
-        f"tags read: train/grad_norm as the norm, train/epoch_loss as the loss; ignored: {hparams}/hparam/loss"
+        "tags read: train/grad_norm as the norm, train/epoch_loss as the loss; "
+        f"ignored: {hparams}/hparam/loss"
     )
 
 
 @pytest.mark.parametrize(
     ("held_out", "train"),
-    [("valLoss", "trainLoss"), ("evalLoss", "trainLoss"), ("dev_loss", "epoch_loss"), ("loss/dev", "loss/epoch")],
+    [
+        ("valLoss", "trainLoss"),
+        ("evalLoss", "trainLoss"),
+        ("dev_loss", "epoch_loss"),
+        ("loss/dev", "loss/epoch"),
+    ],
 )
 def test_camel_case_and_dev_set_losses_are_not_the_training_loss(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], held_out: str, train: str
