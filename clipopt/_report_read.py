@@ -634,8 +634,8 @@ def _from_records(
         index[step] = len(log.steps)
         log.steps.append(step)
         log.total_norm.append(rec["norm"])
-        loss = rec.get("loss", _NAN)
-        log.loss.append(loss if math.isnan(loss) or math.isfinite(loss) else math.inf)
+        loss = rec.get("loss", _NAN)  # a recorded loss that is not finite (NaN too) reads as inf
+        log.loss.append(loss if math.isfinite(loss) or "loss" not in rec else math.inf)
         log.lr.append(rec.get("lr", _NAN))
         log.max_norm.append(rec.get("max_norm", _NAN))
         log.clipped.append(1 if rec.get("clipped", 0.0) > 0.5 else 0)

@@ -353,3 +353,29 @@ def test_lightning_tensorboard_logger(tmp_path: Path) -> None:
         [e.value for e in events.Scalars("grad_2.0_norm/lin.bias")]
     )
     assert analyze(log)["verdict"] == "healthy"
+
+
+def test_a_nan_loss_is_recorded_non_finite_in_every_format(tmp_path: Path) -> None:
+    """A run whose loss and norm turn NaN at update 50, logged as a CSV, by SummaryWriter and as a
+    Trainer log_history (json writes NaN): every reader reads the NaN losses as recorded and not finite
+    (inf), as the CSV reader does, so the summaries agree: 99 losses logged, 50 non-finite."""
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    rows = [
+        (s, 2 - s / 100 if s < 50 else math.nan, 1 + s % 3 / 10 if s < 50 else math.nan)
+        for s in range(1, 100)
+    ]
+    (tmp_path / "run.csv").write_text("step,loss,grad_norm\n" + "".join(f"{s},{v},{n}\n" for s, v, n in rows))
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for s, v, n in rows:
+        writer.add_scalar("loss", v, s)
+        writer.add_scalar("grad_norm", n, s)
+    writer.close()
+    history = [{"loss": v, "grad_norm": n, "learning_rate": 1e-3, "step": s} for s, v, n in rows]
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    for path in ("run.csv", "tb", "trainer_state.json"):
+        log = read_log(tmp_path / path)
+        assert [math.isinf(v) for v in log.loss] == [math.isnan(v) for _, v, _ in rows], path
+        summary = analyze(log)["summary"]
+        assert (summary["losses"], summary["loss_nonfinite"]) == (99, 50), path
