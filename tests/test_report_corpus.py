@@ -22,6 +22,7 @@ import torch
 from clipopt import ClippedOptimizer, CSVLogger, SpikeGuard
 from clipopt._cli import main
 from clipopt._report import analyze, read_log
+from clipopt._report_plot import short_names
 
 STEPS = 200
 
@@ -688,3 +689,22 @@ def test_a_blow_up_in_the_first_updates_leaves_its_norms_out_of_the_suggestion(t
     assert sug["autoclip"]["value"] == pytest.approx(norms[0], rel=1e-12)
     assert sug["pascanu"]["high"] == pytest.approx(10 * norms[0], rel=1e-12)
     assert "of the 1 finite norms before step 2 (AutoClip" in sug["autoclip"]["rule"]
+
+
+def test_heatmap_labels_of_encoder_and_decoder_stay_apart() -> None:
+    """The parameter names of torch's own nn.Transformer: ``encoder.layers.0.self_attn.in_proj_weight``
+    and ``decoder.layers.0.self_attn.in_proj_weight`` differ only in their first part, which the
+    shortening dropped (both ``…0.self_attn.in_proj_weight``); every label is now distinct, within
+    the width, and keeps encoder/decoder."""
+    model = torch.nn.Transformer(
+        d_model=8, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=8
+    )
+    names = [n for n, _ in model.named_parameters()]
+    labels = short_names(names)
+    assert len(set(labels)) == len(names)
+    assert all(len(label) <= 28 for label in labels)
+    label = dict(zip(names, labels, strict=True))
+    assert label["encoder.layers.0.self_attn.in_proj_weight"] == "encoder…0…in_proj_weight"
+    assert label["decoder.layers.0.self_attn.in_proj_weight"] == "decoder…0…in_proj_weight"
+    assert label["encoder.layers.1.linear1.bias"] == "encoder…1.linear1.bias"
+    assert label["decoder.layers.1.norm3.weight"] == "…layers.1.norm3.weight"  # only the decoder has norm3
