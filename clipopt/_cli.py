@@ -209,7 +209,15 @@ def _report(args: argparse.Namespace) -> int:
             f"--plot draws one run and {args.csv} holds {len(runs)} TensorBoard runs ({', '.join(runs)}); "
             "pick one with --run NAME"
         )
-    logs = [_read_report_log(args, run) for run in chosen]
+    try:
+        logs = [_read_report_log(args, run) for run in chosen]
+    except CommandError as exc:
+        if len(chosen) < 2:
+            raise
+        raise CommandError(
+            f"{exc}; {args.csv} holds {len(runs)} TensorBoard runs ({', '.join(runs)}): report a readable "
+            "one with --run NAME"
+        ) from None
     reports = [analyze(log) for log in logs]
     if args.json:
         print(format_json(reports[0] if len(reports) == 1 else {"runs": reports}))

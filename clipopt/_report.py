@@ -60,10 +60,11 @@ _KIND_TEXT = {
 
 def verdict_line(report: Mapping[str, Any]) -> str:
     """``verdict: exploding (the loss blew up; step 5)``: the first line of the report."""
-    findings = report["findings"]
-    if not findings and not report["summary"]["losses"]:
+    findings, s = report["findings"], report["summary"]
+    if not findings and s["losses"] == s["loss_nonfinite"]:  # no loss, or not one finite
+        read = "no finite loss was read" if s["losses"] else "no loss was read"
         return (
-            "verdict: healthy (judged on the gradient norm alone: no loss was read; "
+            f"verdict: healthy (judged on the gradient norm alone: {read}; "
             "no blow-up, non-finite, spiking or vanishing gradients)"
         )
     if not findings:

@@ -31,7 +31,8 @@ NORM_NAMES = (
     "grad/total_norm",
 )
 #: Loss names, in order of preference; then a training name one of whose ``/``-parts ends in ``loss``
-#: (``Loss/train``, ``train/loss``, ``train_loss``, but not ``val_loss`` or ``Loss/test``).
+#: or ``loss_step`` (``Loss/train``, ``train/loss``, Lightning's ``loss_step``, but not ``val_loss``,
+#: ``Loss/test`` or the per-epoch ``loss_epoch``).
 LOSS_NAMES = (
     "clipopt/loss",
     "loss",
@@ -47,13 +48,17 @@ LOSS_NAMES = (
 LR_NAMES = ("clipopt/lr", "lr", "learning_rate", "train/learning_rate", "train/lr")
 
 _LIGHTNING_TOTAL = re.compile(r"grad_(?:[0-9.]+|inf)_norm_total")
-#: A validation, evaluation or test metric: one of these words between separators.
-_VALIDATION = re.compile(r"(?:^|[/_.\- ])(?:val|valid|validation|eval|evaluation|test)(?:[/_.\- ]|$)")
+_HELD_OUT = "val|valid|validation|eval|evaluation|test|dev"
+#: A validation, evaluation, test or dev-set metric: one of these words between separators (lower case).
+_VALIDATION = re.compile(rf"(?:^|[/_.\- ])(?:{_HELD_OUT})(?:[/_.\- ]|$)")
+#: The same word at the start of a camelCase name or part (``valLoss``, ``Loss/evalLoss``).
+_VALIDATION_CAMEL = re.compile(rf"(?:^|[/_.\- ])(?i:{_HELD_OUT})(?=[A-Z])")
 
 
 def is_validation(name: str) -> bool:
-    """True for a validation, evaluation or test metric (``val_loss``, ``eval/loss``, ``Loss/test``)."""
-    return _VALIDATION.search(name.lower()) is not None
+    """True for a validation, evaluation, test or dev-set metric (``val_loss``, ``eval/loss``,
+    ``Loss/test``, ``dev_loss``, ``valLoss``)."""
+    return _VALIDATION.search(name.lower()) is not None or _VALIDATION_CAMEL.search(name) is not None
 
 
 def _per_layer(low: str) -> bool:
@@ -77,7 +82,7 @@ def _norm_like(name: str) -> bool:
 def _loss_like(name: str) -> bool:
     low = name.lower()
     return (
-        any(part.endswith("loss") for part in low.split("/"))
+        any(part.endswith(("loss", "loss_step")) for part in low.split("/"))
         and "layers/" not in low
         and not is_validation(name)
     )

@@ -278,23 +278,47 @@ def short_names(names: list[str], width: int = _LABEL_WIDTH) -> list[str]:
     other parts as fit, nearest the end first; each run of parts left out is
     ``…``.  ``model.layers.10.self_attn.q_proj.weight`` becomes
     ``…10.self_attn.q_proj.weight``.  When even the kept parts do not fit, their
-    end is kept.  Labels that would still coincide are the names' ends."""
+    end is kept.  Names whose labels coincide also keep the parts in which they
+    differ (``encoder…0…in_proj_weight`` and ``decoder…0…in_proj_weight``, not
+    ``…0.self_attn.in_proj_weight`` twice).  Labels that would still coincide
+    are the names' ends."""
     labels = [_short(name, width) for name in names]
-    seen: dict[str, int] = {}
-    for label in labels:
-        seen[label] = seen.get(label, 0) + 1
+    for same in _coinciding(labels):
+        split = [names[k].split(".") for k in same]
+        for k, parts in zip(same, split, strict=True):
+            differ = {i for i, p in enumerate(parts) if any(i >= len(o) or o[i] != p for o in split)}
+            labels[k] = _short(names[k], width, differ)
     return [
-        label if seen[label] == 1 or len(name) <= width else "…" + name[-(width - 1) :]
-        for name, label in zip(names, labels, strict=True)
+        label if len(name) <= width or len(same) == 1 else "…" + name[-(width - 1) :]
+        for name, label, same in zip(names, labels, _groups(labels), strict=True)
     ]
 
 
-def _short(name: str, width: int) -> str:
-    """``name`` within ``width`` characters (see :func:`short_names`)."""
+def _coinciding(labels: list[str]) -> list[list[int]]:
+    """The indices of each label that several names share."""
+    at: dict[str, list[int]] = {}
+    for k, label in enumerate(labels):
+        at.setdefault(label, []).append(k)
+    return [ks for ks in at.values() if len(ks) > 1]
+
+
+def _groups(labels: list[str]) -> list[list[int]]:
+    """For each label, the indices of the labels equal to it."""
+    at: dict[str, list[int]] = {}
+    for k, label in enumerate(labels):
+        at.setdefault(label, []).append(k)
+    return [at[label] for label in labels]
+
+
+def _short(name: str, width: int, differ: set[int] | None = None) -> str:
+    """``name`` within ``width`` characters (see :func:`short_names`), keeping the parts ``differ`` too."""
     if len(name) <= width:
         return name
     parts = name.split(".")
-    keep = [i == len(parts) - 1 or any(c.isdigit() for c in part) for i, part in enumerate(parts)]
+    keep = [
+        i == len(parts) - 1 or any(c.isdigit() for c in part) or i in (differ or set())
+        for i, part in enumerate(parts)
+    ]
     for i in reversed(range(len(parts))):
         if not keep[i]:
             keep[i] = True

@@ -196,6 +196,14 @@ def _read_folder(name: str, names: Names, run: str | None) -> GradLog:
     if states:
         latest = max(states, key=lambda p: _checkpoint_number(os.path.dirname(p)))
         return read_log(latest, names)
+    below = sorted(
+        p
+        for c in ("metrics.csv", "trainer_state.json")
+        for p in glob.glob(os.path.join(glob.escape(name), "*", c))
+    )
+    if below:  # Lightning's CSVLogger: lightning_logs/version_<n>/metrics.csv
+        shown = ", ".join(below[:10]) + (f", ... ({len(below) - 10} more)" if len(below) > 10 else "")
+        raise ValueError(f"{name} holds no training log itself; the logs below it: {shown}; pass one of them")
     raise ValueError(
         f"{name} is a folder without a training log (looked for trainer_state.json, metrics.csv and "
         "TensorBoard event files); pass the CSV file, trainer_state.json or TensorBoard log folder"
@@ -211,6 +219,7 @@ def _read_run(name: str, runs: list[str], names: Names, run: str | None) -> Grad
         )
     if not runs:
         raise ValueError(f"--run {run}: {name} holds no TensorBoard runs; pass the log itself without --run")
+    run = os.path.normpath(run) if os.path.normpath(run) in runs else run  # exp1/, ./exp1: exp1
     if run not in runs:
         raise ValueError(f"{name} has no TensorBoard run {run!r} (--run {run}); its runs: {', '.join(runs)}")
     log = _read_tensorboard(_run_folder(name, run), names)
@@ -626,8 +635,8 @@ def _from_records(
         index[step] = len(log.steps)
         log.steps.append(step)
         log.total_norm.append(rec["norm"])
-        loss = rec.get("loss", _NAN)
-        log.loss.append(loss if math.isnan(loss) or math.isfinite(loss) else math.inf)
+        loss = rec.get("loss", _NAN)  # a recorded loss that is not finite (NaN too) reads as inf
+        log.loss.append(loss if math.isfinite(loss) or "loss" not in rec else math.inf)
         log.lr.append(rec.get("lr", _NAN))
         log.max_norm.append(rec.get("max_norm", _NAN))
         log.clipped.append(1 if rec.get("clipped", 0.0) > 0.5 else 0)
@@ -698,9 +707,11 @@ def _log_history(name: str) -> list[Any]:
 
 def _read_tensorboard(name: str, names: Names) -> GradLog:
     """A TensorBoard run's folder: its total-norm tag, the loss, lr and clipopt's own tags, per step."""
-    scalars = _tensorboard_scalars(name)
+    scalars, hparams = _tensorboard_scalars(name)
     tags = sorted(scalars)
-    norm_tag = choose("norm", tags, names.norm, name, "scalar tag")
+    # add_hparams' metrics (one point each, hparam/loss) are never picked; --loss/--norm may name them
+    candidates = [t for t in tags if t not in hparams]
+    norm_tag = choose("norm", tags if names.norm else candidates, names.norm, name, "scalar tag")
     if norm_tag is None:
         raise ValueError(
             f"{name} has no gradient-norm scalar; expected a tag ending in total_norm or grad_norm "
@@ -709,8 +720,8 @@ def _read_tensorboard(name: str, names: Names) -> GradLog:
         )
     wanted = {
         "norm": norm_tag,
-        "loss": choose("loss", tags, names.loss, name, "scalar tag"),
-        "lr": pick("lr", tags),
+        "loss": choose("loss", tags if names.loss else candidates, names.loss, name, "scalar tag"),
+        "lr": pick("lr", candidates),
         **{key: f"clipopt/{key}" if f"clipopt/{key}" in scalars else None for key in _CLIPOPT_TAGS},
     }
     records: dict[int, dict[str, float]] = {}
@@ -725,8 +736,9 @@ def _read_tensorboard(name: str, names: Names) -> GradLog:
     return log
 
 
-def _tensorboard_scalars(name: str) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar of the run in ``name``: tag -> ``(step, value)`` events; needs tensorboard.
+def _tensorboard_scalars(name: str) -> tuple[dict[str, list[tuple[int, float]]], set[str]]:
+    """Every scalar of the run in ``name``: tag -> ``(step, value)`` events, and the tags of the folders
+    below it that ``add_hparams`` wrote (its metrics, e.g. ``<time>/hparam/loss``); needs tensorboard.
 
     The tags of a folder below it (``add_scalars`` writes one per key, e.g. ``Loss_train``) are
     named ``<folder>/<tag>``, so that two keys of one tag are never merged."""
@@ -741,13 +753,17 @@ def _tensorboard_scalars(name: str) -> dict[str, list[tuple[int, float]]]:
     mux.AddRunsFromDirectory(name)
     mux.Reload()
     scalars: dict[str, list[tuple[int, float]]] = {}
+    hparams_runs = {r for r in mux.PluginRunToTagToContent("hparams") if r != "."}
+    hparams: set[str] = set()
     for run, tags in mux.Runs().items():
         prefix = "" if run == "." else run.replace(os.sep, "/") + "/"
         for tag in tags.get("scalars", []):
             scalars.setdefault(prefix + tag, []).extend(
                 (e.step, float(e.value)) for e in mux.Scalars(run, tag)
             )
-    return scalars
+            if run in hparams_runs:
+                hparams.add(prefix + tag)
+    return scalars, hparams
 
 
 def _layer_or_group_tag(tag: str) -> bool:

@@ -85,14 +85,16 @@ below :data:`VANISH_RELATIVE` times the median over layers, or whose median
 ``grad_norm / param_norm`` is below :data:`VANISH_TO_PARAM`.  Step: its first
 per-layer row below.  Why: in a deep saturating net the first layers' gradients
 are orders of magnitude below the last ones' while the total norm looks calm.
-*A gradient zero by construction is not vanishing*: a parameter whose median
-gradient norm is also below :data:`VANISH_RELATIVE` times that of another
-parameter of its module (the name up to its last dot: ``0.bias`` and
-``0.weight``) gets a note instead -- the gradient reaches that module, so
-nothing vanished on the way; gradients that vanish shrink a module's weight and
-bias together.  A convolution's bias followed by a BatchNorm is one: the
-normalisation subtracts the batch mean, so the bias gets no gradient while the
-run learns (the Conv+BatchNorm run of the corpus).
+*A gradient zero by construction is not vanishing*: a bias whose median
+gradient norm is also below :data:`VANISH_RELATIVE` times that of its own
+weight (``0.bias`` and ``0.weight``, ``bias_ih_l0`` and ``weight_ih_l0``) gets
+a note instead -- the gradient reaches that module, so nothing vanished on the
+way; gradients that vanish shrink a module's weight and bias together.  A
+convolution's bias followed by a BatchNorm is one: the normalisation subtracts
+the batch mean, so the bias gets no gradient while the run learns (the
+Conv+BatchNorm run of the corpus).  Only a bias against its weight: two
+weights of one module (a ``ParameterList``, a stacked RNN) are different
+layers, which vanish one after the other.
 
 ``healthy`` -- none of the above.
 
@@ -846,28 +848,31 @@ def _vanishing(log: GradLog, notes: list[str]) -> list[dict[str, Any]]:
     return findings
 
 
-def _module_of(name: str) -> str | None:
-    """The module a parameter belongs to: its name up to the last dot (None: no dot)."""
-    return name.rpartition(".")[0] or None
+def _weight_of(name: str) -> str | None:
+    """The weight a bias is added to: ``0.bias`` -> ``0.weight``, ``rnn.bias_ih_l0`` ->
+    ``rnn.weight_ih_l0``, ``attn.in_proj_bias`` -> ``attn.in_proj_weight``; None for a name whose last
+    part is not a bias."""
+    module, dot, leaf = name.rpartition(".")
+    return module + dot + leaf.replace("bias", "weight") if "bias" in leaf else None
 
 
 def _zero_by_construction(name: str, medians: dict[str, float]) -> str | None:
-    """Another parameter of ``name``'s module whose median gradient norm is at least 1 / VANISH_RELATIVE
-    times ``name``'s (the largest such), or None.
+    """The weight of the bias ``name`` (:func:`_weight_of`) when ``name``'s median gradient norm is below
+    VANISH_RELATIVE times that weight's, else None.
 
     Why: gradients vanish layer by layer, so a module's weight and bias shrink
     together (the deep-sigmoid run of the corpus: within 6x of each other,
     both 1e-12); a bias whose gradient is 1e-7 of its own module's weight's is
     cancelled by what follows it -- a BatchNorm subtracts the batch mean, so a
     convolution's bias before it gets no gradient at all -- and the layers
-    around it learn."""
-    module = _module_of(name)
-    if module is None:
+    around it learn.  Only a bias against its own weight: the other parameters
+    of a module may be other layers (``nn.ParameterList`` weights ``ws.0`` ...
+    ``ws.14``, a stacked RNN's ``weight_ih_l0`` ... ``weight_ih_l11``), whose
+    gradients vanish one after the other."""
+    weight = _weight_of(name)
+    if weight is None or weight not in medians:
         return None
-    mine = medians[name]
-    others = [(m, n) for n, m in medians.items() if n != name and _module_of(n) == module]
-    best = max(others, default=None)
-    return best[1] if best is not None and mine < VANISH_RELATIVE * best[0] else None
+    return weight if medians[name] < VANISH_RELATIVE * medians[weight] else None
 
 
 def _layer_medians(log: GradLog) -> tuple[dict[str, float], dict[str, Tensor]]:
@@ -948,13 +953,25 @@ def _stretch_for(
     """The healthy stretch's norms before row ``end`` (spikes left out), and the row where it ends.
 
     When the run exploded, the stretch ends where the norms first left their
-    start's order (:data:`GROWTH_ONSET_RATIO` x the start), if that is earlier."""
+    start's order (:data:`GROWTH_ONSET_RATIO` x the start), if that is earlier;
+    one of the first START_ROWS norms is compared with the start norms before
+    it (a blow-up in the second update is not part of its own start)."""
     if verdict == "exploding":
         start = norm[finite][:START_ROWS]
         if start.numel():
             above = (norm[:end] > GROWTH_ONSET_RATIO * _median(start)).nonzero().flatten()
-            end = int(above[0]) if above.numel() else end
+            end = min(_early_onset(norm, finite, end), int(above[0]) if above.numel() else end)
     return _healthy_stretch(norm, end, spike_rows), end
+
+
+def _early_onset(norm: Tensor, finite: Tensor, end: int) -> int:
+    """The first of the first START_ROWS finite rows (before ``end``) whose norm is above
+    GROWTH_ONSET_RATIO x the median of the finite norms before it; ``end`` when none is."""
+    rows = finite.nonzero().flatten()[:START_ROWS].tolist()
+    for k in range(1, len(rows)):
+        if rows[k] < end and float(norm[rows[k]]) > GROWTH_ONSET_RATIO * _median(norm[rows[:k]]):
+            return int(rows[k])
+    return end
 
 
 def _suggest(stretch: Tensor, *, exploding: bool) -> float | None:

@@ -22,6 +22,7 @@ import torch
 from clipopt import ClippedOptimizer, CSVLogger, SpikeGuard
 from clipopt._cli import main
 from clipopt._report import analyze, read_log
+from clipopt._report_plot import short_names
 
 STEPS = 200
 
@@ -727,3 +728,80 @@ def test_a_window_whose_float32_norm_overflows_on_finite_gradients(tmp_path: Pat
     assert head["evidence"].endswith(
         "its gradients were finite, their float32 norm overflowed (reason 'norm_overflow')"
     )
+
+
+class _BiaslessDeepSigmoid(torch.nn.Module):
+    """A 14-layer sigmoid MLP without biases whose weights are one ``nn.ParameterList`` (``ws.0`` ...
+    ``ws.14``): every weight is a parameter of the same module, ``ws``."""
+
+    def __init__(self, depth: int = 14, width: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        dims = [8] + [width] * depth + [1]
+        self.ws = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(o, i) / i**0.5) for i, o in itertools.pairwise(dims)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for k, w in enumerate(self.ws):
+            x = x @ w.T
+            x = torch.sigmoid(x) if k < len(self.ws) - 1 else x
+        return x
+
+
+def test_vanishing_weights_of_one_parameter_list_are_not_zero_by_construction(tmp_path: Path) -> None:
+    """A deep sigmoid MLP whose bias-free weights sit in one ParameterList (one module, ``ws``) vanishes:
+    the first weight's median gradient norm is below 1e-3 of the median over layers (checked here from
+    the CSV) and the report says ``vanishing`` at ``ws.0`` -- another layer's weight of the same
+    module is no evidence that the gradient is zero by construction (only a bias against its own
+    weight is)."""
+    path = tmp_path / "paramlist.csv"
+    train(path, lambda m: torch.optim.SGD(m.parameters(), lr=0.05), model=_BiaslessDeepSigmoid())
+    with path.open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["ws.0.grad_norm"]]
+    medians = {k: float(np.median([float(r[f"ws.{k}.grad_norm"]) for r in rows])) for k in range(15)}
+    assert medians[0] < 1e-3 * float(np.median(list(medians.values())))  # the label is true
+    report = analyze(read_log(path))
+    assert report["verdict"] == "vanishing"
+    assert report["findings"][0]["layer"] == "ws.0"
+    assert not any("zero by construction" in n for n in report["notes"])
+
+
+def test_a_blow_up_in_the_first_updates_leaves_its_norms_out_of_the_suggestion(tmp_path: Path) -> None:
+    """Full-batch regression with SGD at 3001 / lambda_max multiplies the error ~3000x per update: the
+    norm of the second update is already over 1000x the first's. The healthy stretch is the first
+    update alone -- each of the first START_ROWS norms is compared with the start norms before it --
+    so the suggestion (the stretch's median) and the reference values are that first norm (read from
+    the CSV), "before step 2", not the mean of the first and the blown-up second (~5000)."""
+    path = tmp_path / "early.csv"
+    lr = 3001 / _LAMBDA_MAX
+    train(path, lambda m: torch.optim.SGD(m.parameters(), lr=lr), model=_linear(), data=_full_batch, steps=30)
+    with path.open(newline="") as f:
+        norms = [float(r["total_norm"]) for r in csv.DictReader(f)]
+    assert norms[1] > 1000 * norms[0]  # the label is true: the second update already blew up
+    report = analyze(read_log(path))
+    assert report["verdict"] == "exploding"
+    assert report["suggested_max_norm"] == pytest.approx(norms[0], rel=1e-12)
+    sug = {s["name"]: s for s in report["suggestions"]}
+    assert sug["autoclip"]["value"] == pytest.approx(norms[0], rel=1e-12)
+    assert sug["pascanu"]["high"] == pytest.approx(10 * norms[0], rel=1e-12)
+    assert "of the 1 finite norms before step 2 (AutoClip" in sug["autoclip"]["rule"]
+
+
+def test_heatmap_labels_of_encoder_and_decoder_stay_apart() -> None:
+    """The parameter names of torch's own nn.Transformer: ``encoder.layers.0.self_attn.in_proj_weight``
+    and ``decoder.layers.0.self_attn.in_proj_weight`` differ only in their first part, which the
+    shortening dropped (both ``…0.self_attn.in_proj_weight``); every label is now distinct, within
+    the width, and keeps encoder/decoder."""
+    model = torch.nn.Transformer(
+        d_model=8, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=8
+    )
+    names = [n for n, _ in model.named_parameters()]
+    labels = short_names(names)
+    assert len(set(labels)) == len(names)
+    assert all(len(label) <= 28 for label in labels)
+    label = dict(zip(names, labels, strict=True))
+    assert label["encoder.layers.0.self_attn.in_proj_weight"] == "encoder…0…in_proj_weight"
+    assert label["decoder.layers.0.self_attn.in_proj_weight"] == "decoder…0…in_proj_weight"
+    assert label["encoder.layers.1.linear1.bias"] == "encoder…1.linear1.bias"
+    assert label["decoder.layers.1.norm3.weight"] == "…layers.1.norm3.weight"  # only the decoder has norm3

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -111,9 +112,10 @@ def test_trainer_state_logged_every_few_updates_counts_rows(
     )
 
 
-def _lightning_fit(logger: Any, nan_at_step: int | None = None) -> None:
-    """A tiny Lightning fit (Linear(8, 1), SGD lr 0.01, 16 steps of 8 rows) that logs train_loss and
-    grad_norm() to ``logger``; at global step ``nan_at_step`` lin.bias's gradient is set to NaN."""
+def _lightning_fit(logger: Any, nan_at_step: int | None = None, loss_name: str = "train_loss") -> None:
+    """A tiny Lightning fit (Linear(8, 1), SGD lr 0.01, 16 steps of 8 rows) that logs ``loss_name`` and
+    grad_norm() to ``logger``; at global step ``nan_at_step`` lin.bias's gradient is set to NaN.
+    ``loss_name`` "loss" is logged on_step and on_epoch (Lightning writes loss_step and loss_epoch)."""
     pl = pytest.importorskip("lightning.pytorch")
     from lightning.pytorch.utilities import grad_norm
 
@@ -124,7 +126,7 @@ def _lightning_fit(logger: Any, nan_at_step: int | None = None) -> None:
 
         def training_step(self, batch: list[torch.Tensor], i: int) -> torch.Tensor:
             loss = torch.nn.functional.mse_loss(self.lin(batch[0]), batch[1])
-            self.log("train_loss", loss)
+            self.log(loss_name, loss, on_step=True, on_epoch=loss_name == "loss")
             return loss
 
         def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -167,6 +169,43 @@ def test_lightning_metrics_csv(tmp_path: Path) -> None:
         [float(r["grad_2.0_norm/lin.weight"]) for r in rows]
     )
     assert analyze(log)["verdict"] == "healthy"
+
+
+def test_lightning_loss_step_is_read_as_the_loss(tmp_path: Path) -> None:
+    """``self.log("loss", loss, on_step=True, on_epoch=True)`` makes Lightning write ``loss_step`` (per
+    update) and ``loss_epoch``: ``loss_step`` is read as the loss, with the values of metrics.csv, and
+    ``loss_epoch`` is ignored."""
+    pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.loggers import CSVLogger as LightningCSV
+
+    _lightning_fit(LightningCSV(str(tmp_path)), loss_name="loss")
+    path = next(tmp_path.rglob("metrics.csv"))
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    log = read_log(path)
+    assert log.loss_column == "loss_step" and "loss_epoch" in log.ignored
+    steps = {int(r["step"]): float(r["loss_step"]) for r in rows if r["loss_step"]}
+    assert list(log.loss) == pytest.approx([steps[s] for s in log.steps])
+
+
+def test_lightning_csv_versions_folder_names_its_logs(tmp_path: Path) -> None:
+    """Two fits with Lightning's CSVLogger write lightning_logs/version_0/metrics.csv and version_1/: the
+    folder lightning_logs holds no log itself, and the error lists the metrics.csv files below it (the
+    way to read each), instead of only "a folder without a training log"."""
+    pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.loggers import CSVLogger as LightningCSV
+
+    for _ in range(2):
+        _lightning_fit(LightningCSV(str(tmp_path)))
+    folder = tmp_path / "lightning_logs"
+    found = ", ".join(str(folder / f"version_{v}" / "metrics.csv") for v in (0, 1))
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"{folder} holds no training log itself; the logs below it: {found}; pass one of them"
+        ),
+    ):
+        read_log(folder)
 
 
 def test_sparse_csv_rows_of_one_step_are_merged(tmp_path: Path) -> None:
@@ -315,3 +354,29 @@ def test_lightning_tensorboard_logger(tmp_path: Path) -> None:
         [e.value for e in events.Scalars("grad_2.0_norm/lin.bias")]
     )
     assert analyze(log)["verdict"] == "healthy"
+
+
+def test_a_nan_loss_is_recorded_non_finite_in_every_format(tmp_path: Path) -> None:
+    """A run whose loss and norm turn NaN at update 50, logged as a CSV, by SummaryWriter and as a
+    Trainer log_history (json writes NaN): every reader reads the NaN losses as recorded and not finite
+    (inf), as the CSV reader does, so the summaries agree: 99 losses logged, 50 non-finite."""
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    rows = [
+        (s, 2 - s / 100 if s < 50 else math.nan, 1 + s % 3 / 10 if s < 50 else math.nan)
+        for s in range(1, 100)
+    ]
+    (tmp_path / "run.csv").write_text("step,loss,grad_norm\n" + "".join(f"{s},{v},{n}\n" for s, v, n in rows))
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for s, v, n in rows:
+        writer.add_scalar("loss", v, s)
+        writer.add_scalar("grad_norm", n, s)
+    writer.close()
+    history = [{"loss": v, "grad_norm": n, "learning_rate": 1e-3, "step": s} for s, v, n in rows]
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    for path in ("run.csv", "tb", "trainer_state.json"):
+        log = read_log(tmp_path / path)
+        assert [math.isinf(v) for v in log.loss] == [math.isnan(v) for _, v, _ in rows], path
+        summary = analyze(log)["summary"]
+        assert (summary["losses"], summary["loss_nonfinite"]) == (99, 50), path

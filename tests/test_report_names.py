@@ -257,6 +257,26 @@ def test_healthy_without_a_loss_says_so_first(tmp_path: Path, capsys: pytest.Cap
     )
 
 
+def test_healthy_with_only_non_finite_losses_says_so_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log whose loss column holds only ``nan`` (a script writing float("nan") where it had no loss)
+    and whose norms are calm: no finite loss was read, so the verdict rests on the norm alone, and the
+    first line says so, as it does for a log without a loss."""
+    rows = _train(120, lr=0.01)
+    path = tmp_path / "nanloss.csv"
+    with path.open("w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["step", "loss", "grad_norm"])
+        out.writerows([s, float("nan"), n] for s, (_, n) in enumerate(rows))
+    code, out, _ = _cli(capsys, str(path))
+    assert code == 0
+    assert out.splitlines()[0] == (
+        "verdict: healthy (judged on the gradient norm alone: no finite loss was read; "
+        "no blow-up, non-finite, spiking or vanishing gradients)"
+    )
+
+
 # ----------------------------------------------------------------------------- several runs
 
 
@@ -416,3 +436,102 @@ def test_plot_into_a_missing_folder_fails_before_the_report(
         f"clipopt report: error: --plot {target}: the folder {tmp_path / 'missing'} does not exist; "
         "create it, or pass a path in an existing folder\n"
     )
+
+
+def test_add_hparams_metrics_are_not_read_as_the_loss(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SummaryWriter.add_hparams writes its metrics (``hparam/loss``) as scalars in a folder below the run
+    named by the time: a blown-up run logging ``train/epoch_loss`` (a loss name matched by pattern, not
+    in the table) and ``add_hparams(..., {"hparam/loss": ...})`` at the end is read with its training
+    loss (exploding), not with the one hparams point as the loss (healthy); the hparams tag is listed
+    among the ignored ones."""
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    rows = _train(200, lr=3.0)
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for step, (loss, norm) in enumerate(rows):
+        writer.add_scalar("train/epoch_loss", loss, step)
+        writer.add_scalar("train/grad_norm", norm, step)
+    writer.add_hparams({"lr": 3.0}, {"hparam/loss": rows[-1][0]})
+    writer.close()
+    (hparams,) = [p.name for p in (tmp_path / "tb").iterdir() if p.is_dir()]
+    code, out, err = _cli(capsys, str(tmp_path / "tb"))
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0] == f"verdict: exploding (the loss blew up; step {_loss_onset([v for v, _ in rows])})"
+    assert lines[2] == (
+        "tags read: train/grad_norm as the norm, train/epoch_loss as the loss; "
+        f"ignored: {hparams}/hparam/loss"
+    )
+
+
+@pytest.mark.parametrize(
+    ("held_out", "train"),
+    [
+        ("valLoss", "trainLoss"),
+        ("evalLoss", "trainLoss"),
+        ("dev_loss", "epoch_loss"),
+        ("loss/dev", "loss/epoch"),
+    ],
+)
+def test_camel_case_and_dev_set_losses_are_not_the_training_loss(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], held_out: str, train: str
+) -> None:
+    """A held-out loss named in camelCase (``valLoss``, ``evalLoss``) or after a dev set (``dev_loss``,
+    ``loss/dev``), written before the training loss of a run that blew up, is not read as the loss
+    (healthy, the held-out loss being flat); the training loss is (exploding), and the held-out one is
+    listed as ignored."""
+    rows = _train(200, lr=3.0)
+    path = tmp_path / "run.csv"
+    with path.open("w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["step", held_out, train, "grad_norm"])
+        out.writerows([step, 1.0, loss, norm] for step, (loss, norm) in enumerate(rows))
+    code, out, _ = _cli(capsys, str(path))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == f"verdict: exploding (the loss blew up; step {_loss_onset([v for v, _ in rows])})"
+    assert lines[2] == f"columns read: grad_norm as the norm, {train} as the loss; ignored: {held_out}"
+
+
+@pytest.mark.parametrize("spelling", ["{run}/", "./{run}", "{run}//"])
+def test_run_option_accepts_the_folder_as_a_shell_completes_it(
+    two_runs: tuple[Path, str, str], capsys: pytest.CaptureFixture[str], spelling: str
+) -> None:
+    """--run with the run's folder as tab completion writes it (``exp1/``) or as ``./exp1`` reads that
+    run, as --run exp1 does (its report names the run ``exp1``), instead of "has no TensorBoard run"."""
+    runs, blown, _ = two_runs
+    code, out, err = _cli(capsys, str(runs), "--run", spelling.format(run=blown), "--json")
+    assert (code, err) == (0, "")
+    report = json.loads(out)
+    assert (report["run"], report["verdict"]) == (blown, "exploding")
+
+
+def test_an_unreadable_run_of_several_names_the_run_and_run_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Of two SummaryWriter runs, one logged no gradient norm (a run stopped before its first update):
+    the report of the folder fails, and its error names that run, the other and --run NAME (how to
+    report the readable one), not merely --norm NAME; --run picks the readable one."""
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    rows = _train(30, lr=0.01)
+    for name, with_norm in (("good", True), ("stopped", False)):
+        writer = SummaryWriter(str(tmp_path / "runs" / name))
+        for step, (loss, norm) in enumerate(rows[: 30 if with_norm else 1]):
+            writer.add_scalar("Loss/train", loss, step)
+            if with_norm:
+                writer.add_scalar("Grad/total_norm", norm, step)
+        writer.close()
+    runs = tmp_path / "runs"
+    code, out, err = _cli(capsys, str(runs))
+    assert (code, out) == (2, "")
+    assert err.startswith(f"clipopt report: error: {runs / 'stopped'} has no gradient-norm scalar")
+    assert err.rstrip("\n").endswith(
+        f"; {runs} holds 2 TensorBoard runs (good, stopped): report a readable one with --run NAME"
+    )
+    code, out, _ = _cli(capsys, str(runs), "--run", "good")
+    assert code == 0 and out.startswith("verdict: healthy")
