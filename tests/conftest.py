@@ -1,9 +1,11 @@
-"""Shared test configuration: hypothesis profiles and a printed seed."""
+"""Shared test configuration: hypothesis profiles and a printed seed, and the fixtures that several
+test modules use."""
 
 from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,6 +24,20 @@ settings.register_profile("dev", max_examples=100, deadline=None, print_blob=Tru
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture
+def fresh_accelerate_state() -> Iterator[None]:
+    """Accelerate keeps process-wide state (the accelerator, the gradient accumulation plugin) that
+    an ``Accelerator`` or a Hugging Face ``Trainer`` sets up: reset it around each test that uses
+    this fixture, so that none leaks into the next."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
 
 
 def pytest_configure(config: pytest.Config) -> None:
