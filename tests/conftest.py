@@ -1,9 +1,13 @@
-"""Shared test configuration: hypothesis profiles and a printed seed."""
+"""Shared test configuration: hypothesis profiles and a printed seed, the ``slow`` marker, and the
+fixtures that several test modules use."""
 
 from __future__ import annotations
 
 import os
 import random
+import re
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +26,125 @@ settings.register_profile("dev", max_examples=100, deadline=None, print_blob=Tru
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+#: The tests marked ``slow``, by why: a test file of tests/, or one test of it (``file::name``, all its
+#: parametrisations). ``python -m pytest -m "not slow"`` (the quick edit-test loop) leaves them out;
+#: ``python -m pytest`` (CI) and a file named on the command line run them. Measured on a busy 2-core
+#: machine (``--durations``), every other test takes under 2.5 s, its parametrisations together under 3 s.
+SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
+    "spawns gloo process groups": (
+        "test_distributed.py",
+        "test_distributed_hardening.py",
+        "test_spike_distributed.py",
+        "test_replay.py::test_ddp_rank_files_replay_without_a_process_group",
+        "test_window_guard.py::test_ddp_gradients_and_bucket_views_are_not_mistaken_for_clearing",
+    ),
+    "real Lightning, Hugging Face Trainer and Accelerate runs": (
+        "test_integrations_accelerate.py",
+        "test_integrations_hf.py",
+        "test_integrations_lightning.py",
+        "test_report_formats.py::test_trainer_state_json",
+        "test_report_formats.py::test_trainer_state_logged_every_few_updates_counts_rows",
+        "test_report_formats.py::test_lightning_metrics_csv",
+        "test_report_formats.py::test_lightning_nonfinite_gradient_names_its_layer",
+        "test_report_formats.py::test_lightning_tensorboard_logger",
+    ),
+    "trains the demo's and the report's corpus of runs (minutes)": (
+        "test_demo.py",
+        "test_report_corpus.py",
+    ),
+    "runs a Python process (demo, CLI, logger at exit, pytest) or the documentation's examples": (
+        "test_adversarial_files.py::test_writer_killed_at_random_moments_leaves_every_file_usable",
+        "test_adversarial_files.py::test_csv_rows_that_cannot_be_written_at_exit_are_reported_lost",
+        "test_cli.py::test_demo_runs_on_the_stated_threads_and_restores_them",
+        "test_cli.py::test_demo_shows_progress_on_a_terminal",
+        "test_cli.py::test_demo_shows_no_progress_off_a_terminal",
+        "test_cli.py::test_no_numpy_warning_without_numpy",
+        "test_cli_inspect.py::test_python_m_clipopt_inspect",
+        "test_cli_replay.py::test_replay_as_a_subprocess",
+        "test_diagnostics.py::test_csv_writes_at_exit",
+        "test_diagnostics.py::test_unpickled_csv_logger_writes_at_exit",
+        "test_diagnostics.py::test_logger_copied_in_the_same_process_writes_no_row_twice",
+        "test_diagnostics.py::test_logger_copy_used_in_the_same_process_writes_its_own_rows_at_exit",
+        "test_docs.py::test_page_examples_run",
+        "test_docs.py::test_quiet_run_prints_the_hypothesis_seed",
+        "test_tensorboard.py::test_import_clipopt_without_tensorboard",
+    ),
+    "over 2.5 s a test (or its parametrisations together)": (
+        "test_compile.py",
+        "test_checkpoint.py::test_resume_any_cut_then_flush",
+        "test_diagnostics.py::test_kernels_are_accurate_on_long_tensors",
+        "test_report_formats.py::test_tensorboard_gradscaler_overflows_are_not_nonfinite",
+        "test_report_hostile.py::test_huge_file_is_streamed",
+        "test_report_names.py::test_tutorial_names_blowup_is_exploding_and_names_the_tags",
+        "test_report_names.py::test_csv_with_tutorial_names_is_read",
+        "test_report_names.py::test_loss_and_norm_options_choose_other_names",
+        "test_report_names.py::test_two_runs_are_reported_one_by_one",
+        "test_report_names.py::test_two_runs_as_json_and_run_picks_one",
+        "test_report_names.py::test_several_runs_refused_where_one_is_needed",
+        "test_spike_recovery.py::test_rewind_restores_module_buffers_bit_identically",
+        "test_spike_recovery.py::test_rewind_restores_module_buffers_under_accumulation",
+        "test_spike_recovery.py::test_checkpoint_between_a_close_and_its_check_resumes_exactly",
+        "test_spike_recovery.py::test_a_copy_of_a_wrapper_with_guard_and_rewind_recovers_on_its_own",
+        "test_spike_recovery.py::test_rewind_restores_batch_norm_statistics_of_the_copy_window",
+        "test_checkpoint.py::test_resume_is_bit_identical",
+        "test_rewind.py::test_capture_restore_is_bit_identical",
+        "test_rewind.py::test_spikes_back_soon_after_a_rewind_go_to_an_older_copy",
+        "test_accumulation.py::test_mean_accumulation_equals_large_batch",
+        "test_report_names.py::test_common_names_are_read_alike_by_csv_and_tensorboard",
+        "test_report_names.py::test_healthy_without_a_loss_says_so_first",
+        "test_skip.py::test_skipped_first_update_then_training_matches_reference",
+    ),
+}
+SLOW = frozenset(entry for entries in SLOW_BY_REASON.values() for entry in entries)
+
+_HERE = Path(__file__).parent
+
+
+def _defined(entry: str) -> bool:
+    """Whether a :data:`SLOW` entry names an existing test file (and a test function in it)."""
+    name, _, test = entry.partition("::")
+    path = _HERE / name
+    if not path.is_file():
+        return False
+    return not test or re.search(rf"^def {re.escape(test)}\(", path.read_text(), re.MULTILINE) is not None
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the tests listed in :data:`SLOW` with ``slow``; fail on an entry that names no test (a
+    renamed file or test would otherwise move back into the quick loop unnoticed)."""
+    missing = [entry for entry in SLOW if not _defined(entry)]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py: SLOW names tests that do not exist: {missing}")
+    for item in items:
+        file = item.path.relative_to(_HERE).as_posix() if item.path.is_relative_to(_HERE) else ""
+        name = getattr(item, "originalname", item.name)
+        if file in SLOW or f"{file}::{name}" in SLOW:
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m "not slow"`` a test file that is slow as a whole is not even imported: importing
+    Lightning or transformers alone takes seconds of the quick loop."""
+    if config.option.markexpr.strip() == "not slow" and collection_path.name in SLOW:
+        return True
+    return None
+
+
+@pytest.fixture
+def fresh_accelerate_state() -> Iterator[None]:
+    """Accelerate keeps process-wide state (the accelerator, the gradient accumulation plugin) that
+    an ``Accelerator`` or a Hugging Face ``Trainer`` sets up: reset it around each test that uses
+    this fixture, so that none leaks into the next."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
 
 
 def pytest_configure(config: pytest.Config) -> None:

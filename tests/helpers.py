@@ -235,6 +235,16 @@ def join_spawned(ctx: Any, name: str, timeout_s: float = 240) -> None:
             pytest.fail(f"the {name} job did not finish within {timeout_s:g} s (ranks wait for each other)")
 
 
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``clipopt *argv`` in this process (``clipopt._cli.main``): its exit code, and what it
+    printed to stdout and stderr (read, and so cleared, from ``capsys``)."""
+    from clipopt._cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def assert_tensors_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     """Equally many tensors, each close to its reference (rtol 1e-5, atol 1e-6: float32 across ranks)."""
     assert len(got) == len(want)

@@ -16,13 +16,9 @@ import torch
 import clipopt
 from clipopt import _cli, _demo
 
+from .helpers import run_cli as run
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = _cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # ----------------------------------------------------------------------------- usage errors

@@ -25,6 +25,7 @@ import clipopt
 from clipopt._cli import main
 from clipopt._inspect import rank_parameters
 
+from .helpers import run_cli as run
 from .test_snapshots import BAD_UNITS, BATCH, IN, OUT, make_snapshot
 
 # Most tests here use unnamed parameters on purpose; the warning about it is tested elsewhere.
@@ -38,12 +39,6 @@ def snapshot(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The path of the step-3 snapshot (written once for the module)."""
     path, _ = make_snapshot(tmp_path_factory.mktemp("snaps"))
     return path
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def table_names(out: str) -> list[str]:

@@ -20,6 +20,7 @@ import pytest
 
 from clipopt._cli import main
 
+from .helpers import run_cli as run
 from .replay_models import BAD_ROW, LOG_BAD_UNITS, LOG_BAD_VALUE, batch, log_model, snapshots, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,12 +45,6 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     model.act.register_forward_hook(nan_once)
     train(model, [batch(0), batch(1), batch(2)], root / "transient")
     return {"log": snapshots(root / "log")[0], "transient": snapshots(root / "transient")[0]}
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_replay_text_names_operation_module_and_phase(

@@ -21,12 +21,10 @@ import clipopt
 from clipopt import AutoClip, ClippedOptimizer, ZClip
 
 from .helpers import mlp
+from .markers import needs_cuda
 from .optim_db import get
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = needs_cuda
 
 DEVICE = "cuda"
 #: the fused optim_db entries run here, and the constructor arguments they replace

@@ -21,11 +21,9 @@ from clipopt import ClippedOptimizer
 
 from . import distributed_jobs as jobs
 from .helpers import assert_tensors_close, free_port, spawn_job
+from .markers import needs_gloo
 
-pytestmark = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="this torch build has no torch.distributed with the gloo backend",
-)
+pytestmark = needs_gloo
 
 
 @pytest.fixture(scope="module")

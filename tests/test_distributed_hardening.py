@@ -21,11 +21,9 @@ import torch
 
 from . import distributed_jobs as jobs
 from .helpers import assert_tensors_close, spawn_job
+from .markers import needs_gloo
 
-pytestmark = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="this torch build has no torch.distributed with the gloo backend",
-)
+pytestmark = needs_gloo
 
 #: a job that has not finished by then is stuck: fail instead of waiting for CI's own timeout
 JOB_TIMEOUT_S = 240

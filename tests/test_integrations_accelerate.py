@@ -11,7 +11,6 @@ import accelerate
 import pytest
 import torch
 from accelerate.scheduler import AcceleratedScheduler
-from accelerate.state import AcceleratorState, GradientState
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -24,14 +23,7 @@ from .helpers import mlp, pairs
 LR = 1e-2
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    """Accelerate keeps process-wide state (gradient accumulation plugin): reset it around each test."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 _model = partial(mlp, (8, 16, 1))  # Linear(8, 16), Tanh, Linear(16, 1), global seed 0

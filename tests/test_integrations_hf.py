@@ -19,17 +19,13 @@ from tests.readme_snippets import run_snippet
 LR = 1e-2
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    """The Trainer builds an Accelerator; its process-wide state must not leak between tests."""
-    from accelerate.state import AcceleratorState, GradientState
+#: The Trainer builds an Accelerator: its process-wide state is reset around each test.
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+
+@pytest.fixture(autouse=True)
+def _quiet() -> None:
     warnings.filterwarnings("ignore", message=".*(torch.utils._pytree|LeafSpec).*")
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 class Regressor(nn.Module):

@@ -29,6 +29,7 @@ from clipopt._text import json_safe
 
 from . import replay_jobs
 from .helpers import free_port, join_spawned
+from .markers import GLOO
 from .replay_models import (
     BAD_ROW,
     BAD_TOKEN,
@@ -518,7 +519,7 @@ def test_spike_of_one_rank_is_not_compared_with_the_averaged_norm(spike: str) ->
 @pytest.fixture(scope="module")
 def ddp_files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """The two rank files of the DDP run of ``tests/replay_jobs.py`` (killed after 240 s)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
+    if not GLOO:
         pytest.fail("this torch build has no torch.distributed with the gloo backend")
     out = tmp_path_factory.mktemp("ddp")
     ctx = mp.spawn(

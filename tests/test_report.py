@@ -21,9 +21,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from clipopt import LAYER_FIELDS
-from clipopt._cli import main
 from clipopt._logging import BASE_COLUMNS, format_value
 from clipopt._report import VERDICTS, analyze, format_report, percentile, plot_log, read_log
+
+from .helpers import run_cli as run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -88,12 +89,6 @@ def flat_layers(*names: str, seed: int = 1) -> dict[str, LayerFn]:
     """Layers whose gradient norms are ~U(0.5, 1.5) (parameter norm 10)."""
     rng = np.random.default_rng(seed)
     return {n: (lambda step: {"grad_norm": float(rng.uniform(0.5, 1.5))}) for n in names}
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def kinds(report: dict[str, Any]) -> list[str]:

@@ -11,6 +11,8 @@ import pytest
 from clipopt._cli import main
 from clipopt._report import analyze, read_log
 
+from .helpers import run_cli
+
 HEADER = "step,micro_batches,total_norm,clip_coef,clipped,skipped,reason,max_norm,lr,loss\n"
 
 
@@ -19,9 +21,7 @@ def _rows(norms: list[str]) -> str:
 
 
 def _cli(path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, str, str]:
-    code = main(["report", str(path), *extra])
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_cli(capsys, "report", str(path), *extra)
 
 
 @pytest.mark.parametrize(

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from clipopt._cli import main
 from clipopt._report import analyze, read_log
 from clipopt._report_read import Names, tensorboard_runs
+
+from .helpers import run_cli
 
 #: The updates after which the learning rate of :func:`_train` is raised.
 SWITCH = 50
@@ -74,9 +75,7 @@ def _loss_onset(losses: list[float]) -> int:
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(["report", *argv])
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_cli(capsys, "report", *argv)
 
 
 def _scalars(folder: str, tag: str) -> list[tuple[int, float]]:

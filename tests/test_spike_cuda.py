@@ -17,11 +17,9 @@ from clipopt import ClippedOptimizer, Rewind, SpikeGuard
 from clipopt._host_copy import TrainingState, capture, restore
 
 from .helpers import mlp
+from .markers import needs_cuda
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = needs_cuda
 
 DEVICE = "cuda"
 

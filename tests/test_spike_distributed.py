@@ -11,11 +11,9 @@ import torch.multiprocessing as mp
 
 from . import spike_jobs as jobs
 from .helpers import free_port, join_spawned
+from .markers import needs_gloo
 
-pytestmark = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="this torch build has no torch.distributed with the gloo backend",
-)
+pytestmark = needs_gloo
 
 
 @pytest.fixture(scope="module")
