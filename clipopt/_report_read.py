@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-from ._decision import TAGGED_REASONS
 from ._layers import LAYER_FIELDS
+from ._reasons import NONFINITE, REASONS, TAG_PREFIX, by_code
 from ._report_names import LOSS_NAMES, LR_NAMES, NORM_NAMES, STEP_NAMES, choose, pick
 
 __all__ = [
@@ -64,8 +64,12 @@ _LIGHTNING_LAYER = re.compile(r"grad_(?:[0-9.]+|inf)_norm/(.+)")
 #: clipopt's per-group columns (CSV) and tags (TensorBoard): what, group index.
 _GROUP_COLUMN = re.compile(r"group_(norm|coef)\.([0-9]+)")
 _GROUP_TAG = re.compile(r"clipopt/group_(norm|coef)/([0-9]+)")
-#: clipopt's TensorBoard tags read by exact name (``clipopt/<key>``), besides the norm, loss and lr.
-_CLIPOPT_TAGS = ("max_norm", "clipped", "skipped", *TAGGED_REASONS)
+#: clipopt's TensorBoard tags read by exact name (``clipopt/<key>``), besides the norm, loss, lr and
+#: the skip reasons' tags (each reason's ``tag`` in :data:`clipopt._reasons.REASONS`).
+_CLIPOPT_TAGS = ("max_norm", "clipped", "skipped")
+#: The reason of a skipped window whose log names none (TensorBoard logs of earlier versions tagged
+#: only some reasons; an untagged skip was a non-finite one).
+_UNMARKED = by_code(NONFINITE).name
 _NAN = math.nan
 #: Rows converted column by column at once.
 _CHUNK = 16384
@@ -615,8 +619,10 @@ def _from_records(
     layers: dict[str, dict[int, dict[str, float]]],
     groups: dict[int, dict[str, dict[int, float]]] | None = None,
 ) -> GradLog:
-    """A GradLog from step -> {"norm", "loss", "lr", "max_norm", "clipped", "skipped", "overflow",
-    "spike", "rewind", "norm_overflow"} (and ``groups``: group -> "norm"/"coef" -> step -> value)."""
+    """A GradLog from step -> {"norm", "loss", "lr", "max_norm", "clipped", "skipped", and each skip
+    reason's tag (``clipopt/nograd``, ...: 1.0 where the window was skipped for it)} (and ``groups``:
+    group -> "norm"/"coef" -> step -> value).  A skipped window without a reason's tag (a log of
+    an earlier version) reads as "nonfinite"."""
     log = GradLog(name, source)
     index: dict[int, int] = {}
     for step in sorted(records):
@@ -634,8 +640,8 @@ def _from_records(
         skipped = rec.get("skipped", 0.0) > 0.5
         log.skipped.append(1 if skipped else 0)
         if skipped:
-            marked = [r for r in TAGGED_REASONS if rec.get(r, 0.0) > 0.5]
-            log.reason[len(log.steps) - 1] = marked[0] if marked else "nonfinite"
+            marked = [r.name for r in REASONS if rec.get(r.tag, 0.0) > 0.5]
+            log.reason[len(log.steps) - 1] = marked[0] if marked else _UNMARKED
     rows = sorted({s for per in layers.values() for s in per if s in index})
     log.layer_rows.extend(index[s] for s in rows)
     log.counted = {n for n, per in layers.items() if any("nonfinite" in v for v in per.values())}
@@ -711,7 +717,8 @@ def _read_tensorboard(name: str, names: Names) -> GradLog:
         "norm": norm_tag,
         "loss": choose("loss", tags, names.loss, name, "scalar tag"),
         "lr": pick("lr", tags),
-        **{key: f"clipopt/{key}" if f"clipopt/{key}" in scalars else None for key in _CLIPOPT_TAGS},
+        **{key: f"{TAG_PREFIX}{key}" if f"{TAG_PREFIX}{key}" in scalars else None for key in _CLIPOPT_TAGS},
+        **{r.tag: r.tag if r.tag in scalars else None for r in REASONS},  # the record's key is the tag
     }
     records: dict[int, dict[str, float]] = {}
     for key, tag in wanted.items():

@@ -13,11 +13,11 @@ import torch
 from torch import Tensor
 
 from ._checks import check_path, check_positive_int
-from ._decision import TAGGED_REASONS
 from ._distributed import check_ranks, rank_target
 from ._files import WarnOnce, check_dir_path
 from ._layers import LAYER_FIELDS
 from ._logging import LoggedOptimizer
+from ._reasons import TAG_PREFIX, tag_of
 from ._stats import StepStats, materialize
 
 if TYPE_CHECKING:
@@ -36,8 +36,10 @@ class TensorBoardLogger:
     Scalars, at ``global_step = stats.step`` (the window index), the same as
     the :class:`~clipopt.CSVLogger` columns: ``clipopt/total_norm`` (pre-clip),
     ``clipopt/clip_coef``, ``clipopt/clipped`` (0/1), ``clipopt/skipped``
-    (0/1), ``clipopt/overflow`` (1, only in windows skipped for a GradScaler
-    overflow), ``clipopt/micro_batches``, ``clipopt/max_norm`` (only when norm
+    (0/1), ``clipopt/<reason>`` (1, only in windows skipped for that reason:
+    every :attr:`StepStats.reason <clipopt.StepStats>` has its own tag, e.g.
+    ``clipopt/overflow`` for a GradScaler overflow, ``clipopt/nograd``),
+    ``clipopt/micro_batches``, ``clipopt/max_norm`` (only when norm
     clipping is on) and ``clipopt/lr`` (group 0), ``clipopt/lr.1``, ... for
     further parameter groups; with per-group clipping ``clipopt/group_norm/<g>``
     and ``clipopt/group_coef/<g>`` for every group ``g``.  On windows with per-layer statistics
@@ -143,15 +145,16 @@ class TensorBoardLogger:
 
     def _write_scalars(self, s: StepStats, walltime: float) -> None:
         def add(tag: str, value: float) -> None:
-            self._writer.add_scalar(f"clipopt/{tag}", value, s.step, walltime=walltime)
+            self._writer.add_scalar(f"{TAG_PREFIX}{tag}", value, s.step, walltime=walltime)
 
         add("total_norm", s.total_norm)
         add("clip_coef", s.clip_coef)
         add("clipped", float(s.clipped))
         add("skipped", float(s.skipped))
         add("micro_batches", float(s.micro_batches))
-        if s.reason in TAGGED_REASONS:  # a GradScaler overflow, a spike skip, a rewind, a norm overflow
-            add(s.reason, 1.0)
+        tag = None if s.reason is None else tag_of(s.reason)
+        if tag is not None:  # every skip reason has its own tag (clipopt._reasons): 1 where it skipped
+            self._writer.add_scalar(tag, 1.0, s.step, walltime=walltime)
         if s.max_norm is not None:
             add("max_norm", float(s.max_norm))
         if s.has_loss:

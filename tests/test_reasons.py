@@ -1,0 +1,206 @@
+"""The skip reasons' one table (clipopt/_reasons.py): every reason a real run produces is written by
+every logger and read back as itself by the report's reader; the table covers every code."""
+
+from __future__ import annotations
+
+import ast
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from clipopt import ClippedOptimizer, CSVLogger, Rewind, SpikeGuard
+from clipopt._reasons import DIVERGENCE, NAMES, NONFINITE_NAMES, REASONS, by_code, by_name, tag_of
+from clipopt._report_read import read_log
+
+from .helpers import batches_for, model_for
+
+PACKAGE = Path(__file__).resolve().parent.parent / "clipopt"
+
+Batch = tuple[Tensor, Tensor]
+
+
+def _loss(model: nn.Module, batch: Batch) -> Tensor:
+    return ((model(batch[0]) - batch[1]) ** 2).mean()
+
+
+def _spiky(n: int, spikes: set[int]) -> list[Batch]:
+    """``n`` batches, those at ``spikes`` with targets 1000 times larger (a loss and norm spike)."""
+    return [(x, y * 1000) if i in spikes else (x, y) for i, (x, y) in enumerate(batches_for(n, seed=2))]
+
+
+class _Disagree:
+    """Stands in for the data-parallel replicas' disagreement in one process: a skip source with the
+    code of "divergence" that flags window 3 (a real divergence needs several ranks)."""
+
+    code = DIVERGENCE
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def flag(self, d: object) -> Tensor:
+        self.calls += 1
+        return torch.tensor(float(self.calls == 3))
+
+
+def _plain(grad_at: Callable[[int, nn.Module], None] | None = None, source: bool = False) -> Callable:
+    """A run of 5 windows of SGD on the tiny model, ``grad_at(i, model)`` changing gradients after
+    backward; with ``source``, a :class:`_Disagree` plugged in (the extension point of ARCHITECTURE.md,
+    as tests/test_architecture.py plugs one)."""
+
+    def run(loggers: list[object]) -> tuple[ClippedOptimizer, list[str | None]]:
+        model = model_for()
+        opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), max_norm=1.0, loggers=loggers)
+        if source:
+            opt._skip_sources.append(_Disagree())
+        reasons = []
+        for i, batch in enumerate(batches_for(5, seed=1)):
+            _loss(model, batch).backward()
+            if grad_at is not None:
+                grad_at(i, model)
+            opt.step()
+            opt.zero_grad()
+            assert opt.last_stats is not None
+            reasons.append(opt.last_stats.reason)
+        return opt, reasons
+
+    return run
+
+
+def _set_grad(value: float) -> Callable[[int, nn.Module], None]:
+    def change(i: int, model: nn.Module) -> None:
+        if i == 2:
+            model[0].weight.grad.view(-1)[:3] = value
+
+    return change
+
+
+def _no_grad_at_2(i: int, model: nn.Module) -> None:
+    if i == 2:
+        for p in model.parameters():
+            p.grad = None
+
+
+def _overflow(loggers: list[object]) -> tuple[ClippedOptimizer, list[str | None]]:
+    """A GradScaler run whose third loss overflows once scaled (reason "overflow")."""
+    model = model_for()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), max_norm=1.0, scaler=scaler, loggers=loggers
+    )
+    reasons = []
+    for i, batch in enumerate(batches_for(5, seed=1)):
+        scaler.scale(_loss(model, batch) * (3e38 if i == 2 else 1.0)).backward()
+        opt.step()
+        opt.zero_grad()
+        assert opt.last_stats is not None
+        reasons.append(opt.last_stats.reason)
+    return opt, reasons
+
+
+def _guarded(rewind: bool) -> Callable:
+    """A SpikeGuard run with spikes at batches 12 and 14; with a Rewind, the check at window 16 rewinds."""
+
+    def run(loggers: list[object]) -> tuple[ClippedOptimizer, list[str | None]]:
+        model = model_for()
+        kw: dict[str, object] = {"spike_guard": SpikeGuard(z_thresh=50.0, window=8, warmup=4)}
+        if rewind:
+            kw["rewind"] = Rewind(
+                every=5, keep=2, spikes=2, within=5, skip_batches=0, module=model, check_every=1
+            )
+        opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), loggers=loggers, **kw)
+        reasons = []
+        for batch in _spiky(20, {12, 14}):
+            loss = _loss(model, batch)
+            loss.backward()
+            opt.step(loss=loss.detach())
+            opt.zero_grad()
+            assert opt.last_stats is not None
+            reasons.append(opt.last_stats.reason)
+        return opt, reasons
+
+    return run
+
+
+#: A real run that skips a window for each reason of the table.
+RUNS: dict[str, Callable] = {
+    "nonfinite": _plain(_set_grad(math.nan)),
+    "overflow": _overflow,
+    "spike": _guarded(rewind=False),
+    "divergence": _plain(source=True),
+    "nograd": _plain(_no_grad_at_2),
+    "rewind": _guarded(rewind=True),
+    "norm_overflow": _plain(_set_grad(1e25)),
+}
+
+
+@pytest.mark.parametrize("reason", [r.name for r in REASONS])
+def test_every_reason_reads_back_as_itself_through_every_logger(reason: str, tmp_path: Path) -> None:
+    """A real run skipping a window for ``reason``, logged by CSVLogger and TensorBoardLogger (the
+    events written by TensorBoard's own SummaryWriter): the report's reader gives back, for every
+    skipped window, the reason StepStats had (before the table: "nograd" and "divergence" read back
+    from TensorBoard as "nonfinite", having no tag of their own)."""
+    pytest.importorskip("tensorboard")
+    from clipopt import TensorBoardLogger
+
+    csv_path, tb_dir = tmp_path / "log.csv", tmp_path / "tb"
+    opt, reasons = RUNS[reason]([CSVLogger(csv_path), TensorBoardLogger(tb_dir)])
+    opt.close()
+    want = {step: r for step, r in enumerate(reasons, start=1) if r is not None}
+    assert reason in want.values(), reasons
+    for path in (csv_path, tb_dir):
+        log = read_log(path)
+        assert {log.steps[i]: r for i, r in log.reason.items()} == want, path
+
+
+def test_every_reason_in_the_table_has_a_run_here() -> None:
+    """The round-trip test covers every row of the table (a new reason needs a run in RUNS)."""
+    assert sorted(RUNS) == sorted(r.name for r in REASONS)
+
+
+def _reason_codes_used(module: str) -> set[str]:
+    """The names imported from ``._reasons`` in a module that are reason codes (upper case)."""
+    tree = ast.parse((PACKAGE / module).read_text())
+    return {
+        a.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "_reasons"
+        for a in node.names
+        if a.name.isupper() and a.name not in {"REASONS", "NAMES", "NONFINITE_NAMES", "TAG_PREFIX"}
+    }
+
+
+def test_the_table_covers_every_code_the_decision_can_give() -> None:
+    """Every reason code the decision code uses (its imports from _reasons, whatever module decides) is a
+    row of the table, its row at its code; codes, names and tags are unique; the tagged reasons of
+    earlier versions keep their tags byte for byte (their logs read the same); 0 is no reason."""
+    import clipopt._reasons as reasons_module
+
+    used = set().union(*(_reason_codes_used(p.name) for p in PACKAGE.glob("*.py")))
+    codes = {name: getattr(reasons_module, name) for name in used - {"NO_REASON"}}
+    assert codes and all(by_code(code).code == code for code in codes.values())
+    assert [r.code for r in REASONS] == list(range(1, len(REASONS) + 1))
+    assert len({r.name for r in REASONS}) == len({r.tag for r in REASONS}) == len(REASONS)
+    assert NAMES == (
+        None,
+        "nonfinite",
+        "overflow",
+        "spike",
+        "divergence",
+        "nograd",
+        "rewind",
+        "norm_overflow",
+    )
+    for name in ("overflow", "spike", "rewind", "norm_overflow"):
+        assert tag_of(name) == f"clipopt/{name}"
+    assert {"nonfinite", "overflow"} == NONFINITE_NAMES
+    assert all(by_name(r.name) is r for r in REASONS) and by_name("later") is None and tag_of("later") is None
+
+
+def test_a_code_without_a_reason_is_refused() -> None:
+    """by_code names the codes that exist when given one that does not (0 is no reason)."""
+    with pytest.raises(ValueError, match="no skip reason has code 0; the codes are 1 to 7"):
+        by_code(0)
