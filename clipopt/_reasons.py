@@ -30,16 +30,12 @@ __all__ = [
     "REASONS",
     "REWIND",
     "SPIKE",
-    "TAG_PREFIX",
     "Reason",
     "by_code",
     "by_name",
     "name_of",
     "tag_of",
 ]
-
-#: What every clipopt TensorBoard tag starts with.
-TAG_PREFIX = "clipopt/"
 
 
 @dataclass(frozen=True)

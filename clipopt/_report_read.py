@@ -46,7 +46,8 @@ from typing import Any
 import torch
 
 from ._layers import LAYER_FIELDS
-from ._reasons import NONFINITE, REASONS, TAG_PREFIX, by_code
+from ._log_names import CLIPPED, GROUP_COLUMN, GROUP_TAG, LAYERS_TAG, MAX_NORM, REASON, SKIPPED, column_tag
+from ._reasons import NONFINITE, REASONS, by_code
 from ._report_names import LOSS_NAMES, LR_NAMES, NORM_NAMES, STEP_NAMES, choose, pick
 
 __all__ = [
@@ -61,12 +62,9 @@ __all__ = [
 ]
 
 _LIGHTNING_LAYER = re.compile(r"grad_(?:[0-9.]+|inf)_norm/(.+)")
-#: clipopt's per-group columns (CSV) and tags (TensorBoard): what, group index.
-_GROUP_COLUMN = re.compile(r"group_(norm|coef)\.([0-9]+)")
-_GROUP_TAG = re.compile(r"clipopt/group_(norm|coef)/([0-9]+)")
 #: clipopt's TensorBoard tags read by exact name (``clipopt/<key>``), besides the norm, loss, lr and
 #: the skip reasons' tags (each reason's ``tag`` in :data:`clipopt._reasons.REASONS`).
-_CLIPOPT_TAGS = ("max_norm", "clipped", "skipped")
+_CLIPOPT_TAGS = (MAX_NORM, CLIPPED, SKIPPED)
 #: The reason of a skipped window whose log names none (TensorBoard logs of earlier versions tagged
 #: only some reasons; an untagged skip was a non-finite one).
 _UNMARKED = by_code(NONFINITE).name
@@ -299,11 +297,11 @@ def _columns(name: str, header: list[str], names: Names) -> _Columns:
     cols = _Columns(at[step] if step is not None else -1, norm)
     cols.loss = at[loss_name] if loss_name is not None else -1
     cols.lr = at[lr] if lr is not None else -1
-    for key in ("max_norm", "clipped", "skipped", "reason"):
-        setattr(cols, key, at.get(key, -1))
+    cols.max_norm, cols.clipped = at.get(MAX_NORM, -1), at.get(CLIPPED, -1)
+    cols.skipped, cols.reason = at.get(SKIPPED, -1), at.get(REASON, -1)
     for i, col in enumerate(header):
         base, _, fld = col.rpartition(".")
-        if (m := _GROUP_COLUMN.fullmatch(col)) is not None:
+        if (m := GROUP_COLUMN.fullmatch(col)) is not None:
             cols.groups.append((int(m.group(2)), m.group(1), i))
         elif base and fld in LAYER_FIELDS and i != norm:
             cols.layers.setdefault(base, {})[fld] = i
@@ -635,9 +633,9 @@ def _from_records(
         loss = rec.get("loss", _NAN)
         log.loss.append(loss if math.isnan(loss) or math.isfinite(loss) else math.inf)
         log.lr.append(rec.get("lr", _NAN))
-        log.max_norm.append(rec.get("max_norm", _NAN))
-        log.clipped.append(1 if rec.get("clipped", 0.0) > 0.5 else 0)
-        skipped = rec.get("skipped", 0.0) > 0.5
+        log.max_norm.append(rec.get(MAX_NORM, _NAN))
+        log.clipped.append(1 if rec.get(CLIPPED, 0.0) > 0.5 else 0)
+        skipped = rec.get(SKIPPED, 0.0) > 0.5
         log.skipped.append(1 if skipped else 0)
         if skipped:
             marked = [r.name for r in REASONS if rec.get(r.tag, 0.0) > 0.5]
@@ -717,7 +715,7 @@ def _read_tensorboard(name: str, names: Names) -> GradLog:
         "norm": norm_tag,
         "loss": choose("loss", tags, names.loss, name, "scalar tag"),
         "lr": pick("lr", tags),
-        **{key: f"{TAG_PREFIX}{key}" if f"{TAG_PREFIX}{key}" in scalars else None for key in _CLIPOPT_TAGS},
+        **{key: column_tag(key) if column_tag(key) in scalars else None for key in _CLIPOPT_TAGS},
         **{r.tag: r.tag if r.tag in scalars else None for r in REASONS},  # the record's key is the tag
     }
     records: dict[int, dict[str, float]] = {}
@@ -728,7 +726,7 @@ def _read_tensorboard(name: str, names: Names) -> GradLog:
     log = _from_records(name, "TensorBoard", records, layers, groups)
     log.norm_column, log.loss_column = norm_tag, wanted["loss"]
     log.ignored = [t for t in tags if t not in wanted.values() and not _layer_or_group_tag(t)]
-    log.has_clipping = wanted["clipped"] is not None
+    log.has_clipping = wanted[CLIPPED] is not None
     return log
 
 
@@ -761,9 +759,9 @@ def _layer_or_group_tag(tag: str) -> bool:
     """A per-layer (clipopt's or Lightning's) or per-group (clipopt's) tag."""
     parts = tag.split("/")
     return (
-        _GROUP_TAG.fullmatch(tag) is not None
+        GROUP_TAG.fullmatch(tag) is not None
         or _LIGHTNING_LAYER.fullmatch(tag) is not None
-        or (len(parts) >= 4 and parts[:2] == ["clipopt", "layers"] and parts[-1] in LAYER_FIELDS)
+        or (len(parts) >= 4 and tag.startswith(LAYERS_TAG) and parts[-1] in LAYER_FIELDS)
     )
 
 
@@ -776,9 +774,9 @@ def _tensorboard_layers_and_groups(
     groups: dict[int, dict[str, dict[int, float]]] = {}
     for tag, events in scalars.items():
         parts = tag.split("/")
-        if (m := _GROUP_TAG.fullmatch(tag)) is not None:
+        if (m := GROUP_TAG.fullmatch(tag)) is not None:
             groups.setdefault(int(m.group(2)), {}).setdefault(m.group(1), {}).update(events)
-        elif len(parts) >= 4 and parts[0] == "clipopt" and parts[1] == "layers" and parts[-1] in LAYER_FIELDS:
+        elif len(parts) >= 4 and tag.startswith(LAYERS_TAG) and parts[-1] in LAYER_FIELDS:
             per = layers.setdefault("/".join(parts[2:-1]), {})
             for step, value in events:
                 per.setdefault(step, {})[parts[-1]] = value

@@ -204,3 +204,47 @@ def test_a_code_without_a_reason_is_refused() -> None:
     """by_code names the codes that exist when given one that does not (0 is no reason)."""
     with pytest.raises(ValueError, match="no skip reason has code 0; the codes are 1 to 7"):
         by_code(0)
+
+
+def test_every_column_and_tag_the_loggers_write_is_one_the_report_reads(tmp_path: Path) -> None:
+    """A real run with two parameter groups (one with its own max_norm: per-group columns), per-layer
+    statistics and a loss, logged by CSVLogger and TensorBoardLogger: the report's reader takes every
+    column and tag the loggers wrote (names shared in clipopt/_log_names.py) but the three it has no
+    use for (micro-batches, the coefficient, a further group's learning rate), and reads back the
+    groups' norms, the layers' rows and the losses StepStats had."""
+    pytest.importorskip("tensorboard")
+    from clipopt import TensorBoardLogger
+
+    model = model_for()
+    first, second = list(model.parameters())[:2], list(model.parameters())[2:]
+    inner = torch.optim.SGD([{"params": first}, {"params": second, "max_norm": 0.5}], lr=0.01)
+    csv_path, tb_dir = tmp_path / "log.csv", tmp_path / "tb"
+    opt = ClippedOptimizer(
+        inner,
+        max_norm=1.0,
+        layer_stats=2,
+        param_names=model.named_parameters(),
+        loggers=[CSVLogger(csv_path), TensorBoardLogger(tb_dir)],
+    )
+    stats = []
+    for batch in batches_for(4, seed=1):
+        loss = _loss(model, batch)
+        loss.backward()
+        opt.step(loss=loss.detach())
+        opt.zero_grad()
+        stats.append(opt.last_stats)
+    opt.close()
+    norms = [[s.group_norms[g] for s in stats] for g in range(2)]
+    layer_norms = [s.layers.as_dict()["0.weight"]["grad_norm"] for s in stats if s.layers is not None]
+    assert len(layer_norms) == 2
+    for path, unused in (
+        (csv_path, {"micro_batches", "clip_coef", "lr.1"}),
+        (tb_dir, {"clipopt/micro_batches", "clipopt/clip_coef", "clipopt/lr.1"}),
+    ):
+        log = read_log(path)
+        assert set(log.ignored) == unused, path
+        assert log.has_clipping and list(log.clipped) == [int(s.clipped) for s in stats]
+        for g in range(2):
+            assert list(log.groups[g]["norm"]) == pytest.approx(norms[g], rel=1e-6)
+        assert list(log.layers["0.weight"]["grad_norm"]) == pytest.approx(layer_norms, rel=1e-6)
+        assert list(log.loss) == pytest.approx([s.loss for s in stats], rel=1e-6)
