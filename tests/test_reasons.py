@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from clipopt import ClippedOptimizer, CSVLogger, Rewind, SpikeGuard
-from clipopt._reasons import DIVERGENCE, NAMES, NONFINITE_NAMES, REASONS, by_code, by_name, tag_of
+from clipopt._reasons import NAMES, NONFINITE_NAMES, REASONS, by_code, by_name, tag_of
 from clipopt._report_read import read_log
 
 from .helpers import batches_for, model_for
@@ -32,30 +32,12 @@ def _spiky(n: int, spikes: set[int]) -> list[Batch]:
     return [(x, y * 1000) if i in spikes else (x, y) for i, (x, y) in enumerate(batches_for(n, seed=2))]
 
 
-class _Disagree:
-    """Stands in for the data-parallel replicas' disagreement in one process: a skip source with the
-    code of "divergence" that flags window 3 (a real divergence needs several ranks)."""
-
-    code = DIVERGENCE
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def flag(self, d: object) -> Tensor:
-        self.calls += 1
-        return torch.tensor(float(self.calls == 3))
-
-
-def _plain(grad_at: Callable[[int, nn.Module], None] | None = None, source: bool = False) -> Callable:
-    """A run of 5 windows of SGD on the tiny model, ``grad_at(i, model)`` changing gradients after
-    backward; with ``source``, a :class:`_Disagree` plugged in (the extension point of ARCHITECTURE.md,
-    as tests/test_architecture.py plugs one)."""
+def _plain(grad_at: Callable[[int, nn.Module], None] | None = None) -> Callable:
+    """5 windows of SGD on the tiny model, ``grad_at(i, model)`` changing gradients after backward."""
 
     def run(loggers: list[object]) -> tuple[ClippedOptimizer, list[str | None]]:
         model = model_for()
         opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), max_norm=1.0, loggers=loggers)
-        if source:
-            opt._skip_sources.append(_Disagree())
         reasons = []
         for i, batch in enumerate(batches_for(5, seed=1)):
             _loss(model, batch).backward()
@@ -125,15 +107,67 @@ def _guarded(rewind: bool) -> Callable:
     return run
 
 
+def divergence_job(rank: int, port: int, out_dir: str) -> None:
+    """2 gloo ranks under DDP, 3 windows; in window 2 rank 1 scales its gradient after the all-reduce,
+    so the replicas disagree (reason "divergence" on every rank); rank 0 logs (CSV and TensorBoard)."""
+    from clipopt import TensorBoardLogger
+
+    from .distributed_jobs import init_world, leave_process_group
+
+    init_world(rank, port)
+    out = Path(out_dir)
+    ddp = nn.parallel.DistributedDataParallel(model_for())
+    loggers = [CSVLogger(out / "log.csv"), TensorBoardLogger(out / "tb")]
+    opt = ClippedOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.01), max_norm=1.0, loggers=loggers)
+    reasons = []
+    for i, batch in enumerate(batches_for(3, seed=1 + rank)):
+        _loss(ddp, batch).backward()
+        if i == 1 and rank == 1:
+            next(iter(ddp.module.parameters())).grad.mul_(1.001)
+        opt.step()
+        opt.zero_grad()
+        assert opt.last_stats is not None
+        reasons.append(opt.last_stats.reason)
+    opt.close()
+    torch.save(reasons, out / f"reasons{rank}.pt")
+    leave_process_group()
+
+
+def _diverged(out: Path) -> list[str | None]:
+    """The divergence job's reasons (rank 0's, the same on rank 1); its logs are in ``out``."""
+    import torch.multiprocessing as mp
+
+    from .helpers import free_port, join_spawned
+
+    join_spawned(mp.spawn(divergence_job, args=(free_port(), str(out)), nprocs=2, join=False), "divergence")
+    reasons = [torch.load(out / f"reasons{rank}.pt") for rank in range(2)]
+    assert reasons[0] == reasons[1]
+    return reasons[0]
+
+
+def _in_process(run: Callable) -> Callable[[Path], list[str | None]]:
+    """``run(loggers)`` with a CSVLogger and a TensorBoardLogger writing into ``out``; its reasons."""
+
+    def logged(out: Path) -> list[str | None]:
+        from clipopt import TensorBoardLogger
+
+        opt, reasons = run([CSVLogger(out / "log.csv"), TensorBoardLogger(out / "tb")])
+        opt.close()
+        return reasons
+
+    return logged
+
+
 #: A real run that skips a window for each reason of the table.
-RUNS: dict[str, Callable] = {
-    "nonfinite": _plain(_set_grad(math.nan)),
-    "overflow": _overflow,
-    "spike": _guarded(rewind=False),
-    "divergence": _plain(source=True),
-    "nograd": _plain(_no_grad_at_2),
-    "rewind": _guarded(rewind=True),
-    "norm_overflow": _plain(_set_grad(1e25)),
+#: Each writes ``log.csv`` and ``tb`` into the folder it is given and returns StepStats' reasons.
+RUNS: dict[str, Callable[[Path], list[str | None]]] = {
+    "nonfinite": _in_process(_plain(_set_grad(math.nan))),
+    "overflow": _in_process(_overflow),
+    "spike": _in_process(_guarded(rewind=False)),
+    "divergence": _diverged,
+    "nograd": _in_process(_plain(_no_grad_at_2)),
+    "rewind": _in_process(_guarded(rewind=True)),
+    "norm_overflow": _in_process(_plain(_set_grad(1e25))),
 }
 
 
@@ -141,14 +175,12 @@ RUNS: dict[str, Callable] = {
 def test_every_reason_reads_back_as_itself_through_every_logger(reason: str, tmp_path: Path) -> None:
     """A real run skipping a window for ``reason``, logged by CSVLogger and TensorBoardLogger (the
     events written by TensorBoard's own SummaryWriter): the report's reader gives back, for every
-    skipped window, the reason StepStats had (before the table: "nograd" and "divergence" read back
+    skipped window, the reason StepStats had ("divergence": 2 gloo ranks under DDP, one changing its
+    gradient after the all-reduce) (before the table: "nograd" and "divergence" read back
     from TensorBoard as "nonfinite", having no tag of their own)."""
     pytest.importorskip("tensorboard")
-    from clipopt import TensorBoardLogger
-
+    reasons = RUNS[reason](tmp_path)
     csv_path, tb_dir = tmp_path / "log.csv", tmp_path / "tb"
-    opt, reasons = RUNS[reason]([CSVLogger(csv_path), TensorBoardLogger(tb_dir)])
-    opt.close()
     want = {step: r for step, r in enumerate(reasons, start=1) if r is not None}
     assert reason in want.values(), reasons
     for path in (csv_path, tb_dir):
