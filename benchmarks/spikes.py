@@ -214,7 +214,7 @@ def overhead(w: Workload, data: tuple[torch.Tensor, torch.Tensor, int], windows:
 
     The configurations train side by side from the same initialisation on the same batches and are
     timed interleaved, one window each in turn (A B C A B C ...); ratios are against plain clipping.
-    Rewind here is the SPEC's default schedule: a copy every 100 updates, a check every 10 windows.
+    Rewind here keeps its default schedule: a copy every 100 updates, a check every 10 windows.
     """
     train_ids, _, vocab = data
     clean = Workload(**{**asdict(w), "bad_shard": (0, 0), "poisoned": ()})

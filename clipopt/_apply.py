@@ -100,7 +100,7 @@ class StateReadiness:
         optimizers = inner_optimizers(inner)  # several: each one's own state
         states = tuple(o.state for o in optimizers)
         size = (sum(len(state) for state in states), len(params))
-        known = self._state  # a tuple; an earlier clipopt's pickle holds one state object
+        known = self._state  # a tuple of each inner optimizer's state, or None
         same = isinstance(known, tuple) and len(known) == len(states) and self._size == size
         if same and all(a is b for a, b in zip(known, states, strict=True)):
             return True
@@ -197,8 +197,9 @@ def step_host(
 
 def _read_skip(d: WindowDecision, skip_flag: Tensor, grads: list[Tensor], foreach: bool | None) -> bool:
     """The skip flag, read once (with whether the norm is ``+inf``).  A skipped window whose norm
-    is ``+inf`` and whose elements nobody looked at is looked at now (one more read, only then): all
-    finite means a float32 norm that overflowed, reason ``"norm_overflow"``, not non-finite."""
+    is ``+inf`` and whose elements nobody looked at is looked at now, on the device (one more pass
+    over the gradients, only then; no read): all finite means a float32 norm that overflowed,
+    reason ``"norm_overflow"``, not non-finite."""
     flags = [skip_flag, torch.isposinf(d.total_norm), d.bad_elements()]
     skip, overflowed, bad = torch.stack([f.to(torch.float32) for f in flags]).tolist()
     if skip and overflowed and d.elements is None:
@@ -260,7 +261,7 @@ def apply_window(
     reclip: Callable[[float | Tensor | None], tuple[Tensor, list[Tensor]]],
     readiness: StateReadiness,
 ) -> tuple[Any, bool | Tensor, bool]:
-    """Step 5: the inner step or the skip of the window decided as ``d`` (settings ``s``).
+    """Stage 6 (apply): the inner step or the skip of the window decided as ``d`` (settings ``s``).
 
     ``step_result``: the loss the wrapper's ``step()`` computed and the user's closure (or
     None); ``reclip(max_norm)`` clips a closure's re-evaluation (:func:`reevaluating_closure`).

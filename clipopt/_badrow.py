@@ -1,4 +1,6 @@
-"""The per-layer row of a window that went bad, whatever the ``layer_stats`` period (SPEC §3).
+"""The per-layer row of a window that went bad, whatever the ``layer_stats`` period.
+
+See docs/diagnostics.md, 'Loggers'.
 
 With ``layer_stats=k`` the full per-layer statistics are computed every k-th
 window.  So that the report can name the first parameter whose gradient went

@@ -27,6 +27,7 @@ from ._state import (
     WrapperState,
     check_loaded_state,
     has_own_layout,
+    held_state,
     keep_group_keys,
     read_wrapper_state,
     restore_on_failure,
@@ -201,13 +202,13 @@ def _load_own_layout(
     inner: Optimizer, entry: dict[str, Any], policy: ClipPolicy | None, norm_group: Any
 ) -> list[dict[str, Any]]:
     """Load an entry in the inner optimizer's own layout (checked by its ``load_state_dict``), then
-    check what has become visible as a torch-layout entry is checked before loading: the state in
-    ``inner.state`` fits the parameters, the groups' clipping options; returns the kept options."""
-    groups = [dict(group) for group in inner.param_groups]
-    state = {p: dict(s) for p, s in inner.state.items()}
+    check what has become visible as a torch-layout entry is checked before loading: the state and
+    the groups' hyper-parameters of ``inner`` and of the optimizer it wraps (``_state.optimizer_chain``),
+    the groups' clipping options; returns the kept options."""
+    before = held_state(inner)
     inner.load_state_dict(entry)
-    check_loaded_state(inner, state)
-    return _checked_kept_options(inner.param_groups, groups, inner.defaults, policy, norm_group)
+    check_loaded_state(inner, before)
+    return _checked_kept_options(inner.param_groups, before[0][0], inner.defaults, policy, norm_group)
 
 
 def _checked_kept_options(

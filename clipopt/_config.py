@@ -293,7 +293,7 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
     replica_group = check_replica_group(o["replica_group"])
     passes = check_positive_int("backward_passes_per_step", o["backward_passes_per_step"])
     names = _check_names(inner, o["param_names"], clip_value, o["snapshot_dir"])
-    groups = inner.param_groups  # per-group 'max_norm'/'clip_value' (SPEC §1)
+    groups = inner.param_groups  # per-group 'max_norm'/'clip_value' (docs/per-group-clipping.md)
     check_groups(groups, inner.defaults, policy=policy, norm_group=norm_group, clip_value=clip_value)
     return WrapperConfig(
         policy,

@@ -1,19 +1,21 @@
 """One decision per window, taken on the device: :class:`WindowDecision` and its reason codes.
 
-The stages of a window's close fill one record, in SPEC §1's order:
+The stages of a window's close (docs/design.md, 'Order of operations') fill one record:
 
-1. *measure* (:meth:`WindowDecision.measured`): ``total_norm``, ``nonfinite``
-   and (data parallelism) ``divergence``;
-2. *clip* (:func:`clip_`): value clipping, then the norm bound or a policy's:
-   ``max_norm``, ``coef``, ``scale``, ``clipped``;
-3. *skip* (:func:`decide_skip`): the skip signals, in priority order, give
-   ``skip`` and the ``reason`` code, both on the device.
+* stage 2 (measure): :func:`clipopt._window.measure` (:func:`measured_groups` with
+  per-group options) and :func:`clipopt._window.agree` set ``total_norm``, ``nonfinite``
+  and (data parallelism) ``divergence``;
+* stage 4 (clip): :func:`clip_` (:func:`clip_groups_`): value clipping, then the norm
+  bound or a policy's: ``max_norm``, ``coef``, ``scale``, ``clipped``;
+* stage 5 (decide): :func:`decide_skip`: the skip signals, in priority order, give
+  ``skip`` and the ``reason`` code, both on the device.
 
 Everything after reads the record: the fused step (``skip`` is its
 ``found_inf``), the host step, the counters, :class:`~clipopt.StepStats`,
 the loggers and the snapshots.  The reason is an int64 code until read
-(the table of :mod:`clipopt._reasons` maps it to its name).  The spike rule of a
-:class:`~clipopt.ClipPolicy` is asked only here (:func:`policy_spike`,
+(the table of :mod:`clipopt._reasons` maps it to its name; docs/design.md,
+'Reasons').  The spike rule of a :class:`~clipopt.ClipPolicy` is asked only
+here (:func:`policy_spike`,
 :func:`spike_rule`).
 """
 
@@ -190,16 +192,18 @@ class WindowDecision:
     def counted_nonfinite(self, skipped: bool | Tensor, enabled: bool) -> bool | Tensor:
         """Whether the skip extends the run of non-finite skips (``max_consecutive_nonfinite``).
 
-        ``skipped`` is the outcome (a bool read on the host, or the device flag);
-        the non-finite flag is read only after a host-decided skip that may have
-        had another reason.
+        ``skipped`` is the outcome (a bool read on the host, or the device flag).
+        The non-finite flag is never read here: after a host-decided skip whose
+        cause the host does not know, it is returned as the device flag (the
+        counters then count on the device, as on the fused path).
         """
         if self.nonfinite_only:
             return skipped
         bad = self.bad_elements()
         if isinstance(skipped, bool):
-            known = self.host_bad if self.host_bad is not None else bool(bad.item()) if skipped else False
-            return skipped and enabled and known
+            if not (skipped and enabled):
+                return False
+            return self.host_bad if self.host_bad is not None else bad  # unknown: counted on the device
         return bad if enabled else torch.zeros_like(bad)
 
 
@@ -278,7 +282,7 @@ def clip_(
     policy: ClipPolicy | None,
     max_norm: float | Tensor | None,
 ) -> None:
-    """Steps 3-4 on the device: value clipping, then the norm bound (``max_norm``, or the policy's).
+    """Stage 4 (clip), on the device: value clipping, then the norm bound (``max_norm``, or the policy's).
 
     ``grads`` are the window's summed gradients (``divisor`` micro-batches);
     ``norm_of`` measures them (sharded / pipeline norms included).  A unit-wise
@@ -309,11 +313,11 @@ def clip_(
 def measured_groups(
     norms: Tensor, sizes: Sequence[int], shared: Sequence[bool], *, norm_type: float, divisor: float
 ) -> WindowDecision:
-    """Step 2 with per-group options, from each gradient's norm (``norms``, one read; ``sizes``: how
-    many belong to each group): the total norm, each group's norm and the shared groups' common
-    norm are p-norms of those, divided by ``divisor`` (micro-batches, ``mean``).  A policy sees the
-    common norm, ``nan`` when the window is not finite or no shared group has a gradient (it never
-    enters a policy's statistics)."""
+    """Stage 2 (measure) with per-group options, from each gradient's norm (``norms``, one read;
+    ``sizes``: how many belong to each group): the total norm, each group's norm and the shared
+    groups' common norm are p-norms of those, divided by ``divisor`` (micro-batches, ``mean``).  A
+    policy sees the common norm, ``nan`` when the window is not finite or no shared group has a
+    gradient (it never enters a policy's statistics)."""
     raw: Tensor = torch.linalg.vector_norm(norms, norm_type)
     total = raw / divisor if divisor != 1.0 else raw
     d = WindowDecision(total, F.nonfinite_flag(total))
@@ -339,7 +343,7 @@ def clip_groups_(
     policy: ClipPolicy | None,
     max_norm: float | Tensor | None,
 ) -> None:
-    """Steps 3-4 with per-group options (``plan``), on the device; ``grads``/``params`` per group.
+    """Stage 4 (clip) with per-group options (``plan``), on the device; ``grads``/``params`` per group.
 
     Value clipping takes each group's bound; the norms after it are read again only for the
     clamped groups (``norms_of``: per-tensor norms, sharded ones included).  The groups without

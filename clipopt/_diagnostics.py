@@ -2,10 +2,11 @@
 
 :class:`Diagnostics` is the wrapper's diagnostics state (the snapshot writer,
 :meth:`~Diagnostics.attach`-ed tensors, the window's candidate row, the
-snapshots written) and its stage of a window's close,
-:meth:`~Diagnostics.diagnose`: per-layer statistics when ``layer_stats=k`` is
-due, and a snapshot when :func:`clipopt._decision.read_anomaly` finds the
-window non-finite, diverged or spiking.  The functions compute *what*: the
+snapshots written) and its stage of a window's close, stage 3 (diagnose) of
+docs/design.md, 'Order of operations': :meth:`~Diagnostics.diagnose`, per-layer
+statistics when ``layer_stats=k`` is due, and a snapshot when
+:func:`clipopt._decision.read_anomaly` finds the window non-finite, diverged or
+spiking.  The functions compute *what*: the
 norm pass that also keeps a per-layer row (:func:`norm_with_row`), the names
 (:func:`layer_names`) and the payload a
 :class:`~clipopt._snapshot.SnapshotWriter` saves (:func:`snapshot_payload`).

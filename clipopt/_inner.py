@@ -62,6 +62,25 @@ def _check_disjoint(optimizers: Sequence[Optimizer], new: Sequence[Tensor] = (),
             )
 
 
+def _skipping(found_inf: Any) -> bool:
+    """Whether a fused step was handed the skip (read on the error path only; False if unreadable)."""
+    try:
+        return isinstance(found_inf, Tensor) and bool(found_inf.item())
+    except Exception:  # a device in an error state: say what may have happened
+        return False
+
+
+def _note_partial(exc: BaseException, optimizers: Sequence[Optimizer], failed: int) -> None:
+    """Say on ``exc`` (raised by ``optimizers[failed].step()``) which optimizers had already stepped."""
+    if failed > 0 and hasattr(exc, "add_note"):
+        which = "optimizer[0]" if failed == 1 else f"optimizer[0] to optimizer[{failed - 1}]"
+        exc.add_note(
+            f"clipopt: optimizer[{failed}] ({type(optimizers[failed]).__name__}) raised in step() after "
+            f"{which} ({_describe(optimizers[:failed])}) applied this update: those parameters and "
+            "states are updated, the others are not; load a checkpoint before training on"
+        )
+
+
 def _refuse(name: str) -> None:
     raise TypeError(
         f"cannot assign {name} of several optimizers; assign each inner optimizer's "
@@ -131,13 +150,18 @@ class InnerOptimizers(Optimizer):
                     "step(); it cannot share one step with other optimizers: wrap it alone, "
                     f"ClippedOptimizer({type(o).__name__.lower()}, ...)"
                 )
+        for k, o in enumerate(self.optimizers):
+            first = next(j for j, q in enumerate(self.optimizers) if q is o)
+            if first != k:
+                raise ValueError(
+                    f"optimizer[{first}] and optimizer[{k}] are the same {type(o).__name__} object; "
+                    "list each optimizer once"
+                )
         _check_disjoint(self.optimizers)
         self._reset_caches()
 
     def _reset_caches(self) -> None:
-        # the inner lists themselves (held, so that no new list can take a freed one's id) and their sizes
-        self._lists: tuple[tuple[list[dict[str, Any]], int], ...] = ()
-        self._groups: list[dict[str, Any]] = []
+        self._groups: list[dict[str, Any]] = []  # the group dicts themselves (held: no id reused)
         self._owners: tuple[Any, tuple[int, ...], dict[Tensor, Optimizer]] = (None, (), {})
 
     def owner_of(self, p: Tensor) -> Optimizer:
@@ -151,14 +175,12 @@ class InnerOptimizers(Optimizer):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """Every inner optimizer's group dicts, in order (the same list until one of theirs changes)."""
-        lists = tuple((o.param_groups, len(o.param_groups)) for o in self.optimizers)
-        same = len(lists) == len(self._lists) and all(
-            a is b and n == m for (a, n), (b, m) in zip(lists, self._lists, strict=True)
-        )
-        if not same:
-            self._groups = [g for o in self.optimizers for g in o.param_groups]
-            self._lists = lists
+        """Every inner optimizer's group dicts, in order (the same list until one of them changes)."""
+        groups = [g for o in self.optimizers for g in o.param_groups]
+        if len(groups) != len(self._groups) or any(
+            a is not b for a, b in zip(groups, self._groups, strict=True)
+        ):
+            self._groups = groups  # a list of theirs changed (load_state_dict, add_param_group, a new dict)
         return self._groups
 
     @param_groups.setter
@@ -217,10 +239,14 @@ class InnerOptimizers(Optimizer):
         fused: dict[str, Any] = {
             k: self.__dict__[k] for k in ("grad_scale", "found_inf") if k in self.__dict__
         }
-        for o in self.optimizers:
+        for i, o in enumerate(self.optimizers):
             o.__dict__.update(fused)
             try:
                 o.step()
+            except BaseException as exc:
+                if not _skipping(fused.get("found_inf")):
+                    _note_partial(exc, self.optimizers, i)
+                raise
             finally:
                 for k in fused:
                     del o.__dict__[k]

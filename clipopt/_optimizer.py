@@ -1,8 +1,9 @@
 """``ClippedOptimizer``: clipping, accumulation and skipping around any ``torch.optim`` optimizer.
 
 The class is the orchestration: ``step()`` gathers micro-batches and the last
-one closes the window in SPEC §1's order (:meth:`ClippedOptimizer._finish_window`),
-each stage a call into the module that owns it (see ARCHITECTURE.md).
+one closes the window in the stages of docs/design.md, 'Order of operations'
+(:meth:`ClippedOptimizer._finish_window`), each stage a call into the module that
+owns it (see ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -70,17 +71,20 @@ class ClippedOptimizer(InnerOptimizerView):
     r"""Wrap ``optimizer`` to clip, accumulate and skip non-finite updates.
 
     Call :meth:`step` after every ``backward()``; every ``accumulation_steps``-th
-    call closes a *window* and, in this order:
+    call closes a *window* in these stages (docs/design.md, 'Order of operations'):
 
-    1. combines the micro-batch gradients (``reduction="mean"`` divides their
+    1. **combine** the micro-batch gradients (``reduction="mean"`` divides their
        sum by the number of micro-batches actually accumulated);
-    2. computes the total ``norm_type``-norm of the combined gradient in
+    2. **measure** the total ``norm_type``-norm of the combined gradient in
        float32 — the recorded ``total_norm``, which decides finiteness;
-    3. clamps every element into ``[-clip_value, clip_value]`` (if set);
-    4. multiplies by ``min(1, max_norm / (norm + 1e-6))`` (if ``max_norm`` is set),
-       with ``norm`` taken after step 3;
-    5. calls the inner ``step()`` — or skips: a skipped update is as if it never
-       happened (parameters and inner state untouched, gradients discarded).
+    3. **diagnose**: per-layer statistics and anomaly snapshots, when asked for;
+    4. **clip**: clamp every element into ``[-clip_value, clip_value]`` (if set),
+       then multiply by ``min(1, max_norm / (norm + 1e-6))`` (if ``max_norm`` is
+       set), with ``norm`` taken after the clamp;
+    5. **decide** whether to skip (non-finite, a spike, replicas that diverged);
+    6. **apply**: call the inner ``step()`` — or skip: a skipped update is as if it
+       never happened (parameters and inner state untouched, gradients discarded);
+    7. **record** the window's :class:`StepStats`.
 
     ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's own
     objects, so LR schedulers, ``add_param_group`` and checkpoints work as usual.
@@ -285,7 +289,7 @@ class ClippedOptimizer(InnerOptimizerView):
 
     def add_param_group(self, param_group: dict[str, Any], optimizer: int | None = None) -> None:
         """Add a parameter group to the inner optimizer; its ``max_norm`` and ``clip_value``
-        (per-group clipping, SPEC §1) are checked first, so a bad one adds nothing."""
+        (docs/per-group-clipping.md) are checked first, so a bad one adds nothing."""
         if isinstance(param_group, dict):
             self._group_plan([*self.param_groups, param_group])
         super().add_param_group(param_group, optimizer)
@@ -550,7 +554,8 @@ class ClippedOptimizer(InnerOptimizerView):
         note_discarded(exc)
 
     def _finish_window(self, loss: Any, closure: Callable[[], Any] | None, undo: UndoPoint) -> Any:
-        """SPEC §1's order: combine -> measure -> diagnose -> clip and decide -> apply -> record."""
+        """Stages 1-7 of docs/design.md, 'Order of operations': combine, measure, diagnose, clip,
+        decide, apply, record (a due Rewind check first)."""
         n, params = self._counters.micro_batches, self._params()
         s = WindowSettings.read(self, n, self._group_plan())  # group options checked before any change
         if self._recovery.due(self._counters.windows):  # Rewind: a copy, or back to one
@@ -585,8 +590,9 @@ class ClippedOptimizer(InnerOptimizerView):
         return loss
 
     def _combine(self, s: WindowSettings, params: list[Tensor], undo: UndoPoint) -> WindowGrads | None:
-        """Step 1: the window's gradients, synchronised (``no_sync``) and unscaled (``scaler``);
-        None when no parameter has one.  Raises before anything changed when they cannot be used."""
+        """Stage 1 (combine): the window's gradients, synchronised (``no_sync``) and unscaled
+        (``scaler``); None when no parameter has one.  Raises before anything changed when they
+        cannot be used."""
         if self._index.has_dtensor and self._diagnostics.writer is not None:
             raise ValueError(DTENSOR_DIAGNOSTICS)
         self._sync_unsynced()
@@ -602,7 +608,7 @@ class ClippedOptimizer(InnerOptimizerView):
         return g
 
     def _measure(self, s: WindowSettings, g: WindowGrads, n: int) -> WindowDecision:
-        """Step 2: the decision's norms and flag (agreed by DDP replicas) and the window's loss."""
+        """Stage 2 (measure): the decision's norms and flag (agreed by DDP replicas), the window's loss."""
         loss = self._loss.combined(self.reduction)  # kept in the sum until the close commits
         rows = s.rows and g.shards is None  # the candidate bad row: plain tensors only
         self._replicas.prepare(self, g.shards, n, self._counters.windows + 1)  # the ranks' check
@@ -617,8 +623,8 @@ class ClippedOptimizer(InnerOptimizerView):
     def _diagnose(
         self, s: WindowSettings, d: WindowDecision, params: list[Tensor], n: int
     ) -> LayerStats | None:
-        """Step 3: per-layer statistics when due, and an anomaly snapshot of a non-finite or
-        spiking window (:class:`clipopt._diagnostics.Diagnostics`); both see the pre-clip gradients."""
+        """Stage 3 (diagnose): per-layer statistics when due, and an anomaly snapshot of a non-finite
+        or spiking window (:class:`clipopt._diagnostics.Diagnostics`); both see the pre-clip gradients."""
         recovery = self._recovery
         return self._diagnostics.diagnose(
             s,
@@ -634,8 +640,8 @@ class ClippedOptimizer(InnerOptimizerView):
     def _apply(
         self, s: WindowSettings, d: WindowDecision, g: WindowGrads, loss: Any, closure: Any
     ) -> tuple[Any, bool]:
-        """Step 5: the inner step or the skip (see :mod:`clipopt._apply`), then the counters; returns
-        ``step()``'s result and whether the fused (host-read-free) path ran."""
+        """Stage 6 (apply): the inner step or the skip (see :mod:`clipopt._apply`), then the counters;
+        returns ``step()``'s result and whether the fused (host-read-free) path ran."""
         step_result = (loss, closure)
         out, skipped, fused = apply_window(self._inner, s, d, g, step_result, self._reclip, self._readiness)
         self._last_skipped = skipped
@@ -676,7 +682,7 @@ class ClippedOptimizer(InnerOptimizerView):
         return loss
 
     def _record(self, d: WindowDecision, n: int, layers: LayerStats | None) -> StepStats:
-        """Step 6: the window's :class:`StepStats`, its history, the loggers."""
+        """Stage 7 (record): the window's :class:`StepStats`, its history, the loggers."""
         stats = StepStats(
             step=self._counters.windows,
             micro_batches=n,

@@ -166,8 +166,13 @@ def _num(v: float) -> str:
 
 
 def settings_key(settings: Iterable[tuple[str, float]], policy: Any) -> int:
-    """crc32 of the settings' names and values and of the clip policy's ``repr`` (its own settings)."""
-    text = ";".join(f"{name}={value!r}" for name, value in settings) + ";" + repr(policy)
+    """crc32 of the settings' names and values and of the clip policy's own settings: the ``repr`` of
+    clipopt's policies (their settings only); of any other class only its name (``object``'s repr
+    holds the address, a repr of one's own may hold a tensor's device: each rank's own)."""
+    kind = type(policy)
+    own = kind.__module__.startswith("clipopt.") or policy is None or isinstance(policy, (int, float))
+    shown = repr(policy) if own else f"{kind.__module__}.{kind.__qualname__}"
+    text = ";".join(f"{name}={value!r}" for name, value in settings) + ";" + shown
     return zlib.crc32(text.encode())
 
 

@@ -186,7 +186,7 @@ def replay(
     loss_fn: Callable[[nn.Module, dict[str, Any]], Tensor],
     repeats: int = 3,
 ) -> ReplayResult:
-    """Rerun a snapshot's forward and backward and say where it went non-finite (SPEC §5).
+    """Rerun a snapshot's forward and backward and say where it went non-finite (docs/replay.md).
 
     Args:
         snapshot: a snapshot file written by ``ClippedOptimizer(snapshot_dir=...)``

@@ -2,7 +2,7 @@
 
 The step, norm, loss and learning-rate columns (tags, keys) of every format
 are chosen from one table of recognised names, :mod:`clipopt._report_names`;
-:class:`Names` (``--loss``, ``--norm``) chooses others.  Formats (SPEC §3):
+:class:`Names` (``--loss``, ``--norm``) chooses others.  Formats (docs/cli.md, 'clipopt report'):
 
 - a CSV written by :class:`~clipopt.CSVLogger`, or any CSV with a step column and
   a gradient-norm column, plus loss and lr columns when present.  Rows are

@@ -371,10 +371,6 @@ class Rewind:
             self._staged.wait()
         return self.__dict__.copy()
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.__dict__.setdefault("_staged", None)  # pickled by clipopt 0.13 and earlier
-
     def __repr__(self) -> str:
         return (
             f"Rewind(every={self.every}, keep={self.keep}, spikes={self.spikes}, within={self.within}, "

@@ -27,11 +27,12 @@ class PerUpdateScheduler(LRScheduler):
 
     Attributes:
         scheduler: the wrapped scheduler.
-        optimizer: the :class:`ClippedOptimizer` it schedules.
+        optimizer: the :class:`ClippedOptimizer` whose applied updates it counts (the
+            wrapped scheduler's own optimizer may be one of its inner optimizers).
     """
 
-    def __init__(self, scheduler: Any) -> None:  # LRScheduler.__init__ is deliberately not called
-        optimizer = getattr(scheduler, "optimizer", None)
+    def __init__(self, scheduler: Any, clipped: ClippedOptimizer | None = None) -> None:
+        # LRScheduler.__init__ is deliberately not called
         if not hasattr(scheduler, "step"):
             raise TypeError(
                 f"scheduler must be an LR scheduler with a step() method, got "
@@ -39,12 +40,7 @@ class PerUpdateScheduler(LRScheduler):
             )
         if isinstance(scheduler, PerUpdateScheduler):
             raise TypeError("scheduler is already a per_update(...) scheduler; wrap the plain scheduler once")
-        if not isinstance(optimizer, ClippedOptimizer):
-            raise TypeError(
-                f"per_update needs a scheduler built on a ClippedOptimizer, but "
-                f"{type(scheduler).__name__}.optimizer is {type(optimizer).__name__}; "
-                "build the scheduler on the wrapper: per_update(StepLR(clipped_opt, ...))"
-            )
+        optimizer = _counting_optimizer(scheduler, clipped)
         self.scheduler = scheduler
         self.optimizer = optimizer
         self._clipped = optimizer
@@ -87,8 +83,9 @@ class PerUpdateScheduler(LRScheduler):
     @property
     def base_lrs(self) -> list[float]:  # type: ignore[override]
         """The wrapped scheduler's initial learning rates."""
-        initial = [g["initial_lr"] for g in self.optimizer.param_groups]
-        return list(getattr(self.scheduler, "base_lrs", initial))
+        if hasattr(self.scheduler, "base_lrs"):
+            return list(self.scheduler.base_lrs)
+        return [g["initial_lr"] for g in self.scheduler.optimizer.param_groups]
 
     @property
     def _last_lr(self) -> list[float]:  # type: ignore[override]  # read by LRScheduler's own helpers (e.g. print_lr)
@@ -113,6 +110,34 @@ class PerUpdateScheduler(LRScheduler):
         return f"per_update({self.scheduler!r})"
 
 
+def _counting_optimizer(scheduler: Any, clipped: Any) -> ClippedOptimizer:
+    """The :class:`ClippedOptimizer` whose applied updates ``scheduler`` advances on: its own
+    optimizer, or ``clipped`` when it is built on ``clipped`` or one of ``clipped.optimizers``."""
+    own = getattr(scheduler, "optimizer", None)
+    name = type(scheduler).__name__
+    if clipped is None:
+        if not isinstance(own, ClippedOptimizer):
+            raise TypeError(
+                f"per_update needs a scheduler built on a ClippedOptimizer, but "
+                f"{name}.optimizer is {type(own).__name__}; build the scheduler on the wrapper: "
+                "per_update(StepLR(clipped_opt, ...)), or, for a schedule of one of its inner optimizers, "
+                "pass the wrapper too: per_update(StepLR(clipped_opt.optimizers[i], ...), clipped_opt)"
+            )
+        return own
+    if not isinstance(clipped, ClippedOptimizer):
+        raise TypeError(
+            f"per_update's optimizer must be a ClippedOptimizer, got {type(clipped).__name__}; pass "
+            "the wrapper whose applied updates count: per_update(scheduler, clipped_opt)"
+        )
+    if own is not clipped and not any(own is o for o in clipped.optimizers):
+        inner = ", ".join(type(o).__name__ for o in clipped.optimizers)
+        raise ValueError(
+            f"{name}.optimizer ({type(own).__name__}) is neither this ClippedOptimizer nor one of its "
+            f"inner optimizers ({inner}); pass the ClippedOptimizer that wraps it"
+        )
+    return clipped
+
+
 class PerUpdatePlateauScheduler(PerUpdateScheduler, ReduceLROnPlateau):  # type: ignore[misc]
     """:class:`PerUpdateScheduler` around a ``ReduceLROnPlateau``: frameworks see a plateau scheduler.
 
@@ -128,10 +153,12 @@ class PerUpdatePlateauScheduler(PerUpdateScheduler, ReduceLROnPlateau):  # type:
         return getattr(wrapped, name)
 
 
-def per_update(scheduler: Any) -> PerUpdateScheduler:
+def per_update(scheduler: Any, optimizer: ClippedOptimizer | None = None) -> PerUpdateScheduler:
     """Return a scheduler whose ``step()`` advances only after applied updates.
 
-    ``scheduler`` must be built on a :class:`ClippedOptimizer`::
+    ``scheduler`` must be built on a :class:`ClippedOptimizer`, or on one of the inner
+    optimizers of ``optimizer`` (a wrapper over several, each with its own schedule:
+    ``per_update(CosineAnnealingLR(opt.optimizers[0], ...), opt)``)::
 
         opt = ClippedOptimizer(torch.optim.AdamW(model.parameters()), accumulation_steps=4)
         sched = clipopt.per_update(torch.optim.lr_scheduler.StepLR(opt, step_size=100))
@@ -146,5 +173,5 @@ def per_update(scheduler: Any) -> PerUpdateScheduler:
     Trainer accept it as their scheduler.
     """
     if isinstance(scheduler, ReduceLROnPlateau):
-        return PerUpdatePlateauScheduler(scheduler)
-    return PerUpdateScheduler(scheduler)
+        return PerUpdatePlateauScheduler(scheduler, optimizer)
+    return PerUpdateScheduler(scheduler, optimizer)

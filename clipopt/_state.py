@@ -17,6 +17,7 @@ __all__ = [
     "StateDictError",
     "WrapperState",
     "check_loaded_state",
+    "held_state",
     "has_own_layout",
     "keep_group_keys",
     "read_wrapper_state",
@@ -60,7 +61,7 @@ class WrapperState:
     windows: int = 0
     """Windows closed so far, applied or skipped: the ``step`` of the latest ``StepStats``."""
     skipped: int | Tensor = 0
-    """Windows skipped because their gradients were not finite."""
+    """Windows skipped, whatever the reason (docs/design.md, 'Reasons')."""
     consecutive: int | Tensor = 0
     """Skipped windows in a row, ending at the latest one."""
 
@@ -148,10 +149,14 @@ def has_own_layout(state_dict: dict[str, Any], inner: Optimizer) -> bool:
 
     pytorch_optimizer's ``Lookahead`` saves ``lookahead_state``/``base_optimizer``: it has neither
     of torch's keys (``state``, ``param_groups``), and its class loads state dicts its own way.
-    Such an entry is checked by the inner optimizer itself (see ``Checkpoint.take_over``).
+    Such an entry is checked by the inner optimizer itself (see ``Checkpoint.take_over``).  torch's
+    own classes (``ZeroRedundancyOptimizer`` overrides ``load_state_dict``) always use torch's layout:
+    a dict without its keys is the wrong dict (a model's state dict), refused as such.
     """
     torch_keys = "state" in state_dict or "param_groups" in state_dict
-    return not torch_keys and type(inner).load_state_dict is not Optimizer.load_state_dict
+    kind = type(inner)
+    torch_class = kind.__module__ == "torch" or kind.__module__.startswith("torch.")
+    return not torch_keys and not torch_class and kind.load_state_dict is not Optimizer.load_state_dict
 
 
 def _check_layout(parts: list[Any]) -> None:
@@ -160,6 +165,12 @@ def _check_layout(parts: list[Any]) -> None:
     for k, part in enumerate(parts):
         if part is None:
             continue
+        several = part.get("optimizers") if isinstance(part, dict) and "state" not in part else None
+        if len(parts) == 1 and isinstance(several, list):
+            raise _bad(
+                f"it is the state dict of a ClippedOptimizer over {len(several)} optimizers "
+                "({'optimizers': [...]}); load it into a ClippedOptimizer over the same list of optimizers"
+            )
         where = "" if len(parts) == 1 else f"optimizers[{k}]."
         for key, kind in (("state", dict), ("param_groups", list)):
             value = part.get(key) if isinstance(part, dict) else None
@@ -249,16 +260,45 @@ def validate_inner_state(state_dict: dict[str, Any], inner: Optimizer) -> None:
                 _check_state_tensor(key, name, value, p, current.get(name), flat, builtin)
 
 
-def check_loaded_state(inner: Optimizer, before: dict[Tensor, dict[str, Any]]) -> None:
+def optimizer_chain(inner: Optimizer) -> list[Optimizer]:
+    """``inner`` and the optimizers it wraps (``Lookahead``'s and ``ScheduleFreeWrapper``'s base
+    optimizer is their ``optimizer``): each holds state and groups of its own."""
+    chain = [inner]
+    base = getattr(inner, "optimizer", None)
+    while isinstance(base, Optimizer) and all(base is not o for o in chain):
+        chain.append(base)
+        base = getattr(base, "optimizer", None)
+    return chain
+
+
+def held_state(inner: Optimizer) -> list[tuple[list[dict[str, Any]], dict[Tensor, dict[str, Any]]]]:
+    """Each optimizer's groups and per-parameter state in :func:`optimizer_chain` (shallow copies),
+    what :func:`check_loaded_state` compares the loaded state with."""
+    return [
+        ([dict(g) for g in o.param_groups], {p: dict(s) for p, s in o.state.items()})
+        for o in optimizer_chain(inner)
+    ]
+
+
+def check_loaded_state(
+    inner: Optimizer, before: list[tuple[list[dict[str, Any]], dict[Tensor, dict[str, Any]]]]
+) -> None:
     """After the inner optimizer loaded a state dict in a layout of its own (:func:`has_own_layout`):
-    the per-parameter state it now holds (``opt.state``) must fit the parameters, as a torch-layout
-    entry's must before loading (the entry held ``before``, else the parameter's shape for moments)."""
-    params = [p for group in inner.param_groups for p in group["params"]]
-    flat = sum(p.numel() for p in params)
-    for i, p in enumerate(params):
-        for name, value in (inner.state.get(p) or {}).items():
-            if isinstance(value, Tensor):
-                _check_state_tensor(i, name, value, p, (before.get(p) or {}).get(name), flat, False)
+    the per-parameter state each optimizer of :func:`optimizer_chain` now holds must fit the
+    parameters and its groups' hyper-parameters be of the kinds held ``before`` (:func:`held_state`),
+    as a torch-layout entry's must before loading."""
+    for o, (groups, state) in zip(optimizer_chain(inner), before, strict=False):
+        for i, (group, old) in enumerate(zip(o.param_groups, groups, strict=False)):
+            for name, value in group.items():
+                if name not in ("params", "param_names") and name in old:
+                    _check_hyperparameter(i, name, value, old[name])
+        params = [p for group in o.param_groups for p in group["params"]]
+        flat = sum(p.numel() for p in params)
+        builtin = type(o).__module__.startswith("torch.optim")
+        for i, p in enumerate(params):
+            for name, value in (o.state.get(p) or {}).items():
+                if isinstance(value, Tensor):
+                    _check_state_tensor(i, name, value, p, (state.get(p) or {}).get(name), flat, builtin)
 
 
 def _kind(value: Any) -> str | None:

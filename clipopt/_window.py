@@ -2,16 +2,16 @@
 
 Each stage is a function of the window's :class:`~clipopt._config.WindowSettings`
 (read from the optimizer when the window closes) and its
-:class:`~clipopt._window_grads.WindowGrads`; the optimizer calls them in SPEC
-§1's order (``ClippedOptimizer._finish_window``) and keeps no state here.
+:class:`~clipopt._window_grads.WindowGrads`; the optimizer calls them in the order of
+docs/design.md, 'Order of operations' (``ClippedOptimizer._finish_window``) and keeps no state here.
 
-* :func:`check_clippable` — before anything changes: value clipping refuses
-  complex gradients.
-* :func:`measure` — steps 1-2: the pre-clip norm of the combined gradient,
+* :func:`check_clippable` — stage 1 (combine), before anything changes: value clipping
+  refuses complex gradients.
+* :func:`measure` — stage 2 (measure): the pre-clip norm of the combined gradient,
   its non-finite flag (a :class:`~clipopt._decision.WindowDecision`) and,
   when asked, each gradient's norm as the window's candidate bad row.
-* :func:`agree` — DDP replicas: one decision on every rank.
-* :func:`clip_and_decide` — steps 3-4 and the skip: value clipping, the norm
+* :func:`agree` — stage 2 (measure), DDP replicas: one decision on every rank.
+* :func:`clip_and_decide` — stages 4-5 (clip, decide): value clipping, the norm
   bound (or the policy's), then the skip signals in priority order.
 * :func:`reclip` — a closure's re-evaluation (LBFGS), measured and clipped
   with the window's own bound.
@@ -63,7 +63,7 @@ def check_clippable(s: WindowSettings, g: WindowGrads) -> None:
 def measure(
     s: WindowSettings, g: WindowGrads, names: list[str] | None
 ) -> tuple[WindowDecision, LayerStats | None]:
-    """Steps 1-2: the pre-clip norm of the combined gradient and its non-finite flag.
+    """Stage 2 (measure): the pre-clip norm of the combined gradient and its non-finite flag.
 
     Given the parameters' ``names`` (per-layer rows are logged), the same pass keeps each
     gradient's norm as the window's candidate bad row (see :mod:`clipopt._badrow`).  With
@@ -137,7 +137,7 @@ def clip_and_decide(
     sources: Sequence[SkipSource] = (),
     reevaluated: tuple[float | Tensor | None] | None = None,
 ) -> None:
-    """Steps 3-4 and the skip decision, all on the device (see :mod:`clipopt._decision`).
+    """Stages 4-5 (clip, decide), all on the device (see :mod:`clipopt._decision`).
 
     ``reevaluated=(max_norm,)``: a closure's re-evaluation, clipped with the window's own bound;
     a global-norm policy and the window-level skip signals (``sources`` among them) saw the

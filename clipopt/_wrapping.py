@@ -1,5 +1,5 @@
 """Wrapping, never copying: an ``Optimizer`` whose ``param_groups``, ``state`` and ``defaults``
-are the inner optimizer's own objects (SPEC §1, "Wraps, never copies").
+are the inner optimizer's own objects (docs/concepts.md, 'The wrapper and its arguments').
 
 :class:`InnerOptimizerView` is the base of :class:`~clipopt.ClippedOptimizer`:
 it owns the delegation and torch's hook dictionaries (kept off pickles, as
@@ -9,6 +9,7 @@ torch does); the subclass owns everything clipopt adds.
 from __future__ import annotations
 
 import collections
+import inspect
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,12 @@ def forwardable(owner: type, name: str) -> bool:
     return not name.startswith("_") and not hasattr(owner, name)
 
 
+def _defined(obj: object, name: str) -> bool:
+    """Whether ``obj`` has ``name`` without running it (its class's or its instance's own)."""
+    missing = object()
+    return inspect.getattr_static(obj, name, missing) is not missing
+
+
 def _no_attribute(view: object, name: str, inner: list[Optimizer] | None) -> AttributeError:
     where = ""
     if inner:
@@ -59,10 +66,15 @@ def _no_attribute(view: object, name: str, inner: list[Optimizer] | None) -> Att
 def _read_inner(view: object, optimizers: list[Optimizer], name: str) -> Any:
     """``name`` of the inner optimizer; over several, of the one that has it, and a method that
     more have is one calling each of theirs in order (``opt.train()`` of schedule-free ones)."""
-    holders = [o for o in optimizers if hasattr(o, name)]
-    if not holders:
+    values = []
+    for o in optimizers:
+        try:
+            values.append(getattr(o, name))
+        except AttributeError:
+            if _defined(o, name):  # the inner attribute exists; something it reads does not
+                raise
+    if not values:
         raise _no_attribute(view, name, optimizers)
-    values = [getattr(o, name) for o in holders]
     if len(values) == 1:
         return values[0]
     if not all(callable(v) for v in values):
@@ -104,9 +116,8 @@ class InnerOptimizerView(Optimizer):
             A property of the wrapper that raised ``AttributeError`` (``opt.optimizer`` over
             several) raises its own error again.
             """
-            prop = getattr(type(self), name, None)
-            if isinstance(prop, property) and prop.fget is not None:
-                return prop.fget(self)
+            if hasattr(type(self), name):  # the wrapper's own property raised AttributeError inside
+                return object.__getattribute__(self, name)  # run it again: its own error, not ours
             inner = self.__dict__.get("_inner")
             if inner is None or not forwardable(type(self), name):
                 raise _no_attribute(self, name, None)

@@ -9,6 +9,7 @@ Spawning costs seconds, so one job covers many checks.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from clipopt import AGC, ClippedOptimizer
+from clipopt import AGC, ClippedOptimizer, ClipPolicy
 
 from .helpers import mlp
 
@@ -1108,6 +1109,29 @@ def _settings_case(rank: int, case: str) -> dict[str, Any]:
     return {"error": _catch(run), "reasons": [s.reason for s in opt.stats]}
 
 
+class _HalfBound(ClipPolicy):
+    """A clip policy of the user's own, without a ``__repr__`` (object's holds the address)."""
+
+    def threshold(self, total_norm: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(total_norm, 0.5)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
+def _own_policy_case(rank: int) -> dict[str, Any]:
+    """The same policy class of the user's own on every rank (DDP): three windows."""
+    model = nn.parallel.DistributedDataParallel(_model())
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, foreach=True), _HalfBound())
+    return {
+        "error": _catch(lambda: _train(model, opt, rank, range(3))),
+        "reasons": [s.reason for s in opt.stats],
+    }
+
+
 def _reads_case(rank: int, wrap: Any) -> list[str]:
     """Fused AdamW: one window (the state is made), state_dict() and load_state_dict() of it on every
     rank, then three windows whose host reads inside opt.step() are returned."""
@@ -1159,5 +1183,68 @@ def ranks_job(rank: int, port: int, out_dir: str, world: int) -> None:
     for name, wrap in wraps.items():
         res[f"reads-{name}"] = _reads_case(rank, wrap)
     res["pipeline-load"] = _pipeline_load_case(rank)
+    res["own-policy"] = _own_policy_case(rank)
     torch.save(res, os.path.join(out_dir, f"ranks{rank}.pt"))
+    leave_process_group()
+
+
+# ---------------------------------------------------------------------------- several inner optimizers
+
+
+def _muon_adamw(model: nn.Module, fused: bool) -> list[torch.optim.Optimizer]:
+    """Muon (or fused SGD with momentum, ``fused``) for the weight matrices, AdamW for the biases."""
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    others = [p for p in model.parameters() if p.ndim != 2]
+    first: torch.optim.Optimizer = torch.optim.Muon(matrices, lr=LR)
+    if fused:
+        first = torch.optim.SGD(matrices, lr=LR, momentum=0.9, fused=True)
+    return [first, torch.optim.AdamW(others, lr=LR, fused=fused)]
+
+
+def _sgd_adamw(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """SGD with momentum for the weight matrices, AdamW for the biases (both take DTensors)."""
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    others = [p for p in model.parameters() if p.ndim != 2]
+    return [torch.optim.SGD(matrices, lr=LR, momentum=0.9), torch.optim.AdamW(others, lr=LR)]
+
+
+def multi_ddp_job(rank: int, port: int, out_dir: str) -> None:
+    """DDP with ``ClippedOptimizer([muon, adamw], ...)`` (and all-fused [SGD, AdamW]), and FSDP2 with
+    [SGD, AdamW]: three windows of two micro-batches (DDP: no_sync on the first), the second poisoned on
+    rank 1 (NaN loss: skipped on both ranks); the single-process reference is clip_grad_norm_ over the
+    mean gradient then each inner step()."""
+    init_world(rank, port)
+    res: dict[str, Any] = {}
+    for kind in ("muon", "fused", "fsdp"):
+        base = _model()
+        if kind == "fsdp":
+            model = _fsdp(base)
+            opt = ClippedOptimizer(_sgd_adamw(model), MAX_NORM, accumulation_steps=2)
+            ref = _sgd_adamw(plain := copy.deepcopy(base))
+        else:
+            model = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+            opt = ClippedOptimizer(_muon_adamw(model, kind == "fused"), MAX_NORM, accumulation_steps=2)
+            ref = _muon_adamw(plain := copy.deepcopy(base), kind == "fused")
+        for w in range(3):
+            for i in (2 * w, 2 * w + 1):
+                with opt.no_sync(model) if kind != "fsdp" else contextlib.nullcontext():
+                    loss = _loss(model, rank, i)
+                    (loss * math.nan if w == 1 and rank == 1 else loss).backward()
+                opt.step()
+                opt.zero_grad()
+            if w == 1:
+                continue  # the reference skips the poisoned window too
+            for r in range(WORLD):
+                for i in (2 * w, 2 * w + 1):
+                    (_loss(plain, r, i) / (2 * WORLD)).backward()
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), MAX_NORM)
+            for o in ref:
+                o.step()
+            plain.zero_grad()
+        res[kind] = {
+            "skipped": [bool(s.skipped) for s in opt.stats],
+            "params": _full(model) if kind == "fsdp" else [p.detach().clone() for p in model.parameters()],
+            "ref_params": [p.detach().clone() for p in plain.parameters()],
+        }
+    torch.save(res, os.path.join(out_dir, f"multi{rank}.pt"))
     leave_process_group()

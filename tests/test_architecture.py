@@ -142,7 +142,7 @@ def test_decide_skip_takes_the_first_signal_that_is_on() -> None:
         skip = None if d.skip is None else float(d.skip)
         return skip, REASONS[int(d.reason)]
 
-    divergence, nonfinite, spike = 4, 1, 3  # SPEC's reason names, by their codes
+    divergence, nonfinite, spike = 4, 1, 3  # the reason names (docs/design.md, 'Reasons'), by their codes
     assert (REASONS[divergence], REASONS[nonfinite], REASONS[spike]) == ("divergence", "nonfinite", "spike")
     assert decided((divergence, 1.0), (nonfinite, 1.0), (spike, 1.0)) == (1.0, "divergence")
     assert decided((divergence, 0.0), (nonfinite, 1.0), (spike, 1.0)) == (1.0, "nonfinite")

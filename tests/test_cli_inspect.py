@@ -1,4 +1,5 @@
-"""``clipopt inspect FILE [--json]`` (SPEC §3): which parameters went bad, and their statistics.
+"""``clipopt inspect FILE [--json]`` (docs/cli.md, 'clipopt inspect'): which parameters went bad,
+and their statistics.
 
 The snapshots come from the ``Linear -> GuardedSqrt -> Linear`` model of
 ``test_snapshots``: its bad batch gives ``lin1`` (and only ``lin1``) non-finite

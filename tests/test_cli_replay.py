@@ -1,4 +1,5 @@
-"""``clipopt replay SNAPSHOT --model pkg.mod:factory --loss pkg.mod:fn [--json]`` (SPEC §5).
+"""``clipopt replay SNAPSHOT --model pkg.mod:factory --loss pkg.mod:fn [--json]``
+(docs/cli.md, 'clipopt replay').
 
 The snapshots come from real training runs of ``tests/replay_models.py``: the
 log model with a batch that makes ``log`` see negative values (step 3), and the

@@ -1,4 +1,4 @@
-"""SPEC §4: ``no_sync`` with DDP and FSDP2, global norms of sharded gradients, one skip decision.
+"""docs/distributed.md: ``no_sync`` with DDP and FSDP2, global norms of sharded gradients, one skip decision.
 
 Two processes on the gloo backend (CPU) run the jobs in ``tests/distributed_jobs.py``
 once per module; the tests compare what each rank recorded with the single-process

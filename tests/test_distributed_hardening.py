@@ -1,5 +1,6 @@
-"""Distributed hardening (SPEC §4): edge shapes under FSDP2, one decision on every rank, misuse that
-fails fast instead of hanging, loggers on rank 0, tensor-parallel and pipeline-parallel norms.
+"""Distributed hardening (docs/design.md, 'Data-parallel agreement'): edge shapes under FSDP2,
+one decision on every rank, misuse that fails fast instead of hanging, loggers on rank 0,
+tensor-parallel and pipeline-parallel norms.
 
 Each job in ``tests/distributed_jobs.py`` runs in 2, 3 or 4 gloo processes (CPU) with a 30 s
 process-group timeout, and the spawn itself is bounded: a regression that makes ranks wait for each
@@ -397,6 +398,15 @@ def test_clip_policies_with_different_settings_differ(ranks: list[dict[str, Any]
             "window was skipped on every rank"
         )
         assert res["reasons"] == ["divergence"]
+
+
+def test_a_clip_policy_of_ones_own_trains_under_ddp(ranks: list[dict[str, Any]]) -> None:
+    """A ClipPolicy subclass of the user's own without ``__repr__``, the same on both DDP ranks: the
+    settings key held ``repr(policy)``, which holds the object's address, different in every process,
+    so the first window was skipped on both ranks and both raised "settings differ".  Now the key
+    holds the class's name for a policy not of clipopt's: three windows train, none skipped."""
+    for rank in ranks:
+        assert rank["own-policy"] == {"error": None, "reasons": [None, None, None]}
 
 
 def test_pipeline_stages_load_their_own_state(ranks: list[dict[str, Any]]) -> None:

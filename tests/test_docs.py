@@ -143,3 +143,125 @@ def test_api_reference_lists_every_public_name() -> None:
     text = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
     entries = set(re.findall(r"^::: clipopt\.(\w+)\s*$", text, re.M))
     assert sorted(set(clipopt.__all__) - {"__version__"} - entries) == []
+
+
+# ---------------------------------------------------------------- the contract lives in the repository
+
+#: What the code and the contributors' pages cite: none of them may cite a file the repository lacks.
+_CITING = [
+    *sorted((REPO / "clipopt").rglob("*.py")),
+    REPO / "ARCHITECTURE.md",
+    REPO / "README.md",
+    *sorted((REPO / "docs").glob("*.md")),
+]
+_SPEC = re.compile(r"\bSPEC\b")
+
+
+def spec_citations(paths: list[Path]) -> list[str]:
+    """``name:line`` of every line of ``paths`` that names "SPEC" (a word, as in "SPEC §1", "SPEC.md")."""
+    return [
+        f"{path.name}:{i}"
+        for path in paths
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if _SPEC.search(line)
+    ]
+
+
+def test_nothing_cites_a_contract_outside_the_repository() -> None:
+    """The code, ARCHITECTURE.md, the README and docs/ cite the repository's own pages (docs/design.md),
+    never "SPEC": a contributor who clones the repository has no such file."""
+    assert spec_citations(_CITING) == []
+
+
+def test_the_spec_check_can_fail(tmp_path: Path) -> None:
+    """The check reports "SPEC" as a word (``SPEC §1``, ``SPEC.md``) and leaves words that contain it."""
+    path = tmp_path / "mod.py"
+    path.write_text('"""In SPEC §1\'s order."""\nSPECIAL = 1  # see SPEC.md\nspec = "SPECS"\n')
+    assert spec_citations([path]) == ["mod.py:1", "mod.py:2"]
+
+
+_DESIGN = REPO / "docs" / "design.md"
+#: An item of a numbered list of the stages: ``3. **diagnose** ...``.
+_STAGE_ITEM = re.compile(r"^[ \t]*(\d+)\. \*\*(\w+)\*\*", re.M)
+#: A citation: ``stage 2``, ``Stages 4-5``, optionally with the names: ``stage 2 (measure)``,
+#: ``stages 4-5 (clip, decide)``.
+_STAGE_CITED = re.compile(r"\b[Ss]tages? (\d+)(?:-(\d+))?(?: \(([a-z]+(?:, [a-z]+)*)\))?")
+#: The old numbering ("Step 5: the inner step"): the window's modules number stages, never steps.
+_STEP_NUMBER = re.compile(r"\b[Ss]teps? \d")
+_WINDOW_MODULES = ["_optimizer.py", "_window.py", "_decision.py", "_apply.py", "_diagnostics.py"]
+
+
+def section(text: str, heading: str) -> str:
+    """The text of the ``## heading`` section of a Markdown page, up to the next ``## `` heading."""
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def design_stages() -> dict[int, str]:
+    """The stages of a window's close as docs/design.md, 'Order of operations', numbers them."""
+    items = _STAGE_ITEM.findall(section(_DESIGN.read_text(encoding="utf-8"), "Order of operations"))
+    return {int(number): name for number, name in items}
+
+
+def stage_citation_errors(text: str, stages: dict[int, str]) -> list[str]:
+    """Every citation in ``text`` of a stage that ``stages`` lacks, or under another name."""
+    errors = []
+    for match in _STAGE_CITED.finditer(text):
+        first = int(match[1])
+        numbers = range(first, int(match[2] or first) + 1)
+        if not numbers or any(n not in stages for n in numbers):
+            errors.append(f"{match[0]!r}: no such stage")
+        elif match[3] is not None and match[3].split(", ") != [stages[n] for n in numbers]:
+            errors.append(f"{match[0]!r}: named {[stages[n] for n in numbers]} on the design page")
+    return errors
+
+
+def test_the_design_page_numbers_the_stages_once() -> None:
+    """docs/design.md numbers the stages of a window's close 1, 2, ... without a gap, each name once."""
+    stages = design_stages()
+    assert list(stages) == list(range(1, len(stages) + 1)) and len(stages) >= 5
+    assert len(set(stages.values())) == len(stages)
+
+
+def test_stage_numbers_cited_anywhere_are_the_design_pages() -> None:
+    """Every "stage N" (or "stages N-M", with or without the names) cited in clipopt/, ARCHITECTURE.md,
+    the README or docs/ is a stage of docs/design.md under the same name; the window's modules number
+    no "step N" (the numbering the design page replaced)."""
+    stages = design_stages()
+    errors = [
+        f"{path.name}: {error}"
+        for path in _CITING
+        for error in stage_citation_errors(path.read_text(encoding="utf-8"), stages)
+    ]
+    for name in _WINDOW_MODULES:
+        text = (REPO / "clipopt" / name).read_text(encoding="utf-8")
+        errors += [f"{name}: {m[0]!r}: a step number" for m in _STEP_NUMBER.finditer(text)]
+    assert errors == []
+
+
+def test_the_stage_check_can_fail() -> None:
+    """The check reports a stage out of range, a range reaching past the last stage, a wrong name,
+    and accepts a correct citation."""
+    stages = {1: "combine", 2: "measure", 3: "clip"}
+    text = "stage 4; Stages 2-4; stage 2 (clip); stages 1-2 (combine, measure); stage 3"
+    assert stage_citation_errors(text, stages) == [
+        "'stage 4': no such stage",
+        "'Stages 2-4': no such stage",
+        "'stage 2 (clip)': named ['measure'] on the design page",
+    ]
+
+
+def test_every_list_of_the_stages_is_the_design_pages() -> None:
+    """The numbered lists of the stages -- ClippedOptimizer's docstring, ARCHITECTURE.md's 'How a window
+    flows', docs/concepts.md's 'Order of operations' -- have the design page's numbers and names."""
+    stages = list(design_stages().items())
+    architecture = (REPO / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    concepts = (REPO / "docs" / "concepts.md").read_text(encoding="utf-8")
+    lists = {
+        "ClippedOptimizer": ClippedOptimizer.__doc__ or "",
+        "ARCHITECTURE.md": section(architecture, "How a window flows"),
+        "concepts.md": section(concepts, "Order of operations"),
+    }
+    for where, text in lists.items():
+        assert [(int(n), name) for n, name in _STAGE_ITEM.findall(text)] == stages, where

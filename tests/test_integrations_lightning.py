@@ -295,3 +295,33 @@ def test_muon_and_adamw_under_one_wrapper_skip_schedule_and_resume(tmp_path: Pat
     for a, b in zip(straight_trainer.optimizers[0].optimizers, opt.optimizers, strict=True):
         for p, q in zip(a.state.values(), b.state.values(), strict=True):
             assert all(torch.equal(p[k], q[k]) for k in p)
+
+
+class TwoScheduleRegressor(Regressor):
+    """Muon + AdamW under one wrapper, each with its own schedule: ``per_update(StepLR(inner), opt)``."""
+
+    def configure_optimizers(self):
+        matrices = [p for p in self.parameters() if p.ndim == 2]
+        others = [p for p in self.parameters() if p.ndim != 2]
+        muon, adamw = torch.optim.Muon(matrices, lr=LR), torch.optim.AdamW(others, lr=LR)
+        opt = ClippedOptimizer([muon, adamw], max_norm=0.5)
+        lrs = torch.optim.lr_scheduler
+        schedules = [
+            clipopt.per_update(lrs.StepLR(muon, step_size=1, gamma=0.5), opt),
+            clipopt.per_update(lrs.StepLR(adamw, step_size=1, gamma=0.9), opt),
+        ]
+        return [opt], [{"scheduler": s, "interval": "step"} for s in schedules]
+
+
+def test_a_schedule_per_inner_optimizer_counts_the_wrappers_applied_updates(tmp_path: Path) -> None:
+    """Lightning accepts two per_update schedulers built on the inner optimizers of one wrapper (their
+    .optimizer is the wrapper): after 4 windows with a NaN batch, Muon's lr is halved and AdamW's
+    multiplied by 0.9 once per applied update (3), not per window."""
+    model = TwoScheduleRegressor(nan_batches=(2,))
+    trainer = _trainer(tmp_path)
+    trainer.fit(model, DataLoader(_data(64), batch_size=4))
+    opt = trainer.optimizers[0]
+    assert (opt.num_updates, opt.num_skipped) == (3, 1)
+    muon, adamw = opt.optimizers
+    assert muon.param_groups[0]["lr"] == pytest.approx(LR * 0.5**3)
+    assert adamw.param_groups[0]["lr"] == pytest.approx(LR * 0.9**3)

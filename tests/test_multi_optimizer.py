@@ -24,7 +24,7 @@ from torch import nn
 import clipopt
 from clipopt import ClippedOptimizer, CSVLogger
 
-from .helpers import mlp, mse, pairs
+from .helpers import assert_tensors_close, mlp, mse, pairs, spawn_job
 from .hostreads import count_host_reads
 
 
@@ -113,6 +113,43 @@ def test_equals_clip_grad_norm_over_all_parameters_then_each_step(reduction: str
         _assert_same(_inner_states(opt.optimizers), _inner_states([ref_muon, ref_adamw]))
 
 
+@pytest.mark.parametrize("norm_type", [1.0, 3.0, math.inf])
+@pytest.mark.parametrize("clip_value", [None, 0.01])
+def test_every_norm_type_and_clip_value_over_all_parameters(norm_type: float, clip_value: Any) -> None:
+    """norm_type 1, 3 and inf, with and without clip_value, windows of two micro-batches (sum): bit for
+    bit clip_grad_value_ and clip_grad_norm_ over every parameter of both optimizers, then each step();
+    the recorded norm is the pre-clip norm of all of them (summed in the optimizers' order: Muon's
+    matrices, then AdamW's biases)."""
+    model = mlp((5, 4, 3))
+    ref = copy.deepcopy(model)
+    opt = ClippedOptimizer(
+        _muon_adamw(model),
+        0.3,
+        norm_type=norm_type,
+        clip_value=clip_value,
+        accumulation_steps=2,
+        reduction="sum",
+    )
+    ref_optimizers = _muon_adamw(ref)
+    batches = pairs(6, (8, 5), (8, 3), seed=11)
+    for w in range(3):
+        for batch in batches[2 * w : 2 * w + 2]:
+            mse(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+            mse(ref, batch).backward()
+        params = [p for o in ref_optimizers for g in o.param_groups for p in g["params"]]  # sum in this order
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(params, clip_value)
+        torch.nn.utils.clip_grad_norm_(params, 0.3, norm_type)
+        for o in ref_optimizers:
+            o.step()
+        ref.zero_grad()
+        assert opt.last_stats.total_norm == norm.item()
+        _assert_params_equal(model, ref)
+
+
 @pytest.mark.parametrize("make", [_muon_adamw, _all_fused], ids=["muon+adamw", "all-fused"])
 def test_nan_in_one_optimizers_gradient_leaves_every_parameter_and_state_untouched(make: Any) -> None:
     """A NaN in a single weight gradient (Muon's) skips the whole update: the AdamW biases do not move
@@ -134,6 +171,39 @@ def test_nan_in_one_optimizers_gradient_leaves_every_parameter_and_state_untouch
         assert p.grad is None or not p.grad.isnan().any() or p is model[0].weight
     _assert_same(_inner_states(opt.optimizers), before_states)
     assert opt.num_updates == 2 and opt.num_skipped == 1
+
+
+@pytest.mark.parametrize("make", [_muon_adamw, _all_fused], ids=["muon+adamw", "all-fused"])
+def test_a_skipped_first_window_creates_no_inner_state(make: Any) -> None:
+    """The very first window non-finite (AdamW's gradient): no inner optimizer creates state (fused
+    SGD's momentum buffers would stay uninitialised memory), and the next windows equal plain torch
+    started from there: clip_grad_norm_ over every parameter, then each inner step()."""
+    model = mlp((5, 4, 3))
+    ref = copy.deepcopy(model)
+    opt = ClippedOptimizer(make(model), max_norm=0.3)
+    ref_optimizers = make(ref)
+    batches = pairs(4, (8, 5), (8, 3), seed=8)
+    mse(model, batches[0]).backward()
+    model[2].bias.grad[0] = math.nan
+    opt.step()
+    opt.zero_grad()
+    assert opt.step_was_skipped and [len(o.state) for o in opt.optimizers] == [0, 0]
+    for batch in batches[1:]:
+        mse(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+        mse(ref, batch).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
+        for o in ref_optimizers:
+            o.step()
+        ref.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    for o, r in zip(opt.optimizers, ref_optimizers, strict=True):
+        for p, q in zip(o.state.values(), r.state.values(), strict=True):
+            assert p.keys() == q.keys()
+            for k in p:
+                torch.testing.assert_close(p[k], q[k], rtol=1e-6, atol=1e-7)
 
 
 def test_all_fused_list_reads_nothing_and_a_mix_reads_once_per_update() -> None:
@@ -165,6 +235,58 @@ def test_all_fused_list_reads_nothing_and_a_mix_reads_once_per_update() -> None:
     matrices, others = _split(mixed)
     mix = [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(others, lr=0.01, fused=True)]
     assert reads(mix, mixed, "ggggbggg") == [0, 1] * 4
+
+
+def test_an_error_in_the_second_inner_step_says_the_first_already_applied_its_update() -> None:
+    """An error raised by AdamW's step() (a pre-hook here; a CUDA OOM allocating its state in practice)
+    after Muon stepped carries a note naming both: Muon's weights did change, AdamW's biases did not, so
+    the caller cannot mistake the update for undone (the window itself is discarded, as for one
+    optimizer)."""
+    model = mlp((5, 4, 3))
+    muon, adamw = optimizers = _muon_adamw(model)
+    opt = ClippedOptimizer(optimizers, max_norm=1.0)
+
+    def fail(*_: Any) -> None:
+        raise RuntimeError("out of memory")
+
+    adamw.register_step_pre_hook(fail)
+    before = [p.detach().clone() for p in model.parameters()]
+    mse(model, pairs(1, (8, 5), (8, 3), seed=5)[0]).backward()
+    with pytest.raises(RuntimeError, match="out of memory") as info:
+        opt.step()
+    note = (
+        "clipopt: optimizer[1] (AdamW) raised in step() after optimizer[0] (Muon) applied this update: "
+        "those parameters and states are updated, the others are not; load a checkpoint before training on"
+    )
+    assert note in info.value.__notes__
+    changed = [not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True)]
+    assert changed == [True, False, True, False]  # 0.weight, 0.bias, 2.weight, 2.bias
+    assert opt.num_windows == 0 and len(muon.state) == 2 and len(adamw.state) == 0
+
+
+def test_an_error_in_the_second_fused_step_of_a_skipped_update_adds_no_partial_note() -> None:
+    """All fused, a non-finite window (found_inf handed to each): an error in the second optimizer's
+    step() carries no note that the first applied the update (it skipped it), and nothing changed."""
+    model = mlp((5, 4, 3))
+    sgd, adamw = optimizers = _all_fused(model)
+    opt = ClippedOptimizer(optimizers, max_norm=1.0)
+    for batch in pairs(2, (8, 5), (8, 3), seed=2):  # state in both: the fused path is taken
+        mse(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def fail(*_: Any) -> None:
+        raise RuntimeError("out of memory")
+
+    adamw.register_step_pre_hook(fail)
+    before = [p.detach().clone() for p in model.parameters()]
+    mse(model, pairs(1, (8, 5), (8, 3), seed=5)[0]).backward()
+    model[0].weight.grad[0, 0] = math.nan
+    with pytest.raises(RuntimeError, match="out of memory") as info:
+        opt.step()
+    assert not any("applied this update" in n for n in getattr(info.value, "__notes__", []))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert len(sgd.state) == 2
 
 
 # ---------------------------------------------------------------- the optimizer's surface
@@ -208,6 +330,24 @@ def test_param_groups_state_and_defaults_are_the_inner_optimizers() -> None:
         opt.param_groups = []
     single = ClippedOptimizer([muon])
     assert single.optimizer is muon and single.optimizers == [muon]
+
+
+def test_a_group_dict_replaced_in_an_inner_list_is_seen_by_the_wrapper() -> None:
+    """adamw.param_groups[0] = {...} (same list, same length, a new dict): opt.param_groups holds the new
+    dict, so an LR scheduler over the wrapper changes the lr AdamW uses (it wrote into the old dict)."""
+    model = mlp((5, 4, 3))
+    muon, adamw = optimizers = _muon_adamw(model)
+    opt = ClippedOptimizer(optimizers, max_norm=1.0)
+    assert opt.param_groups[1] is adamw.param_groups[0]
+    adamw.param_groups[0] = {**adamw.param_groups[0], "lr": 0.5}
+    assert opt.param_groups[1] is adamw.param_groups[0]
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+    mse(model, pairs(1, (8, 5), (8, 3), seed=7)[0]).backward()
+    opt.step()
+    sched.step()
+    assert adamw.param_groups[0]["lr"] == pytest.approx(0.05) and muon.param_groups[0]["lr"] == pytest.approx(
+        0.002
+    )
 
 
 def test_add_param_group_goes_to_the_optimizer_named_by_index() -> None:
@@ -274,11 +414,17 @@ def test_add_param_group_goes_to_the_optimizer_named_by_index() -> None:
             TypeError,
             "optimizer[0] is already a ClippedOptimizer; wrap its inner optimizer (opt.optimizer) once",
         ),
+        (
+            "twice",
+            ValueError,
+            "optimizer[0] and optimizer[2] are the same Muon object; list each optimizer once",
+        ),
     ],
 )
 def test_bad_lists_are_refused_with_the_fix(value: Any, error: type, message: str) -> None:
-    """An empty list, a non-optimizer element, a parameter in two optimizers, LBFGS in a list and an
-    already wrapped element are refused at construction, naming the element and the fix."""
+    """An empty list, a non-optimizer element, a parameter in two optimizers, LBFGS in a list, an
+    already wrapped element and one optimizer listed twice are refused at construction, naming the
+    element and the fix (twice: not "both hold parameter ...", which sends the user after the params)."""
     model = mlp((5, 4, 3))
     matrices, others = _split(model)
     muon = torch.optim.Muon(matrices, lr=0.02)
@@ -288,6 +434,7 @@ def test_bad_lists_are_refused_with_the_fix(value: Any, error: type, message: st
         "overlap": lambda: [muon, torch.optim.AdamW([*others, matrices[1]])],
         "lbfgs": lambda: [muon, torch.optim.LBFGS(others)],
         "wrapped": lambda: [ClippedOptimizer(muon), torch.optim.AdamW(others)],
+        "twice": lambda: [muon, torch.optim.AdamW(others), muon],
     }[value]()
     with pytest.raises(error, match=re.escape(message)):
         ClippedOptimizer(arg)
@@ -353,6 +500,23 @@ def test_state_dict_of_the_wrong_count_is_refused_before_anything_changes() -> N
     _assert_same(_inner_states(opt.optimizers), before)
 
 
+def test_a_state_dict_of_several_into_a_wrapper_over_one_says_so() -> None:
+    """Loading the state dict of a wrapper over [Muon, AdamW] into a wrapper over one optimizer raises a
+    ValueError that names the layout (not only "'state' must be a dict, got NoneType"), changing nothing."""
+    model = mlp((5, 4, 3))
+    several = ClippedOptimizer(_muon_adamw(model), max_norm=1.0)
+    mse(model, pairs(1, (8, 5), (8, 3), seed=6)[0]).backward()
+    several.step()
+    one = ClippedOptimizer(torch.optim.AdamW(mlp((5, 4, 3)).parameters()), max_norm=1.0)
+    message = (
+        "it is the state dict of a ClippedOptimizer over 2 optimizers ({'optimizers': [...]}); "
+        "load it into a ClippedOptimizer over the same list of optimizers"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        one.load_state_dict(several.state_dict())
+    assert one.num_windows == 0 and len(one.state) == 0
+
+
 def test_a_failing_second_inner_load_puts_the_first_back() -> None:
     """When the second inner optimizer refuses its part while loading, the first one, already loaded,
     is put back too: the wrapper's load_state_dict changes all or nothing."""
@@ -413,6 +577,55 @@ def test_per_update_scheduler_sets_both_optimizers_lr_and_waits_on_a_skip() -> N
         opt.zero_grad()
     assert opt.num_updates == 2
     assert muon.param_groups[0]["lr"] == 0.02 * 0.25 and adamw.param_groups[0]["lr"] == 0.01 * 0.25
+
+
+def test_per_update_over_each_inner_optimizer_keeps_its_own_schedule() -> None:
+    """A schedule per inner optimizer (StepLR for Muon, LambdaLR for AdamW), each through
+    clipopt.per_update(sched, opt): both advance once per applied update of the wrapper and neither on a
+    skipped window; each writes only its own optimizer's lr (values from the schedules' formulas)."""
+    model = mlp((5, 4, 3))
+    muon, adamw = optimizers = _muon_adamw(model)
+    opt = ClippedOptimizer(optimizers, max_norm=1.0, accumulation_steps=2)
+    lrs = torch.optim.lr_scheduler
+    s_muon = clipopt.per_update(lrs.StepLR(muon, step_size=1, gamma=0.5), opt)
+    s_adamw = clipopt.per_update(lrs.LambdaLR(adamw, lambda k: 1.0 / (1 + k)), opt)
+    assert s_muon.optimizer is opt and s_adamw.base_lrs == [0.01]
+    advanced = []
+    for i, bad in enumerate([False, False, False, True, False, False, False, False]):
+        mse(model, pairs(1, (8, 5), (8, 3), seed=30 + i)[0]).backward()
+        if bad:
+            model[2].bias.grad[0] = math.nan  # AdamW's gradient: the whole window is skipped
+        opt.step()
+        advanced.append((s_muon.step(), s_adamw.step()))
+        opt.zero_grad()
+    assert opt.num_updates == 3 and opt.num_skipped == 1
+    assert advanced == [(x, x) for x in (False, True, False, False, False, True, False, True)]
+    assert muon.param_groups[0]["lr"] == 0.02 * 0.5**3
+    assert adamw.param_groups[0]["lr"] == 0.01 / 4
+
+
+def test_per_update_of_an_inner_optimizers_scheduler_names_the_wrapper_argument() -> None:
+    """per_update on a scheduler of opt.optimizers[i] without the wrapper raises TypeError saying to pass
+    it (with it, it is accepted); a wrapper the scheduler's optimizer is not part of raises ValueError;
+    a non-wrapper TypeError."""
+    model = mlp((5, 4, 3))
+    muon, _ = optimizers = _muon_adamw(model)
+    opt = ClippedOptimizer(optimizers, max_norm=1.0)
+    step_lr = torch.optim.lr_scheduler.StepLR(muon, step_size=1)
+    fix = "pass the wrapper too: per_update(StepLR(clipped_opt.optimizers[i], ...), clipped_opt)"
+    with pytest.raises(TypeError, match=re.escape(fix)):
+        clipopt.per_update(step_lr)
+    assert clipopt.per_update(step_lr, opt).optimizer is opt
+    other = ClippedOptimizer(torch.optim.AdamW(mlp((5, 4, 3)).parameters()))
+    message = (
+        "StepLR.optimizer (Muon) is neither this ClippedOptimizer nor one of its inner optimizers "
+        "(AdamW); pass the ClippedOptimizer that wraps it"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        clipopt.per_update(step_lr, other)
+    wrong = "per_update's optimizer must be a ClippedOptimizer, got Muon"
+    with pytest.raises(TypeError, match=re.escape(wrong)):
+        clipopt.per_update(step_lr, muon)
 
 
 def test_csv_logger_writes_each_optimizers_lr(tmp_path: Path) -> None:
@@ -619,3 +832,26 @@ def test_lookahead_in_a_list_round_trips_its_own_layout() -> None:
             o.step()
             o.zero_grad()
     _assert_params_equal(model, resumed)
+
+
+# ---------------------------------------------------------------- data parallel
+
+
+@pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="this torch build has no torch.distributed with the gloo backend",
+)
+def test_ddp_and_fsdp2_over_several_inner_optimizers_equal_one_process(tmp_path: Path) -> None:
+    """Two gloo ranks under DDP, Muon + AdamW and fused SGD + fused AdamW, and under FSDP2 (fully_shard)
+    SGD + AdamW: each applied window equals clip_grad_norm_ over the ranks' mean gradient then each
+    inner step() in one process; a NaN loss on one rank skips that window on both, and the ranks end
+    with the same parameters."""
+    from . import distributed_jobs as jobs
+
+    ranks = spawn_job(jobs.multi_ddp_job, "multi", tmp_path, jobs.WORLD, timeout_s=120)
+    for kind in ("muon", "fused", "fsdp"):
+        for res in ranks:
+            assert res[kind]["skipped"] == [False, True, False]
+            assert_tensors_close(res[kind]["params"], res[kind]["ref_params"])
+        for a, b in zip(ranks[0][kind]["params"], ranks[1][kind]["params"], strict=True):
+            assert torch.equal(a, b)

@@ -1,4 +1,4 @@
-"""Per-group clipping through ClippedOptimizer (SPEC §1 "Per-group clipping").
+"""Per-group clipping through ClippedOptimizer (docs/per-group-clipping.md).
 
 The reference is torch's own functions applied group by group on copies of the combined gradient:
 ``clip_grad_value_`` per group with its bound, then ``clip_grad_norm_`` once over all the groups

@@ -1,4 +1,4 @@
-"""``clipopt.replay`` (SPEC §5): from an anomaly snapshot to the operation that went non-finite.
+"""``clipopt.replay`` (docs/replay.md): from an anomaly snapshot to the operation that went non-finite.
 
 Every snapshot here is written by a real training run through
 ``ClippedOptimizer(snapshot_dir=...)`` (``tests.replay_models.train``) on a model

@@ -1,4 +1,4 @@
-"""``clipopt report CSV [--plot PNG] [--json]`` (SPEC §3 "Threshold from statistics").
+"""``clipopt report CSV [--plot PNG] [--json]`` (docs/cli.md, 'clipopt report').
 
 The logs are written here in :class:`clipopt.CSVLogger`'s format (its
 ``BASE_COLUMNS``, then ``<name>.<field>`` per-layer columns, cells through

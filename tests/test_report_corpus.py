@@ -692,9 +692,9 @@ def test_nonfinite_layer_behind_a_layer_whose_float32_norm_overflows(
     the window's own (step 17 with layer_stats=10) or the due statistics -- flags ``mid.weight``
     only, and ``clipopt report`` and ``clipopt inspect`` name it (before: ``deep.weight``)."""
     snaps = tmp_path / "snaps"
-    for csv, snapshots in ((tmp_path / "run.csv", None), (tmp_path / "snapshotted.csv", snaps)):
-        _side_input_run(csv, snapshots, layer_stats, bad_step, side=1e30)
-        log = read_log(csv)
+    for log_path, snapshots in ((tmp_path / "run.csv", None), (tmp_path / "snapshotted.csv", snaps)):
+        _side_input_run(log_path, snapshots, layer_stats, bad_step, side=1e30)
+        log = read_log(log_path)
         pos = list(log.layer_rows).index(bad_step - 1)
         flags = {name: log.layers[name]["nonfinite"][pos] for name in log.layers}
         assert flags["mid.weight"] >= 1 and flags["deep.weight"] == 0 and flags["deep.bias"] == 0
@@ -702,7 +702,7 @@ def test_nonfinite_layer_behind_a_layer_whose_float32_norm_overflows(
         assert report["verdict"] == "nonfinite"
         head = report["findings"][0]
         assert (head["step"], head["layer"]) == (bad_step, "mid.weight")
-        assert main(["report", str(csv)]) == 0
+        assert main(["report", str(log_path)]) == 0
         out = capsys.readouterr().out
         assert out.startswith(f"verdict: nonfinite (non-finite gradient; step {bad_step}, layer mid.weight)")
     (snapshot,) = snaps.glob("*.pt")

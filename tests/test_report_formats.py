@@ -1,4 +1,5 @@
-"""``clipopt report`` on logs written by the real libraries (SPEC §3): Trainer, Lightning, TensorBoard, CSV.
+"""``clipopt report`` on logs written by the real libraries (docs/cli.md, 'clipopt report'): Trainer,
+Lightning, TensorBoard, CSV.
 
 Each test makes the file with the library itself (a tiny run of a few seconds)
 and checks the values read against the file's own content, read here with

@@ -1,4 +1,5 @@
-"""The loss in the record (SPEC §1 "The loss"): step(loss=...), closures, combination, logs, checkpoints."""
+"""The loss in the record (docs/concepts.md, 'Signals and statistics'): step(loss=...), closures,
+combination, logs, checkpoints."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Skipping non-finite updates: "a skipped update is as if it never happened" (SPEC §1).
+"""Skipping non-finite updates: "a skipped update is as if it never happened"
+(docs/design.md, 'What a skipped update guarantees').
 
 Bit-identity is checked on the raw bits of every floating tensor (``view`` as the
 integer type of the same width), so ``-0.0`` vs ``0.0`` and differing NaN payloads

@@ -1,4 +1,5 @@
-"""Anomaly snapshots (SPEC §3): content, replay, atomic writes, limits and ``attach``.
+"""Anomaly snapshots (docs/diagnostics.md, 'Anomaly snapshots'): content, replay, atomic writes,
+limits and ``attach``.
 
 The model used throughout is ``Linear -> GuardedSqrt -> Linear``.  ``GuardedSqrt``
 is the classic ``torch.where`` pitfall: ``where(x > 0, sqrt(x), 0)`` is finite in
@@ -614,8 +615,8 @@ def _zclip_run(tmp_path: Path, skip_spikes: bool) -> tuple[ClippedOptimizer, lis
 
 @pytest.mark.parametrize("skip_spikes", [False, True])
 def test_spiking_window_is_snapshotted_with_reason_spike(tmp_path: Path, skip_spikes: bool) -> None:
-    """SPEC §3: a spiking update (ZClip's z-score rule) is saved like a non-finite one, with reason
-    "spike" and the pre-clip gradients and norm; steady windows and warm-up write nothing; the
+    """A spiking update (ZClip's z-score rule) is saved like a non-finite one (docs/diagnostics.md), with
+    reason "spike" and the pre-clip gradients and norm; steady windows and warm-up write nothing; the
     same happens whether the spike is clipped or skipped."""
     opt, scales = _zclip_run(tmp_path, skip_spikes)
     path = tmp_path / "anomaly-step00000011-spike.pt"

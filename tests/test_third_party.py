@@ -241,6 +241,31 @@ def test_assigning_a_forwarded_name_is_refused() -> None:
     assert look.note == "mine" and look.clip_value == 1.0  # type: ignore[attr-defined]
 
 
+def test_an_attribute_error_inside_a_property_is_not_renamed() -> None:
+    """A property that raises AttributeError inside (a bug in it, a half-restored object) made Python
+    ask ``__getattr__``, which answered "no attribute '<the property>'", hiding the real error: for a
+    property of the inner optimizer ("... (nor has its inner ...)") and for one of a subclass of the
+    wrapper.  Now the property's own error comes through, as it does without the wrapper."""
+
+    class Inner(torch.optim.SGD):
+        @property
+        def momentum_norm(self) -> float:
+            return self.momentum_buffers  # type: ignore[attr-defined, no-any-return]
+
+    class Mine(ClippedOptimizer):
+        @property
+        def inner_lr(self) -> float:
+            return self.optimizer.learning_rate  # type: ignore[attr-defined, no-any-return]
+
+    model = mlp((5, 4, 3))
+    opt = Mine(Inner(model.parameters(), lr=0.1), MAX_NORM)
+    with pytest.raises(AttributeError, match=re.escape("'Inner' object has no attribute 'momentum_buffers'")):
+        opt.momentum_norm  # type: ignore[attr-defined]  # noqa: B018
+    with pytest.raises(AttributeError, match=re.escape("'Inner' object has no attribute 'learning_rate'")):
+        opt.inner_lr  # noqa: B018
+    assert not hasattr(opt, "momentum_buffers")
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_copies_forward_to_their_own_inner_optimizer(how: str) -> None:
     """A deep copy or an unpickled copy (``__getattr__`` runs before its ``__dict__`` is filled:
@@ -289,6 +314,35 @@ def test_zero_redundancy_consolidate_state_dict_through_the_wrapper() -> None:
     assert opt.num_updates == opt2.num_updates == 4
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_zero_redundancy_refuses_a_dict_without_torchs_keys_as_such() -> None:
+    """A model's state dict handed to a wrapped ZeroRedundancyOptimizer by mistake (ZeRO overrides
+    ``load_state_dict``, so it was taken for a layout of its own) raised ZeRO's "Optimizer state has not
+    been consolidated ... call consolidate_state_dict" from the backup taken before loading: a fix that
+    does not apply.  torch's own classes use torch's layout: the dict is refused as not an optimizer's,
+    and nothing changed."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = mlp((5, 4, 3))
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=0.05)
+        opt = ClippedOptimizer(zero, MAX_NORM)
+        helpers_train(model, opt, batches_for(2, seed=4), mse)
+        before = copy.deepcopy(opt.optimizer.optim.state_dict())  # type: ignore[attr-defined]
+        message = (
+            "invalid state_dict: 'state' must be a dict, got NoneType; "
+            "pass the dict returned by opt.state_dict()"
+        )
+        for wrong in (model.state_dict(), {}):
+            with pytest.raises(ValueError, match=re.escape(message)):
+                opt.load_state_dict(wrong)
+        assert_identical(opt.optimizer.optim.state_dict(), before)  # type: ignore[attr-defined]
+        assert opt.num_updates == 2
+    finally:
+        dist.destroy_process_group()
 
 
 # ------------------------------------------------ inner state dicts in a layout of their own (#22 item 8)
@@ -398,6 +452,48 @@ def test_state_dict_of_another_layout_that_does_not_fit_is_refused_untouched(
     before = copy.deepcopy(opt.state_dict())
     with pytest.raises(ValueError, match=re.escape(message)):
         opt.load_state_dict(sd)
+    assert_identical(opt.state_dict(), before)
+
+
+def _corrupt_exp_avg(sd: dict[str, Any]) -> None:
+    sd["base_optimizer"]["state"][0]["exp_avg"] = torch.zeros(7)
+
+
+def _corrupt_lr(sd: dict[str, Any]) -> None:
+    sd["base_optimizer"]["param_groups"][0]["lr"] = "0.05"
+
+
+_SHAPE_MESSAGE = (
+    "invalid state_dict: state[0]['exp_avg'] has shape (7,), parameter has (4, 5); "
+    "pass the dict returned by opt.state_dict()"
+)
+_KIND_MESSAGE = (
+    "invalid state_dict: parameter group 0 has lr='0.05' (str), but the optimizer's lr is a number "
+    "(or a tensor) (now 0.05); pass the dict returned by opt.state_dict()"
+)
+CORRUPT_BASES = [  # the ScheduleFreeWrapper's base (plain SGD) holds no state
+    pytest.param("Lookahead", _corrupt_exp_avg, _SHAPE_MESSAGE, id="Lookahead-base-state-shape"),
+    pytest.param("Lookahead", _corrupt_lr, _KIND_MESSAGE, id="Lookahead-base-group-kind"),
+    pytest.param("ScheduleFreeWrapper", _corrupt_lr, _KIND_MESSAGE, id="ScheduleFreeWrapper-base-group-kind"),
+]
+
+
+@pytest.mark.parametrize(("name", "corrupt", "message"), CORRUPT_BASES)
+def test_state_dict_of_another_layout_checks_the_base_optimizers_state(
+    name: str, corrupt: Callable[[dict[str, Any]], None], message: str
+) -> None:
+    """The base optimizer's part of a Lookahead/ScheduleFreeWrapper checkpoint (``base_optimizer``, in
+    torch's layout) with an ``exp_avg`` of another shape or a string ``lr`` was loaded without a word
+    (only the outer optimizer's own state was checked): the good state was gone and the next step
+    failed.  Now it is refused as a torch-layout entry is, and the state held before is put back."""
+    model = mlp((5, 4, 3))
+    opt = ClippedOptimizer(_layered(name, model.parameters()), MAX_NORM)
+    _resumable_run(name, model, opt, batches_for(2, seed=6), start=True)
+    bad = copy.deepcopy(opt.state_dict())
+    corrupt(bad)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=re.escape(message)):
+        opt.load_state_dict(bad)
     assert_identical(opt.state_dict(), before)
 
 
