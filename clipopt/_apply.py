@@ -26,8 +26,9 @@ from torch.optim import Optimizer
 
 from . import functional as F
 from ._config import WindowSettings
-from ._decision import NONFINITE, WindowDecision
+from ._decision import WindowDecision
 from ._inner import InnerOptimizers, inner_optimizers
+from ._reasons import NONFINITE
 from ._rollback import InnerBackup, nonfinite_loss, reevaluates
 from ._window_grads import WindowGrads
 

@@ -13,8 +13,9 @@ The stages of a window's close (docs/design.md, 'Order of operations') fill one 
 Everything after reads the record: the fused step (``skip`` is its
 ``found_inf``), the host step, the counters, :class:`~clipopt.StepStats`,
 the loggers and the snapshots.  The reason is an int64 code until read
-(:data:`REASONS` maps it to the string; docs/design.md, 'Reasons').  The spike
-rule of a :class:`~clipopt.ClipPolicy` is asked only here (:func:`policy_spike`,
+(the table of :mod:`clipopt._reasons` maps it to its name; docs/design.md,
+'Reasons').  The spike rule of a :class:`~clipopt.ClipPolicy` is asked only
+here (:func:`policy_spike`,
 :func:`spike_rule`).
 """
 
@@ -28,22 +29,24 @@ import torch
 from torch import Tensor
 
 from . import functional as F
+from ._reasons import (
+    DIVERGENCE,
+    NO_REASON,
+    NOGRAD,
+    NONFINITE,
+    NORM_OVERFLOW,
+    OVERFLOW,
+    REASONS,
+    SPIKE,
+    name_of,
+)
 
 if TYPE_CHECKING:
     from ._group_options import GroupPlan
     from ._policies import ClipPolicy
 
 __all__ = [
-    "DIVERGENCE",
-    "NOGRAD",
-    "NONFINITE",
-    "NORM_OVERFLOW",
-    "NO_REASON",
-    "OVERFLOW",
-    "REASONS",
-    "REWIND",
-    "SPIKE",
-    "TAGGED_REASONS",
+    "NONFINITE_CODES",
     "SkipSignal",
     "SkipSource",
     "WindowDecision",
@@ -53,34 +56,11 @@ __all__ = [
     "measured_groups",
     "policy_spike",
     "read_anomaly",
-    "reason_name",
     "spike_rule",
 ]
 
-#: Reason codes (int64 on the device).  ``REASONS[code]`` is what ``StepStats.reason`` returns.
-#: ``NORM_OVERFLOW``: every gradient element is finite but the float32 total norm overflowed
-#: (``inf``, as ``clip_grad_norm_`` returns it); clipping by it would zero the update, so it is
-#: skipped, but it is no non-finite gradient (see :meth:`WindowDecision.checked_elements`).
-NO_REASON, NONFINITE, OVERFLOW, SPIKE, DIVERGENCE, NOGRAD, REWIND, NORM_OVERFLOW = range(8)
-REASONS: tuple[str | None, ...] = (
-    None,
-    "nonfinite",
-    "overflow",
-    "spike",
-    "divergence",
-    "nograd",
-    "rewind",
-    "norm_overflow",
-)
-
-#: The reasons a TensorBoard log marks with a tag of their own (``clipopt/<reason>`` = 1 in that
-#: window), so that a reader tells them apart; a skipped window without one reads as "nonfinite".
-TAGGED_REASONS = ("overflow", "spike", "rewind", "norm_overflow")
-
-
-def reason_name(code: int) -> str | None:
-    """The string of a reason code (``None`` for :data:`NO_REASON`)."""
-    return REASONS[code]
+#: The codes of the reasons that count as non-finite skips (``max_consecutive_nonfinite``'s run).
+NONFINITE_CODES: tuple[int, ...] = tuple(r.code for r in REASONS if r.nonfinite)
 
 
 class SkipSignal(NamedTuple):
@@ -151,7 +131,8 @@ class WindowDecision:
         self.clipped: bool | Tensor = False
         #: 1.0 when the window is skipped; None: no skip signal is on (the host knows: never skipped).
         self.skip: Tensor | None = None
-        #: Why it is skipped: a code of :data:`REASONS` (int64 tensor, or an int decided on the host).
+        #: Why it is skipped: a reason code of :mod:`clipopt._reasons` (int64 tensor, or an int decided
+        #: on the host).
         self.reason: int | Tensor = NO_REASON
         #: True when ``nonfinite`` is the only skip signal (a skip is then a non-finite one).
         self.nonfinite_only = True
@@ -203,10 +184,8 @@ class WindowDecision:
         finite = self.elements == 0
         reason = self.reason
         if isinstance(reason, Tensor):
-            self.reason = torch.where(
-                ((reason == NONFINITE) | (reason == OVERFLOW)) & finite, NORM_OVERFLOW, reason
-            )
-        elif reason in (NONFINITE, OVERFLOW):
+            self.reason = torch.where(_nonfinite_code(reason) & finite, NORM_OVERFLOW, reason)
+        elif reason in NONFINITE_CODES:
             self.reason = torch.where(finite, NORM_OVERFLOW, reason)
         self.nonfinite_only = False
 
@@ -228,6 +207,14 @@ class WindowDecision:
         return bad if enabled else torch.zeros_like(bad)
 
 
+def _nonfinite_code(reason: Tensor) -> Tensor:
+    """True on the device where ``reason`` is the code of a non-finite reason."""
+    hit = reason == NONFINITE_CODES[0]
+    for code in NONFINITE_CODES[1:]:
+        hit = hit | (reason == code)
+    return hit
+
+
 def decide_skip(d: WindowDecision, signals: Sequence[SkipSignal]) -> None:
     """``skip`` and ``reason`` from the signals, first (highest priority) first; on the device.
 
@@ -235,7 +222,7 @@ def decide_skip(d: WindowDecision, signals: Sequence[SkipSignal]) -> None:
     first of them that is 1.0.  With no signal on, ``skip`` stays None.
     """
     active = [(s.code, s.flag) for s in signals if s.flag is not None]
-    d.nonfinite_only = all(code in (NONFINITE, OVERFLOW) for code, _ in active)  # a skip is non-finite
+    d.nonfinite_only = all(code in NONFINITE_CODES for code, _ in active)  # a skip is non-finite
     skip: Tensor | None = None
     reason: int | Tensor = NO_REASON
     for code, flag in reversed(active):
@@ -279,8 +266,8 @@ def read_anomaly(
     diverged = divergence is not None and values[1]
     spiked = spike is not None and values[-1]
     if bad:
-        return True, "overflow" if overflow else "nonfinite"
-    return False, "divergence" if diverged else "spike" if spiked else None
+        return True, name_of(OVERFLOW if overflow else NONFINITE)
+    return False, name_of(DIVERGENCE if diverged else SPIKE if spiked else NO_REASON)
 
 
 def clip_(

@@ -29,6 +29,7 @@ from ._config import WindowSettings
 from ._decision import WindowDecision, read_anomaly
 from ._distributed import sharded_layer_stats
 from ._layers import LayerStats, compute_layer_stats
+from ._reasons import NONFINITE_NAMES, NORM_OVERFLOW, by_code
 from ._snapshot import SnapshotWriter, check_saveable, now, process_rank, to_saveable, versions
 from ._state import WrapperState
 
@@ -215,7 +216,7 @@ class Diagnostics:
             if bad:
                 _look_at_elements(d, layers)
         if bad and not any(row[3] > 0 for row in layers.rows()):  # read for the payload anyway
-            reason = "norm_overflow"  # every element finite: the float32 norm overflowed
+            reason = by_code(NORM_OVERFLOW).name  # every element finite: the float32 norm overflowed
         inner, counters, scaler = saved
         payload = snapshot_payload(
             step=window[0],
@@ -235,5 +236,5 @@ class Diagnostics:
         )
         path = writer.save(payload)
         self.last_snapshot = path or self.last_snapshot
-        if path is not None and reason in ("nonfinite", "overflow"):
+        if path is not None and reason in NONFINITE_NAMES:
             self.last_nonfinite_snapshot = path

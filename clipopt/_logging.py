@@ -19,6 +19,7 @@ from ._checks import check_path, check_positive_int
 from ._distributed import check_ranks, rank_target
 from ._files import WarnOnce, check_file_path, remove_stale_temps, write_atomic
 from ._layers import LAYER_FIELDS
+from ._log_names import BASE_COLUMNS, GROUP_KINDS, LOSS, group_column, layer_column, lr_name
 from ._stats import StepStats, materialize
 
 __all__ = ["BASE_COLUMNS", "CSVLogger", "LoggedOptimizer", "Logger", "format_value", "log_window"]
@@ -78,20 +79,6 @@ class Logger(Protocol):
 
 #: Rows a :class:`CSVLogger` keeps while its writes fail, at most (or ``flush_every`` if larger).
 MAX_BUFFERED_ROWS = 10_000
-
-#: The columns every :class:`CSVLogger` row has, in order.
-BASE_COLUMNS = (
-    "step",
-    "micro_batches",
-    "total_norm",
-    "clip_coef",
-    "clipped",
-    "skipped",
-    "reason",
-    "max_norm",
-    "lr",
-    "loss",
-)
 
 
 _LOGGER_WARNINGS: weakref.WeakKeyDictionary[Any, WarnOnce] = weakref.WeakKeyDictionary()
@@ -241,17 +228,17 @@ class CSVLogger:
 
     def _columns_for(self, optimizer: LoggedOptimizer, groups: int) -> tuple[list[str], list[str]]:
         """The columns a new logger uses for ``optimizer`` with ``groups`` groups, and the layer names."""
-        columns = list(BASE_COLUMNS) + [f"lr.{g}" for g in range(1, groups)]
+        columns = list(BASE_COLUMNS) + [lr_name(g) for g in range(1, groups)]
         if self._per_group:
-            columns += [f"group_{kind}.{g}" for g in range(groups) for kind in ("norm", "coef")]
+            columns += [group_column(kind, g) for g in range(groups) for kind in GROUP_KINDS]
         names = optimizer.layer_names() if optimizer.layer_stats else []
-        columns += [f"{name}.{field}" for name in names for field in LAYER_FIELDS]
+        columns += [layer_column(name, field) for name in names for field in LAYER_FIELDS]
         return columns, names
 
     def _set_columns(self, optimizer: LoggedOptimizer, groups: int) -> None:
         columns, names = self._columns_for(optimizer, groups)
         existing = self._existing_header()
-        if existing is not None and not set(columns) - {"loss"} <= set(existing):  # older files: no loss
+        if existing is not None and not set(columns) - {LOSS} <= set(existing):  # older files: no loss
             raise ValueError(
                 f"{self.path} already holds a CSV log with other columns "
                 f"({len(existing)} vs {len(columns)}: a different model or layer_stats setting); "
@@ -316,19 +303,19 @@ class CSVLogger:
         lr: list[float | None] = list(s.lr[: self._groups])
         lr += [None] * (self._groups - len(lr))
         row = [s.step, s.micro_batches, s.total_norm, s.clip_coef, s.clipped, s.skipped, s.reason, s.max_norm]
-        names = [*BASE_COLUMNS[:-2], *(f"lr.{g}" for g in range(self._groups))]
+        names = [*BASE_COLUMNS[:-2], *(lr_name(g) for g in range(self._groups))]
         cells = dict(zip(names, (format_value(v) for v in (*row, *lr)), strict=True))
-        cells["lr"] = cells.pop("lr.0")
-        cells["loss"] = format_value(s.loss) if s.has_loss else ""
-        for g, (norm, coef) in enumerate(zip(s.group_norms, s.group_coefs, strict=True)):
-            cells[f"group_norm.{g}"], cells[f"group_coef.{g}"] = format_value(norm), format_value(coef)
+        cells[LOSS] = format_value(s.loss) if s.has_loss else ""
+        for g, pair in enumerate(zip(s.group_norms, s.group_coefs, strict=True)):
+            for kind, value in zip(GROUP_KINDS, pair, strict=True):
+                cells[group_column(kind, g)] = format_value(value)
         layers = s.logged_layers() if self._names else None
         if layers is not None:
             values = layers.as_dict()
             for name in self._names:
                 stats = values.get(name)
                 if stats:
-                    cells.update({f"{name}.{f}": format_value(stats[f]) for f in LAYER_FIELDS})
+                    cells.update({layer_column(name, f): format_value(stats[f]) for f in LAYER_FIELDS})
         return cells
 
     def flush(self) -> None:

@@ -25,7 +25,7 @@ from torch.optim import optimizer as _optim_module
 from ._apply import StateReadiness, apply_window
 from ._checkpoint import read_checkpoint, wrapper_entry
 from ._config import DTENSOR_DIAGNOSTICS, WindowSettings, check_closure, check_max_norm, configure
-from ._decision import NOGRAD, REWIND, SkipSource, WindowDecision
+from ._decision import SkipSource, WindowDecision
 from ._diagnostics import Diagnostics, layer_names
 from ._distributed import Unsynced, allreduce_mean_
 from ._distributed_decision import ReplicaDecision, settings_of
@@ -42,6 +42,7 @@ from ._layers import LayerStats
 from ._logging import Logger, log_window
 from ._loss import LossSum, check_loss, loss_of_closure
 from ._policies import ClipPolicy
+from ._reasons import NOGRAD, REWIND
 from ._recovery import SpikeRecovery, check_recovery
 from ._rewind import Rewind
 from ._rollback import UndoPoint, note_discarded

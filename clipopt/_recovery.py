@@ -24,8 +24,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ._decision import SPIKE, WindowDecision
+from ._decision import WindowDecision
 from ._distributed import has_dtensor
+from ._reasons import SPIKE
 from ._rewind import Rewind, RewindEvent
 from ._spike_guard import SpikeGuard
 

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from ._growth import LayerGrowth, layer_growth
+from ._reasons import NONFINITE_NAMES, OVERFLOW, by_code
 from ._snapshot import load_snapshot
 from ._watch import ModuleTracker, NonFiniteWatch, OpEvent, TensorStats, all_finite
 
@@ -43,7 +44,7 @@ __all__ = ["NORM_RTOL", "ReplayInputError", "ReplayResult", "replay"]
 NORM_RTOL = 1e-3
 
 #: Snapshot reasons whose replay looks for non-finite values.
-NONFINITE_REASONS = ("nonfinite", "overflow")
+NONFINITE_REASONS = NONFINITE_NAMES
 
 #: Prefixes that wrappers add to parameter names (DDP / DataParallel, torch.compile).
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -297,7 +298,7 @@ def _strip(name: str, own: Mapping[str, Any]) -> str | None:
 
 def _scale(snap: Mapping[str, Any]) -> float | None:
     scale = snap.get("scale")
-    if snap["reason"] != "overflow" or not isinstance(scale, (int, float)) or scale == 1.0:
+    if snap["reason"] != by_code(OVERFLOW).name or not isinstance(scale, (int, float)) or scale == 1.0:
         return None
     return float(scale)
 

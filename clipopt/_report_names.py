@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 
+from ._log_names import LOSS, LR, TOTAL_NORM, column_tag
+
 __all__ = ["LOSS_NAMES", "LR_NAMES", "NORM_NAMES", "STEP_NAMES", "choose", "is_validation", "pick"]
 
 #: Step columns, in order of preference.
@@ -21,7 +23,7 @@ STEP_NAMES = ("step", "global_step", "trainer/global_step", "iteration", "iter")
 #: Gradient-norm names, in order of preference; then Lightning's ``grad_<p>_norm_total``, then a training
 #: name ending in ``total_norm``, ``grad_norm`` or ``gradient_norm`` (``*/total_norm``).
 NORM_NAMES = (
-    "clipopt/total_norm",
+    column_tag(TOTAL_NORM),
     "total_norm",
     "grad_norm",
     "gradient_norm",
@@ -34,7 +36,7 @@ NORM_NAMES = (
 #: or ``loss_step`` (``Loss/train``, ``train/loss``, Lightning's ``loss_step``, but not ``val_loss``,
 #: ``Loss/test`` or the per-epoch ``loss_epoch``).
 LOSS_NAMES = (
-    "clipopt/loss",
+    column_tag(LOSS),
     "loss",
     "train_loss",
     "train/loss",
@@ -45,7 +47,7 @@ LOSS_NAMES = (
 )
 #: Learning-rate names, in order of preference; then a name starting with ``lr-`` or ``lr/`` (Lightning's
 #: LearningRateMonitor) or ending in ``/lr`` or ``/learning_rate``.
-LR_NAMES = ("clipopt/lr", "lr", "learning_rate", "train/learning_rate", "train/lr")
+LR_NAMES = (column_tag(LR), "lr", "learning_rate", "train/learning_rate", "train/lr")
 
 _LIGHTNING_TOTAL = re.compile(r"grad_(?:[0-9.]+|inf)_norm_total")
 _HELD_OUT = "val|valid|validation|eval|evaluation|test|dev"

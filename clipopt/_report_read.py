@@ -45,8 +45,9 @@ from typing import Any
 
 import torch
 
-from ._decision import TAGGED_REASONS
 from ._layers import LAYER_FIELDS
+from ._log_names import CLIPPED, GROUP_COLUMN, GROUP_TAG, LAYERS_TAG, MAX_NORM, REASON, SKIPPED, column_tag
+from ._reasons import NONFINITE, REASONS, by_code
 from ._report_names import LOSS_NAMES, LR_NAMES, NORM_NAMES, STEP_NAMES, choose, pick
 
 __all__ = [
@@ -61,11 +62,12 @@ __all__ = [
 ]
 
 _LIGHTNING_LAYER = re.compile(r"grad_(?:[0-9.]+|inf)_norm/(.+)")
-#: clipopt's per-group columns (CSV) and tags (TensorBoard): what, group index.
-_GROUP_COLUMN = re.compile(r"group_(norm|coef)\.([0-9]+)")
-_GROUP_TAG = re.compile(r"clipopt/group_(norm|coef)/([0-9]+)")
-#: clipopt's TensorBoard tags read by exact name (``clipopt/<key>``), besides the norm, loss and lr.
-_CLIPOPT_TAGS = ("max_norm", "clipped", "skipped", *TAGGED_REASONS)
+#: clipopt's TensorBoard tags read by exact name (``clipopt/<key>``), besides the norm, loss, lr and
+#: the skip reasons' tags (each reason's ``tag`` in :data:`clipopt._reasons.REASONS`).
+_CLIPOPT_TAGS = (MAX_NORM, CLIPPED, SKIPPED)
+#: The reason of a skipped window whose log names none (TensorBoard logs of earlier versions tagged
+#: only some reasons; an untagged skip was a non-finite one).
+_UNMARKED = by_code(NONFINITE).name
 _NAN = math.nan
 #: Rows converted column by column at once.
 _CHUNK = 16384
@@ -304,11 +306,11 @@ def _columns(name: str, header: list[str], names: Names) -> _Columns:
     cols = _Columns(at[step] if step is not None else -1, norm)
     cols.loss = at[loss_name] if loss_name is not None else -1
     cols.lr = at[lr] if lr is not None else -1
-    for key in ("max_norm", "clipped", "skipped", "reason"):
-        setattr(cols, key, at.get(key, -1))
+    cols.max_norm, cols.clipped = at.get(MAX_NORM, -1), at.get(CLIPPED, -1)
+    cols.skipped, cols.reason = at.get(SKIPPED, -1), at.get(REASON, -1)
     for i, col in enumerate(header):
         base, _, fld = col.rpartition(".")
-        if (m := _GROUP_COLUMN.fullmatch(col)) is not None:
+        if (m := GROUP_COLUMN.fullmatch(col)) is not None:
             cols.groups.append((int(m.group(2)), m.group(1), i))
         elif base and fld in LAYER_FIELDS and i != norm:
             cols.layers.setdefault(base, {})[fld] = i
@@ -624,8 +626,10 @@ def _from_records(
     layers: dict[str, dict[int, dict[str, float]]],
     groups: dict[int, dict[str, dict[int, float]]] | None = None,
 ) -> GradLog:
-    """A GradLog from step -> {"norm", "loss", "lr", "max_norm", "clipped", "skipped", "overflow",
-    "spike", "rewind", "norm_overflow"} (and ``groups``: group -> "norm"/"coef" -> step -> value)."""
+    """A GradLog from step -> {"norm", "loss", "lr", "max_norm", "clipped", "skipped", and each skip
+    reason's tag (``clipopt/nograd``, ...: 1.0 where the window was skipped for it)} (and ``groups``:
+    group -> "norm"/"coef" -> step -> value).  A skipped window without a reason's tag (a log of
+    an earlier version) reads as "nonfinite"."""
     log = GradLog(name, source)
     index: dict[int, int] = {}
     for step in sorted(records):
@@ -638,13 +642,13 @@ def _from_records(
         loss = rec.get("loss", _NAN)  # a recorded loss that is not finite (NaN too) reads as inf
         log.loss.append(loss if math.isfinite(loss) or "loss" not in rec else math.inf)
         log.lr.append(rec.get("lr", _NAN))
-        log.max_norm.append(rec.get("max_norm", _NAN))
-        log.clipped.append(1 if rec.get("clipped", 0.0) > 0.5 else 0)
-        skipped = rec.get("skipped", 0.0) > 0.5
+        log.max_norm.append(rec.get(MAX_NORM, _NAN))
+        log.clipped.append(1 if rec.get(CLIPPED, 0.0) > 0.5 else 0)
+        skipped = rec.get(SKIPPED, 0.0) > 0.5
         log.skipped.append(1 if skipped else 0)
         if skipped:
-            marked = [r for r in TAGGED_REASONS if rec.get(r, 0.0) > 0.5]
-            log.reason[len(log.steps) - 1] = marked[0] if marked else "nonfinite"
+            marked = [r.name for r in REASONS if rec.get(r.tag, 0.0) > 0.5]
+            log.reason[len(log.steps) - 1] = marked[0] if marked else _UNMARKED
     rows = sorted({s for per in layers.values() for s in per if s in index})
     log.layer_rows.extend(index[s] for s in rows)
     log.counted = {n for n, per in layers.items() if any("nonfinite" in v for v in per.values())}
@@ -722,7 +726,8 @@ def _read_tensorboard(name: str, names: Names) -> GradLog:
         "norm": norm_tag,
         "loss": choose("loss", tags if names.loss else candidates, names.loss, name, "scalar tag"),
         "lr": pick("lr", candidates),
-        **{key: f"clipopt/{key}" if f"clipopt/{key}" in scalars else None for key in _CLIPOPT_TAGS},
+        **{key: column_tag(key) if column_tag(key) in scalars else None for key in _CLIPOPT_TAGS},
+        **{r.tag: r.tag if r.tag in scalars else None for r in REASONS},  # the record's key is the tag
     }
     records: dict[int, dict[str, float]] = {}
     for key, tag in wanted.items():
@@ -732,7 +737,7 @@ def _read_tensorboard(name: str, names: Names) -> GradLog:
     log = _from_records(name, "TensorBoard", records, layers, groups)
     log.norm_column, log.loss_column = norm_tag, wanted["loss"]
     log.ignored = [t for t in tags if t not in wanted.values() and not _layer_or_group_tag(t)]
-    log.has_clipping = wanted["clipped"] is not None
+    log.has_clipping = wanted[CLIPPED] is not None
     return log
 
 
@@ -770,9 +775,9 @@ def _layer_or_group_tag(tag: str) -> bool:
     """A per-layer (clipopt's or Lightning's) or per-group (clipopt's) tag."""
     parts = tag.split("/")
     return (
-        _GROUP_TAG.fullmatch(tag) is not None
+        GROUP_TAG.fullmatch(tag) is not None
         or _LIGHTNING_LAYER.fullmatch(tag) is not None
-        or (len(parts) >= 4 and parts[:2] == ["clipopt", "layers"] and parts[-1] in LAYER_FIELDS)
+        or (len(parts) >= 4 and tag.startswith(LAYERS_TAG) and parts[-1] in LAYER_FIELDS)
     )
 
 
@@ -785,9 +790,9 @@ def _tensorboard_layers_and_groups(
     groups: dict[int, dict[str, dict[int, float]]] = {}
     for tag, events in scalars.items():
         parts = tag.split("/")
-        if (m := _GROUP_TAG.fullmatch(tag)) is not None:
+        if (m := GROUP_TAG.fullmatch(tag)) is not None:
             groups.setdefault(int(m.group(2)), {}).setdefault(m.group(1), {}).update(events)
-        elif len(parts) >= 4 and parts[0] == "clipopt" and parts[1] == "layers" and parts[-1] in LAYER_FIELDS:
+        elif len(parts) >= 4 and tag.startswith(LAYERS_TAG) and parts[-1] in LAYER_FIELDS:
             per = layers.setdefault("/".join(parts[2:-1]), {})
             for step, value in events:
                 per.setdefault(step, {})[parts[-1]] = value

@@ -129,10 +129,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._reasons import NORM_OVERFLOW, OVERFLOW, REWIND, SPIKE, by_code
 from ._report_read import GradLog
 from ._text import fmt_num as _num
 
 __all__ = ["VERDICTS", "analyze", "block", "percentile"]
+
+#: The skip reasons the rules tell apart, by name (as the logs hold them).
+_OVERFLOW, _NORM_OVERFLOW, _SPIKE, _REWIND = (
+    by_code(c).name for c in (OVERFLOW, NORM_OVERFLOW, SPIKE, REWIND)
+)
 
 #: Verdicts, most severe first.
 VERDICTS = ("exploding", "nonfinite", "spikes", "vanishing", "healthy")
@@ -285,7 +291,7 @@ def _overflow_rows(log: GradLog) -> Tensor:
     """Rows whose norm is not finite with reason ``overflow``: a GradScaler calibrating, never evidence."""
     overflow = torch.zeros(len(log), dtype=torch.bool)
     for i, r in log.reason.items():
-        if r == "overflow" and not math.isfinite(log.total_norm[i]):
+        if r == _OVERFLOW and not math.isfinite(log.total_norm[i]):
             overflow[i] = True
     return overflow
 
@@ -306,7 +312,7 @@ def _nonfinite_findings(
     if not bad_rows.numel():
         return []
     finding = _nonfinite(log, bad_rows)
-    if log.reason.get(first_bad) == "norm_overflow":  # finite gradients, a float32 norm over 3.4e38
+    if log.reason.get(first_bad) == _NORM_OVERFLOW:  # finite gradients, a float32 norm over 3.4e38
         finding["verdict"] = "exploding"
         finding["evidence"] += (
             "; its gradients were finite, their float32 norm overflowed (reason 'norm_overflow')"
@@ -348,8 +354,8 @@ def _run_notes(log: GradLog, n_overflow: int, handled: list[int]) -> list[str]:
 def _recovery_notes(log: GradLog) -> list[str]:
     """Notes on SpikeGuard skips (reason ``spike``) and Rewind rewinds (reason ``rewind``)."""
     notes = []
-    spikes = [log.steps[i] for i, r in sorted(log.reason.items()) if r == "spike"]
-    rewinds = [log.steps[i] for i, r in sorted(log.reason.items()) if r == "rewind"]
+    spikes = [log.steps[i] for i, r in sorted(log.reason.items()) if r == _SPIKE]
+    rewinds = [log.steps[i] for i, r in sorted(log.reason.items()) if r == _REWIND]
     if spikes:
         steps = _steps_text(spikes)
         notes.append(f"{len(spikes)} update(s) skipped as spikes (reason 'spike') at step(s) {steps}")
@@ -529,7 +535,7 @@ def _measure_growth(log: GradLog, norm: Tensor, finite: Tensor, notes: list[str]
     k = block(m)
     # a run whose last block of rows is non-finite (not overflows) ended above every bound
     last = range(max(0, len(log) - k), len(log))
-    ends_bad = all(not math.isfinite(log.total_norm[i]) and log.reason.get(i) != "overflow" for i in last)
+    ends_bad = all(not math.isfinite(log.total_norm[i]) and log.reason.get(i) != _OVERFLOW for i in last)
     tail = _median(x[-k:])
     grew = m >= GROWTH_MIN_UPDATES and tail >= GROWTH_RATIO * start
     onset = _sustained_onset(x, GROWTH_ONSET_RATIO * start, k)
@@ -1112,8 +1118,8 @@ def _summary(
         "clipped_fraction": sum(log.clipped) / n,
         "handled_spikes": handled,
         "skipped": sum(log.skipped),
-        "spike_skips": sum(1 for r in log.reason.values() if r == "spike"),
-        "rewinds": sum(1 for r in log.reason.values() if r == "rewind"),
+        "spike_skips": sum(1 for r in log.reason.values() if r == _SPIKE),
+        "rewinds": sum(1 for r in log.reason.values() if r == _REWIND),
         "nonfinite": int((~finite).sum()),
         "overflow": overflow,
         "finite_norms": int(x.numel()),

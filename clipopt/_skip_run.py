@@ -22,6 +22,7 @@ import collections
 import warnings
 
 from ._caller import user_stacklevel
+from ._reasons import by_name
 from ._stats import StepStats, materialize
 
 __all__ = ["PENDING", "WARN_AFTER", "SkipRun"]
@@ -32,21 +33,6 @@ WARN_AFTER = 10
 #: Windows whose outcome the host does not know yet, kept at most (a logger flushing less often
 #: than this, on a fused optimizer, may not see its runs warned about).
 PENDING = 256
-
-#: What to check, by the reason of the skips.
-_CHECK = {
-    "nonfinite": "the gradients are not finite: look for nan/inf in the loss and the inputs "
-    "(snapshot_dir= and `clipopt inspect` name the parameter), or lower the learning rate",
-    "overflow": "the GradScaler overflows every window: the loss is not finite in half precision "
-    "even at a small scale; check the loss, or train in bfloat16",
-    "norm_overflow": "the gradients are finite but their float32 norm overflows: the training is "
-    "exploding; lower the learning rate or check the loss",
-    "spike": "every window counts as a spike: the spike rule (ZClip/AutoClip's, SpikeGuard's) is "
-    "too strict for this run, or the loss keeps rising",
-    "divergence": "the data-parallel replicas disagree: every rank must run the same model and steps",
-    "nograd": "no parameter has a gradient: call loss.backward() before opt.step(), and check requires_grad",
-    "rewind": "Rewind keeps restoring copies: the spikes come back after every rewind",
-}
 
 
 class SkipRun:
@@ -92,7 +78,8 @@ def _message(run: list[StepStats], last: int) -> str:
     materialize(run)  # their reasons: one host read, once per run
     counts = collections.Counter(s.reason for s in run)
     reasons = ", ".join(f"{reason!r} x{n}" for reason, n in counts.most_common())
-    checks = "; ".join(_CHECK[r] for r, _ in counts.most_common() if r in _CHECK)
+    found = [by_name(r) for r, _ in counts.most_common() if r is not None]
+    checks = "; ".join(r.remedy for r in found if r is not None)
     first = run[0].step
     since = "the start" if first == 1 else f"step {first - 1}"
     return (

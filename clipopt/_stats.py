@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ._decision import reason_name
+from ._layers import LayerStats
+from ._reasons import name_of
 
 if TYPE_CHECKING:
     from ._decision import WindowDecision
-    from ._layers import LayerStats
 
 __all__ = ["StepStats", "materialize"]
 
@@ -104,7 +104,7 @@ class StepStats:
         self._clip_coef = decision.coef
         self._clipped = decision.clipped
         self._skipped = skipped
-        self._reason: int | float | Tensor = decision.reason  # a code of clipopt._decision.REASONS
+        self._reason: int | float | Tensor = decision.reason  # a reason code of clipopt._reasons
         self._max_norm = decision.max_norm
         self._lr: tuple[float | Tensor, ...] = tuple(lr)
         self.layers = layers
@@ -187,7 +187,7 @@ class StepStats:
             return None
         if isinstance(self._reason, Tensor):
             self._reason = _as_float(self._reason)
-        return reason_name(int(self._reason))
+        return name_of(int(self._reason))
 
     def logged_layers(self) -> LayerStats | None:
         """The per-layer row a logger writes: :attr:`layers` when due, else -- when this window's

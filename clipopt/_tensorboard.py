@@ -13,11 +13,24 @@ import torch
 from torch import Tensor
 
 from ._checks import check_path, check_positive_int
-from ._decision import TAGGED_REASONS
 from ._distributed import check_ranks, rank_target
 from ._files import WarnOnce, check_dir_path
 from ._layers import LAYER_FIELDS
+from ._log_names import (
+    CLIP_COEF,
+    CLIPPED,
+    LOSS,
+    MAX_NORM,
+    MICRO_BATCHES,
+    SKIPPED,
+    TOTAL_NORM,
+    column_tag,
+    group_tag,
+    layer_tag,
+    lr_name,
+)
 from ._logging import LoggedOptimizer
+from ._reasons import tag_of
 from ._stats import StepStats, materialize
 
 if TYPE_CHECKING:
@@ -36,8 +49,10 @@ class TensorBoardLogger:
     Scalars, at ``global_step = stats.step`` (the window index), the same as
     the :class:`~clipopt.CSVLogger` columns: ``clipopt/total_norm`` (pre-clip),
     ``clipopt/clip_coef``, ``clipopt/clipped`` (0/1), ``clipopt/skipped``
-    (0/1), ``clipopt/overflow`` (1, only in windows skipped for a GradScaler
-    overflow), ``clipopt/micro_batches``, ``clipopt/max_norm`` (only when norm
+    (0/1), ``clipopt/<reason>`` (1, only in windows skipped for that reason:
+    every :attr:`StepStats.reason <clipopt.StepStats>` has its own tag, e.g.
+    ``clipopt/overflow`` for a GradScaler overflow, ``clipopt/nograd``),
+    ``clipopt/micro_batches``, ``clipopt/max_norm`` (only when norm
     clipping is on) and ``clipopt/lr`` (group 0), ``clipopt/lr.1``, ... for
     further parameter groups; with per-group clipping ``clipopt/group_norm/<g>``
     and ``clipopt/group_coef/<g>`` for every group ``g``.  On windows with per-layer statistics
@@ -142,30 +157,31 @@ class TensorBoardLogger:
                 self._writer.add_histogram(f"clipopt/grad/{name}", values, stats.step, walltime=walltime)
 
     def _write_scalars(self, s: StepStats, walltime: float) -> None:
-        def add(tag: str, value: float) -> None:
-            self._writer.add_scalar(f"clipopt/{tag}", value, s.step, walltime=walltime)
+        def add(name: str, value: float) -> None:  # a full tag (clipopt._log_names, clipopt._reasons)
+            self._writer.add_scalar(name, value, s.step, walltime=walltime)
 
-        add("total_norm", s.total_norm)
-        add("clip_coef", s.clip_coef)
-        add("clipped", float(s.clipped))
-        add("skipped", float(s.skipped))
-        add("micro_batches", float(s.micro_batches))
-        if s.reason in TAGGED_REASONS:  # a GradScaler overflow, a spike skip, a rewind, a norm overflow
-            add(s.reason, 1.0)
+        add(column_tag(TOTAL_NORM), s.total_norm)
+        add(column_tag(CLIP_COEF), s.clip_coef)
+        add(column_tag(CLIPPED), float(s.clipped))
+        add(column_tag(SKIPPED), float(s.skipped))
+        add(column_tag(MICRO_BATCHES), float(s.micro_batches))
+        reason_tag = None if s.reason is None else tag_of(s.reason)
+        if reason_tag is not None:  # every skip reason has its own tag: 1 where it skipped
+            add(reason_tag, 1.0)
         if s.max_norm is not None:
-            add("max_norm", float(s.max_norm))
+            add(column_tag(MAX_NORM), float(s.max_norm))
         if s.has_loss:
-            add("loss", s.loss)
+            add(column_tag(LOSS), s.loss)
         for g, lr in enumerate(s.lr):
-            add("lr" if g == 0 else f"lr.{g}", float(lr))
+            add(column_tag(lr_name(g)), float(lr))
         for g, (norm, coef) in enumerate(zip(s.group_norms, s.group_coefs, strict=True)):
-            add(f"group_norm/{g}", norm)
-            add(f"group_coef/{g}", coef)
+            add(group_tag("norm", g), norm)
+            add(group_tag("coef", g), coef)
         layers = s.logged_layers()  # also a non-finite window's own row, as CSVLogger writes it
         if layers is not None:
             for name, row in zip(layers.names, layers.rows(), strict=True):
                 for field, value in zip(LAYER_FIELDS, row, strict=True):
-                    add(f"layers/{name}/{field}", value)
+                    add(layer_tag(name, field), value)
 
     def flush(self) -> None:
         """Write the buffered scalars now (one host read for all of them) and flush the event file."""

@@ -31,11 +31,6 @@ from . import functional as F
 from ._badrow import any_nonfinite
 from ._config import WindowSettings
 from ._decision import (
-    DIVERGENCE,
-    NONFINITE,
-    NORM_OVERFLOW,
-    OVERFLOW,
-    SPIKE,
     SkipSignal,
     SkipSource,
     WindowDecision,
@@ -49,6 +44,7 @@ from ._diagnostics import norm_with_row, row_of_norms
 from ._distributed import reduce_norm_over
 from ._distributed_decision import ReplicaDecision
 from ._layers import LayerStats
+from ._reasons import DIVERGENCE, NONFINITE, NORM_OVERFLOW, OVERFLOW, SPIKE
 from ._window_grads import WindowGrads
 
 __all__ = ["agree", "check_clippable", "clip_and_decide", "measure", "reclip"]

@@ -133,7 +133,8 @@ def test_an_extra_skip_source_skips_with_its_reason_and_leaves_no_trace() -> Non
 def test_decide_skip_takes_the_first_signal_that_is_on() -> None:
     """The skip reason is decided once, on the device: the first signal that is on (in the order
     given) names it, the skip flag is the maximum of the flags, and no signal on means no skip."""
-    from clipopt._decision import REASONS, SkipSignal, WindowDecision, decide_skip
+    from clipopt._decision import SkipSignal, WindowDecision, decide_skip
+    from clipopt._reasons import NAMES as REASONS
 
     def decided(*signals: tuple[int, float | None]) -> tuple[float | None, str | None]:
         d = WindowDecision(torch.tensor(1.0), torch.tensor(0.0))

@@ -21,7 +21,7 @@ STAT_KEYS = (
     "clip_coef",  # the latest norm-clipping coefficient
     "clipped",  # fraction of the updates since the previous read that clipping changed
     "skipped",  # how many of them were skipped
-    "skipped_<reason>",  # ... for each reason ("nonfinite", "overflow", "spike")
+    "skipped_<reason>",  # ... for each reason (a name of clipopt._reasons.REASONS: "nonfinite", ...)
     "updates",  # updates applied since the start (opt.num_updates)
     "skipped_total",  # updates skipped since the start (opt.num_skipped)
     "loss",  # the latest update's loss (opt.step(loss=...)), when recorded

@@ -1,0 +1,93 @@
+"""The names of clipopt's log columns (CSV) and scalar tags (TensorBoard), for writers and readers.
+
+:class:`~clipopt.CSVLogger` and :class:`~clipopt.TensorBoardLogger` write
+these names; ``clipopt report``'s reader (:mod:`clipopt._report_read`,
+:mod:`clipopt._report_names`) finds them by the same names.  The skip
+reasons' own tags are rows of :data:`clipopt._reasons.REASONS`.  The names
+never change: logs written by earlier versions must read the same.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "column_tag",
+    "BASE_COLUMNS",
+    "CLIPPED",
+    "CLIP_COEF",
+    "GROUP_COLUMN",
+    "GROUP_KINDS",
+    "GROUP_TAG",
+    "LAYERS_TAG",
+    "LOSS",
+    "LR",
+    "MAX_NORM",
+    "MICRO_BATCHES",
+    "REASON",
+    "SKIPPED",
+    "STEP",
+    "TAG_PREFIX",
+    "TOTAL_NORM",
+    "group_column",
+    "group_tag",
+    "layer_column",
+    "layer_tag",
+    "lr_name",
+]
+
+#: What every clipopt TensorBoard tag starts with (``clipopt/<column>``).
+TAG_PREFIX = "clipopt/"
+
+STEP = "step"
+MICRO_BATCHES = "micro_batches"
+TOTAL_NORM = "total_norm"  #: the pre-clip norm
+CLIP_COEF = "clip_coef"
+CLIPPED = "clipped"  #: 0/1
+SKIPPED = "skipped"  #: 0/1
+REASON = "reason"  #: CSV only: the skip reason's name (TensorBoard: the reason's own tag)
+MAX_NORM = "max_norm"
+LR = "lr"  #: group 0's; ``lr.<g>`` for a further group (:func:`lr_name`)
+LOSS = "loss"
+
+#: The columns every :class:`~clipopt.CSVLogger` row has, in order.
+BASE_COLUMNS = (STEP, MICRO_BATCHES, TOTAL_NORM, CLIP_COEF, CLIPPED, SKIPPED, REASON, MAX_NORM, LR, LOSS)
+
+#: Per-group clipping's columns and tags: each group's pre-clip norm and its coefficient.
+GROUP_KINDS = ("norm", "coef")
+#: A per-group column (``group_norm.<g>``): kind, group index.
+GROUP_COLUMN = re.compile(r"group_(norm|coef)\.([0-9]+)")
+#: A per-group tag (``clipopt/group_norm/<g>``): kind, group index.
+GROUP_TAG = re.compile(re.escape(TAG_PREFIX) + r"group_(norm|coef)/([0-9]+)")
+#: What the per-layer tags start with (``clipopt/layers/<name>/<field>``).
+LAYERS_TAG = TAG_PREFIX + "layers/"
+
+
+def column_tag(column: str) -> str:
+    """The TensorBoard tag of a column (``clipopt/<column>``)."""
+    return TAG_PREFIX + column
+
+
+def lr_name(group: int) -> str:
+    """The learning-rate column (and tag suffix) of parameter group ``group``: ``lr``, ``lr.1``, ..."""
+    return LR if group == 0 else f"{LR}.{group}"
+
+
+def group_column(kind: str, group: int) -> str:
+    """The CSV column of a group's ``kind`` (``"norm"`` or ``"coef"``): ``group_norm.<g>``."""
+    return f"group_{kind}.{group}"
+
+
+def group_tag(kind: str, group: int) -> str:
+    """The TensorBoard tag of a group's ``kind``: ``clipopt/group_norm/<g>``."""
+    return f"{TAG_PREFIX}group_{kind}/{group}"
+
+
+def layer_column(name: str, field: str) -> str:
+    """The CSV column of one layer's statistic: ``<name>.<field>``."""
+    return f"{name}.{field}"
+
+
+def layer_tag(name: str, field: str) -> str:
+    """The TensorBoard tag of one layer's statistic: ``clipopt/layers/<name>/<field>``."""
+    return f"{LAYERS_TAG}{name}/{field}"

@@ -1,0 +1,151 @@
+"""The skip reasons: one table, read by everything that writes or reads a reason.
+
+A skipped window's reason is an int64 code on the device (:mod:`clipopt._decision`
+decides it without a host read); :class:`~clipopt.StepStats` turns it into the
+reason's name when read.  Every writer and reader takes the names, the
+TensorBoard tags and the non-finite classification from :data:`REASONS`:
+``StepStats.reason``, the CSV ``reason`` column (:class:`~clipopt.CSVLogger`),
+the ``clipopt/<reason>`` tags (:class:`~clipopt.TensorBoardLogger` and the
+report's reader), the report's rules, replay, the integrations'
+``skipped_<reason>`` keys and the run-of-skips warning.
+
+A new reason is a new row: the next code (existing codes never change, so that
+state dicts, CSV files and TensorBoard logs written earlier read the same), a
+name, whether it counts as non-finite, its tag and what it means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "DIVERGENCE",
+    "NAMES",
+    "NOGRAD",
+    "NONFINITE",
+    "NONFINITE_NAMES",
+    "NORM_OVERFLOW",
+    "NO_REASON",
+    "OVERFLOW",
+    "REASONS",
+    "REWIND",
+    "SPIKE",
+    "Reason",
+    "by_code",
+    "by_name",
+    "name_of",
+    "tag_of",
+]
+
+
+@dataclass(frozen=True)
+class Reason:
+    """One skip reason: its code (on the device), name (``StepStats.reason``, the CSV ``reason``
+    column), whether it counts as a non-finite skip, its TensorBoard tag (1.0 in the windows
+    skipped for it), what it means, and what to check when every window is skipped for it."""
+
+    code: int
+    name: str
+    nonfinite: bool
+    tag: str
+    meaning: str
+    remedy: str
+
+
+#: Reason codes (int64 on the device); ``NO_REASON``: the window was not skipped.
+NO_REASON, NONFINITE, OVERFLOW, SPIKE, DIVERGENCE, NOGRAD, REWIND, NORM_OVERFLOW = range(8)
+
+#: Every skip reason once, in code order (``REASONS[code - 1].code == code``).
+REASONS: tuple[Reason, ...] = (
+    Reason(
+        NONFINITE,
+        "nonfinite",
+        True,
+        "clipopt/nonfinite",
+        "a gradient element is nan/inf",
+        "the gradients are not finite: look for nan/inf in the loss and the inputs "
+        "(snapshot_dir= and `clipopt inspect` name the parameter), or lower the learning rate",
+    ),
+    Reason(
+        OVERFLOW,
+        "overflow",
+        True,
+        "clipopt/overflow",
+        "a gradient element is nan/inf in a GradScaler run (its normal overflow, or a fault)",
+        "the GradScaler overflows every window: the loss is not finite in half precision "
+        "even at a small scale; check the loss, or train in bfloat16",
+    ),
+    Reason(
+        SPIKE,
+        "spike",
+        False,
+        "clipopt/spike",
+        "the spike rule of the clip policy (skip_spikes=True) or of a SpikeGuard",
+        "every window counts as a spike: the spike rule (ZClip/AutoClip's, SpikeGuard's) is "
+        "too strict for this run, or the loss keeps rising",
+    ),
+    Reason(
+        DIVERGENCE,
+        "divergence",
+        False,
+        "clipopt/divergence",
+        "the data-parallel replicas' gradients or window counters disagree",
+        "the data-parallel replicas disagree: every rank must run the same model and steps",
+    ),
+    Reason(
+        NOGRAD,
+        "nograd",
+        False,
+        "clipopt/nograd",
+        "no parameter has a gradient in the window",
+        "no parameter has a gradient: call loss.backward() before opt.step(), and check requires_grad",
+    ),
+    Reason(
+        REWIND,
+        "rewind",
+        False,
+        "clipopt/rewind",
+        "a Rewind restored a copy and discarded the window",
+        "Rewind keeps restoring copies: the spikes come back after every rewind",
+    ),
+    Reason(
+        NORM_OVERFLOW,
+        "norm_overflow",
+        False,
+        "clipopt/norm_overflow",
+        "every gradient element is finite but the float32 total norm overflowed (inf)",
+        "the gradients are finite but their float32 norm overflows: the training is "
+        "exploding; lower the learning rate or check the loss",
+    ),
+)
+
+#: ``NAMES[code]``: the reason's name, None for :data:`NO_REASON`.
+NAMES: tuple[str | None, ...] = (None, *(r.name for r in REASONS))
+
+#: The names of the reasons that count as non-finite skips.
+NONFINITE_NAMES: frozenset[str] = frozenset(r.name for r in REASONS if r.nonfinite)
+
+_BY_NAME = {r.name: r for r in REASONS}
+
+
+def by_code(code: int) -> Reason:
+    """The reason with this code (not :data:`NO_REASON`, which is none)."""
+    if not 0 < code <= len(REASONS):
+        raise ValueError(f"no skip reason has code {code!r}; the codes are 1 to {len(REASONS)}")
+    return REASONS[code - 1]
+
+
+def by_name(name: str) -> Reason | None:
+    """The reason with this name; None for a name that is none (e.g. from a newer version)."""
+    return _BY_NAME.get(name)
+
+
+def name_of(code: int) -> str | None:
+    """The name of a reason code (``None`` for :data:`NO_REASON`)."""
+    return NAMES[code]
+
+
+def tag_of(name: str) -> str | None:
+    """The TensorBoard tag of the reason named ``name``; None for an unknown name."""
+    reason = _BY_NAME.get(name)
+    return None if reason is None else reason.tag
