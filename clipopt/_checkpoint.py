@@ -9,7 +9,6 @@ returns what the optimizer then takes over.  The format is ``_state.FORMAT_VERSI
 
 from __future__ import annotations
 
-import copy
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -21,11 +20,13 @@ from ._distributed import Unsynced
 from ._group_options import check_groups, group_keys, kept_options
 from ._inner import inner_optimizers, inner_state_dicts
 from ._loss import LossSum
+from ._policies import checked_policy_state
 from ._recovery import SpikeRecovery
 from ._state import (
     StateDictError,
     WrapperState,
     check_loaded_state,
+    check_scaler_matches,
     has_own_layout,
     held_state,
     keep_group_keys,
@@ -152,9 +153,9 @@ def read_checkpoint(
     torch_parts = [None if mine else part for (part, _), mine in zip(parts, own, strict=True)]
     wrapper = read_wrapper_state(state_dict, params, accumulation_steps, torch_parts)
     kept = _check_parts(parts, own, policy, norm_group)
-    policy_state = _checked_policy_state(state_dict, policy)
-    _check_scaler_state(wrapper, scaler)
     ext = state_dict.get("clipopt")
+    policy_state = checked_policy_state(ext.get("policy") if isinstance(ext, dict) else None, policy)
+    check_scaler_matches(wrapper[2] if wrapper is not None else None, scaler)
     unsynced = Unsynced.from_dict(
         ext.get("unsynced") if isinstance(ext, dict) else None, wrapper[0].micro_batches if wrapper else 0
     )
@@ -237,35 +238,7 @@ def _copied_wrapper_check(policy: ClipPolicy | None, scaler: torch.amp.GradScale
     def check(extra: Any) -> None:
         if not isinstance(extra, dict):
             return
-        _checked_policy_state({"clipopt": {"policy": extra.get("policy")}}, policy)
-        _check_scaler_state((None, None, extra.get("scaler")), scaler)
+        checked_policy_state(extra.get("policy"), policy)
+        check_scaler_matches(extra.get("scaler"), scaler)
 
     return check
-
-
-def _check_scaler_state(wrapper: Any, scaler: torch.amp.GradScaler | None) -> None:
-    """Load the saved scaler state into a copy of the scaler first: it may refuse it."""
-    if wrapper is None or wrapper[2] is None or scaler is None:
-        return
-    try:
-        copy.deepcopy(scaler).load_state_dict(wrapper[2])
-    except (RuntimeError, KeyError, TypeError, ValueError) as exc:
-        raise ValueError(
-            f"invalid state_dict: the GradScaler rejected 'clipopt.scaler' ({exc}); "
-            "pass a state dict saved with a scaler configured like this one"
-        ) from exc
-
-
-def _checked_policy_state(state_dict: dict[str, Any], policy: ClipPolicy | None) -> dict[str, Any] | None:
-    """The policy's saved state, checked by loading it into a copy of the policy first."""
-    ext = state_dict.get("clipopt")
-    state = ext.get("policy") if isinstance(ext, dict) else None
-    if state is None or policy is None:
-        return None
-    if not isinstance(state, dict):
-        raise ValueError(
-            f"invalid state_dict: 'clipopt.policy' must be a dict, got {type(state).__name__}; "
-            "pass the dict returned by opt.state_dict()"
-        )
-    copy.deepcopy(policy).load_state_dict(state)  # raises ValueError, touching nothing
-    return state

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from . import functional as F
 from ._layers import LayerStats, compute_layer_stats
+from ._state import bad
 
 __all__ = [
     "ShardedGrads",
@@ -139,10 +140,9 @@ class Unsynced:
             and isinstance(value.get("model_type"), str)
         )
         if not ok:
-            raise ValueError(
-                f"invalid state_dict: 'clipopt.unsynced' must be None or a DDP marker of the open "
-                f"window's latest micro-batch ({micro_batches}), got {value!r:.120}; "
-                "pass the dict returned by opt.state_dict()"
+            raise bad(
+                "'clipopt.unsynced' must be None or a DDP marker of the open "
+                f"window's latest micro-batch ({micro_batches}), got {value!r:.120}"
             )
         return cls("ddp", value["micro_batch"], value["model_type"])
 

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._state import bad
+
 __all__ = ["LossSum", "check_loss", "loss_of_closure"]
 
 
@@ -101,23 +103,20 @@ class LossSum:
         """Read ``loss_sum``/``loss_count`` of a ``"clipopt"`` entry; absent (older state dicts): empty."""
         total, count = ext.get("loss_sum"), ext.get("loss_count", 0)
         if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= micro_batches:
-            raise ValueError(
-                f"invalid state_dict: 'clipopt.loss_count' must be an int from 0 to the pending "
-                f"micro-batches ({micro_batches}), got {count!r}; pass the dict returned by opt.state_dict()"
+            raise bad(
+                "'clipopt.loss_count' must be an int from 0 to the pending "
+                f"micro-batches ({micro_batches}), got {count!r}"
             )
         if total is not None and not (
             (isinstance(total, Tensor) and total.numel() == 1 and total.is_floating_point())
             or (isinstance(total, float))
         ):
-            raise ValueError(
-                f"invalid state_dict: 'clipopt.loss_sum' must be a float, a one-element float tensor "
-                f"or None, got {type(total).__name__}; pass the dict returned by opt.state_dict()"
+            raise bad(
+                "'clipopt.loss_sum' must be a float, a one-element float tensor "
+                f"or None, got {type(total).__name__}"
             )
         if (total is None) != (count == 0):
-            raise ValueError(
-                f"invalid state_dict: 'clipopt.loss_sum' is {total!r} but 'clipopt.loss_count' is {count}; "
-                "pass the dict returned by opt.state_dict()"
-            )
+            raise bad(f"'clipopt.loss_sum' is {total!r} but 'clipopt.loss_count' is {count}")
         if isinstance(total, Tensor):
             total = total.detach().reshape(()).clone()
         return cls(total, count)

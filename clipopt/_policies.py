@@ -9,6 +9,7 @@ dict (``state_dict()["clipopt"]["policy"]``).
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -24,8 +25,9 @@ from ._checks import (
     check_positive_int,
 )
 from ._distributed import has_dtensor, sharded_unit_norms
+from ._state import bad
 
-__all__ = ["AGC", "AutoClip", "ClipPolicy", "ZClip"]
+__all__ = ["AGC", "AutoClip", "ClipPolicy", "ZClip", "checked_policy_state"]
 
 
 class ClipPolicy:
@@ -292,3 +294,14 @@ def _unit_norms(p: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     acc = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None
     w_norm = torch.linalg.vector_norm(p.detach(), dim=dims, keepdim=True, dtype=acc)
     return w_norm, torch.linalg.vector_norm(g, dim=dims, keepdim=True, dtype=acc), g
+
+
+def checked_policy_state(state: Any, policy: ClipPolicy | None) -> dict[str, Any] | None:
+    """The policy's saved state (``'clipopt.policy'``), checked by loading it into a copy of the
+    policy first (``ValueError``, touching nothing); None when none was saved or there is no policy."""
+    if state is None or policy is None:
+        return None
+    if not isinstance(state, dict):
+        raise bad(f"'clipopt.policy' must be a dict, got {type(state).__name__}")
+    copy.deepcopy(policy).load_state_dict(state)  # raises ValueError, touching nothing
+    return state

@@ -50,6 +50,7 @@ from ._host_copy import (
     plain,
     restore,
 )
+from ._state import StateDictError, bad, int_field
 
 __all__ = ["Rewind", "RewindEvent", "rewind_target"]
 
@@ -383,15 +384,14 @@ _BAD_STATE = (
 )
 
 
-def _bad(why: str) -> ValueError:
-    return ValueError(_BAD_STATE.format(why))
+def _bad(why: str) -> StateDictError:
+    """The state dict's :func:`~clipopt._state.bad` in the Rewind's own form."""
+    return bad(why, _BAD_STATE)
 
 
 def _int_field(state: dict[str, Any], key: str) -> int:
-    value = state.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise _bad(f"{key!r} must be an int >= 0, got {value!r}")
-    return value
+    """:func:`~clipopt._state.int_field` (an int >= 0) in the Rewind's own form."""
+    return int_field(state, key, where="", message=_BAD_STATE)
 
 
 def _leaf_numbers(spec: Any, part: str) -> list[int]:

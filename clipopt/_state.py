@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,11 +15,16 @@ from torch.optim import Optimizer
 
 __all__ = [
     "FORMAT_VERSION",
+    "STATE_DICT_MESSAGE",
     "StateDictError",
+    "bad",
+    "check_scaler_entry",
+    "check_scaler_matches",
     "WrapperState",
     "check_loaded_state",
     "held_state",
     "has_own_layout",
+    "int_field",
     "keep_group_keys",
     "read_wrapper_state",
     "restore_on_failure",
@@ -110,8 +116,33 @@ class StateDictError(ValueError):
     """A state dict that clipopt refuses to load (a ``ValueError``)."""
 
 
-def _bad(msg: str) -> StateDictError:
-    return StateDictError(f"invalid state_dict: {msg}; pass the dict returned by opt.state_dict()")
+#: The message of a :class:`StateDictError` about the wrapper's state dict (``{}``: what is wrong).
+STATE_DICT_MESSAGE = "invalid state_dict: {}; pass the dict returned by opt.state_dict()"
+
+
+def bad(msg: str, message: str = STATE_DICT_MESSAGE) -> StateDictError:
+    """The error for a state dict (or a component's entry) that cannot be loaded: ``msg`` in
+    ``message`` (a component's own form, such as the Rewind's, for its entry)."""
+    return StateDictError(message.format(msg))
+
+
+def int_field(
+    entry: dict[str, Any],
+    key: str,
+    low: int = 0,
+    high: int | None = None,
+    *,
+    where: str = "clipopt.",
+    message: str = STATE_DICT_MESSAGE,
+) -> int:
+    """``entry[key]``, an int from ``low`` to ``high`` (None: no bound), else :func:`bad` naming it
+    as ``'{where}{key}'``."""
+    value = entry.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise bad(f"'{where}{key}' must be an int >= {low}, got {value!r}", message)
+    if high is not None and value > high:
+        raise bad(f"'{where}{key}' must be <= {high}, got {value!r}", message)
+    return int(value)
 
 
 #: What ``GradScaler.state_dict()`` holds when the scaler is enabled.
@@ -124,24 +155,32 @@ _SCALER_FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
-def _check_scaler_state(value: Any) -> None:
+def check_scaler_entry(value: Any) -> None:
+    """The saved ``'clipopt.scaler'`` has the shape of a ``GradScaler`` state dict (None or ``{}``:
+    none saved, or a disabled scaler's); whether the scaler present now takes it is
+    :func:`check_scaler_matches`'s concern."""
     if value is None or value == {}:
         return
     if not isinstance(value, dict):
-        raise _bad(f"'clipopt.scaler' must be a GradScaler state dict, got {type(value).__name__}")
+        raise bad(f"'clipopt.scaler' must be a GradScaler state dict, got {type(value).__name__}")
     for key, kinds in _SCALER_FIELDS.items():
         field = value.get(key)
         if not isinstance(field, kinds) or isinstance(field, bool):
-            raise _bad(f"'clipopt.scaler.{key}' must be a number, got {field!r}")
+            raise bad(f"'clipopt.scaler.{key}' must be a number, got {field!r}")
 
 
-def _int_field(ext: dict[str, Any], key: str, low: int, high: int | None = None) -> int:
-    value = ext.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise _bad(f"'clipopt.{key}' must be an int >= {low}, got {value!r}")
-    if high is not None and value > high:
-        raise _bad(f"'clipopt.{key}' must be <= {high}, got {value!r}")
-    return int(value)
+def check_scaler_matches(saved: Any, scaler: torch.amp.GradScaler | None) -> None:
+    """The scaler present now takes the saved scaler state (loaded into a copy of it first: it may
+    refuse it); nothing to check without either."""
+    if saved is None or scaler is None:
+        return
+    try:
+        copy.deepcopy(scaler).load_state_dict(saved)
+    except (RuntimeError, KeyError, TypeError, ValueError) as exc:
+        raise bad(
+            f"the GradScaler rejected 'clipopt.scaler' ({exc})",
+            "invalid state_dict: {}; pass a state dict saved with a scaler configured like this one",
+        ) from exc
 
 
 def has_own_layout(state_dict: dict[str, Any], inner: Optimizer) -> bool:
@@ -167,7 +206,7 @@ def _check_layout(parts: list[Any]) -> None:
             continue
         several = part.get("optimizers") if isinstance(part, dict) and "state" not in part else None
         if len(parts) == 1 and isinstance(several, list):
-            raise _bad(
+            raise bad(
                 f"it is the state dict of a ClippedOptimizer over {len(several)} optimizers "
                 "({'optimizers': [...]}); load it into a ClippedOptimizer over the same list of optimizers"
             )
@@ -175,7 +214,7 @@ def _check_layout(parts: list[Any]) -> None:
         for key, kind in (("state", dict), ("param_groups", list)):
             value = part.get(key) if isinstance(part, dict) else None
             if not isinstance(value, kind):
-                raise _bad(f"'{where}{key}' must be a {kind.__name__}, got {type(value).__name__}")
+                raise bad(f"'{where}{key}' must be a {kind.__name__}, got {type(value).__name__}")
 
 
 def read_wrapper_state(
@@ -195,35 +234,35 @@ def read_wrapper_state(
     if ext is None:
         return None
     if not isinstance(ext, dict):
-        raise _bad(f"'clipopt' must be a dict, got {type(ext).__name__}")
+        raise bad(f"'clipopt' must be a dict, got {type(ext).__name__}")
     if ext.get("format") != FORMAT_VERSION:
-        raise _bad(f"'clipopt.format' is {ext.get('format')!r}, this clipopt reads {FORMAT_VERSION}")
-    micro = _int_field(ext, "micro_batches", 0, accumulation_steps - 1)
-    windows = _int_field(ext, "windows", 0)
-    skipped = _int_field(ext, "skipped", 0, windows)
-    applied = _int_field(ext, "applied", 0)
+        raise bad(f"'clipopt.format' is {ext.get('format')!r}, this clipopt reads {FORMAT_VERSION}")
+    micro = int_field(ext, "micro_batches", 0, accumulation_steps - 1)
+    windows = int_field(ext, "windows", 0)
+    skipped = int_field(ext, "skipped", 0, windows)
+    applied = int_field(ext, "applied", 0)
     if applied + skipped != windows:
-        raise _bad(f"'clipopt.applied' ({applied}) + 'skipped' ({skipped}) != 'windows' ({windows})")
+        raise bad(f"'clipopt.applied' ({applied}) + 'skipped' ({skipped}) != 'windows' ({windows})")
     counters = WrapperState(
         micro_batches=micro,
         windows=windows,
         skipped=skipped,
-        consecutive=_int_field(ext, "consecutive", 0, skipped),
+        consecutive=int_field(ext, "consecutive", 0, skipped),
     )
     pending = ext.get("pending_grads")
     if pending is not None:
         if not isinstance(pending, list) or len(pending) != len(params):
             got = len(pending) if isinstance(pending, list) else type(pending).__name__
-            raise _bad(f"'clipopt.pending_grads' must list {len(params)} gradients, got {got}")
+            raise bad(f"'clipopt.pending_grads' must list {len(params)} gradients, got {got}")
         for i, (p, g) in enumerate(zip(params, pending, strict=True)):
             if g is not None and (not isinstance(g, Tensor) or g.shape != p.shape):
                 shape = tuple(g.shape) if isinstance(g, Tensor) else type(g).__name__
-                raise _bad(f"pending gradient {i} has shape {shape}, parameter has {tuple(p.shape)}")
+                raise bad(f"pending gradient {i} has shape {shape}, parameter has {tuple(p.shape)}")
             if g is not None and not (g.is_floating_point() or g.is_complex()):
-                raise _bad(f"pending gradient {i} has dtype {g.dtype}, gradients are floating point")
+                raise bad(f"pending gradient {i} has dtype {g.dtype}, gradients are floating point")
     elif micro > 0:
-        raise _bad("'clipopt.micro_batches' > 0 but no 'pending_grads' were saved")
-    _check_scaler_state(ext.get("scaler"))
+        raise bad("'clipopt.micro_batches' > 0 but no 'pending_grads' were saved")
+    check_scaler_entry(ext.get("scaler"))
     return counters, pending, ext.get("scaler")
 
 
@@ -232,13 +271,13 @@ def validate_inner_state(state_dict: dict[str, Any], inner: Optimizer) -> None:
     saved_groups = state_dict["param_groups"]
     groups = inner.param_groups
     if len(saved_groups) != len(groups):
-        raise _bad(f"it has {len(saved_groups)} parameter groups, the optimizer has {len(groups)}")
+        raise bad(f"it has {len(saved_groups)} parameter groups, the optimizer has {len(groups)}")
     id_to_param: dict[Any, Tensor] = {}
     for i, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
         if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
-            raise _bad(f"parameter group {i} has no 'params' list")
+            raise bad(f"parameter group {i} has no 'params' list")
         if len(saved["params"]) != len(group["params"]):
-            raise _bad(
+            raise bad(
                 f"parameter group {i} has {len(saved['params'])} parameters, "
                 f"the optimizer's has {len(group['params'])}"
             )
@@ -250,9 +289,9 @@ def validate_inner_state(state_dict: dict[str, Any], inner: Optimizer) -> None:
     builtin = type(inner).__module__.startswith("torch.optim")  # whose state layouts are known
     for key, entry in state_dict["state"].items():
         if key not in id_to_param:
-            raise _bad(f"state for parameter id {key!r} that no parameter group lists")
+            raise bad(f"state for parameter id {key!r} that no parameter group lists")
         if not isinstance(entry, dict):
-            raise _bad(f"state of parameter {key!r} must be a dict, got {type(entry).__name__}")
+            raise bad(f"state of parameter {key!r} must be a dict, got {type(entry).__name__}")
         p = id_to_param[key]
         current = inner.state.get(p) or {}
         for name, value in entry.items():
@@ -342,7 +381,7 @@ def _check_hyperparameter(group: int, name: str, saved: Any, current: Any) -> No
         )
     if not ok:
         shown = f"{saved!r:.60}"
-        raise _bad(
+        raise bad(
             f"parameter group {group} has {name}={shown} ({type(saved).__name__}), but the optimizer's "
             f"{name} is {_KIND_NAMES[want]} (now {current!r:.60})"
         )
@@ -377,7 +416,7 @@ def _check_state_tensor(
     else:
         ok = _fits(shape, pshape) or value.numel() == 1 or shape in ((p.numel(),), (flat,))
     if not ok:
-        raise _bad(f"state[{key!r}][{name!r}] has shape {shape}, parameter has {pshape}")
+        raise bad(f"state[{key!r}][{name!r}] has shape {shape}, parameter has {pshape}")
 
 
 @contextmanager
@@ -393,7 +432,7 @@ def keep_group_keys(inner: Optimizer) -> Iterator[None]:
     for i, (keys, group) in enumerate(zip(before, inner.param_groups, strict=True)):
         missing = sorted(keys - set(group))
         if missing:
-            raise _bad(f"parameter group {i} lacks {', '.join(map(repr, missing))}")
+            raise bad(f"parameter group {i} lacks {', '.join(map(repr, missing))}")
 
 
 @contextmanager
@@ -414,7 +453,7 @@ def restore_on_failure(inner: Optimizer, *, reload: bool = False) -> Iterator[No
         raise
     except Exception as exc:
         _put_back(inner, state, groups, saved)
-        raise _bad(f"the inner {type(inner).__name__} rejected it ({exc})") from exc
+        raise bad(f"the inner {type(inner).__name__} rejected it ({exc})") from exc
 
 
 def _put_back(inner: Optimizer, state: Any, groups: list[dict[str, Any]], saved: Any) -> None:
