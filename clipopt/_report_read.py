@@ -22,6 +22,11 @@ are chosen from one table of recognised names, :mod:`clipopt._report_names`;
 clipopt's per-group columns (``group_norm.<g>``, ``group_coef.<g>``: per-group
 clipping) are read into :attr:`GradLog.groups`.
 
+Each format is one module defining a :class:`Reader` (:mod:`clipopt._read_csv`,
+:mod:`clipopt._read_trainer`, :mod:`clipopt._read_tensorboard`), registered by one line in
+:data:`READERS`; this module sniffs a file (empty, binary), asks the readers in order and searches a
+folder with them.  :class:`GradLog` and :class:`Names` live in :mod:`clipopt._report_log`.
+
 Every failure is a :class:`ValueError` (or :class:`OSError`) with one line that
 names the file and says what was expected.  A missing loss is ``nan``; a loss
 that was recorded but not finite reads as ``inf``.
