@@ -125,8 +125,9 @@ class ReplicaDecision:
         self._resolved = False
         self._group: Any = None
         self.active = False  # a group of more than one rank: settings check, and (plain tensors) agreement
-        self.checked = False  # the settings check ran (or was not needed): step() asks no more
-        self._checked_k: Any = None  # accumulation_steps when checked; FSDP2 (``_sharded``) checks a change
+        #: ``accumulation_steps`` when the settings check ran (None: not yet; it also runs, as a
+        #: no-op, without replicas); under FSDP2 (``_sharded``) a change is checked again (see due()).
+        self.checked_k: int | None = None
         self._sharded = False
         # reduced checks not read on the host yet, oldest first: (host copy, event or None, sequence
         # number, encoding ("ddp", "sum" or "max"), this rank's values)
@@ -173,12 +174,12 @@ class ReplicaDecision:
         """Whether step()/no_sync() must run the settings check first: before the first window, and
         under FSDP2 after ``accumulation_steps`` changed (the ranks' own collectives would no longer
         pair up before the next window's check; DDP's agreement packet finds it)."""
-        return not self.checked or (self._sharded and accumulation_steps != self._checked_k)
+        return self.checked_k is None or (self._sharded and accumulation_steps != self.checked_k)
 
     def check_settings(self, settings: list[tuple[str, float]], device: torch.device, sharded: bool) -> None:
         """Raise on every rank when the ranks' window settings differ (one collective, one read)."""
-        self.checked, self._sharded = True, sharded  # also without replicas: step() then never asks again
-        self._checked_k = dict(settings).get("accumulation_steps")
+        self.checked_k = int(dict(settings)["accumulation_steps"])  # also without replicas
+        self._sharded = sharded
         if self.resolve():
             self._compare_settings(settings, device)
 
@@ -219,9 +220,8 @@ class ReplicaDecision:
 
     def prepare(self, opt: Any, shards: Any, n: int, window: int) -> None:
         """Before a window's norm: read the checks due, then this rank's values for this window's
-        check; under FSDP2 (``shards``) they ride in the norm's own reduction (``shards.carry``)."""
-        if not self.active:
-            return
+        check; under FSDP2 (``shards``) they ride in the norm's own reduction (``shards.carry``).
+        Called only when :attr:`active`."""
         self.settle(self._sent)
         self._device = next(p for group in opt.param_groups for p in group["params"]).device
         # pipeline stages (norm_group) hold different parameters and state: counters and settings only

@@ -393,7 +393,8 @@ class ClippedOptimizer(InnerOptimizerView):
     step.hooked = True  # type: ignore[attr-defined]
 
     def _step(self, closure: Callable[[], Any] | None = None, *, loss: Tensor | float | None = None) -> Any:
-        if self._replicas.due(self.accumulation_steps):
+        # no call while the settings check holds for this accumulation_steps (every plain micro-batch)
+        if self._replicas.checked_k != (k := self.accumulation_steps) and self._replicas.due(k):
             self._check_replicas()
         given = check_loss(loss)
         check_closure(closure, self.scaler)
@@ -611,7 +612,8 @@ class ClippedOptimizer(InnerOptimizerView):
         """Stage 2 (measure): the decision's norms and flag (agreed by DDP replicas), the window's loss."""
         loss = self._loss.combined(self.reduction)  # kept in the sum until the close commits
         rows = s.rows and g.shards is None  # the candidate bad row: plain tensors only
-        self._replicas.prepare(self, g.shards, n, self._counters.windows + 1)  # the ranks' check
+        if self._replicas.active:  # the ranks' check (data parallelism only)
+            self._replicas.prepare(self, g.shards, n, self._counters.windows + 1)
         d, self._diagnostics.bad_row = measure(s, g, self.layer_names() if rows else None)
         watch, sharded = self._recovery.watches_loss(), self._index.has_dtensor
         d, self._recovery.shared_loss = agree(

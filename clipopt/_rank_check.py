@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._distributed import has_dtensor
+
 __all__ = [
     "CheckValues",
     "Differ",
@@ -182,7 +184,7 @@ def settings_key(settings: Iterable[tuple[str, float]], policy: Any) -> int:
 def tensor_checksum(tensors: Iterable[Tensor], device: torch.device) -> Tensor | None:
     """An exact checksum of ``tensors``' bits (0-d int64 below :data:`MODULUS`, on ``device``), in
     order; DTensors (each rank holds its own shard) are left out.  No host read; None: no tensor."""
-    residues = [_residue(t).to(device) for t in tensors if not _is_dtensor(t)]
+    residues = [_residue(t).to(device) for t in tensors if not has_dtensor([t])]
     if not residues:
         return None
     weights = torch.arange(1, len(residues) + 1, device=device, dtype=torch.int64)
@@ -199,14 +201,6 @@ def _residue(t: Tensor) -> Tensor:
         return flat.to(torch.int64).sum().remainder(MODULUS)
     as_int = {1: torch.uint8, 2: torch.int16}.get(flat.element_size(), torch.int32)
     return flat.view(as_int).to(torch.int64).sum().remainder(MODULUS)
-
-
-def _is_dtensor(t: Any) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def state_checksum(value: Any) -> int:
@@ -236,7 +230,7 @@ def _leaves(value: Any, out: list[Any]) -> None:
     elif isinstance(value, (list, tuple)):
         for item in value:
             _leaves(item, out)
-    elif not _is_dtensor(value):
+    elif not has_dtensor([value]):
         out.append(value)
 
 

@@ -11,12 +11,14 @@ report's reader), the report's rules, replay, the integrations'
 
 A new reason is a new row: the next code (existing codes never change, so that
 state dicts, CSV files and TensorBoard logs written earlier read the same), a
-name, whether it counts as non-finite, its tag and what it means.
+name, whether it counts as non-finite and what it means (its tag is ``clipopt/<name>``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ._log_names import column_tag
 
 __all__ = [
     "DIVERGENCE",
@@ -47,9 +49,13 @@ class Reason:
     code: int
     name: str
     nonfinite: bool
-    tag: str
     meaning: str
     remedy: str
+
+    @property
+    def tag(self) -> str:
+        """Its TensorBoard tag: ``clipopt/<name>`` (:func:`clipopt._log_names.column_tag`)."""
+        return column_tag(self.name)
 
 
 #: Reason codes (int64 on the device); ``NO_REASON``: the window was not skipped.
@@ -61,7 +67,6 @@ REASONS: tuple[Reason, ...] = (
         NONFINITE,
         "nonfinite",
         True,
-        "clipopt/nonfinite",
         "a gradient element is nan/inf",
         "the gradients are not finite: look for nan/inf in the loss and the inputs "
         "(snapshot_dir= and `clipopt inspect` name the parameter), or lower the learning rate",
@@ -70,7 +75,6 @@ REASONS: tuple[Reason, ...] = (
         OVERFLOW,
         "overflow",
         True,
-        "clipopt/overflow",
         "a gradient element is nan/inf in a GradScaler run (its normal overflow, or a fault)",
         "the GradScaler overflows every window: the loss is not finite in half precision "
         "even at a small scale; check the loss, or train in bfloat16",
@@ -79,7 +83,6 @@ REASONS: tuple[Reason, ...] = (
         SPIKE,
         "spike",
         False,
-        "clipopt/spike",
         "the spike rule of the clip policy (skip_spikes=True) or of a SpikeGuard",
         "every window counts as a spike: the spike rule (ZClip/AutoClip's, SpikeGuard's) is "
         "too strict for this run, or the loss keeps rising",
@@ -88,7 +91,6 @@ REASONS: tuple[Reason, ...] = (
         DIVERGENCE,
         "divergence",
         False,
-        "clipopt/divergence",
         "the data-parallel replicas' gradients or window counters disagree",
         "the data-parallel replicas disagree: every rank must run the same model and steps",
     ),
@@ -96,7 +98,6 @@ REASONS: tuple[Reason, ...] = (
         NOGRAD,
         "nograd",
         False,
-        "clipopt/nograd",
         "no parameter has a gradient in the window",
         "no parameter has a gradient: call loss.backward() before opt.step(), and check requires_grad",
     ),
@@ -104,7 +105,6 @@ REASONS: tuple[Reason, ...] = (
         REWIND,
         "rewind",
         False,
-        "clipopt/rewind",
         "a Rewind restored a copy and discarded the window",
         "Rewind keeps restoring copies: the spikes come back after every rewind",
     ),
@@ -112,7 +112,6 @@ REASONS: tuple[Reason, ...] = (
         NORM_OVERFLOW,
         "norm_overflow",
         False,
-        "clipopt/norm_overflow",
         "every gradient element is finite but the float32 total norm overflowed (inf)",
         "the gradients are finite but their float32 norm overflows: the training is "
         "exploding; lower the learning rate or check the loss",

@@ -124,7 +124,8 @@ class InnerOptimizerView(Optimizer):
             return _read_inner(self, inner_optimizers(inner), name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if forwardable(type(self), name) and self._forwarding and name not in self.__dict__:
+        # cheapest test first: the step path only reassigns the wrapper's own instance attributes
+        if self._forwarding and name not in self.__dict__ and forwardable(type(self), name):
             inner = self.__dict__.get("_inner")
             optimizers = [] if inner is None else inner_optimizers(inner)
             holders = [k for k, o in enumerate(optimizers) if hasattr(o, name)]
