@@ -29,7 +29,6 @@ from ._decision import SkipSource, WindowDecision
 from ._diagnostics import Diagnostics, layer_names
 from ._distributed import Unsynced, allreduce_mean_
 from ._distributed_decision import ReplicaDecision, settings_of
-from ._errors import NonFiniteGradientError
 from ._grad_sync import (
     check_checkpointable,
     check_no_sync_args,
@@ -216,8 +215,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self.backward_passes_per_step = cfg.backward_passes_per_step
         self._names = cfg.names
         self._inner = cfg.inner  # the optimizer, or an _inner.InnerOptimizers over a list of several
-        self.scaler = scaler
-        self.foreach = foreach
+        self.scaler, self.foreach = scaler, foreach
         self._init_hooks()
         self._init_state(snapshot_dir)
         self._recovery = SpikeRecovery.attach(spike_guard, rewind, self._params(), self._inner)
@@ -396,10 +394,10 @@ class ClippedOptimizer(InnerOptimizerView):
         # no call while the settings check holds for this accumulation_steps (every plain micro-batch)
         if self._replicas.checked_k != (k := self.accumulation_steps) and self._replicas.due(k):
             self._check_replicas()
-        given = check_loss(loss)
-        check_closure(closure, self.scaler)
+        given = None if loss is None else check_loss(loss)
         out = None
         if closure is not None:
+            check_closure(closure, self.scaler)
             with torch.enable_grad():
                 out = closure()
         if self.accumulation_steps > 1 and not self._index.has_dtensor and not is_compiling():
@@ -407,10 +405,12 @@ class ClippedOptimizer(InnerOptimizerView):
             guard, allowed = self._window_guard, self.backward_passes_per_step
             guard.step(self._counters.micro_batches, self.accumulation_steps, allowed, self._params)
         loss_before = self._loss.total, self._loss.count  # add() replaces, never writes into, the sum
-        self._loss.add(given if given is not None else loss_of_closure(out))
+        if given is not None or out is not None:  # a plain micro-batch has no loss to add
+            self._loss.add(given if given is not None else loss_of_closure(out))
         self._counters.micro_batches += 1
         if self._counters.micro_batches < self.accumulation_steps:
-            self._update_applied = False
+            if self._update_applied is not False:  # set once per window (__setattr__ is a Python call)
+                self._update_applied = False
             return out
         try:
             return self._close_window(out, closure)
@@ -501,19 +501,16 @@ class ClippedOptimizer(InnerOptimizerView):
         if params:
             self._replicas.check_settings(settings_of(self), params[0].device, self._index.has_dtensor)
 
-    def _pending_unsynced(self) -> Unsynced | None:
-        return pending_unsynced(self._unsynced, self._counters.micro_batches)
-
     def _sync_unsynced(self) -> None:
         """Before closing a window whose latest micro-batch skipped its sync: do that sync now."""
-        marker = self._pending_unsynced()
+        marker = pending_unsynced(self._unsynced, self._counters.micro_batches)
         if marker is not None:
             check_reducible(marker)
             allreduce_mean_([p for p in self._params() if p.requires_grad], marker.group)
         self._unsynced = None
 
     def _check_checkpointable(self) -> None:
-        check_checkpointable(self._pending_unsynced())
+        check_checkpointable(pending_unsynced(self._unsynced, self._counters.micro_batches))
 
     def _params(self) -> list[Tensor]:
         """All parameters, in group order; cached until the groups change."""
@@ -580,7 +577,8 @@ class ClippedOptimizer(InnerOptimizerView):
             self._loss.clear()
             loss, fused = self._apply(s, d, g, loss, closure)
             undo.committed = True
-            self._recovery.commit(d, self._counters.windows, self._last_skipped)
+            if self._recovery.guard is not None or self._recovery.rewind is not None:
+                self._recovery.commit(d, self._counters.windows, self._last_skipped)
         finally:  # also after an error: an unscaled scaler without update() would refuse every later window
             self._window_guard.reset()
             if self.scaler is not None:
@@ -596,7 +594,8 @@ class ClippedOptimizer(InnerOptimizerView):
         cannot be used."""
         if self._index.has_dtensor and self._diagnostics.writer is not None:
             raise ValueError(DTENSOR_DIAGNOSTICS)
-        self._sync_unsynced()
+        if self._unsynced is not None:  # a no_sync() marker is pending
+            self._sync_unsynced()
         g = WindowGrads.of(
             params, self.param_groups, sharded=self._index.has_dtensor, split=s.plan is not None
         )
@@ -627,7 +626,8 @@ class ClippedOptimizer(InnerOptimizerView):
     ) -> LayerStats | None:
         """Stage 3 (diagnose): per-layer statistics when due, and an anomaly snapshot of a non-finite
         or spiking window (:class:`clipopt._diagnostics.Diagnostics`); both see the pre-clip gradients."""
-        recovery = self._recovery
+        if not s.layer_stats and self._diagnostics.writer is None:  # neither is on
+            return None
         return self._diagnostics.diagnose(
             s,
             d,
@@ -635,7 +635,7 @@ class ClippedOptimizer(InnerOptimizerView):
             self.layer_names,
             window=(self._counters.windows + 1, n),
             sharded=self._index.has_dtensor,
-            spike=lambda: recovery.is_spike(d, recovery.shared_loss),
+            spike=lambda: self._recovery.is_spike(d, self._recovery.shared_loss),
             saved=(self._inner, self._counters, self.scaler),
         )
 
@@ -696,19 +696,17 @@ class ClippedOptimizer(InnerOptimizerView):
         )
         self.last_stats = stats
         self.stats.append(stats)
-        log_window(self.loggers, stats, self)  # I/O failures warn; the window is complete either way
+        if self.loggers:
+            log_window(self.loggers, stats, self)  # I/O failures warn; the window is complete either way
         self._diagnostics.attached.clear()
         self._skip_run.follow(stats)  # after the loggers, which may have read it
         return stats
 
     def _check_consecutive_nonfinite(self) -> None:
         """Raise once ``max_consecutive_nonfinite`` windows in a row were skipped (reads one counter)."""
-        limit = self.max_consecutive_nonfinite
-        if limit is not None:
-            count = int(self._counters.consecutive)
-            if count >= limit:
-                snapshot = self._diagnostics.last_nonfinite_snapshot
-                raise NonFiniteGradientError(count, self._counters.windows, snapshot)
+        if self.max_consecutive_nonfinite is not None:
+            snapshot = self._diagnostics.last_nonfinite_snapshot
+            self._counters.check_consecutive(self.max_consecutive_nonfinite, snapshot)
 
     # ------------------------------------------------------------------ diagnostics
 
@@ -754,7 +752,7 @@ class ClippedOptimizer(InnerOptimizerView):
             scaler=self.scaler,
             loss_sum=self._loss,
             policy=self._policy,
-            unsynced=self._pending_unsynced(),
+            unsynced=pending_unsynced(self._unsynced, self._counters.micro_batches),
             recovery=self._recovery,
         )
         return sd

@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ._errors import NonFiniteGradientError
+
 __all__ = [
     "FORMAT_VERSION",
     "STATE_DICT_MESSAGE",
@@ -91,6 +93,13 @@ class WrapperState:
         else:
             self.skipped = self.skipped + int(skipped)
             self.consecutive = self.consecutive + 1 if nonfinite else 0
+
+    def check_consecutive(self, limit: int, snapshot: str | None) -> None:
+        """Raise :class:`NonFiniteGradientError` once ``limit`` windows in a row were skipped as
+        non-finite (one host read of ``consecutive``); ``snapshot``: the latest anomaly snapshot."""
+        count = int(self.consecutive)
+        if count >= limit:
+            raise NonFiniteGradientError(count, self.windows, snapshot)
 
     def to_dict(self, *, pending_grads: list[Tensor | None] | None, scaler: Any) -> dict[str, Any]:
         return {
