@@ -275,7 +275,8 @@ def apply_window(
         return reevaluating_closure(loss, closure, lambda: reclip(d.max_norm), bad)
 
     if fused:
-        out, skipped = step_fused(inner, d, make_closure(), g.by_group, foreach=s.foreach)
+        inner_closure = None if closure is None else make_closure()
+        out, skipped = step_fused(inner, d, inner_closure, g.by_group, foreach=s.foreach)
         return (out if closure is not None else loss), skipped, True
     out, skipped = step_host(
         inner,

@@ -176,8 +176,10 @@ def check_groups(
     ``add_param_group`` with the new group appended, and every window before anything changes)."""
     keys = group_keys(defaults)
     plan = plan_groups(groups, keys, clip_value)
+    if plan is None:  # no group has an option: nothing to combine
+        return None
     check_policy_with_groups(policy, plan)
-    if plan is not None and norm_group is not None:
+    if norm_group is not None:
         index = next(i for i, g in enumerate(groups) if any(k in g for k in keys))
         raise ValueError(
             f"per-group 'max_norm'/'clip_value' (parameter group {index}) cannot be combined with "

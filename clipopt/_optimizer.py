@@ -584,8 +584,11 @@ class ClippedOptimizer(InnerOptimizerView):
             if self.scaler is not None:
                 self.scaler.update()
         self._record(d, n, layers)
-        self._replicas.end_window(host_read=not fused)  # may warn (divergence) or raise (out of step)
-        self._check_consecutive_nonfinite()
+        if self._replicas.active:  # may warn (divergence) or raise (out of step)
+            self._replicas.end_window(host_read=not fused)
+        if self.max_consecutive_nonfinite is not None:  # reads one counter
+            snapshot = self._diagnostics.last_nonfinite_snapshot
+            self._counters.check_consecutive(self.max_consecutive_nonfinite, snapshot)
         return loss
 
     def _combine(self, s: WindowSettings, params: list[Tensor], undo: UndoPoint) -> WindowGrads | None:
@@ -701,12 +704,6 @@ class ClippedOptimizer(InnerOptimizerView):
         self._diagnostics.attached.clear()
         self._skip_run.follow(stats)  # after the loggers, which may have read it
         return stats
-
-    def _check_consecutive_nonfinite(self) -> None:
-        """Raise once ``max_consecutive_nonfinite`` windows in a row were skipped (reads one counter)."""
-        if self.max_consecutive_nonfinite is not None:
-            snapshot = self._diagnostics.last_nonfinite_snapshot
-            self._counters.check_consecutive(self.max_consecutive_nonfinite, snapshot)
 
     # ------------------------------------------------------------------ diagnostics
 
