@@ -47,6 +47,7 @@ def _entered(call: Callable[[], Any]) -> list[tuple[str, str]]:
 
 
 def _plain(accumulation_steps: int, **inner: Any) -> tuple[ClippedOptimizer, list[torch.nn.Parameter]]:
+    """A wrapper with only ``max_norm`` around AdamW (``inner``: fused/foreach) of 8 tensors of 16x16."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(16, 16)) for _ in range(8)]
     opt = ClippedOptimizer(
@@ -56,6 +57,7 @@ def _plain(accumulation_steps: int, **inner: Any) -> tuple[ClippedOptimizer, lis
 
 
 def _fill(params: list[torch.nn.Parameter]) -> None:
+    """A fresh random gradient for every parameter."""
     for p in params:
         p.grad = torch.randn(16, 16)
 
