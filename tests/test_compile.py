@@ -25,6 +25,21 @@ def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs(1, (16, 8), (16, 1), seed=i)[0]
 
 
+def _four_updates_with_a_nan(m: nn.Module, opt: ClippedOptimizer, compile_step: bool) -> ClippedOptimizer:
+    """Four updates of ``m`` through ``opt`` (the third with a NaN input, so it is skipped); after
+    the first, eager one (it creates the state), through ``torch.compile(opt.step)`` if asked."""
+    step = torch.compile(opt.step) if compile_step else opt.step
+    for i in range(4):
+        x, y = _batch(i)
+        if i == 2:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        nn.functional.mse_loss(m(x), y).backward()
+        (opt.step if i == 0 else step)()
+        opt.zero_grad()
+    return opt
+
+
 def _graph_breaks(run) -> dict[str, int]:
     """Graph-break reasons (dynamo's full text) counted while ``run()`` compiles and runs."""
     dynamo.reset()
@@ -70,16 +85,7 @@ def test_compiled_step_fused_no_graph_break_from_clipopt() -> None:
 
     def train(m: nn.Module, compile_step: bool) -> ClippedOptimizer:
         opt = ClippedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True), max_norm=0.5)
-        step = torch.compile(opt.step) if compile_step else opt.step
-        for i in range(4):
-            x, y = _batch(i)
-            if i == 2:
-                x = x.clone()
-                x[0, 0] = float("nan")
-            nn.functional.mse_loss(m(x), y).backward()
-            (opt.step if i == 0 else step)()  # the first update creates the state eagerly
-            opt.zero_grad()
-        return opt
+        return _four_updates_with_a_nan(m, opt, compile_step)
 
     ours = _graph_breaks(lambda: train(model, True))
     eager_opt = train(eager_model, False)
@@ -176,16 +182,7 @@ def test_compiled_step_over_several_fused_inner_optimizers() -> None:
             torch.optim.AdamW(others, lr=1e-2, fused=True),
         ]
         opt = ClippedOptimizer(inner, max_norm=0.5)
-        step = torch.compile(opt.step) if compile_step else opt.step
-        for i in range(4):
-            x, y = _batch(i)
-            if i == 2:
-                x = x.clone()
-                x[0, 0] = float("nan")
-            nn.functional.mse_loss(m(x), y).backward()
-            (opt.step if i == 0 else step)()  # the first update creates the state eagerly
-            opt.zero_grad()
-        return opt
+        return _four_updates_with_a_nan(m, opt, compile_step)
 
     compiled_opt = train(model, True)
     eager_opt = train(eager_model, False)
