@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from clipopt._report import analyze, format_report, read_log
+from clipopt._report.report import analyze, format_report, read_log
 
 HEADER = "step,micro_batches,total_norm,clip_coef,clipped,skipped,reason,max_norm,lr,loss"
 

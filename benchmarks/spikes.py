@@ -276,7 +276,7 @@ def _params_model(shapes: list[tuple[int, ...]]) -> torch.nn.Module:
 
 def copy_cost(model: torch.nn.Module, rounds: int) -> dict[str, float]:
     """Median seconds of an AdamW update (synthetic gradients) and of one Rewind copy, interleaved."""
-    from clipopt._host_copy import TrainingState, capture
+    from clipopt._recovery.host_copy import TrainingState, capture
 
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)

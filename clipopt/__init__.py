@@ -19,18 +19,18 @@ if _importlib_util.find_spec("numpy") is None:
         import torch as _torch  # noqa: F401
 
 from . import functional
+from ._diagnostics.layers import LAYER_FIELDS, LayerStats
+from ._diagnostics.loggers import CSVLogger, Logger
+from ._diagnostics.snapshot import load_snapshot
+from ._diagnostics.stats import StepStats, materialize
+from ._diagnostics.tensorboard import TensorBoardLogger
 from ._errors import NonFiniteGradientError
-from ._layers import LAYER_FIELDS, LayerStats
-from ._logging import CSVLogger, Logger
 from ._optimizer import ClippedOptimizer
-from ._policies import AGC, AutoClip, ClipPolicy, ZClip
-from ._replay import ReplayResult, replay
-from ._rewind import Rewind, RewindEvent
+from ._policies.builtin import AGC, AutoClip, ClipPolicy, ZClip
+from ._recovery.rewind import Rewind, RewindEvent
+from ._recovery.spike_guard import SpikeGuard
+from ._replay.replay import ReplayResult, replay
 from ._scheduler import PerUpdateScheduler, per_update
-from ._snapshot import load_snapshot
-from ._spike_guard import SpikeGuard
-from ._stats import StepStats, materialize
-from ._tensorboard import TensorBoardLogger
 from ._version import __version__
 
 __all__ = [

@@ -16,12 +16,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ._distributed import Unsynced
-from ._group_options import check_groups, group_keys, kept_options
+from ._distributed.collectives import Unsynced
 from ._inner import inner_optimizers, inner_state_dicts
-from ._loss import LossSum
-from ._policies import checked_policy_state
-from ._recovery import SpikeRecovery
+from ._policies.builtin import checked_policy_state
+from ._recovery.part import SpikeRecovery
 from ._state import (
     StateDictError,
     WrapperState,
@@ -34,9 +32,11 @@ from ._state import (
     restore_on_failure,
     validate_inner_state,
 )
+from ._window.groups import check_groups, group_keys, kept_options
+from ._window.loss import LossSum
 
 if TYPE_CHECKING:
-    from ._policies import ClipPolicy
+    from ._policies.builtin import ClipPolicy
 
 __all__ = ["Checkpoint", "read_checkpoint", "wrapper_entry"]
 

@@ -3,7 +3,7 @@
 Every subcommand is a pair of functions: ``_add_<name>(subparsers)`` declares
 its arguments and sets ``func`` to ``_run_<name>(args) -> int``; register the
 adder in :data:`_COMMANDS`.  The work itself lives in its own module
-(``clipopt._inspect`` for ``inspect``), imported when the command runs.
+(``clipopt._replay.inspect`` for ``inspect``), imported when the command runs.
 
 Exit codes: 0 success, 2 a usage error or a file that cannot be used (one line
 on stderr, no traceback).
@@ -17,10 +17,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._text import whole_number
+from ._report.text import whole_number
 
 if TYPE_CHECKING:
-    from ._report_read import GradLog
+    from ._report.read import GradLog
 
 __all__ = ["CommandError", "main"]
 
@@ -56,7 +56,7 @@ def _add_inspect(subparsers: _Subparsers) -> None:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from ._inspect import InspectError, format_json, format_text, inspect_file
+    from ._replay.inspect import InspectError, format_json, format_text, inspect_file
 
     try:
         summary = inspect_file(args.file)
@@ -110,7 +110,7 @@ def _add_replay(subparsers: _Subparsers) -> None:
 
 
 def _run_replay(args: argparse.Namespace) -> int:
-    from ._replay_cli import ReplayCommandError, run
+    from ._replay.cli import ReplayCommandError, run
 
     if args.repeats < 1:
         raise CommandError(f"--repeats must be at least 1, got {args.repeats}")
@@ -198,8 +198,8 @@ def _run_report(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from ._report import analyze, format_json, format_report, plot_log
-    from ._report_read import tensorboard_runs
+    from ._report.read import tensorboard_runs
+    from ._report.report import analyze, format_json, format_report, plot_log
 
     plot = _plot_target(args.plot) if args.plot is not None else None
     runs = tensorboard_runs(args.csv)
@@ -246,7 +246,7 @@ def _report(args: argparse.Namespace) -> int:
 def _read_report_log(args: argparse.Namespace, run: str | None) -> GradLog:
     """The log of ``clipopt report`` (one run of a TensorBoard folder: ``run``); a CommandError when it
     cannot be read."""
-    from ._report_read import Names, read_log
+    from ._report.read import Names, read_log
 
     try:
         return read_log(args.csv, Names(loss=args.loss, norm=args.norm), run)

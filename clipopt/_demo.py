@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._logging import CSVLogger
+from ._diagnostics.loggers import CSVLogger
 from ._optimizer import ClippedOptimizer
-from ._text import fmt_num, json_safe, whole_number
+from ._report.text import fmt_num, json_safe, whole_number
 
 if TYPE_CHECKING:
-    from ._report_read import GradLog
+    from ._report.read import GradLog
 
 __all__ = ["DemoConfig", "DemoResult", "RunResult", "run_demo"]
 
@@ -288,7 +288,7 @@ def _run(
 
 def _write_reports(demo: DemoResult, out: Path) -> None:
     """report.txt / report.json for both logs; report plots and demo.png when matplotlib is there."""
-    from ._report import analyze, format_report, plot_log, read_log
+    from ._report.report import analyze, format_report, plot_log, read_log
 
     texts, reports = [], {}
     logs = {}
@@ -432,7 +432,7 @@ def plot_demo(demo: DemoResult, path: Path) -> None:
         from matplotlib.figure import Figure
     except ImportError as exc:
         raise ImportError("plots need matplotlib: pip install 'clipopt[plot]'") from exc
-    from ._report import read_log
+    from ._report.report import read_log
 
     fig = Figure(figsize=(11, 4.2), dpi=110)
     FigureCanvasAgg(fig)

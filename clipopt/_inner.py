@@ -19,10 +19,18 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ._rollback import reevaluates
 from ._state import StateDictError
 
-__all__ = ["InnerOptimizers", "flat_state_dict", "inner_optimizers", "inner_state_dicts"]
+__all__ = ["InnerOptimizers", "flat_state_dict", "inner_optimizers", "inner_state_dicts", "reevaluates"]
+
+
+#: Inner optimizers whose ``step(closure)`` re-evaluates the closure after changing the parameters.
+REEVALUATING = (torch.optim.LBFGS,)
+
+
+def reevaluates(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer.step(closure)`` re-evaluates the closure after changing the parameters."""
+    return isinstance(optimizer, REEVALUATING)
 
 
 def inner_optimizers(inner: Optimizer) -> list[Optimizer]:

@@ -1,8 +1,8 @@
 """The names of clipopt's log columns (CSV) and scalar tags (TensorBoard), for writers and readers.
 
 :class:`~clipopt.CSVLogger` and :class:`~clipopt.TensorBoardLogger` write
-these names; ``clipopt report``'s reader (:mod:`clipopt._report_read`,
-:mod:`clipopt._report_names`) finds them by the same names.  The skip
+these names; ``clipopt report``'s reader (:mod:`clipopt._report.read`,
+:mod:`clipopt._report.names`) finds them by the same names.  The skip
 reasons' own tags are rows of :data:`clipopt._reasons.REASONS`.  The names
 never change: logs written by earlier versions must read the same.
 """

@@ -22,37 +22,38 @@ from torch.compiler import is_compiling
 from torch.optim import Optimizer
 from torch.optim import optimizer as _optim_module
 
-from ._apply import StateReadiness, apply_window
 from ._checkpoint import read_checkpoint, wrapper_entry
-from ._config import DTENSOR_DIAGNOSTICS, WindowSettings, check_closure, check_max_norm, configure
-from ._decision import SkipSource, WindowDecision
-from ._diagnostics import Diagnostics, layer_names
-from ._distributed import Unsynced, allreduce_mean_
-from ._distributed_decision import ReplicaDecision, settings_of
-from ._grad_sync import (
+from ._config import DTENSOR_DIAGNOSTICS, check_closure, check_max_norm, configure
+from ._diagnostics.layers import LayerStats
+from ._diagnostics.loggers import Logger, log_window
+from ._diagnostics.snapshot import SnapshotWriter
+from ._diagnostics.stats import StepStats
+from ._distributed.collectives import Unsynced, allreduce_mean_
+from ._distributed.no_sync import (
     check_checkpointable,
     check_no_sync_args,
     check_reducible,
     pending_unsynced,
     plan_no_sync,
 )
-from ._group_options import GroupPlan, check_groups
-from ._layers import LayerStats
-from ._logging import Logger, log_window
-from ._loss import LossSum, check_loss, loss_of_closure
-from ._policies import ClipPolicy
+from ._distributed.replicas import ReplicaDecision, settings_of
+from ._policies.builtin import ClipPolicy
 from ._reasons import NOGRAD, REWIND
-from ._recovery import SpikeRecovery, check_recovery
-from ._rewind import Rewind
-from ._rollback import UndoPoint, note_discarded
-from ._skip_run import SkipRun
-from ._snapshot import SnapshotWriter
-from ._spike_guard import SpikeGuard
+from ._recovery.part import SpikeRecovery, check_recovery
+from ._recovery.rewind import Rewind
+from ._recovery.spike_guard import SpikeGuard
 from ._state import WrapperState
-from ._stats import StepStats
-from ._window import agree, check_clippable, clip_and_decide, measure, reclip
-from ._window_grads import ParamIndex, WindowGrads
-from ._window_guard import WindowGuard
+from ._window.apply import StateReadiness, apply_window
+from ._window.decision import SkipSource, WindowDecision
+from ._window.diagnose import Diagnostics, layer_names
+from ._window.grads import ParamIndex, WindowGrads
+from ._window.groups import GroupPlan, check_groups
+from ._window.guard import WindowGuard
+from ._window.loss import LossSum, check_loss, loss_of_closure
+from ._window.rollback import UndoPoint, note_discarded
+from ._window.settings import WindowSettings
+from ._window.skip_run import SkipRun
+from ._window.stages import agree, check_clippable, clip_and_decide, measure, reclip
 from ._wrapping import InnerOptimizerView
 
 __all__ = ["ClippedOptimizer"]
@@ -158,7 +159,7 @@ class ClippedOptimizer(InnerOptimizerView):
             (decisions stay rank-local: ranks training independent models).
             Costs one scalar collective per window with plain-tensor parameters
             (none added for DTensor ones) and one settings check at the first
-            ``step()``; see ``clipopt/_distributed_decision.py``.
+            ``step()``; see ``clipopt/_distributed/replicas.py``.
         backward_passes_per_step: backward passes expected per :meth:`step` call
             while accumulating (``accumulation_steps > 1``).  More is reported as
             an accumulation stacked on the wrapper's (``RuntimeError``); raise it
@@ -167,10 +168,10 @@ class ClippedOptimizer(InnerOptimizerView):
             outside (``model.zero_grad()``) raise ``RuntimeError`` as well.
         spike_guard: a :class:`SpikeGuard`: skip (reason ``"spike"``) a window whose
             loss or pre-clip norm is a z-score outlier against the previous applied
-            updates; decided on the device (see ``clipopt/_spike_guard.py``).
+            updates; decided on the device (see ``clipopt/_recovery/spike_guard.py``).
         rewind: a :class:`Rewind`: copies of the training state in host memory, restored
             after repeated spike skips (reason ``"rewind"``); ``opt.rewind.batches(loader)``
-            drops the batches that follow a rewind (see ``clipopt/_rewind.py``).
+            drops the batches that follow a rewind (see ``clipopt/_recovery/rewind.py``).
     """
 
     _policy: ClipPolicy | None
@@ -628,7 +629,8 @@ class ClippedOptimizer(InnerOptimizerView):
         self, s: WindowSettings, d: WindowDecision, params: list[Tensor], n: int
     ) -> LayerStats | None:
         """Stage 3 (diagnose): per-layer statistics when due, and an anomaly snapshot of a non-finite
-        or spiking window (:class:`clipopt._diagnostics.Diagnostics`); both see the pre-clip gradients."""
+        or spiking window (:class:`~clipopt._window.diagnose.Diagnostics`); both see the pre-clip
+        gradients."""
         if not s.layer_stats and self._diagnostics.writer is None:  # neither is on
             return None
         return self._diagnostics.diagnose(
@@ -645,7 +647,7 @@ class ClippedOptimizer(InnerOptimizerView):
     def _apply(
         self, s: WindowSettings, d: WindowDecision, g: WindowGrads, loss: Any, closure: Any
     ) -> tuple[Any, bool]:
-        """Stage 6 (apply): the inner step or the skip (see :mod:`clipopt._apply`), then the counters;
+        """Stage 6 (apply): the inner step or the skip (see :mod:`clipopt._window.apply`), then the counters;
         returns ``step()``'s result and whether the fused (host-read-free) path ran."""
         step_result = (loss, closure)
         out, skipped, fused = apply_window(self._inner, s, d, g, step_result, self._reclip, self._readiness)

@@ -1,6 +1,6 @@
 """The skip reasons: one table, read by everything that writes or reads a reason.
 
-A skipped window's reason is an int64 code on the device (:mod:`clipopt._decision`
+A skipped window's reason is an int64 code on the device (:mod:`clipopt._window.decision`
 decides it without a host read); :class:`~clipopt.StepStats` turns it into the
 reason's name when read.  Every writer and reader takes the names, the
 TensorBoard tags and the non-finite classification from :data:`REASONS`:

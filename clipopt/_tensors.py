@@ -1,5 +1,5 @@
 """Small tensor helpers shared by the norm kernels (:mod:`clipopt.functional`) and the
-per-layer statistics (:mod:`clipopt._layers`)."""
+per-layer statistics (:mod:`clipopt._diagnostics.layers`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Jobs run by ``tests/test_distributed.py`` in 2 processes on the gloo backend (CPU).
+"""Jobs run by ``tests/distributed/test_distributed.py`` in 2 processes on the gloo backend (CPU).
 
 Each job runs several scenarios and saves, per rank, what clipopt did next to
 an independent single-process reference (a plain model given the same data,

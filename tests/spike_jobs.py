@@ -1,4 +1,4 @@
-"""The 2-process gloo job of ``tests/test_spike_distributed.py``: SpikeGuard and Rewind under DDP.
+"""The 2-process gloo job of ``tests/recovery/test_spike_distributed.py``: SpikeGuard and Rewind under DDP.
 
 Rank 1 alone gets spiking batches (targets 1000 times larger) at known windows,
 and the guard watches the loss only: without agreement rank 0 (normal loss)

@@ -8,8 +8,8 @@ from typing import Any
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .._diagnostics.stats import StepStats, materialize
 from .._optimizer import ClippedOptimizer
-from .._stats import StepStats, materialize
 
 __all__ = ["STAT_KEYS", "StatsReader", "find_clipped"]
 

@@ -1,0 +1,262 @@
+"""``SpikeGuard``: skip an update whose loss or gradient norm is a z-score outlier.
+
+For each signal (the window's loss, its pre-clip gradient norm) the guard
+keeps the values of the previous ``window`` *applied* updates in a ring buffer
+on the device.  A window whose value is more than ``z_thresh`` standard
+deviations above the mean of that history is a spike; the optimizer skips it
+with reason ``"spike"`` (as if it never happened) and its values never enter
+the history, nor do those of any other skipped window.  The decision is a 0/1
+tensor computed on the device: deciding reads nothing back to the host.
+
+Prior art: OLMo-core's ``SkipStepOptimizer`` (the same 6 sigma / 128 steps
+defaults).  Differences, on purpose: the score is one-sided (a loss or norm far
+*below* its history is not a spike), skipped updates do not enter the history,
+and a non-finite value is neither scored nor recorded (non-finite gradients
+are ``skip_nonfinite``'s, reason ``"nonfinite"``); a missing loss (``nan``,
+``step()`` called without ``loss=``) leaves the loss signal out.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from numbers import Integral, Real
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._caller import user_stacklevel
+from .._checks import check_int_at_least
+from .spike_stats import push_history, spike_scores
+
+__all__ = ["SIGNALS", "SpikeGuard"]
+
+#: The signals a guard can watch, in the order they are stored.
+SIGNALS = ("loss", "grad_norm")
+
+
+def _check_z_thresh(value: Any) -> float:
+    if not isinstance(value, Real) or isinstance(value, bool):
+        raise TypeError(
+            f"z_thresh must be a positive float, got {value!r} ({type(value).__name__}); "
+            "pass e.g. z_thresh=6.0"
+        )
+    if not (float(value) > 0 and math.isfinite(float(value))):
+        raise ValueError(f"z_thresh must be a positive finite number, got {value!r}; pass e.g. z_thresh=6.0")
+    return float(value)
+
+
+def _check_signals(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"signals must be a tuple of signal names, got {value!r}; "
+            "pass e.g. signals=('loss', 'grad_norm') or signals=('grad_norm',)"
+        )
+    out = tuple(value)
+    unknown = [s for s in out if s not in SIGNALS]
+    if not out or unknown or len(set(out)) != len(out):
+        raise ValueError(
+            f"signals must name 'loss' and/or 'grad_norm' once each, got {value!r}; "
+            "pass e.g. signals=('loss', 'grad_norm') or signals=('grad_norm',)"
+        )
+    return tuple(s for s in SIGNALS if s in out)
+
+
+def _check_warmup(value: Any, window: int) -> int:
+    if value is None:
+        return min(window, max(20, window // 2))  # OLMo-core's default
+    if not isinstance(value, Integral) or isinstance(value, bool):
+        raise TypeError(
+            f"warmup must be an int or None, got {value!r} ({type(value).__name__}); "
+            f"pass e.g. warmup={min(window, 20)}, or warmup=None for max(20, window // 2)"
+        )
+    if not 2 <= int(value) <= window:
+        raise ValueError(
+            f"warmup must be between 2 and window={window}, got {value!r}; "
+            f"pass e.g. warmup={min(window, 20)}, or warmup=None for max(20, window // 2)"
+        )
+    return int(value)
+
+
+class SpikeGuard:
+    """Skip an update whose loss or pre-clip gradient norm is an outlier (reason ``"spike"``).
+
+    ``z = (value - mean) / (std + eps)`` against the mean and sample standard
+    deviation of the previous ``window`` applied updates' values; the window is
+    a spike when ``z > z_thresh`` for any watched signal that has at least
+    ``warmup`` values of history.
+
+    Args:
+        z_thresh: how many standard deviations above the mean make a spike.
+        window: how many applied updates the history holds (>= 2).
+        signals: ``"loss"`` (the window's loss, from ``step(loss=...)`` or the
+            closure) and/or ``"grad_norm"`` (the pre-clip total norm).
+        warmup: values of history a signal needs before it is scored
+            (2 ... ``window``; None: ``max(20, window // 2)``, at most ``window``).
+        eps: added to the standard deviation (a constant history scores finitely).
+    """
+
+    def __init__(
+        self,
+        z_thresh: float = 6.0,
+        window: int = 128,
+        signals: Sequence[str] = SIGNALS,
+        warmup: int | None = None,
+        eps: float = 1e-8,
+    ) -> None:
+        self.z_thresh = _check_z_thresh(z_thresh)
+        self.window = check_int_at_least("window", window, 2, 128)
+        self.signals = _check_signals(signals)
+        self.warmup = _check_warmup(warmup, self.window)
+        if not isinstance(eps, Real) or isinstance(eps, bool):
+            raise TypeError(
+                f"eps must be a positive finite float, got {eps!r} ({type(eps).__name__}); pass e.g. eps=1e-8"
+            )
+        if not (float(eps) > 0 and math.isfinite(eps)):
+            raise ValueError(f"eps must be a positive finite float, got {eps!r}; pass e.g. eps=1e-8")
+        self.eps: float = float(eps)
+        # replaced, never written into: an optimizer undoing a failed step puts the old tensors back
+        self._buffer: Tensor = torch.zeros((len(self.signals), self.window), dtype=torch.float64)
+        self._count: Tensor = torch.zeros(len(self.signals), dtype=torch.int64)
+        self._values: Tensor | None = None  # the latest window's values, until commit()
+        #: The latest window's z-scores (one per signal; 0 where not scored), or None.
+        self.last_z: Tensor | None = None
+        self._loss_seen: bool = False  # a window with a loss was decided, or the no-loss warning was given
+
+    def _to(self, device: torch.device) -> None:
+        if self._buffer.device != device:
+            self._buffer = self._buffer.to(device)
+            self._count = self._count.to(device)
+
+    def values(self, loss: Tensor | float | None, grad_norm: Tensor) -> Tensor:
+        """The watched signals of one window as a float64 vector on ``grad_norm``'s device.
+
+        ``loss`` None (not given) becomes ``nan``: the loss signal sits that window out.
+        """
+        device = grad_norm.device
+        out = []
+        for name in self.signals:
+            if name == "grad_norm":
+                out.append(grad_norm.detach().reshape(()).to(torch.float64))
+            elif isinstance(loss, Tensor):
+                out.append(loss.detach().reshape(()).to(device, torch.float64))
+            else:
+                v = math.nan if loss is None else float(loss)
+                out.append(torch.full((), v, dtype=torch.float64, device=device))  # a fill: no host copy
+        return torch.stack(out)
+
+    def decide(self, loss: Tensor | float | None, grad_norm: Tensor) -> Tensor:
+        """1.0 when this window is a spike, else 0.0 (float32, 0-d, on the device; no host read).
+
+        Remembers the window's values for :meth:`commit`; the history is unchanged.
+        """
+        self._to(grad_norm.device)
+        self._check_loss_given(loss)
+        values = self.values(loss, grad_norm)
+        z, scored = spike_scores(values, self._buffer, self._count, self.warmup, self.eps)
+        self._values = values
+        self.last_z = z
+        return (scored & (z > self.z_thresh)).any().to(torch.float32)
+
+    def _check_loss_given(self, loss: Tensor | float | None) -> None:
+        """Warn once when the guard watches the loss and a window comes without one before any had one."""
+        if loss is not None or "loss" not in self.signals:
+            self._loss_seen = self._loss_seen or loss is not None
+            return
+        if not self._loss_seen:
+            self._loss_seen = True  # once
+            alone = " and this guard skips nothing" if self.signals == ("loss",) else ""
+            warnings.warn(
+                f"SpikeGuard watches the loss (signals={self.signals!r}) but step() was called without "
+                f"loss=: the loss signal sits out such windows{alone}; pass opt.step(loss=loss), "
+                "or signals=('grad_norm',) to watch the gradient norm only",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+
+    def is_spike(self, loss: Tensor | float | None, grad_norm: Tensor) -> Tensor:
+        """Like :meth:`decide`, but remembers nothing (for diagnostics)."""
+        self._to(grad_norm.device)
+        z, scored = spike_scores(
+            self.values(loss, grad_norm), self._buffer, self._count, self.warmup, self.eps
+        )
+        return (scored & (z > self.z_thresh)).any().to(torch.float32)
+
+    def commit(self, skipped: Tensor | bool) -> None:
+        """Add the latest decided window's values to the history unless the window was ``skipped``.
+
+        ``skipped`` is the window's final decision (any reason), a bool or a 0/1
+        tensor; a tensor is not read.  Without a pending :meth:`decide`, nothing happens.
+        """
+        if self._values is None:
+            return
+        skip = torch.as_tensor(skipped, device=self._buffer.device)
+        accept = skip.reshape(()) == 0
+        self._buffer, self._count = push_history(self._buffer, self._count, self._values, accept)
+        self._values = None
+
+    @property
+    def history(self) -> dict[str, list[float]]:
+        """Each signal's history, oldest first (reads the device: for inspection and tests)."""
+        count = self._count.tolist()
+        buffer = self._buffer.tolist()
+        out = {}
+        for i, name in enumerate(self.signals):
+            n = min(count[i], self.window)
+            start = count[i] % self.window if count[i] > self.window else 0
+            row = buffer[i]
+            out[name] = [row[(start + k) % self.window] for k in range(n)]
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The history: ``signals``, ``window``, ``buffer`` and ``count`` (cloned on their device:
+        taking it reads nothing back to the host)."""
+        return {
+            "signals": list(self.signals),
+            "window": self.window,
+            "buffer": self._buffer.detach().clone(),
+            "count": self._count.detach().clone(),
+        }
+
+    def load_state_dict(self, state: Any) -> None:
+        """Load a state from :meth:`state_dict`; everything is checked before anything changes."""
+        expect = f"a SpikeGuard with window={self.window} and signals={self.signals!r}"
+        if not isinstance(state, dict):
+            raise ValueError(
+                f"invalid SpikeGuard state: expected a dict, got {type(state).__name__}; "
+                f"pass the state saved by {expect}"
+            )
+        buffer, count = state.get("buffer"), state.get("count")
+        signals = state.get("signals")
+        shape = (len(self.signals), self.window)
+        if (
+            signals is None
+            or tuple(signals) != self.signals
+            or state.get("window") != self.window
+            or not isinstance(buffer, Tensor)
+            or tuple(buffer.shape) != shape
+            or not buffer.is_floating_point()
+            or not isinstance(count, Tensor)
+            or tuple(count.shape) != shape[:1]
+            or count.is_floating_point()
+            or count.is_complex()
+            or bool((count < 0).any())
+        ):
+            raise ValueError(
+                f"invalid SpikeGuard state: expected signals {list(self.signals)}, window {self.window}, "
+                f"a float buffer of shape {shape} and non-negative integer counts of shape {shape[:1]}; "
+                f"pass the state saved by {expect}"
+            )
+        device = self._buffer.device
+        self._buffer = buffer.detach().to(device, torch.float64, copy=True)
+        self._count = count.detach().to(device, torch.int64, copy=True)
+        self._values = None
+        self.last_z = None
+
+    def __repr__(self) -> str:
+        return (
+            f"SpikeGuard(z_thresh={self.z_thresh:g}, window={self.window}, signals={self.signals!r}, "
+            f"warmup={self.warmup})"
+        )

@@ -1,0 +1,238 @@
+"""``clipopt report PATH``: verdict, evidence and a suggested ``max_norm`` from a training log.
+
+The stages, one module each: :mod:`clipopt._report.read` reads any supported
+log (clipopt's CSV, any CSV with a gradient-norm column, a Trainer
+``trainer_state.json``, Lightning's ``metrics.csv``, a TensorBoard folder)
+into a :class:`GradLog`; :mod:`clipopt._report.rules` turns it into the verdict
+(its docstring documents every rule and the reason for it);
+:func:`format_report` and :func:`format_json` render that; :func:`plot_log`
+(:mod:`clipopt._report.plot`, needs matplotlib) draws it.
+
+In the JSON output every float that is not finite is written as a string,
+``"nan"``, ``"inf"`` or ``"-inf"``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from .read import GradLog, read_log
+from .rules import VERDICTS, analyze, percentile
+from .text import fmt_num as _num
+from .text import json_safe
+
+__all__ = [
+    "VERDICTS",
+    "GradLog",
+    "analyze",
+    "format_json",
+    "format_report",
+    "percentile",
+    "plot_log",
+    "read_log",
+]
+
+
+def plot_log(log: GradLog, report: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Draw the log (see :func:`clipopt._report.plot.plot_log`); ImportError with a hint without matplotlib."""  # noqa: E501
+    from .plot import plot_log as _plot
+
+    _plot(log, report, path)
+
+
+def format_json(report: Mapping[str, Any]) -> str:
+    """The report as JSON; non-finite floats become ``"nan"``, ``"inf"`` or ``"-inf"``."""
+    return json.dumps(json_safe(report), indent=2, allow_nan=False)
+
+
+_KIND_TEXT = {
+    "blowup": "the loss blew up",
+    "growth": "fast-growing gradient norm",
+    "nonfinite": "non-finite gradient",
+    "spikes": "gradient norm spikes",
+    "loss_spikes": "loss spikes",
+    "vanishing": "vanishing layer gradient",
+}
+
+
+def verdict_line(report: Mapping[str, Any]) -> str:
+    """``verdict: exploding (the loss blew up; step 5)``: the first line of the report."""
+    findings, s = report["findings"], report["summary"]
+    if not findings and s["losses"] == s["loss_nonfinite"]:  # no loss, or not one finite
+        read = "no finite loss was read" if s["losses"] else "no loss was read"
+        return (
+            f"verdict: healthy (judged on the gradient norm alone: {read}; "
+            "no blow-up, non-finite, spiking or vanishing gradients)"
+        )
+    if not findings:
+        return "verdict: healthy (no blow-up, non-finite, spiking or vanishing gradients)"
+    head = findings[0]
+    where = [f"step {head['step']}"] if head["step"] is not None else []
+    if head["layer"] is not None:
+        where.append(f"layer {head['layer']}")
+    return f"verdict: {report['verdict']} ({_KIND_TEXT[head['kind']]}; {', '.join(where)})"
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """The report for a terminal: verdict, file, the names read and ignored, evidence, suggested
+    max_norm, clipping, summary, notes."""
+    lines = [
+        *_header_lines(report),
+        "",
+        *_evidence_lines(report),
+        "",
+        *_threshold_lines(report),
+        "",
+        *_summary_lines(report["summary"], _every_update(report)),
+    ]
+    if report["notes"]:
+        lines += ["", "Notes:"]
+        lines += [f"  - {note}" for note in report["notes"]]
+    return "\n".join(lines)
+
+
+def _header_lines(report: Mapping[str, Any]) -> list[str]:
+    """The verdict line, the file line (format, updates, steps) and the names read and ignored."""
+    return [
+        verdict_line(report),
+        f"file: {report['file']} ({report['source']}; {_rows_text(report)})",
+        _names_line(report),
+    ]
+
+
+def _every_update(report: Mapping[str, Any]) -> bool:
+    """True when a row is an update: clipopt's own log, or one row per step (consecutive steps)."""
+    s = report["summary"]
+    own = report["source"] == "clipopt CSV" or report["columns"]["norm"] == "clipopt/total_norm"
+    return own or bool(s["last_step"] - s["first_step"] + 1 == s["updates"])
+
+
+def _rows_text(report: Mapping[str, Any]) -> str:
+    """``200 updates, steps 1-200``; ``60 rows logged at steps 10-600`` when rows were logged every
+    few updates (a Trainer's ``logging_steps``)."""
+    s = report["summary"]
+    if _every_update(report):
+        return f"{s['updates']} updates, steps {s['first_step']}-{s['last_step']}"
+    return f"{s['updates']} rows logged at steps {s['first_step']}-{s['last_step']}"
+
+
+#: What a log's names are called, by source (default: columns).
+_NOUNS = {"TensorBoard": "tags", "Trainer trainer_state.json": "log_history keys"}
+#: At most this many ignored names are listed in the text (``--json`` lists all).
+_MAX_IGNORED = 12
+
+
+def _names_line(report: Mapping[str, Any]) -> str:
+    """``tags read: Grad/total_norm as the norm, Loss/train as the loss; ignored: Loss/test``."""
+    cols = report["columns"]
+    loss = f"{cols['loss']} as the loss" if cols["loss"] is not None else "no loss (--loss NAME picks one)"
+    ignored = cols["ignored"]
+    shown = ", ".join(ignored[:_MAX_IGNORED]) or "none"
+    if len(ignored) > _MAX_IGNORED:
+        shown += f", ... ({len(ignored) - _MAX_IGNORED} more)"
+    noun = _NOUNS.get(report["source"], "columns")
+    return f"{noun} read: {cols['norm']} as the norm, {loss}; ignored: {shown}"
+
+
+def _evidence_lines(report: Mapping[str, Any]) -> list[str]:
+    """``Evidence:``, one line per finding, most severe first."""
+    if not report["findings"]:
+        return [
+            "Evidence:",
+            "  - none of the rules fired (they are listed in the documentation, page 'Choosing max_norm')",
+        ]
+    return ["Evidence:", *(f"  - [{f['kind']}] {f['evidence']}" for f in report["findings"])]
+
+
+def _threshold_lines(report: Mapping[str, Any]) -> list[str]:
+    """``Suggested max_norm:``, the clipping advice and the reference values (AutoClip, Pascanu, ZClip)."""
+    suggested = report["suggested_max_norm"]
+    lines = [
+        f"Suggested max_norm: {_num(suggested) if suggested is not None else 'none (no finite norm)'}",
+        f"  clipping: {report['clipping']['advice']}",
+    ]
+    if report["suggestions"]:
+        lines.append("  for reference:")
+        rows = [[sug["name"], _suggestion_value(sug), sug["rule"]] for sug in report["suggestions"]]
+        lines += ["  " + line for line in _table(rows)]
+    return lines
+
+
+def _suggestion_value(sug: Mapping[str, Any]) -> str:
+    """A reference value, or its range ``low - high``."""
+    if sug["value"] is not None:
+        return _num(sug["value"])
+    return f"{_num(sug['low'])} - {_num(sug['high'])}"
+
+
+def _summary_lines(s: Mapping[str, Any], every_update: bool = True) -> list[str]:
+    """``Summary:`` and its table: updates (logged rows unless ``every_update``), loss, clipped, skipped,
+    non-finite, norms, max_norm, layers, parameter groups."""
+    rows = [
+        ["updates" if every_update else "logged rows", f"{s['updates']}"],
+        ["loss", _loss_text(s)],
+        ["clipped", f"{s['clipped']} ({100 * s['clipped_fraction']:.1f}%)"],
+        ["skipped", f"{s['skipped']}"],
+        *([["rewinds", f"{s['rewinds']}"]] if s.get("rewinds") else []),
+        ["non-finite", f"{s['nonfinite']}" + (f" ({s['overflow']} overflow)" if s["overflow"] else "")],
+        ["total norm", _norms_text(s)],
+        ["max_norm used", _max_norm_text(s)],
+        [
+            "layers",
+            f"{s['layers']} ({s['layer_rows']} rows with per-layer statistics)" if s["layers"] else "-",
+        ],
+    ]
+    rows += [[f"group {g['group']}", _group_text(g)] for g in s.get("groups", [])]
+    return ["Summary:", *_table(rows)]
+
+
+def _norms_text(s: Mapping[str, Any]) -> str:
+    """``min 0.1, median 0.8, max 3 (200 finite)``: the total norms of the summary."""
+    if not s["finite_norms"]:
+        return "no finite norm"
+    return (
+        f"min {_num(s['norm_min'])}, median {_num(s['norm_median'])}, max {_num(s['norm_max'])} "
+        f"({s['finite_norms']} finite)"
+    )
+
+
+def _loss_text(s: Mapping[str, Any]) -> str:
+    """``2.3 at the start, 0.4 at the end (200 logged)``: the loss of the summary."""
+    if not s["losses"]:
+        return "not in the log (clipopt: opt.step(loss=loss))"
+    nonfinite = f", {s['loss_nonfinite']} non-finite" if s["loss_nonfinite"] else ""
+    ends = f"{_num(s['loss_start'])} at the start, {_num(s['loss_end'])} at the end"
+    return f"{ends} ({s['losses']} logged{nonfinite})"
+
+
+def _group_text(g: Mapping[str, Any]) -> str:
+    """``median norm 0.8, max 3.1; clipped 12 (4.0%)``: one parameter group's line."""
+    norms = (
+        f"median norm {_num(g['norm_median'])}, max {_num(g['norm_max'])}"
+        if g["norm_median"] is not None
+        else "no finite norm"
+    )
+    return f"{norms}; clipped {g['clipped']} ({100 * g['clipped_fraction']:.1f}%)"
+
+
+def _max_norm_text(s: Mapping[str, Any]) -> str:
+    """How ``max_norm`` was used: one bound, a range, adaptive, or none."""
+    if s["max_norm"] is None and s.get("max_norm_unbounded"):
+        return "adaptive, no bound reached (e.g. ZClip between spikes)"
+    if s["max_norm"] is None and s["clipped"]:
+        return "none recorded: unit-wise clipping (AGC) or value clipping"
+    if s["max_norm"] is None:
+        return "none (norm clipping off or not recorded)"
+    mn = s["max_norm"]
+    if mn["min"] == mn["max"]:
+        return _num(mn["last"])
+    return f"{_num(mn['min'])} - {_num(mn['max'])} (last {_num(mn['last'])})"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    """Rows as aligned columns (the last one unpadded), each line indented by two spaces."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return ["  " + "  ".join([*(c.ljust(w) for c, w in zip(r, widths, strict=False)), r[-1]]) for r in rows]

@@ -1,0 +1,136 @@
+"""Undoing a failed or rejected step: the wrapper's own state, and an inner optimizer's.
+
+* :class:`UndoPoint` holds what closing a window changes in the wrapper
+  (counters, signals, policy state, the latest statistics); an error inside
+  ``step()`` puts it back, so the wrapper is exactly as before the call.
+* :class:`InnerBackup` copies parameters and inner state before the inner step
+  of an optimizer that re-evaluates its closure (LBFGS): a re-evaluation whose
+  gradients or loss are not finite happens after the parameters moved, so the
+  window can only be skipped by restoring that copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = ["InnerBackup", "UndoPoint", "note_discarded", "nonfinite_loss"]
+
+#: Optimizers whose ``step(closure)`` calls the closure again after moving the parameters.
+
+
+def nonfinite_loss(loss: Any) -> bool:
+    """Whether a closure's return value is a non-finite number (a host read for a tensor)."""
+    if isinstance(loss, Tensor):
+        return loss.numel() > 0 and not bool(torch.isfinite(loss.detach()).all())
+    if isinstance(loss, (int, float)):
+        return not math.isfinite(loss)
+    return False
+
+
+class UndoPoint:
+    """The wrapper's state before a window closes; :meth:`restore` puts it back.
+
+    ``fields`` are the owner's attributes that closing a window replaces (by
+    name, as the owner lists them; values that are changed in place must be
+    copies); ``policy`` is the clipping policy, whose attributes are copied
+    (policies replace their tensors rather than writing into them, so a
+    shallow copy is a snapshot of their state); ``stats`` is the history, of
+    which only the length is kept (a failed close only appends).
+    """
+
+    __slots__ = (
+        "_fields",
+        "_owner",
+        "_policy",
+        "_policy_state",
+        "_stats",
+        "_stats_len",
+        "committed",
+        "touched",
+    )
+
+    def __init__(
+        self, owner: object, fields: dict[str, Any], policy: object | None, stats: deque[Any]
+    ) -> None:
+        self._owner = owner
+        self._fields = fields
+        self._policy = policy
+        self._policy_state = None if policy is None else dict(vars(policy))
+        self._stats = stats
+        self._stats_len = len(stats)
+        #: Set once the window's update has been applied or skipped: from then on it stands.
+        self.committed = False
+        #: Set once the gradients may have been changed in place (they cannot be restored).
+        self.touched = False
+
+    def restore(self) -> None:
+        for name, value in self._fields.items():
+            setattr(self._owner, name, value)
+        if self._policy is not None and self._policy_state is not None:
+            vars(self._policy).clear()
+            vars(self._policy).update(self._policy_state)
+        while len(self._stats) > self._stats_len:
+            self._stats.pop()
+
+
+def note_discarded(exc: BaseException) -> None:
+    """Say on ``exc`` that the failed close discarded the window (its gradients were changed in place)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(
+            "clipopt: the window's gradients were already changed in place (unscaled or clipped) "
+            "when this error was raised; they were discarded and the window's micro-batches are "
+            "not counted"
+        )
+
+
+def _copy_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """A copy of one parameter's state that LBFGS's step cannot reach: tensors cloned, lists copied.
+
+    The tensors *inside* LBFGS's history lists (``old_dirs``, ``old_stps``,
+    ``ro``) are never written in place (the lists are appended to and popped),
+    so they are shared, not cloned: the copy costs a few flat vectors, not the
+    whole history.
+    """
+    out: dict[str, Any] = {}
+    for key, value in entry.items():
+        if isinstance(value, Tensor):
+            out[key] = value.detach().clone()
+        elif isinstance(value, list):
+            out[key] = list(value)
+        else:
+            out[key] = copy.copy(value)
+    return out
+
+
+class InnerBackup:
+    """A copy of the parameters and their inner state, taken before an inner step."""
+
+    __slots__ = ("_optimizer", "_params", "_state", "_values")
+
+    def __init__(self, optimizer: Optimizer, params: Sequence[Tensor]) -> None:
+        self._optimizer = optimizer
+        self._params = list(params)
+        with torch.no_grad():
+            self._values = [p.detach().clone() for p in self._params]
+        state = optimizer.state
+        self._state = {p: _copy_entry(state[p]) for p in self._params if p in state}
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Parameters and inner state back to the copy, bit for bit; the gradients are discarded."""
+        state = self._optimizer.state
+        for p, value in zip(self._params, self._values, strict=True):
+            p.copy_(value)
+            p.grad = None
+            if p in self._state:
+                state[p] = self._state[p]
+            else:
+                state.pop(p, None)

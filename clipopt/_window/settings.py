@@ -1,0 +1,67 @@
+"""The settings one window closes with (:class:`WindowSettings`), read when the window closes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .._policies.builtin import ClipPolicy
+from .groups import GroupPlan
+
+__all__ = ["WindowSettings"]
+
+
+@dataclass(frozen=True)
+class WindowSettings:
+    """What one window closes with: the wrapper's settings when the window closes.
+
+    They may change between windows (``opt.norm_type = 1.0``, a group's
+    ``max_norm``), so the optimizer reads them afresh at every close; every
+    stage of the close (:mod:`clipopt._window.stages`, :mod:`clipopt._window.diagnose`)
+    gets them from this record, never from the optimizer.
+    """
+
+    norm_type: float  #: ``p`` of every norm
+    clip_value: float | None  #: the element-wise bound of the groups without their own
+    divisor: float  #: the summed gradients are divided by it: the micro-batches (``"mean"``) or 1 (``"sum"``)
+    foreach: bool | None  #: passed to the foreach kernels
+    policy: ClipPolicy | None  #: ``max_norm`` when it is a policy
+    max_norm: float | None  #: ``max_norm`` when it is a float (None: off, or a policy)
+    skip_enabled: bool  #: a non-finite window is skipped (``skip_nonfinite`` or a GradScaler)
+    scaled: bool  #: a GradScaler unscaled the gradients: a non-finite window is an ``"overflow"``
+    norm_group: Any  #: the pipeline stages' process group, or None
+    plan: GroupPlan | None  #: the groups' own ``max_norm``/``clip_value`` (None: no group has one)
+    layer_stats: int  #: per-layer statistics every ``layer_stats`` windows (0: never)
+    rows: bool  #: a logger writes per-layer rows: the measure keeps each gradient's norm (a candidate row)
+
+    @classmethod
+    def read(cls, opt: Any, n: int, plan: GroupPlan | None) -> WindowSettings:
+        """The settings of a window of ``n`` micro-batches (per-group options: ``plan``), read from
+        the public attributes of the :class:`~clipopt.ClippedOptimizer` ``opt``."""
+        bound = opt.max_norm
+        policy = bound if isinstance(bound, ClipPolicy) else None
+        return cls(
+            norm_type=opt.norm_type,
+            clip_value=opt.clip_value,
+            divisor=float(n) if opt.reduction == "mean" else 1.0,
+            foreach=opt.foreach,
+            policy=policy,
+            max_norm=None if policy is not None else bound,
+            skip_enabled=opt.skip_nonfinite or opt.scaler is not None,
+            scaled=opt.scaler is not None,
+            norm_group=opt.norm_group,
+            plan=plan,
+            layer_stats=opt.layer_stats,
+            rows=bool(opt.layer_stats and opt.loggers),
+        )
+
+    @property
+    def unitwise(self) -> bool:
+        """The policy clips unit by unit (AGC), in place."""
+        return self.policy is not None and self.policy.unitwise
+
+    @property
+    def clips_in_place(self) -> bool:
+        """Clipping changes the gradients before the inner step (value clipping or AGC)."""
+        value = self.clip_value is not None or (self.plan is not None and self.plan.any_value_clipping)
+        return value or self.unitwise

@@ -1,0 +1,224 @@
+"""The stages of a window's close that decide on the device: measure, agree, clip and decide.
+
+Each stage is a function of the window's :class:`~clipopt._window.settings.WindowSettings`
+(read from the optimizer when the window closes) and its
+:class:`~clipopt._window.grads.WindowGrads`; the optimizer calls them in the order of
+docs/design.md, 'Order of operations' (``ClippedOptimizer._finish_window``) and keeps no state here.
+
+* :func:`check_clippable` — stage 1 (combine), before anything changes: value clipping
+  refuses complex gradients.
+* :func:`measure` — stage 2 (measure): the pre-clip norm of the combined gradient,
+  its non-finite flag (a :class:`~clipopt._window.decision.WindowDecision`) and,
+  when asked, each gradient's norm as the window's candidate bad row.
+* :func:`agree` — stage 2 (measure), DDP replicas: one decision on every rank.
+* :func:`clip_and_decide` — stages 4-5 (clip, decide): value clipping, the norm
+  bound (or the policy's), then the skip signals in priority order.
+* :func:`reclip` — a closure's re-evaluation (LBFGS), measured and clipped
+  with the window's own bound.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import functional as F
+from .._diagnostics.badrow import any_nonfinite, norm_with_row, row_of_norms
+from .._diagnostics.layers import LayerStats
+from .._distributed.collectives import reduce_norm_over
+from .._distributed.replicas import ReplicaDecision
+from .._reasons import DIVERGENCE, NONFINITE, NORM_OVERFLOW, OVERFLOW, SPIKE
+from .decision import (
+    SkipSignal,
+    SkipSource,
+    WindowDecision,
+    clip_,
+    clip_groups_,
+    decide_skip,
+    measured_groups,
+    policy_spike,
+)
+from .grads import WindowGrads
+from .settings import WindowSettings
+
+__all__ = ["agree", "check_clippable", "clip_and_decide", "measure", "reclip"]
+
+
+def check_clippable(s: WindowSettings, g: WindowGrads) -> None:
+    """Raise before anything is measured, saved or clamped when a value bound meets complex gradients."""
+    if s.plan is not None and s.plan.any_value_clipping:
+        for group, value in zip(g.by_group, s.plan.clip_values, strict=True):
+            if value is not None:
+                F.check_value_clippable(group)
+    elif s.plan is None and s.clip_value is not None:
+        F.check_value_clippable(g.grads)
+
+
+def measure(
+    s: WindowSettings, g: WindowGrads, names: list[str] | None
+) -> tuple[WindowDecision, LayerStats | None]:
+    """Stage 2 (measure): the pre-clip norm of the combined gradient and its non-finite flag.
+
+    Given the parameters' ``names`` (per-layer rows are logged), the same pass keeps each
+    gradient's norm as the window's candidate bad row (see :mod:`clipopt._diagnostics.badrow`).  With
+    per-group options the groups' norms come from the same per-gradient norms.
+    """
+    inv = 1.0 / s.divisor
+    if s.plan is not None:
+        norms = g.norms(g.grads, s.norm_type, s.foreach)
+        row = None
+        if names is not None:
+            row = row_of_norms(
+                norms, g.grads, g.params, names, norm_type=s.norm_type, foreach=s.foreach, inv=inv
+            )
+        sizes = [len(group) for group in g.by_group]
+        d = measured_groups(norms, sizes, s.plan.shared, norm_type=s.norm_type, divisor=s.divisor)
+        if row is not None:
+            d.elements = any_nonfinite(row)
+        return d, row
+    row = None
+    if names is not None:
+        raw_norm, row = norm_with_row(
+            g.grads, g.params, names, norm_type=s.norm_type, foreach=s.foreach, inv=inv
+        )
+        if s.norm_group is not None:  # pipeline stages: the norm of all of them (the row stays local)
+            raw_norm = reduce_norm_over(raw_norm, s.norm_type, s.norm_group)
+    else:
+        raw_norm = g.total_norm(g.grads, s.norm_type, s.foreach, s.norm_group)
+    total_norm = raw_norm / s.divisor if s.divisor != 1.0 else raw_norm
+    d = WindowDecision(total_norm, F.nonfinite_flag(total_norm))
+    if row is not None and s.norm_group is None:  # the row looked at the elements (of this stage only)
+        d.elements = any_nonfinite(row)
+    return d, row
+
+
+def agree(
+    replicas: ReplicaDecision,
+    d: WindowDecision,
+    n: int,
+    window: int,
+    loss: Tensor | float | None,
+    *,
+    watch_loss: bool,
+    sharded: bool,
+) -> tuple[WindowDecision, Tensor | None]:
+    """DDP replicas: one decision on every rank (one scalar collective), with their divergence
+    (FSDP2: the ranks' check that rode in the norm's reduction, as the divergence).
+
+    When a SpikeGuard watches the loss (``watch_loss``), the largest window ``loss`` over the
+    ranks comes from the same collective (FSDP2, ``sharded``: from one scalar all-reduce of its
+    own), so every rank scores the same value; it is returned beside the decision, else None.
+    """
+    if replicas.active and sharded:  # FSDP2: the ranks' check rode in the norm's reduction
+        d.divergence = replicas.divergence  # their counters or settings differ: skip on every rank
+        return d, replicas.agree_loss(loss, d.total_norm.device) if watch_loss else None
+    if not replicas.active:
+        return d, None
+    shared = loss if watch_loss else None
+    norm, nonfinite = replicas.agree(d.total_norm, d.nonfinite, n, window, shared)
+    agreed = WindowDecision(norm, nonfinite, replicas.divergence)
+    if d.shared_norm is not None:  # per-group clipping: a policy sees no window some rank found bad
+        agreed.group_norms = d.group_norms
+        agreed.shared_norm = torch.where(nonfinite > 0, math.nan, d.shared_norm)
+    return agreed, replicas.agreed_loss if shared is not None else None
+
+
+def clip_and_decide(
+    s: WindowSettings,
+    d: WindowDecision,
+    g: WindowGrads,
+    param_groups: list[dict[str, Any]],
+    sources: Sequence[SkipSource] = (),
+    reevaluated: tuple[float | Tensor | None] | None = None,
+) -> None:
+    """Stages 4-5 (clip, decide), all on the device (see :mod:`clipopt._window.decision`).
+
+    ``reevaluated=(max_norm,)``: a closure's re-evaluation, clipped with the window's own bound;
+    a global-norm policy and the window-level skip signals (``sources`` among them) saw the
+    window once already.  With per-group options each group is clipped by its own bound or
+    with the others sharing the wrapper's (``clip_groups_``).
+    """
+    policy = s.policy if reevaluated is None or s.unitwise else None  # unit-wise: stateless
+    max_norm = s.max_norm if reevaluated is None else reevaluated[0]
+    if s.plan is not None:
+        norms_of = functools.partial(g.norms, norm_type=s.norm_type, foreach=s.foreach)
+        params = [group["params"] for group in param_groups]
+        clip_groups_(
+            d,
+            g.by_group,
+            params,
+            s.plan,
+            norm_type=s.norm_type,
+            divisor=s.divisor,
+            foreach=s.foreach,
+            norms_of=norms_of,
+            policy=policy,
+            max_norm=max_norm,
+        )
+    else:
+        norm_of = functools.partial(
+            g.total_norm, norm_type=s.norm_type, foreach=s.foreach, norm_group=s.norm_group
+        )
+        clip_(
+            d,
+            g.grads,
+            g.params,
+            clip_value=s.clip_value,
+            divisor=s.divisor,
+            foreach=s.foreach,
+            norm_of=norm_of,
+            policy=policy,
+            max_norm=max_norm,
+        )
+    decide_skip(d, _signals(s, d, policy, sources if reevaluated is None else None))
+
+
+def _signals(
+    s: WindowSettings, d: WindowDecision, policy: Any, sources: Sequence[SkipSource] | None
+) -> list[SkipSignal]:
+    """The skip signals in priority order: divergence, non-finite (or overflow), the policy's spike,
+    the extra sources; only the non-finite one for a closure's re-evaluation (``sources`` None)."""
+    bad = _nonfinite_signals(s, d)
+    if sources is None:
+        return bad
+    spike = SkipSignal(SPIKE, policy_spike(None if s.unitwise else policy))
+    return [
+        SkipSignal(DIVERGENCE, d.divergence),
+        *bad,
+        spike,
+        *[SkipSignal(x.code, x.flag(d)) for x in sources],
+    ]
+
+
+def _nonfinite_signals(s: WindowSettings, d: WindowDecision) -> list[SkipSignal]:
+    """The window's norm is not finite: non-finite gradients (``"overflow"`` with a GradScaler), or,
+    where the elements were looked at (``d.elements``) and are all finite, a float32 norm that
+    overflowed (``"norm_overflow"``); skipped alike, but only the former counts as non-finite."""
+    code = OVERFLOW if s.scaled else NONFINITE
+    if not s.skip_enabled:
+        return [SkipSignal(code, None)]
+    if d.elements is None:
+        return [SkipSignal(code, d.nonfinite)]
+    return [
+        SkipSignal(code, d.nonfinite * d.elements),
+        SkipSignal(NORM_OVERFLOW, d.nonfinite * (1 - d.elements)),
+    ]
+
+
+def reclip(
+    s: WindowSettings, g: WindowGrads, param_groups: list[dict[str, Any]], max_norm: float | Tensor | None
+) -> tuple[Tensor, list[Tensor]]:
+    """A closure's re-evaluation: measured and clipped with the window's bound ``max_norm``, then
+    scaled; returns its non-finite flag and the gradients."""
+    d, _ = measure(s, g, None)
+    clip_and_decide(s, d, g, param_groups, reevaluated=(max_norm,))
+    if d.group_scales is not None:
+        F.scale_groups_(g.by_group, d.group_scales, foreach=s.foreach)
+    elif isinstance(d.scale, Tensor) or d.scale != 1.0:
+        F.scale_grads_(g.grads, d.scale, foreach=s.foreach)
+    return d.nonfinite, g.grads

@@ -1,0 +1,273 @@
+"""Every fenced ```python block of the documentation runs: each docs/*.md page, and the README.
+
+The blocks of one page run in order in one namespace (a page builds on its earlier blocks), in a
+temporary working directory, on the CPU (``torch.cuda.is_available()`` reads False while they run).
+Pages are found with a glob, so a new page is tested without being listed here. Blocks that must not
+run are fenced as ```text or ```bash.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from clipopt import ClippedOptimizer
+
+REPO = Path(__file__).resolve().parents[2]
+PAGES = [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md"]
+
+#: A fence opening ```python (possibly indented inside a list item) up to the closing fence at that indent.
+_BLOCK = re.compile(r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<code>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """The ```python blocks of a Markdown text as (line number of the fence, dedented code)."""
+    blocks = []
+    for match in _BLOCK.finditer(text):
+        indent = match["indent"]
+        lines = match["code"].splitlines(keepends=True)
+        code = "".join(line[len(indent) :] if line.startswith(indent) else line for line in lines)
+        blocks.append((text.count("\n", 0, match.start()) + 1, code))
+    return blocks
+
+
+def test_block_extraction() -> None:
+    """The extractor finds top-level and indented python blocks, dedents them, and skips other languages."""
+    text = "intro\n```python\nx = 1\n```\n\n- item\n\n  ```python\n  y = x + 1\n  ```\n"
+    text += "\n```text\nz = 3\n```\n"
+    assert python_blocks(text) == [(2, "x = 1\n"), (8, "y = x + 1\n")]
+
+
+#: Any fence opening (``` or ~~~, possibly indented) and its info string.
+_FENCE = re.compile(r"^[ \t]*(?:```|~~~)[ \t]*(?P<info>[^`\n]*?)[ \t]*$", re.M)
+_LANGUAGES = {"python", "text", "bash"}
+
+
+def fence_languages(text: str) -> list[str]:
+    """The info string of every opening fence of a Markdown text (closing fences have none)."""
+    infos, inside = [], False
+    for match in _FENCE.finditer(text):
+        if not inside:
+            infos.append(match["info"])
+        inside = not inside
+    return infos
+
+
+def test_fence_languages_flags_what_would_not_run() -> None:
+    """The fence check sees a block that would render as Python but is not run (```py, a title)."""
+    text = '```python\nx = 1\n```\n```py\ny = 2\n```\n~~~python title="a.py"\nz = 3\n~~~\n'
+    assert fence_languages(text) == ["python", "py", 'python title="a.py"']
+    assert len(python_blocks(text)) == 1
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_block_is_run_or_marked_not_to_run(page: Path) -> None:
+    """Every fenced block is ```python (run by test_page_examples_run), ```text or ```bash; a block
+    fenced any other way (```py, ```python3, a title, ~~~) would render as code and never run, and
+    every ```python fence is one that the extractor finds."""
+    text = page.read_text(encoding="utf-8")
+    infos = fence_languages(text)
+    assert [i for i in infos if i not in _LANGUAGES] == []
+    assert len(python_blocks(text)) == infos.count("python")
+
+
+def test_the_teaching_pages_have_examples() -> None:
+    """The pages that teach the API carry python examples (so this test file actually runs something)."""
+    teaching = ["getting-started.md", "concepts.md", "choosing-max-norm.md", "diagnostics.md"]
+    teaching += ["integrations.md", "distributed.md"]
+    for name in teaching:
+        assert python_blocks((REPO / "docs" / name).read_text(encoding="utf-8")), name
+
+
+@pytest.mark.parametrize(
+    "page", [p for p in PAGES if python_blocks(p.read_text(encoding="utf-8"))], ids=lambda p: p.name
+)
+def test_page_examples_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each python block of the page runs without error, in order, in one namespace, on the CPU."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    torch.manual_seed(0)
+    namespace: dict[str, Any] = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
+    text = page.read_text(encoding="utf-8")
+    failed = True
+    try:
+        for line, code in python_blocks(text):
+            exec(compile(code, f"{page.relative_to(REPO)}, block at line {line}", "exec"), namespace)
+        failed = False
+    finally:
+        for value in list(namespace.values()):
+            if isinstance(value, ClippedOptimizer):
+                try:
+                    value.close()  # flush its loggers while tmp_path still exists
+                except Exception:
+                    if not failed:  # a page's own error stays the one reported
+                        raise
+
+
+def test_quiet_run_prints_the_hypothesis_seed() -> None:
+    """`python -m pytest -q` (the documented test command) ends with the seed and how to replay it."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--hypothesis-seed=1234",
+            "tests/project/test_docs.py::test_block_extraction",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (
+        "hypothesis seed 1234 (replay: python -m pytest --hypothesis-seed=1234)" in proc.stdout.splitlines()
+    )
+
+
+def test_api_reference_lists_every_public_name() -> None:
+    """docs/api.md has a ``::: clipopt.NAME`` entry for every name in ``clipopt.__all__`` (but the
+    version string), so the generated reference leaves none out."""
+    import clipopt
+
+    text = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
+    entries = set(re.findall(r"^::: clipopt\.(\w+)\s*$", text, re.M))
+    assert sorted(set(clipopt.__all__) - {"__version__"} - entries) == []
+
+
+# ---------------------------------------------------------------- the contract lives in the repository
+
+#: What the code and the contributors' pages cite: none of them may cite a file the repository lacks.
+_CITING = [
+    *sorted((REPO / "clipopt").rglob("*.py")),
+    REPO / "ARCHITECTURE.md",
+    REPO / "README.md",
+    *sorted((REPO / "docs").glob("*.md")),
+]
+_SPEC = re.compile(r"\bSPEC\b")
+
+
+def spec_citations(paths: list[Path]) -> list[str]:
+    """``name:line`` of every line of ``paths`` that names "SPEC" (a word, as in "SPEC §1", "SPEC.md")."""
+    return [
+        f"{path.name}:{i}"
+        for path in paths
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if _SPEC.search(line)
+    ]
+
+
+def test_nothing_cites_a_contract_outside_the_repository() -> None:
+    """The code, ARCHITECTURE.md, the README and docs/ cite the repository's own pages (docs/design.md),
+    never "SPEC": a contributor who clones the repository has no such file."""
+    assert spec_citations(_CITING) == []
+
+
+def test_the_spec_check_can_fail(tmp_path: Path) -> None:
+    """The check reports "SPEC" as a word (``SPEC §1``, ``SPEC.md``) and leaves words that contain it."""
+    path = tmp_path / "mod.py"
+    path.write_text('"""In SPEC §1\'s order."""\nSPECIAL = 1  # see SPEC.md\nspec = "SPECS"\n')
+    assert spec_citations([path]) == ["mod.py:1", "mod.py:2"]
+
+
+_DESIGN = REPO / "docs" / "design.md"
+#: An item of a numbered list of the stages: ``3. **diagnose** ...``.
+_STAGE_ITEM = re.compile(r"^[ \t]*(\d+)\. \*\*(\w+)\*\*", re.M)
+#: A citation: ``stage 2``, ``Stages 4-5``, optionally with the names: ``stage 2 (measure)``,
+#: ``stages 4-5 (clip, decide)``.
+_STAGE_CITED = re.compile(r"\b[Ss]tages? (\d+)(?:-(\d+))?(?: \(([a-z]+(?:, [a-z]+)*)\))?")
+#: The old numbering ("Step 5: the inner step"): the window's modules number stages, never steps.
+_STEP_NUMBER = re.compile(r"\b[Ss]teps? \d")
+_WINDOW_MODULES = [
+    "_optimizer.py",
+    "_window/stages.py",
+    "_window/decision.py",
+    "_window/apply.py",
+    "_window/diagnose.py",
+]
+
+
+def section(text: str, heading: str) -> str:
+    """The text of the ``## heading`` section of a Markdown page, up to the next ``## `` heading."""
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def design_stages() -> dict[int, str]:
+    """The stages of a window's close as docs/design.md, 'Order of operations', numbers them."""
+    items = _STAGE_ITEM.findall(section(_DESIGN.read_text(encoding="utf-8"), "Order of operations"))
+    return {int(number): name for number, name in items}
+
+
+def stage_citation_errors(text: str, stages: dict[int, str]) -> list[str]:
+    """Every citation in ``text`` of a stage that ``stages`` lacks, or under another name."""
+    errors = []
+    for match in _STAGE_CITED.finditer(text):
+        first = int(match[1])
+        numbers = range(first, int(match[2] or first) + 1)
+        if not numbers or any(n not in stages for n in numbers):
+            errors.append(f"{match[0]!r}: no such stage")
+        elif match[3] is not None and match[3].split(", ") != [stages[n] for n in numbers]:
+            errors.append(f"{match[0]!r}: named {[stages[n] for n in numbers]} on the design page")
+    return errors
+
+
+def test_the_design_page_numbers_the_stages_once() -> None:
+    """docs/design.md numbers the stages of a window's close 1, 2, ... without a gap, each name once."""
+    stages = design_stages()
+    assert list(stages) == list(range(1, len(stages) + 1)) and len(stages) >= 5
+    assert len(set(stages.values())) == len(stages)
+
+
+def test_stage_numbers_cited_anywhere_are_the_design_pages() -> None:
+    """Every "stage N" (or "stages N-M", with or without the names) cited in clipopt/, ARCHITECTURE.md,
+    the README or docs/ is a stage of docs/design.md under the same name; the window's modules number
+    no "step N" (the numbering the design page replaced)."""
+    stages = design_stages()
+    errors = [
+        f"{path.name}: {error}"
+        for path in _CITING
+        for error in stage_citation_errors(path.read_text(encoding="utf-8"), stages)
+    ]
+    for name in _WINDOW_MODULES:
+        text = (REPO / "clipopt" / name).read_text(encoding="utf-8")
+        errors += [f"{name}: {m[0]!r}: a step number" for m in _STEP_NUMBER.finditer(text)]
+    assert errors == []
+
+
+def test_the_stage_check_can_fail() -> None:
+    """The check reports a stage out of range, a range reaching past the last stage, a wrong name,
+    and accepts a correct citation."""
+    stages = {1: "combine", 2: "measure", 3: "clip"}
+    text = "stage 4; Stages 2-4; stage 2 (clip); stages 1-2 (combine, measure); stage 3"
+    assert stage_citation_errors(text, stages) == [
+        "'stage 4': no such stage",
+        "'Stages 2-4': no such stage",
+        "'stage 2 (clip)': named ['measure'] on the design page",
+    ]
+
+
+def test_every_list_of_the_stages_is_the_design_pages() -> None:
+    """The numbered lists of the stages -- ClippedOptimizer's docstring, ARCHITECTURE.md's 'How a window
+    flows', docs/concepts.md's 'Order of operations' -- have the design page's numbers and names."""
+    stages = list(design_stages().items())
+    architecture = (REPO / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    concepts = (REPO / "docs" / "concepts.md").read_text(encoding="utf-8")
+    lists = {
+        "ClippedOptimizer": ClippedOptimizer.__doc__ or "",
+        "ARCHITECTURE.md": section(architecture, "How a window flows"),
+        "concepts.md": section(concepts, "Order of operations"),
+    }
+    for where, text in lists.items():
+        assert [(int(n), name) for n, name in _STAGE_ITEM.findall(text)] == stages, where
