@@ -1,0 +1,127 @@
+"""The verdict rules of ``clipopt report``, founded on real runs (tests/report/test_report_corpus.py).
+
+Every rule reads a :class:`~clipopt._report.read.GradLog`: the pre-clip total
+norm of each update, the loss when the log has one, the clipping record
+(clipopt logs) and the per-layer rows.  Statistics are computed with torch on
+float64 columns, so a million updates take a fraction of a second; the norms
+are judged on their logarithms (or divided by their maximum), so norms up to
+``1e308`` give a verdict rather than an overflow.
+
+Terms
+-----
+*Finite norms*: rows whose norm is finite, in file order.  *Overflow rows*:
+non-finite norm with reason ``overflow`` -- a ``GradScaler`` calibrating its
+scale, normal operation, never evidence.  *Start*: the median of the first
+:data:`START_ROWS` finite values (norms or losses) -- the scale of the run
+before anything happened.  A percentile interpolates linearly between ranks
+(numpy's default).
+
+Rules, most severe verdict first
+--------------------------------
+``exploding`` -- the run left its scale for good:
+
+- *blow-up of the loss* (logs with a loss): some loss is above
+  :data:`LOSS_BLOWUP` times the start loss (or is not finite, with no
+  non-finite gradient before it), and from a row on the median loss of the
+  next :func:`block` rows stays above :data:`LOSS_STAY` times the start.
+  Step: that row.  Why: a person decides that a run blew up from its loss; a
+  loss that stays an order of magnitude above where it started is a run that
+  is lost, even when its gradient norm comes down again (the plain run of
+  ``clipopt demo`` blows up at update 5 and then sits at 10x its start loss).
+  Likewise from the level the loss had reached: a loss above
+  :data:`LOSS_BLOWUP` times the median of the previous whole :func:`block`
+  (blocks aligned at the first row), after which the median of the next block
+  (at least :data:`BLOCK_MIN` rows) and that of the last block stay above
+  :data:`LOSS_STAY` times that median.
+  Why: a classifier that learned to a tenth of its start loss and then
+  diverges back to chance never goes above its start loss, yet it is lost; a
+  bad batch's loss spike that the run recovers from by its end is not.
+- *fast growth of the norm*: the median of the last :func:`block` finite norms
+  is at least :data:`GROWTH_RATIO` times the start's, or some norm reaches
+  :data:`GROWTH_RATIO` times the start and the median of the next block stays
+  above :data:`GROWTH_ONSET_RATIO` times it (a blow-up in the first updates,
+  which block medians over the whole run miss).  Step (onset): the first norm
+  above ``GROWTH_ONSET_RATIO`` x start from which the next block's median
+  stays above it.  When the log has a loss that is finite to the end and
+  lower at the end than at the start, growth of the norm alone is not an
+  explosion (a note says so): the loss is the better witness.  Slow geometric
+  growth that ends in an overflow is an explosion from its onset, and the
+  non-finite updates that follow are part of it.
+
+``nonfinite`` -- some update (not an overflow row) had a non-finite gradient,
+not inside an explosion.  Its own verdict because one bad batch is not an
+explosion: clipopt skips it (``skip_nonfinite``) and the run goes on.  Step:
+the first such row.  Layer: in that row's own per-layer statistics (clipopt
+writes them for every non-finite window, whatever the ``layer_stats``
+period) the first parameter, in parameter order, with non-finite elements or a
+non-finite gradient norm (a ``nan`` norm with no non-finite element counted is a
+parameter without a gradient, e.g. a frozen one; in logs that count none,
+Lightning's, a ``nan`` norm is non-finite); in logs without that row, the first per-layer row
+after it, and the evidence says it was taken from a later row.
+
+``spikes`` -- isolated large updates:
+
+- *norm spikes*: a finite norm ``x`` with ``z = (ln x - m) / s >``
+  :data:`SPIKE_Z`, ``m``/``s`` the mean and standard deviation of the
+  logarithms of the previous up to :data:`SPIKE_WINDOW` norms (at least
+  :data:`SPIKE_MIN_HISTORY`), and ``x`` at least :data:`SPIKE_MIN_RATIO`
+  times their mean.  On logarithms because gradient norms are close to
+  log-normal: on raw norms healthy heavy-tailed runs had 8-17 false spikes per
+  12,000 updates, on log-norms none.  *A spike that clipping handled is not a
+  spike*: a clipped update (clipopt's ``clipped`` column) whose loss over the
+  next :data:`HANDLED_ROWS` rows stays below :data:`LOSS_SPIKE_RATIO` times
+  the median loss before it is counted as handled (without a loss in the log,
+  nothing shows that it was handled, and it is a spike) in the summary, not as evidence -- clipping doing its
+  job (``clipopt demo``'s clipped run clips 9 % of its updates, some at 2x the
+  rolling mean, and learns).
+- *loss spikes* (logs with a loss): a loss more than :data:`LOSS_SPIKE_Z`
+  standard deviations above the mean of the previous up to
+  :data:`LOSS_WINDOW` losses and above :data:`LOSS_SPIKE_RATIO` times that
+  mean (a corrupted batch, a bad data shard: the loss shows it even when
+  clipping hides the norm).
+
+``vanishing`` (needs per-layer rows): a layer whose median gradient norm is
+below :data:`VANISH_RELATIVE` times the median over layers, or whose median
+``grad_norm / param_norm`` is below :data:`VANISH_TO_PARAM`.  Step: its first
+per-layer row below.  Why: in a deep saturating net the first layers' gradients
+are orders of magnitude below the last ones' while the total norm looks calm.
+*A gradient zero by construction is not vanishing*: a bias whose median
+gradient norm is also below :data:`VANISH_RELATIVE` times that of its own
+weight (``0.bias`` and ``0.weight``, ``bias_ih_l0`` and ``weight_ih_l0``) gets
+a note instead -- the gradient reaches that module, so nothing vanished on the
+way; gradients that vanish shrink a module's weight and bias together.  A
+convolution's bias followed by a BatchNorm is one: the normalisation subtracts
+the batch mean, so the bias gets no gradient while the run learns (the
+Conv+BatchNorm run of the corpus).  Only a bias against its weight: two
+weights of one module (a ``ParameterList``, a stacked RNN) are different
+layers, which vanish one after the other.
+
+``healthy`` -- none of the above.
+
+Threshold
+---------
+``suggested_max_norm``, one number: the :data:`SUGGEST_PERCENTILE`-th
+percentile of the *healthy stretch*'s finite norms -- the rows before an
+explosion's onset (or before the first non-finite row), spikes left out --
+so that clipping bounds the outliers and leaves the typical update alone;
+when the run exploded, the median of that stretch instead, since its last
+norms already rise towards the blow-up.  The report also says which fraction
+of updates was clipped, and whether the ``max_norm`` used looks too tight (more
+than :data:`TIGHT_FRACTION` of the updates clipped: the bound then acts as a
+smaller learning rate) or too loose (the run exploded or spiked and the bound
+did not clip those updates, or it is above :data:`LOOSE_RATIO` times the
+suggestion).  Further values for reference: AutoClip's
+:data:`AUTOCLIP_PERCENTILE`-th percentile (Seetharaman et al. 2020), Pascanu et
+al.'s range of :data:`PASCANU_LOW`-:data:`PASCANU_HIGH` times the mean norm
+(2013), and a static ZClip bound, mean + :data:`ZCLIP_Z` standard deviations
+(Kumar et al. 2025), of all the finite norms -- or, when the run exploded, of
+the healthy stretch the suggestion came from: the blow-up's norms (1e16 and
+more in the corpus's exploding runs) would only measure how far it went.
+"""
+
+from __future__ import annotations
+
+from .analysis import analyze
+from .common import VERDICTS, percentile
+
+__all__ = ["VERDICTS", "analyze", "percentile"]

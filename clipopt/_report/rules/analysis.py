@@ -1,0 +1,219 @@
+"""The whole analysis: every rule over one :class:`~clipopt._report.log.GradLog`, the findings in
+order, the summary.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..read import GradLog
+from .common import (
+    NORM_OVERFLOW_NAME,
+    OVERFLOW_NAME,
+    REWIND_NAME,
+    SPIKE_NAME,
+    VERDICTS,
+    as_tensor,
+    block,
+    median_of,
+    start_level,
+    steps_text,
+)
+from .exploding import loss_blowup, norm_growth
+from .nonfinite import nonfinite_finding
+from .spikes import loss_spikes, norm_spikes
+from .threshold import clipping_advice, reference_thresholds, stretch_for, suggest, suggestions
+from .vanishing import vanishing_findings
+
+
+def analyze(log: GradLog) -> dict[str, Any]:
+    """The verdict, its findings, the suggested ``max_norm``, the clipping assessment and a summary.
+
+    Keys: ``file``, ``source``, ``run`` (the TensorBoard run, or None), ``columns`` (the names read as
+    ``norm`` and ``loss``, and those ``ignored``), ``verdict`` (one of :data:`VERDICTS`),
+    ``findings`` (most severe first; each ``kind`` -- ``blowup``, ``growth``,
+    ``nonfinite``, ``spikes``, ``loss_spikes`` or ``vanishing`` --,
+    ``verdict``, ``step``, ``layer``, ``evidence``, ``values``),
+    ``suggested_max_norm``, ``clipping``, ``suggestions``, ``summary``,
+    ``notes``.  See the module docstring for the rules.
+    """
+    n = len(log)
+    norm, loss = as_tensor(log.total_norm), as_tensor(log.loss)
+    notes = list(log.notes)
+    finite = torch.isfinite(norm)
+    overflow = _overflow_rows(log)
+    bad_rows = (~finite & ~overflow).nonzero().flatten()
+    first_bad = int(bad_rows[0]) if bad_rows.numel() else n
+    explosions = _explosions(log, norm, finite, loss, first_bad, notes)
+    onset = min((f["values"]["row"] for f in explosions), default=n)
+    spikes, handled = norm_spikes(log, norm, loss, min(onset, n))
+    findings = [*explosions, *_nonfinite_findings(log, bad_rows, onset, first_bad, explosions)]
+    findings += [f for f in (spikes, loss_spikes(log, loss, min(onset, n))) if f is not None]
+    findings += _layer_findings(log, notes)
+    findings.sort(key=lambda f: VERDICTS.index(f["verdict"]))
+    verdict = findings[0]["verdict"] if findings else "healthy"
+    n_overflow = int(overflow.sum())
+    notes += _run_notes(log, n_overflow, handled)
+    end = min(onset, first_bad) if explosions else n
+    spike_rows = set(spikes["values"]["rows"]) if spikes is not None else set()
+    stretch, stretch_end = stretch_for(norm, finite, end, spike_rows, verdict)
+    suggested = suggest(stretch, exploding=verdict == "exploding")
+    references = reference_thresholds(log, norm, stretch, stretch_end) if verdict == "exploding" else None
+    return {
+        "file": log.path,
+        "source": log.source,
+        "run": log.run,
+        "columns": {"norm": log.norm_column, "loss": log.loss_column, "ignored": list(log.ignored)},
+        "verdict": verdict,
+        "findings": findings,
+        "suggested_max_norm": suggested,
+        "clipping": clipping_advice(log, verdict, findings, suggested),
+        "suggestions": suggestions(norm[finite]) if references is None else references,
+        "summary": _summary(log, norm, loss, finite, n_overflow, len(handled)),
+        "notes": notes,
+    }
+
+
+def _overflow_rows(log: GradLog) -> Tensor:
+    """Rows whose norm is not finite with reason ``overflow``: a GradScaler calibrating, never evidence."""
+    overflow = torch.zeros(len(log), dtype=torch.bool)
+    for i, r in log.reason.items():
+        if r == OVERFLOW_NAME and not math.isfinite(log.total_norm[i]):
+            overflow[i] = True
+    return overflow
+
+
+def _explosions(
+    log: GradLog, norm: Tensor, finite: Tensor, loss: Tensor, first_bad: int, notes: list[str]
+) -> list[dict[str, Any]]:
+    """The ``exploding`` findings: a blow-up of the loss, fast growth of the norm (either, both or none)."""
+    blowup = loss_blowup(log, loss, first_bad)
+    growth = norm_growth(log, norm, finite, loss, notes)
+    return [f for f in (blowup, growth) if f is not None]
+
+
+def _nonfinite_findings(
+    log: GradLog, bad_rows: Tensor, onset: int, first_bad: int, explosions: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The ``nonfinite`` finding (none or one); part of the explosion when that began no later."""
+    if not bad_rows.numel():
+        return []
+    finding = nonfinite_finding(log, bad_rows)
+    if log.reason.get(first_bad) == NORM_OVERFLOW_NAME:  # finite gradients, a float32 norm over 3.4e38
+        finding["verdict"] = "exploding"
+        finding["evidence"] += (
+            "; its gradients were finite, their float32 norm overflowed (reason 'norm_overflow')"
+        )
+    elif explosions and onset <= first_bad:
+        finding["verdict"] = "exploding"
+        finding["evidence"] += " (part of the explosion above)"
+    return [finding]
+
+
+def _layer_findings(log: GradLog, notes: list[str]) -> list[dict[str, Any]]:
+    """The ``vanishing`` findings from the per-layer rows, or a note on why they were not checked."""
+    if log.layer_rows:
+        return vanishing_findings(log, notes)
+    if log.layers:
+        notes.append("the per-layer columns are empty in every row: vanishing gradients were not checked")
+    else:
+        notes.append("no per-layer statistics: vanishing gradients were not checked (clipopt: layer_stats=k)")
+    return []
+
+
+def _run_notes(log: GradLog, n_overflow: int, handled: list[int]) -> list[str]:
+    """Notes on overflows under a GradScaler, recovery (SpikeGuard, Rewind) and spikes clipping handled."""
+    notes = []
+    if n_overflow:
+        notes.append(
+            f"{n_overflow} update(s) overflowed under a GradScaler (reason 'overflow'): loss-scale "
+            "calibration, not counted as a problem"
+        )
+    notes += _recovery_notes(log)
+    if handled:
+        notes.append(
+            f"{len(handled)} large norm(s) (at step(s) {steps_text(handled)}) were clipped and the loss "
+            "did not jump after them: clipping handled them, so they are not counted as spikes"
+        )
+    return notes
+
+
+def _recovery_notes(log: GradLog) -> list[str]:
+    """Notes on SpikeGuard skips (reason ``spike``) and Rewind rewinds (reason ``rewind``)."""
+    notes = []
+    spikes = [log.steps[i] for i, r in sorted(log.reason.items()) if r == SPIKE_NAME]
+    rewinds = [log.steps[i] for i, r in sorted(log.reason.items()) if r == REWIND_NAME]
+    if spikes:
+        steps = steps_text(spikes)
+        notes.append(f"{len(spikes)} update(s) skipped as spikes (reason 'spike') at step(s) {steps}")
+    if rewinds:
+        notes.append(
+            f"{len(rewinds)} rewind(s) (reason 'rewind') at step(s) {steps_text(rewinds)}: the training "
+            "state went back to an earlier copy after repeated spikes, and the following batches were dropped"
+        )
+    return notes
+
+
+def _summary(
+    log: GradLog, norm: Tensor, loss: Tensor, finite: Tensor, overflow: int, handled: int
+) -> dict[str, Any]:
+    """The summary's figures: updates, clipping, non-finite rows, norms, max_norm, losses, layers, groups."""
+    n = len(log)
+    x = norm[finite]
+    given = loss[~torch.isnan(loss)]
+    fin_loss = given[torch.isfinite(given)]
+    k = block(int(fin_loss.numel())) if fin_loss.numel() else 0
+    mn = as_tensor(log.max_norm)
+    fin = mn[torch.isfinite(mn)]
+    bounds = [float(fin.min()), float(fin.max()), float(fin[-1])] if fin.numel() else []
+    return {
+        "updates": n,
+        "first_step": log.steps[0],
+        "last_step": log.steps[-1],
+        "clipped": sum(log.clipped),
+        "clipped_fraction": sum(log.clipped) / n,
+        "handled_spikes": handled,
+        "skipped": sum(log.skipped),
+        "spike_skips": sum(1 for r in log.reason.values() if r == SPIKE_NAME),
+        "rewinds": sum(1 for r in log.reason.values() if r == REWIND_NAME),
+        "nonfinite": int((~finite).sum()),
+        "overflow": overflow,
+        "finite_norms": int(x.numel()),
+        "norm_min": float(x.min()) if x.numel() else None,
+        "norm_median": median_of(x) if x.numel() else None,
+        "norm_max": float(x.max()) if x.numel() else None,
+        "max_norm": {"min": bounds[0], "max": bounds[1], "last": bounds[2]} if bounds else None,
+        "max_norm_unbounded": bool(torch.isinf(mn).any()),
+        "losses": int(given.numel()),
+        "loss_start": start_level(fin_loss) if k else None,
+        "loss_end": median_of(fin_loss[-k:]) if k else None,
+        "loss_nonfinite": int((~torch.isfinite(given)).sum()),
+        "layers": len(log.layers),
+        "layer_rows": len(log.layer_rows),
+        "groups": _group_summary(log),
+    }
+
+
+def _group_summary(log: GradLog) -> list[dict[str, Any]]:
+    """Per parameter group (per-group clipping): median finite norm, and how often its coefficient was
+    below 1 (the group was norm-clipped), over the rows that recorded it."""
+    out = []
+    for g, kinds in sorted(log.groups.items()):
+        norm, coef = as_tensor(kinds["norm"]), as_tensor(kinds["coef"])
+        finite = norm[torch.isfinite(norm)]
+        recorded = coef[~torch.isnan(coef)]
+        clipped = int((recorded < 1.0).sum())
+        out.append(
+            {
+                "group": g,
+                "norm_median": median_of(finite) if finite.numel() else None,
+                "norm_max": float(finite.max()) if finite.numel() else None,
+                "clipped": clipped,
+                "clipped_fraction": clipped / int(recorded.numel()) if recorded.numel() else 0.0,
+            }
+        )
+    return out
