@@ -258,3 +258,94 @@ def test_code_lines_leave_out_docstrings_and_comments() -> None:
     )
     (cls,) = ast.parse(source).body
     assert _code_lines(cls, source.splitlines()) == 3  # class A:, def f, return 1
+
+
+#: The house's budgets (ARCHITECTURE.md, 'Figures'): a flat top level, modules a reader can hold.
+MAX_TOP_LEVEL_MODULES = 20
+MAX_MODULE_CODE_LINES = 600
+#: The folders of the runtime (run inside ``step()``) and of the offline tools (run on files).
+RUNTIME_FOLDERS = ("_window", "_policies", "_distributed", "_diagnostics", "_recovery")
+OFFLINE_FOLDERS = ("_report", "_replay")
+
+
+def _unit(module: str) -> str:
+    """A folder of the package (``_window``), or a top-level module by its own name."""
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()):
+        return parts[1]
+    return parts[-1]
+
+
+def _unit_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph with each folder collapsed into one node (imports inside a folder dropped)."""
+    units: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        units.setdefault(_unit(module), set()).update(_unit(d) for d in deps if _unit(d) != _unit(module))
+    return units
+
+
+def test_the_top_level_stays_small() -> None:
+    """At most 20 modules at the package's top level: every other module lives in a folder by concept."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+
+
+def test_no_module_is_longer_than_the_budget() -> None:
+    """No module holds over 600 lines of code (docstrings, comments and blank lines not counted)."""
+    long = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = _module_code_lines(path.read_text())
+        if lines > MAX_MODULE_CODE_LINES:
+            long[str(path.relative_to(PACKAGE))] = lines
+    assert long == {}
+
+
+def _module_code_lines(text: str) -> int:
+    """Lines of a module that hold code: no docstring (the module's, a class's or a function's),
+    comment-only or blank line."""
+    source = text.splitlines()
+    tree = ast.parse(text)
+    docs: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body:
+            first = body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docs |= set(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    return sum(
+        1
+        for i, line in enumerate(source, 1)
+        if i not in docs and line.strip() and not line.strip().startswith("#")
+    )
+
+
+def test_module_code_lines_leave_out_docstrings_and_comments() -> None:
+    """The module count takes code lines only: a docstring, a comment and a blank line count nothing."""
+    text = (
+        '"""Module.\n\nMore."""\n\nimport os\n\n\ndef f():\n    """Doc."""\n    # note\n    return os.sep\n'
+    )
+    assert _module_code_lines(text) == 3
+
+
+def test_the_folders_import_one_way() -> None:
+    """With each folder collapsed into one node, the import graph has no cycle: folders (and the
+    top-level modules) form layers, so a folder can be read knowing only those below it."""
+    units = _unit_graph(_import_graph())
+    assert {"_window", "_diagnostics", "_report"} <= set(units)
+    assert _cycle(units) is None, f"folders import in a cycle: {' -> '.join(_cycle(units) or [])}"
+
+
+def test_the_folder_check_can_fail() -> None:
+    """Two modules of different folders importing each other are a cycle of their folders."""
+    graph = {"clipopt._window.a": {"clipopt._diagnostics.b"}, "clipopt._diagnostics.b": {"clipopt._window.c"}}
+    graph["clipopt._window.c"] = set()
+    assert _cycle(_unit_graph(graph)) == ["_diagnostics", "_window", "_diagnostics"]
+
+
+def test_the_runtime_never_imports_the_offline_tools() -> None:
+    """Nothing that runs inside ``step()`` (the runtime folders, the optimizer) imports the report or
+    replay: a training process never loads the offline tools."""
+    units = _unit_graph(_import_graph())
+    runtime = [*RUNTIME_FOLDERS, "_optimizer", "_config", "_checkpoint", "_inner", "_wrapping", "_state"]
+    reached = {u: sorted(units.get(u, set()) & set(OFFLINE_FOLDERS)) for u in runtime}
+    assert {u: r for u, r in reached.items() if r} == {}
