@@ -29,7 +29,7 @@ class LoggedOptimizer(Protocol):
     """What a logger reads from the :class:`~clipopt.ClippedOptimizer` it is given.
 
     A protocol, so that this module does not import the optimizer (imports point one way:
-    ``_optimizer`` -> ``_logging``).
+    ``_optimizer`` -> ``_diagnostics.loggers``).
     """
 
     #: Per-layer statistics every this many windows (0: never).

@@ -79,7 +79,7 @@ DIVERGENCE_RTOL = 1e-5
 #: A check copied from an accelerator is read once this many more checks went out (see settle()).
 LAG = 2
 
-#: flag, norm, -norm, kind, -kind (0: window, 1: flush check), loss; then the check (``_rank_check``)
+#: flag, norm, -norm, kind, -kind (0: window, 1: flush check), loss; then the check (rank_check.py)
 _HEAD = 6
 _PACKET = _HEAD + MAX_SLOTS
 

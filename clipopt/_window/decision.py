@@ -113,7 +113,7 @@ class WindowDecision:
         self.total_norm = total_norm
         #: 1.0 when ``total_norm`` is not finite, else 0.0 (the one non-finite marker).
         self.nonfinite = nonfinite
-        #: 1.0 when data-parallel replicas disagreed (see ``_distributed_decision``), None without agreement.
+        #: 1.0 when data-parallel replicas disagreed (_distributed/replicas.py), None without agreement.
         self.divergence = divergence
         #: 1.0 when some gradient element is nan/inf, 0.0 when all are finite (the norm may still have
         #: overflowed), from a look at the elements; None when they were not looked at (then

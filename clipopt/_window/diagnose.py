@@ -107,7 +107,7 @@ class Diagnostics:
 
     writer: SnapshotWriter | None = None  #: writes the snapshots (``snapshot_dir``), None without
     attached: dict[str, list[Any]] = field(default_factory=dict)  #: :meth:`attach`-ed, for this window
-    bad_row: LayerStats | None = None  #: the window's candidate per-layer row (see ``_badrow``)
+    bad_row: LayerStats | None = None  #: the window's candidate per-layer row (_diagnostics/badrow.py)
     last_snapshot: str | None = None  #: the latest snapshot written, or None
     last_nonfinite_snapshot: str | None = None  #: the latest non-finite/overflow one (the error names it)
 
