@@ -32,6 +32,7 @@ from ._recovery.spike_guard import SpikeGuard
 from ._replay.replay import ReplayResult, replay
 from ._scheduler import PerUpdateScheduler, per_update
 from ._version import __version__
+from ._window.update_clip import UpdateClip
 
 __all__ = [
     "AGC",
@@ -50,6 +51,7 @@ __all__ = [
     "SpikeGuard",
     "StepStats",
     "TensorBoardLogger",
+    "UpdateClip",
     "ZClip",
     "__version__",
     "functional",
