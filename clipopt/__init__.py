@@ -31,6 +31,7 @@ from ._snapshot import load_snapshot
 from ._spike_guard import SpikeGuard
 from ._stats import StepStats, materialize
 from ._tensorboard import TensorBoardLogger
+from ._update_clip import UpdateClip
 from ._version import __version__
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "SpikeGuard",
     "StepStats",
     "TensorBoardLogger",
+    "UpdateClip",
     "ZClip",
     "__version__",
     "functional",

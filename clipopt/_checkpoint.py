@@ -34,6 +34,7 @@ from ._state import (
     restore_on_failure,
     validate_inner_state,
 )
+from ._update_clip import UpdateClip, checked_update_state
 
 if TYPE_CHECKING:
     from ._policies import ClipPolicy
@@ -50,6 +51,7 @@ def wrapper_entry(
     policy: ClipPolicy | None,
     unsynced: Unsynced | None,
     recovery: SpikeRecovery | None = None,
+    update_clip: UpdateClip | None = None,
 ) -> dict[str, Any]:
     """The ``"clipopt"`` entry; mid-window it holds a copy of the gradients accumulated so far."""
     pending = None
@@ -63,6 +65,8 @@ def wrapper_entry(
     entry["unsynced"] = None if unsynced is None else unsynced.to_dict()
     if recovery is not None:  # "spike_guard" and "rewind" (the Rewind's copies included)
         entry.update(recovery.state_dict())
+    if update_clip is not None:  # the history of UpdateClip(z=...)
+        entry["update_clip"] = update_clip.state_dict()
     return entry
 
 
@@ -88,6 +92,8 @@ class Checkpoint(NamedTuple):
     #: groups are checked once loaded (its ``kept_options`` is empty then), with this ``norm_group``.
     own_layout: tuple[bool, ...] = ()
     norm_group: Any = None
+    #: The checked ``"update_clip"`` entry and the UpdateClip that loads it (None: nothing to load).
+    update: tuple[Any, UpdateClip | None] = (None, None)
 
     def take_over(
         self,
@@ -128,6 +134,9 @@ class Checkpoint(NamedTuple):
             policy.load_state_dict(self.policy_state)
         if self.counters is not None:
             recovery.load(self.recovery)
+        saved, update_clip = self.update
+        if saved is not None and update_clip is not None:
+            update_clip.load_state_dict(saved)
         return counters
 
 
@@ -141,13 +150,13 @@ def read_checkpoint(
     scaler: torch.amp.GradScaler | None,
     recovery: SpikeRecovery | None = None,
     norm_group: Any = None,
+    update_clip: UpdateClip | None = None,
 ) -> Checkpoint:
     """Validate ``state_dict`` completely (``ValueError``, touching nothing) and return its parts.
 
-    An inner entry in the inner optimizer's own layout (pytorch_optimizer's ``Lookahead``) is left
-    to the inner optimizer's own ``load_state_dict``, which :meth:`Checkpoint.take_over` undoes
-    when it, or the check of the groups it loaded, fails.  Over several inner optimizers each
-    part of ``state_dict["optimizers"]`` is checked (or left) so."""
+    An inner entry in the inner optimizer's own layout (pytorch_optimizer's ``Lookahead``) is left to
+    the inner optimizer's own ``load_state_dict``, which :meth:`Checkpoint.take_over` undoes when it,
+    or the check of the groups it loaded, fails; so is each such part of ``state_dict["optimizers"]``."""
     parts = inner_state_dicts(state_dict, inner) if isinstance(state_dict, dict) else []
     own = tuple(isinstance(part, dict) and has_own_layout(part, o) for part, o in parts)
     torch_parts = [None if mine else part for (part, _), mine in zip(parts, own, strict=True)]
@@ -179,6 +188,7 @@ def read_checkpoint(
         checked,
         own,
         norm_group,
+        (checked_update_state(ext, update_clip), update_clip),
     )
 
 

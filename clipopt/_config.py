@@ -42,6 +42,7 @@ __all__ = [
     "check_closure",
     "check_max_norm",
     "configure",
+    "describe",
 ]
 
 #: Why ``snapshot_dir`` is refused with DTensor parameters.
@@ -314,3 +315,21 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
         names,
         inner,
     )
+
+
+def describe(opt: Any, inner: Any) -> str:
+    """The ``repr`` of a :class:`~clipopt.ClippedOptimizer` ``opt``: its settings (and the parts
+    that are on), then its ``inner`` optimizer(s), indented."""
+    opts = (
+        f"max_norm={opt.max_norm}, norm_type={opt.norm_type}, clip_value={opt.clip_value}, "
+        f"accumulation_steps={opt.accumulation_steps}, reduction={opt.reduction!r}, "
+        f"skip_nonfinite={opt.skip_nonfinite}"
+    )
+    for name in ("spike_guard", "rewind", "update_clip"):
+        part = getattr(opt, name)
+        if part is not None:
+            opts += f", {name}={part!r}"
+    if opt.update_stats:
+        opts += ", update_stats=True"
+    text = "\n".join("  " + line for line in repr(inner).splitlines())
+    return f"ClippedOptimizer({opts},\n{text}\n)"

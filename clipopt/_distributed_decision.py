@@ -68,6 +68,7 @@ from ._rank_check import (
     state_checksum,
     tensor_checksum,
 )
+from ._update_clip import update_settings
 
 __all__ = ["DIVERGENCE_RTOL", "ReplicaDecision", "check_norm_group", "check_replica_group"]
 
@@ -479,6 +480,7 @@ def settings_of(opt: Any) -> list[tuple[str, float]]:
         ("micro_batches pending", float(opt.micro_batches)),
         *_group_settings(opt.param_groups),
         *_recovery_settings(opt.spike_guard, opt.rewind),
+        *update_settings(opt.update_clip, opt.update_stats),
     ]
 
 

@@ -29,6 +29,9 @@ __all__ = [
     "STEP",
     "TAG_PREFIX",
     "TOTAL_NORM",
+    "UPDATE_COLUMNS",
+    "UPDATE_COEF",
+    "UPDATE_NORM",
     "group_column",
     "group_tag",
     "layer_column",
@@ -52,6 +55,12 @@ LOSS = "loss"
 
 #: The columns every :class:`~clipopt.CSVLogger` row has, in order.
 BASE_COLUMNS = (STEP, MICRO_BATCHES, TOTAL_NORM, CLIP_COEF, CLIPPED, SKIPPED, REASON, MAX_NORM, LR, LOSS)
+
+#: ``update_clip``/``update_stats``: the update's norm before clipping and the coefficient applied
+#: (CSV columns after the ``lr.<g>`` ones; TensorBoard ``clipopt/update_norm``, ``clipopt/update_coef``).
+UPDATE_NORM = "update_norm"
+UPDATE_COEF = "update_coef"
+UPDATE_COLUMNS = (UPDATE_NORM, UPDATE_COEF)
 
 #: Per-group clipping's columns and tags: each group's pre-clip norm and its coefficient.
 GROUP_KINDS = ("norm", "coef")

@@ -19,7 +19,17 @@ from ._checks import check_path, check_positive_int
 from ._distributed import check_ranks, rank_target
 from ._files import WarnOnce, check_file_path, remove_stale_temps, write_atomic
 from ._layers import LAYER_FIELDS
-from ._log_names import BASE_COLUMNS, GROUP_KINDS, LOSS, group_column, layer_column, lr_name
+from ._log_names import (
+    BASE_COLUMNS,
+    GROUP_KINDS,
+    LOSS,
+    UPDATE_COEF,
+    UPDATE_COLUMNS,
+    UPDATE_NORM,
+    group_column,
+    layer_column,
+    lr_name,
+)
 from ._stats import StepStats, materialize
 
 __all__ = ["BASE_COLUMNS", "CSVLogger", "LoggedOptimizer", "Logger", "format_value", "log_window"]
@@ -147,7 +157,9 @@ class CSVLogger:
     none was given to ``step(loss=...)``) — then ``lr.<g>`` for further
     parameter groups, then, with per-group clipping (a group carries its own
     ``max_norm`` or ``clip_value``), ``group_norm.<g>`` and ``group_coef.<g>``
-    for every group (see :attr:`StepStats.group_norms`), then, when the
+    for every group (see :attr:`StepStats.group_norms`), then, with ``update_clip`` or
+    ``update_stats=True``, ``update_norm`` and ``update_coef`` (see
+    :attr:`StepStats.update_norm`), then, when the
     optimizer has ``layer_stats`` on, for every
     parameter ``<name>.grad_norm``, ``.grad_max``, ``.grad_min``, ``.nonfinite``,
     ``.param_norm`` (empty in rows where they were not due).  When a parameter
@@ -186,6 +198,7 @@ class CSVLogger:
         self._names: list[str] = []
         self._groups = 1
         self._per_group = False  # group_norm.<g> / group_coef.<g> columns
+        self._update = False  # update_norm / update_coef columns
         self._buffer: list[StepStats] = []
         self._closed = False
         _track(self)
@@ -214,12 +227,13 @@ class CSVLogger:
             self.path = self._target or self.path
         if self._target is None:  # another rank writes
             return
-        per_group = stats.has_group_stats
+        per_group, update = stats.has_group_stats, stats.has_update_stats
         if self.columns is None:
-            self._per_group = per_group
+            self._per_group, self._update = per_group, update
             self._set_columns(optimizer, len(stats.lr))
-        elif len(stats.lr) != self._groups or (per_group and not self._per_group):  # add_param_group()
+        elif len(stats.lr) != self._groups or (per_group > self._per_group) or (update > self._update):
             self._per_group = self._per_group or per_group  # columns are never taken away
+            self._update = self._update or update
             self._widen(optimizer, len(stats.lr))
         self._buffer.append(stats)
         self._closed = False
@@ -231,6 +245,8 @@ class CSVLogger:
         columns = list(BASE_COLUMNS) + [lr_name(g) for g in range(1, groups)]
         if self._per_group:
             columns += [group_column(kind, g) for g in range(groups) for kind in GROUP_KINDS]
+        if self._update:
+            columns += UPDATE_COLUMNS
         names = optimizer.layer_names() if optimizer.layer_stats else []
         columns += [layer_column(name, field) for name in names for field in LAYER_FIELDS]
         return columns, names
@@ -306,6 +322,8 @@ class CSVLogger:
         names = [*BASE_COLUMNS[:-2], *(lr_name(g) for g in range(self._groups))]
         cells = dict(zip(names, (format_value(v) for v in (*row, *lr)), strict=True))
         cells[LOSS] = format_value(s.loss) if s.has_loss else ""
+        if s.has_update_stats:
+            cells[UPDATE_NORM], cells[UPDATE_COEF] = format_value(s.update_norm), format_value(s.update_coef)
         for g, pair in enumerate(zip(s.group_norms, s.group_coefs, strict=True)):
             for kind, value in zip(GROUP_KINDS, pair, strict=True):
                 cells[group_column(kind, g)] = format_value(value)

@@ -24,7 +24,7 @@ from torch.optim import optimizer as _optim_module
 
 from ._apply import StateReadiness, apply_window
 from ._checkpoint import read_checkpoint, wrapper_entry
-from ._config import DTENSOR_DIAGNOSTICS, WindowSettings, check_closure, check_max_norm, configure
+from ._config import DTENSOR_DIAGNOSTICS, WindowSettings, check_closure, check_max_norm, configure, describe
 from ._decision import SkipSource, WindowDecision
 from ._diagnostics import Diagnostics, layer_names
 from ._distributed import Unsynced, allreduce_mean_
@@ -50,6 +50,8 @@ from ._snapshot import SnapshotWriter
 from ._spike_guard import SpikeGuard
 from ._state import WrapperState
 from ._stats import StepStats
+from ._update_apply import check_update_options, start_update
+from ._update_clip import UpdateClip
 from ._window import agree, check_clippable, clip_and_decide, measure, reclip
 from ._window_grads import ParamIndex, WindowGrads
 from ._window_guard import WindowGuard
@@ -171,6 +173,13 @@ class ClippedOptimizer(InnerOptimizerView):
         rewind: a :class:`Rewind`: copies of the training state in host memory, restored
             after repeated spike skips (reason ``"rewind"``); ``opt.rewind.batches(loader)``
             drops the batches that follow a rewind (see ``clipopt/_rewind.py``).
+        update_clip: an :class:`UpdateClip`: bound the update the inner step made
+            (``p_after - p_before``: ``max_rms`` per tensor, ``max_norm`` over all, or ``z``
+            adaptive), on the device; costs a copy of the parameters and of the inner state per
+            window (docs/update-clipping.md).
+        update_stats: record ``StepStats.update_norm`` without bounding the update (the same copy).
+            With either, a non-finite update from finite gradients is not applied: parameters and
+            inner state are put back and the window is skipped with reason ``"nonfinite_update"``.
     """
 
     _policy: ClipPolicy | None
@@ -200,10 +209,13 @@ class ClippedOptimizer(InnerOptimizerView):
         backward_passes_per_step: int = 1,
         spike_guard: SpikeGuard | None = None,
         rewind: Rewind | None = None,
+        update_clip: UpdateClip | None = None,
+        update_stats: bool = False,
     ) -> None:
         options = {name: value for name, value in locals().items() if name != "self"}  # every argument
         cfg = configure(optimizer, ClippedOptimizer, options)  # raises before any state exists
         check_recovery(spike_guard, rewind, cfg.policy)
+        self.update_clip, self.update_stats = check_update_options(update_clip, update_stats, cfg.inner)
         self._policy, self._bound = cfg.policy, cfg.bound  # what the max_norm property returns
         self.norm_type, self.clip_value = cfg.norm_type, cfg.clip_value
         self.accumulation_steps, self.reduction = cfg.accumulation_steps, cfg.reduction
@@ -265,16 +277,7 @@ class ClippedOptimizer(InnerOptimizerView):
                 p.grad = g
 
     def __repr__(self) -> str:
-        opts = (
-            f"max_norm={self.max_norm}, norm_type={self.norm_type}, clip_value={self.clip_value}, "
-            f"accumulation_steps={self.accumulation_steps}, reduction={self.reduction!r}, "
-            f"skip_nonfinite={self.skip_nonfinite}"
-        )
-        for name, part in (("spike_guard", self._recovery.guard), ("rewind", self._recovery.rewind)):
-            if part is not None:
-                opts += f", {name}={part!r}"
-        inner = "\n".join("  " + line for line in repr(self._inner).splitlines())
-        return f"ClippedOptimizer({opts},\n{inner}\n)"
+        return describe(self, self._inner)
 
     @property
     def max_norm(self) -> float | ClipPolicy | None:
@@ -647,8 +650,10 @@ class ClippedOptimizer(InnerOptimizerView):
     ) -> tuple[Any, bool]:
         """Stage 6 (apply): the inner step or the skip (see :mod:`clipopt._apply`), then the counters;
         returns ``step()``'s result and whether the fused (host-read-free) path ran."""
-        step_result = (loss, closure)
+        step_result, on = (loss, closure), self.update_clip is not None or self.update_stats
+        upd = start_update(self, self._params(), self._inner) if on else None  # update_clip, update_stats
         out, skipped, fused = apply_window(self._inner, s, d, g, step_result, self._reclip, self._readiness)
+        skipped = skipped if upd is None else upd.finish(d, skipped)  # measured, bounded, or put back
         self._last_skipped = skipped
         self._update_applied = not skipped if isinstance(skipped, bool) else None
         self._counters.record(skipped, d.counted_nonfinite(skipped, s.skip_enabled))
@@ -751,6 +756,7 @@ class ClippedOptimizer(InnerOptimizerView):
             policy=self._policy,
             unsynced=pending_unsynced(self._unsynced, self._counters.micro_batches),
             recovery=self._recovery,
+            update_clip=self.update_clip,
         )
         return sd
 
@@ -773,6 +779,7 @@ class ClippedOptimizer(InnerOptimizerView):
             scaler=self.scaler,
             recovery=self._recovery,
             norm_group=self.norm_group,
+            update_clip=self.update_clip,
         )
         self._counters = ckpt.take_over(
             self._inner, params, scaler=self.scaler, policy=self._policy, recovery=self._recovery

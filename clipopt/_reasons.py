@@ -26,6 +26,7 @@ __all__ = [
     "NOGRAD",
     "NONFINITE",
     "NONFINITE_NAMES",
+    "NONFINITE_UPDATE",
     "NORM_OVERFLOW",
     "NO_REASON",
     "OVERFLOW",
@@ -59,7 +60,7 @@ class Reason:
 
 
 #: Reason codes (int64 on the device); ``NO_REASON``: the window was not skipped.
-NO_REASON, NONFINITE, OVERFLOW, SPIKE, DIVERGENCE, NOGRAD, REWIND, NORM_OVERFLOW = range(8)
+NO_REASON, NONFINITE, OVERFLOW, SPIKE, DIVERGENCE, NOGRAD, REWIND, NORM_OVERFLOW, NONFINITE_UPDATE = range(9)
 
 #: Every skip reason once, in code order (``REASONS[code - 1].code == code``).
 REASONS: tuple[Reason, ...] = (
@@ -115,6 +116,15 @@ REASONS: tuple[Reason, ...] = (
         "every gradient element is finite but the float32 total norm overflowed (inf)",
         "the gradients are finite but their float32 norm overflows: the training is "
         "exploding; lower the learning rate or check the loss",
+    ),
+    Reason(
+        NONFINITE_UPDATE,
+        "nonfinite_update",
+        False,
+        "the gradients are finite but the inner optimizer's update is nan/inf (update_clip or "
+        "update_stats: parameters and optimizer state were put back)",
+        "the inner optimizer makes a non-finite update from finite gradients: check its eps "
+        "(a division by zero) and its state, or lower the learning rate",
     ),
 )
 

@@ -6,7 +6,9 @@
 * :class:`InnerBackup` copies parameters and inner state before the inner step
   of an optimizer that re-evaluates its closure (LBFGS): a re-evaluation whose
   gradients or loss are not finite happens after the parameters moved, so the
-  window can only be skipped by restoring that copy.
+  window can only be skipped by restoring that copy.  ``UpdateClip`` takes the
+  same copy before every inner step and restores it on the device
+  (:meth:`InnerBackup.restore_where`) when the update is not finite.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["InnerBackup", "UndoPoint", "note_discarded", "reevaluates", "nonfinite_loss"]
+__all__ = ["InnerBackup", "UndoPoint", "local_view", "note_discarded", "reevaluates", "nonfinite_loss"]
 
 #: Optimizers whose ``step(closure)`` calls the closure again after moving the parameters.
 REEVALUATING = (torch.optim.LBFGS,)
@@ -97,6 +99,12 @@ def note_discarded(exc: BaseException) -> None:
         )
 
 
+def local_view(t: Tensor) -> Tensor:
+    """A DTensor's local shard (sharing its storage), or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return t if to_local is None else to_local()
+
+
 def _copy_entry(entry: dict[str, Any]) -> dict[str, Any]:
     """A copy of one parameter's state that LBFGS's step cannot reach: tensors cloned, lists copied.
 
@@ -128,6 +136,49 @@ class InnerBackup:
             self._values = [p.detach().clone() for p in self._params]
         state = optimizer.state
         self._state = {p: _copy_entry(state[p]) for p in self._params if p in state}
+
+    @property
+    def values(self) -> list[Tensor]:
+        """The copies of the parameters, in the order given."""
+        return self._values
+
+    def _restorable_on(self, device: torch.device) -> bool:
+        """Whether the inner step left the state's layout as copied (the same entries, every saved
+        value a tensor of the same shape on ``device``): then a device flag can select it back."""
+        state = self._optimizer.state
+        for p in self._params:
+            saved, now = self._state.get(p), state.get(p)
+            if saved is None or now is None:
+                if saved is not now:
+                    return False
+                continue
+            if saved.keys() != now.keys():
+                return False
+            for key, value in saved.items():
+                current = now[key]
+                if not (isinstance(value, Tensor) and isinstance(current, Tensor)):
+                    return False
+                if value.shape != current.shape or local_view(current).device != device:
+                    return False
+        return True
+
+    @torch.no_grad()
+    def restore_where(self, flag: Tensor) -> None:
+        """The inner state back to the copy where ``flag`` (a 0/1 device tensor) is 1, without a host
+        read when the step kept the state's layout (every value a tensor on ``flag``'s device, as
+        with the fused and foreach optimizers once they have state); else ``flag`` is read once and
+        :meth:`restore` runs when it is 1.  The parameters are the caller's to restore."""
+        if not self._restorable_on(flag.device):
+            if bool(flag.item()):
+                self.restore()
+            return
+        on = flag > 0
+        state = self._optimizer.state
+        for p, saved in self._state.items():
+            now = state[p]
+            for key, value in saved.items():
+                current = local_view(now[key])
+                current.copy_(torch.where(on, local_view(value), current))
 
     @torch.no_grad()
     def restore(self) -> None:

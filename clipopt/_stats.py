@@ -68,6 +68,12 @@ class StepStats:
             groups sharing the wrapper's bound, 1.0 for a group left out); ``()`` without.
             ``clip_coef`` and ``max_norm`` are then those of the shared groups
             (``1.0`` and None in a window where no shared group has a gradient).
+        update_norm: with ``update_clip`` or ``update_stats=True``, the L2 norm of the update
+            the inner optimizer made (``p_after - p_before``, all parameters) before it was
+            bounded; ``0.0`` in a skipped window; None without (docs/update-clipping.md).
+        update_coef: with ``update_clip``, the coefficient the update was multiplied by (with
+            ``max_rms`` the smallest over the tensors); ``1.0`` with ``update_stats`` alone,
+            ``0.0`` for a non-finite update (not applied); None without.
     """
 
     __slots__ = (
@@ -82,6 +88,8 @@ class StepStats:
         "_reason",
         "_skipped",
         "_total_norm",
+        "_update_coef",
+        "_update_norm",
         "layers",
         "micro_batches",
         "step",
@@ -111,6 +119,8 @@ class StepStats:
         self._loss = decision.loss  # None: no loss was given
         self._group_norms: tuple[float, ...] | Tensor = _vector(decision.group_norms)
         self._group_coefs: tuple[float, ...] | Tensor = _vector(decision.group_coefs)
+        self._update_norm: float | Tensor | None = decision.update_norm
+        self._update_coef: float | Tensor | None = decision.update_coef
         self._bad_row = bad_row  # per-layer row to log if this window is non-finite (clipopt._badrow)
 
     @property
@@ -176,6 +186,23 @@ class StepStats:
         return self._group_coefs
 
     @property
+    def has_update_stats(self) -> bool:
+        """True when the window recorded the update's norm and coefficient (no device read)."""
+        return self._update_norm is not None
+
+    @property
+    def update_norm(self) -> float | None:
+        if isinstance(self._update_norm, Tensor):
+            self._update_norm = _as_float(self._update_norm)
+        return self._update_norm
+
+    @property
+    def update_coef(self) -> float | None:
+        if isinstance(self._update_coef, Tensor):
+            self._update_coef = _as_float(self._update_coef)
+        return self._update_coef
+
+    @property
     def max_norm(self) -> float | None:
         if isinstance(self._max_norm, Tensor):
             self._max_norm = _as_float(self._max_norm)
@@ -213,6 +240,8 @@ class StepStats:
             "loss": self.loss,
             "group_norms": list(self.group_norms),
             "group_coefs": list(self.group_coefs),
+            "update_norm": self.update_norm,
+            "update_coef": self.update_coef,
         }
 
     def __repr__(self) -> str:
@@ -228,6 +257,8 @@ _LAZY = (
     "_max_norm",
     "_reason",
     "_loss",
+    "_update_norm",
+    "_update_coef",
 )
 
 _FLAGS = ("_clipped", "_skipped")

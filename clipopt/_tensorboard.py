@@ -24,6 +24,8 @@ from ._log_names import (
     MICRO_BATCHES,
     SKIPPED,
     TOTAL_NORM,
+    UPDATE_COEF,
+    UPDATE_NORM,
     column_tag,
     group_tag,
     layer_tag,
@@ -55,7 +57,9 @@ class TensorBoardLogger:
     ``clipopt/micro_batches``, ``clipopt/max_norm`` (only when norm
     clipping is on) and ``clipopt/lr`` (group 0), ``clipopt/lr.1``, ... for
     further parameter groups; with per-group clipping ``clipopt/group_norm/<g>``
-    and ``clipopt/group_coef/<g>`` for every group ``g``.  On windows with per-layer statistics
+    and ``clipopt/group_coef/<g>`` for every group ``g``; with ``update_clip`` or
+    ``update_stats=True`` ``clipopt/update_norm`` and ``clipopt/update_coef``.  On windows
+    with per-layer statistics
     (``layer_stats=k``, and a non-finite window's own row, as in the CSV):
     ``clipopt/layers/<name>/<field>`` for each field of
     :data:`~clipopt.LAYER_FIELDS` (statistics of the pre-clip gradient).
@@ -177,6 +181,9 @@ class TensorBoardLogger:
         for g, (norm, coef) in enumerate(zip(s.group_norms, s.group_coefs, strict=True)):
             add(group_tag("norm", g), norm)
             add(group_tag("coef", g), coef)
+        if s.update_norm is not None and s.update_coef is not None:  # update_clip / update_stats
+            add(column_tag(UPDATE_NORM), s.update_norm)
+            add(column_tag(UPDATE_COEF), s.update_coef)
         layers = s.logged_layers()  # also a non-finite window's own row, as CSVLogger writes it
         if layers is not None:
             for name, row in zip(layers.names, layers.rows(), strict=True):

@@ -250,3 +250,31 @@ def assert_tensors_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> N
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+class ZeroDivideSGD(torch.optim.Optimizer):
+    """SGD with momentum whose ``step()`` divides the update by zero at the calls in ``bad_calls``
+    (1-based): a non-finite update from finite gradients.  Its state (a momentum buffer and a step
+    count, both tensors written in place) lives on the parameters' device, as a foreach optimizer's."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 0.01, bad_calls: Iterable[int] = ()) -> None:
+        super().__init__(params, {"lr": lr})
+        self.bad_calls = set(bad_calls)
+        self.calls = 0
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        self.calls += 1
+        divisor = 0.0 if self.calls in self.bad_calls else 1.0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["momentum"] = torch.zeros_like(p)
+                    state["step"] = torch.zeros((), device=p.device)
+                state["momentum"].mul_(0.9).add_(p.grad)
+                state["step"].add_(1.0)
+                p.sub_(group["lr"] * state["momentum"] / divisor)
+        return None

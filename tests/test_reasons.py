@@ -60,6 +60,24 @@ def _set_grad(value: float) -> Callable[[int, nn.Module], None]:
     return change
 
 
+def _nonfinite_update(loggers: list[object]) -> tuple[ClippedOptimizer, list[str | None]]:
+    """5 windows whose third update is inf from finite gradients (an inner optimizer dividing by
+    zero), with update_stats=True: that update is put back, reason "nonfinite_update"."""
+    from .helpers import ZeroDivideSGD
+
+    model = model_for()
+    inner = ZeroDivideSGD(model.parameters(), lr=0.01, bad_calls={3})
+    opt = ClippedOptimizer(inner, max_norm=1.0, loggers=loggers, update_stats=True)
+    reasons = []
+    for batch in batches_for(5, seed=1):
+        _loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+        assert opt.last_stats is not None
+        reasons.append(opt.last_stats.reason)
+    return opt, reasons
+
+
 def _no_grad_at_2(i: int, model: nn.Module) -> None:
     if i == 2:
         for p in model.parameters():
@@ -168,6 +186,7 @@ RUNS: dict[str, Callable[[Path], list[str | None]]] = {
     "nograd": _in_process(_plain(_no_grad_at_2)),
     "rewind": _in_process(_guarded(rewind=True)),
     "norm_overflow": _in_process(_plain(_set_grad(1e25))),
+    "nonfinite_update": _in_process(_nonfinite_update),
 }
 
 
@@ -225,8 +244,9 @@ def test_the_table_covers_every_code_the_decision_can_give() -> None:
         "nograd",
         "rewind",
         "norm_overflow",
+        "nonfinite_update",
     )
-    for name in ("overflow", "spike", "rewind", "norm_overflow"):
+    for name in ("overflow", "spike", "rewind", "norm_overflow", "nonfinite_update"):
         assert tag_of(name) == f"clipopt/{name}"
     assert {"nonfinite", "overflow"} == NONFINITE_NAMES
     assert all(by_name(r.name) is r for r in REASONS) and by_name("later") is None and tag_of("later") is None
@@ -234,7 +254,7 @@ def test_the_table_covers_every_code_the_decision_can_give() -> None:
 
 def test_a_code_without_a_reason_is_refused() -> None:
     """by_code names the codes that exist when given one that does not (0 is no reason)."""
-    with pytest.raises(ValueError, match="no skip reason has code 0; the codes are 1 to 7"):
+    with pytest.raises(ValueError, match="no skip reason has code 0; the codes are 1 to 8"):
         by_code(0)
 
 

@@ -1,0 +1,236 @@
+"""``UpdateClip``: a bound on the *update* the inner optimizer made, and its pure rules.
+
+The update of a window is ``u = p_after - p_before`` for every parameter: what
+the inner optimizer's step changed (learning rate and weight decay included).
+:class:`UpdateClip` decides, on the device, one coefficient per parameter
+tensor (``max_rms``) or one for all of them (``max_norm``, ``z``);
+:mod:`clipopt._update_apply` forms the update and applies the coefficients.
+
+* ``max_rms``: each tensor's update is divided by ``max(1, rms(u) / max_rms)``,
+  ``rms(u) = ||u|| / sqrt(numel)`` (optax ``clip_by_block_rms``, Levanter's
+  update RMS clipping).
+* ``max_norm``: the update of all parameters together is divided by
+  ``max(1, ||u|| / max_norm)`` (optax ``clip_by_global_norm``).
+* ``z``: Levanter's ``clip_update_norm`` (``clip_update_by_historical_norm``),
+  rule for rule: a ring of the last ``window`` update norms *before* clipping;
+  while it holds fewer than ``max(2, window // 2)`` there is no bound, then the
+  bound is ``mean + z * max(std, 1e-6)`` (population std of the ring), and an
+  update whose norm exceeds it is multiplied by ``bound / max(norm, 1e-6)``.
+  One difference: Levanter appends every step's norm; here a window that was
+  skipped (it made no update) adds nothing to the ring.
+
+Everything is a tensor operation on the device: no host read.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._checks import check_int_at_least, check_optional_positive_float
+
+__all__ = [
+    "MODES",
+    "UpdateClip",
+    "checked_update_state",
+    "global_coef",
+    "rms_coefs",
+    "update_settings",
+    "z_bound",
+    "z_coef",
+]
+
+#: The three ways to bound the update, in the order of the constructor's arguments.
+MODES = ("max_rms", "max_norm", "z")
+
+#: Levanter's floor for the ring's standard deviation and for the norm it divides by.
+_EPS = 1e-6
+
+
+def rms_coefs(norms: Tensor, numels: Sequence[int], max_rms: float) -> Tensor:
+    """Each tensor's coefficient ``1 / max(1, rms / max_rms)``, ``rms = norm / sqrt(numel)`` (an empty
+    tensor counts one element: its coefficient is 1)."""
+    roots = [math.sqrt(max(n, 1)) for n in numels]  # Python numbers: no host-to-device copy
+    rms = torch.stack(torch._foreach_div(list(norms.unbind()), roots))
+    return torch.clamp(rms / max_rms, min=1.0).reciprocal()
+
+
+def global_coef(norm: Tensor, max_norm: float) -> Tensor:
+    """The coefficient of every tensor under a global bound: ``1 / max(1, norm / max_norm)``."""
+    return torch.clamp(norm / max_norm, min=1.0).reciprocal()
+
+
+def z_bound(history: Tensor, count: Tensor, z: float, window: int) -> Tensor:
+    """Levanter's bound from the ring ``history`` holding ``count`` valid norms (its first
+    ``count`` slots): ``mean + z * max(std, 1e-6)``, or ``inf`` while ``count < max(2, window // 2)``."""
+    valid = (torch.arange(history.numel(), device=history.device) < count).to(history.dtype)
+    n = count.to(history.dtype)
+    mean = (history * valid).sum() / n
+    std = (((history - mean) ** 2) * valid).sum().div(n).sqrt()
+    bound = mean + z * torch.clamp(std, min=_EPS)
+    enough = count >= max(2, window // 2)
+    return torch.where(enough, bound, torch.full_like(bound, math.inf))
+
+
+def z_coef(norm: Tensor, bound: Tensor) -> Tensor:
+    """Levanter's coefficient: ``bound / max(norm, 1e-6)`` when ``norm > bound``, else 1."""
+    return torch.where(norm > bound, bound / torch.clamp(norm, min=_EPS), torch.ones_like(norm))
+
+
+class UpdateClip:
+    """Bound the update the inner optimizer makes (``ClippedOptimizer(..., update_clip=UpdateClip(...))``).
+
+    Give exactly one of:
+
+    Args:
+        max_rms: per parameter tensor, ``u / max(1, rms(u) / max_rms)`` (optax
+            ``clip_by_block_rms``; Levanter's update RMS clipping).
+        max_norm: over all parameters, ``u / max(1, ||u|| / max_norm)``.
+        z: adaptive, Levanter's ``clip_update_norm``: the bound is
+            ``mean + z * max(std, 1e-6)`` of the last ``window`` update norms
+            (before clipping, of the windows that were applied), once the
+            history holds ``max(2, window // 2)`` of them; no bound before.
+        window: the history's length for ``z`` (default 128).
+
+    The update is ``p_after - p_before`` (learning rate and weight decay
+    included); the coefficient applied is ``StepStats.update_coef`` (with
+    ``max_rms`` the smallest over the tensors) and the norm before clipping
+    ``StepStats.update_norm``.  See docs/update-clipping.md.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_rms: float | None = None,
+        max_norm: float | None = None,
+        z: float | None = None,
+        window: int = 128,
+    ) -> None:
+        given = {
+            "max_rms": check_optional_positive_float("max_rms", max_rms, "1.0"),
+            "max_norm": check_optional_positive_float("max_norm", max_norm, "1.0"),
+            "z": check_optional_positive_float("z", z, "3.0"),
+        }
+        chosen = [name for name, value in given.items() if value is not None]
+        if len(chosen) != 1:
+            got = ", ".join(f"{name}={given[name]!r}" for name in chosen) or "none of them"
+            raise ValueError(
+                f"UpdateClip takes exactly one of max_rms, max_norm or z, got {got}; "
+                "pass e.g. UpdateClip(max_rms=1.0), UpdateClip(max_norm=1.0) or UpdateClip(z=3.0, window=128)"
+            )
+        self.window = check_int_at_least("window", window, 2, 128)
+        if self.window != 128 and chosen[0] != "z":
+            raise ValueError(
+                f"window={window!r} is the history of UpdateClip(z=...), not of {chosen[0]}=...; "
+                f"pass UpdateClip({chosen[0]}={given[chosen[0]]!r}) without window, or use z=3.0"
+            )
+        #: ``"max_rms"``, ``"max_norm"`` or ``"z"``.
+        self.mode: str = chosen[0]
+        #: The value of that argument.
+        self.limit: float = float(given[self.mode])  # type: ignore[arg-type]
+        self._history = torch.zeros(self.window, dtype=torch.float32)  # the ring (z only)
+        self._count = torch.zeros((), dtype=torch.int64)  # valid entries, at most window
+        self._next = torch.zeros((), dtype=torch.int64)  # the slot the next norm goes to
+
+    @property
+    def per_tensor(self) -> bool:
+        """Whether each tensor has its own coefficient (``max_rms``)."""
+        return self.mode == "max_rms"
+
+    def coefficients(self, norms: Tensor, numels: Sequence[int], total: Tensor) -> Tensor:
+        """The coefficient of each tensor (``max_rms``: a vector) or of all (0-d), on the device.
+
+        ``norms``: each tensor's update norm (float32), ``numels`` their sizes, ``total`` the
+        norm of the whole update.  Reads the history (``z``); :meth:`commit` adds to it.
+        """
+        if self.mode == "max_rms":
+            return rms_coefs(norms, numels, self.limit)
+        if self.mode == "max_norm":
+            return global_coef(total, self.limit)
+        self._to(total.device)
+        return z_coef(total, z_bound(self._history, self._count, self.limit, self.window))
+
+    def commit(self, total: Tensor, applied: Tensor) -> None:
+        """Add the window's update norm ``total`` (before clipping) to the history when ``applied``
+        (a 0/1 flag on the device): a skipped window made no update.  No host read."""
+        if self.mode != "z":
+            return
+        self._to(total.device)
+        on = applied > 0
+        slot = self._next.reshape(1)
+        old = self._history.index_select(0, slot)
+        value = torch.where(on, total.to(torch.float32).reshape(1), old)
+        self._history = self._history.scatter(0, slot, value)  # replaced, never written into
+        self._next = torch.where(on, (self._next + 1) % self.window, self._next)
+        self._count = torch.where(on, torch.clamp(self._count + 1, max=self.window), self._count)
+
+    def _to(self, device: torch.device) -> None:
+        if self._history.device != device:
+            self._history = self._history.to(device)
+            self._count, self._next = self._count.to(device), self._next.to(device)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The history of ``z`` (the ring, its count and next slot); empty for the other modes."""
+        if self.mode != "z":
+            return {}
+        return {"history": self._history.clone(), "count": self._count.clone(), "next": self._next.clone()}
+
+    def load_state_dict(self, state: Any) -> None:
+        """Load :meth:`state_dict` of an ``UpdateClip`` with the same mode and window (``ValueError``
+        before anything changes otherwise)."""
+        if self.mode != "z":
+            return
+        parts = [state.get(k) for k in ("history", "count", "next")] if isinstance(state, dict) else []
+        tensors = [t for t in parts if isinstance(t, Tensor)]
+        if (
+            len(tensors) != 3
+            or tensors[0].shape != (self.window,)
+            or not all(t.numel() == 1 for t in tensors[1:])
+        ):
+            raise ValueError(
+                f"invalid UpdateClip state: expected the history of {self.window} update norms saved "
+                f"by UpdateClip(z=..., window={self.window}); load a state dict saved with the same "
+                "update_clip"
+            )
+        history, count, nxt = tensors
+        device = self._history.device
+        self._history = history.detach().to(device, torch.float32, copy=True)
+        self._count = count.detach().reshape(()).to(device, torch.int64, copy=True)
+        self._next = nxt.detach().reshape(()).to(device, torch.int64, copy=True)
+
+    def settings(self) -> list[tuple[str, float]]:
+        """What data-parallel ranks must share (the mode as a code, the limit, the window)."""
+        return [
+            ("update_clip.mode", float(MODES.index(self.mode))),
+            ("update_clip.limit", self.limit),
+            ("update_clip.window", float(self.window)),
+        ]
+
+    def __repr__(self) -> str:
+        window = f", window={self.window}" if self.mode == "z" else ""
+        return f"UpdateClip({self.mode}={self.limit:g}{window})"
+
+
+def update_settings(update_clip: UpdateClip | None, update_stats: bool) -> list[tuple[str, float]]:
+    """The update settings data-parallel ranks must share (``-1``: off)."""
+    if update_clip is None:
+        clip = [("update_clip.mode", -1.0), ("update_clip.limit", -1.0), ("update_clip.window", -1.0)]
+    else:
+        clip = update_clip.settings()
+    return [*clip, ("update_stats", float(update_stats))]
+
+
+def checked_update_state(entry: Any, update_clip: UpdateClip | None) -> Any:
+    """The ``"update_clip"`` part of a saved ``"clipopt"`` entry, checked by loading it into a copy
+    of ``update_clip`` (``ValueError``, nothing changed); None when none was saved or there is no
+    ``update_clip`` (an older state dict: the history stays as it is)."""
+    saved = entry.get("update_clip") if isinstance(entry, dict) else None
+    if saved is None or update_clip is None:
+        return None
+    copy.deepcopy(update_clip).load_state_dict(saved)
+    return saved
