@@ -1,0 +1,531 @@
+"""``UpdateClip`` and ``update_stats``: the update the inner optimizer made, measured and bounded.
+
+The references are written here, independently of clipopt: the bare inner optimizer steps, the
+test forms ``u = p_after - p_before`` and bounds it by the formulas of optax/Levanter in float64
+NumPy (``max_rms``: ``u / max(1, rms(u) / max_rms)``; ``max_norm``: ``u / max(1, ||u|| / max_norm)``;
+``z``: Levanter's ``clip_update_norm``).
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from clipopt import ClippedOptimizer, CSVLogger, UpdateClip
+from clipopt._update_clip import rms_coefs, z_bound
+
+from .helpers import ZeroDivideSGD, batches_for, model_for, mse
+from .hostreads import count_host_reads
+from .optim_db import OptimInfo, get, params
+from .strategies import grad_arrays, to_tensors
+
+#: The inner optimizers the references run (cheap on CPU): AdamW (foreach, fused), SGD with momentum.
+INNERS = [get("AdamW-foreach"), get("AdamW-fused"), get("SGD-momentum-foreach")]
+
+#: Each mode with a limit that bounds some windows of these runs and leaves others (lr 0.01).
+MODES: dict[str, dict[str, Any]] = {
+    "max_rms": {"max_rms": 0.008},
+    "max_norm": {"max_norm": 0.045},
+    "z": {"z": 0.2, "window": 4},
+}
+LR = 0.01
+
+#: The window whose gradients are made nan in the reference runs (skipped: no update, no history).
+NAN_WINDOW = 4
+
+
+def _backward(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], nan: bool = False) -> None:
+    mse(model, batch).backward()
+    if nan:
+        next(iter(model.parameters())).grad.view(-1)[0] = math.nan  # type: ignore[union-attr]
+
+
+def _reference_coefs(
+    mode: str, limits: dict[str, Any], updates: list[np.ndarray], history: list[float]
+) -> tuple[list[float], float]:
+    """Each tensor's coefficient by the published rule, and the update's total norm (float64)."""
+    total = math.sqrt(sum(float(np.sum(u * u)) for u in updates))
+    if mode == "max_rms":
+        limit = limits["max_rms"]
+        return [1.0 / max(1.0, math.sqrt(float(np.mean(u * u))) / limit) for u in updates], total
+    if mode == "max_norm":
+        return [1.0 / max(1.0, total / limits["max_norm"])] * len(updates), total
+    window, z = limits["window"], limits["z"]  # Levanter's clip_update_norm
+    coef = 1.0
+    if len(history) >= max(2, window // 2):
+        ring = np.array(history[-window:])
+        bound = ring.mean() + z * max(ring.std(), 1e-6)
+        if total > bound:
+            coef = bound / max(total, 1e-6)
+    return [coef] * len(updates), total
+
+
+def _reference_run(
+    info: OptimInfo, mode: str, windows: int
+) -> tuple[list[torch.Tensor], list[float], list[float]]:
+    """The bare inner optimizer with its update bounded by hand after every step; the nan window is
+    not stepped (and adds nothing to the history).  Returns the parameters, each window's update
+    norm (0 for the nan window) and the smallest coefficient (1 for the nan window)."""
+    model = model_for()
+    inner = info.make(model.parameters(), lr=LR)
+    history: list[float] = []
+    norms, coefs = [], []
+    for i, batch in enumerate(batches_for(windows, seed=3)):
+        if i == NAN_WINDOW:
+            norms.append(0.0)
+            coefs.append(1.0)
+            continue
+        _backward(model, batch)
+        before = [p.detach().clone() for p in model.parameters()]
+        inner.step()
+        inner.zero_grad()
+        with torch.no_grad():
+            updates = [p - b for p, b in zip(model.parameters(), before, strict=True)]
+            c, total = _reference_coefs(mode, MODES[mode], [u.double().numpy() for u in updates], history)
+            for p, b, u, coef in zip(model.parameters(), before, updates, c, strict=True):
+                p.copy_((b.double() + coef * u.double()).float())
+        history.append(total)
+        norms.append(total)
+        coefs.append(min(c))
+    return [p.detach() for p in model.parameters()], norms, coefs
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("info", params(INNERS))
+def test_each_mode_gives_the_update_bounded_by_hand(info: OptimInfo, mode: str) -> None:
+    """max_rms, max_norm and z around AdamW (foreach, fused) and SGD with momentum: parameters,
+    update norms and coefficients as the reference bounds them by hand (float32 against float64:
+    rtol 1e-5); a window with nan gradients is skipped, records an update norm of 0 and does not
+    enter z's history; some windows are bounded and some are not."""
+    windows = 12
+    model = model_for()
+    opt = ClippedOptimizer(
+        info.make(model.parameters(), lr=LR), max_norm=None, update_clip=UpdateClip(**MODES[mode])
+    )
+    norms, coefs = [], []
+    for i, batch in enumerate(batches_for(windows, seed=3)):
+        _backward(model, batch, nan=i == NAN_WINDOW)
+        opt.step()
+        opt.zero_grad()
+        assert opt.last_stats is not None
+        norms.append(opt.last_stats.update_norm)
+        coefs.append(opt.last_stats.update_coef)
+    want_params, want_norms, want_coefs = _reference_run(info, mode, windows)
+    for got, want in zip(model.parameters(), want_params, strict=True):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-7)
+    assert norms == pytest.approx(want_norms, rel=1e-5)
+    assert coefs == pytest.approx(want_coefs, rel=1e-5)
+    assert opt.stats[NAN_WINDOW].reason == "nonfinite"
+    assert any(c < 0.99 for c in coefs) and sum(c == 1.0 for c in coefs) >= 2
+
+
+@pytest.mark.parametrize("options", [{"update_stats": True}, {"update_clip": UpdateClip(max_norm=1e6)}])
+@pytest.mark.parametrize("info", params(INNERS))
+def test_an_update_left_as_it_is_is_the_inner_optimizers_bit_for_bit(info: OptimInfo, options: dict) -> None:
+    """update_stats=True, and an UpdateClip whose bound is never reached: the parameters are the bare
+    inner optimizer's bit for bit (p_after - 0 * u is p_after); the recorded norm is that of the
+    update the test measures, the coefficient 1."""
+    model, bare = model_for(), model_for()
+    opt = ClippedOptimizer(info.make(model.parameters(), lr=LR), max_norm=None, **options)
+    inner = info.make(bare.parameters(), lr=LR)
+    for batch in batches_for(5, seed=4):
+        _backward(model, batch)
+        _backward(bare, batch)
+        before = [p.detach().clone() for p in bare.parameters()]
+        opt.step()
+        inner.step()
+        opt.zero_grad()
+        inner.zero_grad()
+        for got, want in zip(model.parameters(), bare.parameters(), strict=True):
+            assert torch.equal(got, want)
+        update = torch.cat(
+            [(p.detach() - b).double().reshape(-1) for p, b in zip(bare.parameters(), before, strict=True)]
+        )
+        assert opt.last_stats is not None
+        assert opt.last_stats.update_norm == pytest.approx(float(update.norm()), rel=1e-5)
+        assert opt.last_stats.update_coef == 1.0
+
+
+def _state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"update_stats": True}, *({"update_clip": UpdateClip(**limits)} for limits in MODES.values())],
+    ids=["update_stats", *MODES],
+)
+def test_a_nonfinite_update_from_finite_gradients_is_put_back(options: dict) -> None:
+    """An inner optimizer dividing by zero in its third step (finite gradients): the parameters and
+    its state (momentum, step count) are those after the second window, bit for bit; the window is
+    skipped with reason "nonfinite_update", its coefficient 0 and its update norm not finite; it
+    is not in z's history; the gradient norm stays finite."""
+    model = model_for()
+    inner = ZeroDivideSGD(model.parameters(), lr=0.01, bad_calls={3})
+    opt = ClippedOptimizer(inner, max_norm=1.0, **options)
+    params_after, state_after = [], []
+    for batch in batches_for(4, seed=5):
+        _backward(model, batch)
+        opt.step()
+        opt.zero_grad()
+        params_after.append([p.detach().clone() for p in model.parameters()])
+        state_after.append(_state(inner))
+    stats = list(opt.stats)
+    assert [s.reason for s in stats] == [None, None, "nonfinite_update", None]
+    assert stats[2].skipped and math.isfinite(stats[2].total_norm) and not math.isfinite(stats[2].update_norm)
+    assert stats[2].update_coef == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(params_after[2], params_after[1], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(state_after[2], state_after[1], strict=True))
+    assert opt.num_skipped == 1 and opt.num_updates == 3
+    if opt.update_clip is not None and opt.update_clip.mode == "z":
+        assert int(opt.update_clip.state_dict()["count"]) == 3
+
+
+def test_after_a_put_back_update_training_goes_on_as_if_it_never_happened() -> None:
+    """update_stats=True around the dividing optimizer: after the rejected third window the run is,
+    bit for bit, the run of the same optimizer that never saw that window's batch."""
+    model, bare = model_for(), model_for()
+    opt = ClippedOptimizer(ZeroDivideSGD(model.parameters(), bad_calls={3}), max_norm=None, update_stats=True)
+    inner = ZeroDivideSGD(bare.parameters())
+    for i, batch in enumerate(batches_for(6, seed=6)):
+        _backward(model, batch)
+        opt.step()
+        opt.zero_grad()
+        if i != 2:
+            _backward(bare, batch)
+            inner.step()
+            inner.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), bare.parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(_state(opt), _state(inner), strict=True))
+
+
+def _reads_per_window(opt: ClippedOptimizer, model: torch.nn.Module, pattern: str) -> list[int]:
+    """Host reads of each step() call ('g': good gradients, 'b': a nan gradient)."""
+    counts = []
+    for batch, c in zip(batches_for(len(pattern), seed=7), pattern, strict=True):
+        _backward(model, batch, nan=c == "b")
+        with count_host_reads() as reads:
+            opt.step()
+            stats = opt.last_stats  # recording and holding statistics reads nothing
+        counts.append(len(reads))
+        del stats
+        opt.zero_grad()
+    return counts
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"update_stats": True}, *({"update_clip": UpdateClip(**limits)} for limits in MODES.values())],
+    ids=["update_stats", *MODES],
+)
+def test_fused_adamw_with_update_clipping_reads_nothing(options: dict) -> None:
+    """Fused AdamW with each mode (and update_stats): after the first update (no state yet), an
+    update, applied or skipped, makes no host read."""
+    model = model_for()
+    opt = ClippedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.01, fused=True), max_norm=0.1, **options
+    )
+    counts = _reads_per_window(opt, model, "ggbggbgg")
+    assert counts[1:] == [0] * 7
+
+
+def test_putting_back_a_nonfinite_update_reads_nothing() -> None:
+    """The dividing optimizer (state on the parameters' device) with skip_nonfinite=False, so that
+    clipopt's host path reads nothing: the rejected third update is put back without a host read;
+    only the first update, which creates the optimizer's state, reads the flag once (its state
+    could only be put back by removing it)."""
+    model = model_for()
+    inner = ZeroDivideSGD(model.parameters(), bad_calls={3})
+    opt = ClippedOptimizer(inner, max_norm=0.1, skip_nonfinite=False, update_clip=UpdateClip(max_rms=1.0))
+    assert _reads_per_window(opt, model, "ggggg") == [1, 0, 0, 0, 0]
+    assert [s.reason for s in opt.stats] == [None, None, "nonfinite_update", None, None]
+
+
+def test_update_columns_and_tags_read_back_as_recorded(tmp_path: Path) -> None:
+    """CSVLogger and TensorBoardLogger (read back by csv and TensorBoard's EventAccumulator) hold
+    update_norm and update_coef as StepStats had them; a first window without gradients (no update
+    recorded) leaves the cells empty, and the columns are added when the first update is recorded."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from clipopt import TensorBoardLogger
+
+    model = model_for()
+    csv_path, tb_dir = tmp_path / "log.csv", tmp_path / "tb"
+    opt = ClippedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.01),
+        update_clip=UpdateClip(max_norm=0.03),
+        loggers=[CSVLogger(csv_path), TensorBoardLogger(tb_dir)],
+    )
+    for i, batch in enumerate(batches_for(5, seed=8)):
+        if i > 0:  # the first window has no gradient: reason "nograd", nothing recorded
+            _backward(model, batch, nan=i == 3)
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    stats = list(opt.stats)
+    assert stats[0].update_norm is None and stats[3].update_norm == 0.0
+    rows = list(csv.DictReader(io.StringIO(csv_path.read_text())))
+    assert rows[0]["update_norm"] == rows[0]["update_coef"] == ""
+    assert [float(r["update_norm"]) for r in rows[1:]] == [s.update_norm for s in stats[1:]]
+    assert [float(r["update_coef"]) for r in rows[1:]] == [s.update_coef for s in stats[1:]]
+    events = EventAccumulator(str(tb_dir))
+    events.Reload()
+    for tag in ("update_norm", "update_coef"):
+        scalars = events.Scalars(f"clipopt/{tag}")
+        assert [e.step for e in scalars] == [2, 3, 4, 5]
+        want = [getattr(s, tag) for s in stats[1:]]
+        assert [e.value for e in scalars] == pytest.approx(want, rel=1e-6)
+
+
+def _z_run(stop: int | None, total: int, state: dict | None = None) -> tuple[Any, ...]:
+    """SGD with momentum, UpdateClip(z=0.2, window=4) and accumulation_steps=2 over ``total``
+    micro-batches (the fifth with a nan gradient, the 15th and 16th with targets 5 times larger: a
+    spike in the update); ``stop``: return a state dict (and the optimizer) after that many."""
+    model = model_for()
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        accumulation_steps=2,
+        update_clip=UpdateClip(z=0.2, window=4),
+    )
+    start = 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = state["done"]
+    for i, (x, y) in enumerate(batches_for(total, seed=9)):
+        if i < start:
+            continue
+        _backward(model, (x, y * 5 if i in (14, 15) else y), nan=i == 4)
+        opt.step()
+        opt.zero_grad()
+        if stop is not None and i + 1 == stop:
+            return {"model": model.state_dict(), "opt": opt.state_dict(), "done": stop}, opt
+    return model, opt
+
+
+def test_the_z_history_resumes_from_a_checkpoint_bit_for_bit(tmp_path: Path) -> None:
+    """A state dict saved mid-window (micro-batch 11 of 20, accumulation 2), written with torch.save
+    and read with weights_only=True into a fresh model and optimizer, continues bit for bit as the
+    uninterrupted run: parameters, the z history and every later window's update norm and
+    coefficient."""
+    model, opt = _z_run(None, 20)
+    saved, _ = _z_run(11, 20)
+    torch.save(saved, tmp_path / "ckpt.pt")
+    resumed_model, resumed = _z_run(None, 20, torch.load(tmp_path / "ckpt.pt", weights_only=True))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters(), strict=True))
+    history, again = opt.update_clip.state_dict(), resumed.update_clip.state_dict()
+    assert all(torch.equal(history[k], again[k]) for k in ("history", "count", "next"))
+    assert int(history["count"]) == 4  # 9 applied windows, 1 skipped; the ring holds the last 4
+    tail = [(s.update_norm, s.update_coef) for s in list(opt.stats)[5:]]  # windows 6 to 10
+    assert tail == [(s.update_norm, s.update_coef) for s in resumed.stats]
+    assert any(c < 1.0 for _, c in tail)
+
+
+def test_a_z_history_of_another_window_is_refused_before_anything_changes() -> None:
+    """Loading a state dict saved with UpdateClip(z=..., window=4) into one with window=8 raises
+    ValueError naming both, and leaves the optimizer's counters and history as they were."""
+    saved, _ = _z_run(6, 6)
+    model = model_for()
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters()), update_clip=UpdateClip(z=1.0, window=8))
+    message = (
+        "invalid UpdateClip state: expected the history of 8 update norms saved by "
+        "UpdateClip(z=..., window=8); load a state dict saved with the same update_clip"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        opt.load_state_dict(saved["opt"])
+    assert opt.num_windows == 0 and int(opt.update_clip.state_dict()["count"]) == 0
+
+
+def test_update_clip_with_per_group_clipping_bounds_every_tensor() -> None:
+    """Per-group gradient clipping (a group with its own max_norm) and UpdateClip(max_rms=...): each
+    parameter tensor's change per window, measured by the test, has rms <= max_rms (float32 slack),
+    and the group statistics are recorded beside the update's."""
+    model = model_for()
+    params = list(model.parameters())
+    inner = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:], "max_norm": 0.5}], lr=0.05)
+    opt = ClippedOptimizer(inner, max_norm=1.0, update_clip=UpdateClip(max_rms=0.01))
+    for batch in batches_for(4, seed=10):
+        _backward(model, batch)
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        opt.zero_grad()
+        for p, b in zip(params, before, strict=True):
+            rms = float((p.detach() - b).double().pow(2).mean().sqrt())
+            assert rms <= 0.01 * (1 + 1e-5)
+        assert opt.last_stats is not None and opt.last_stats.has_group_stats
+        assert opt.last_stats.update_coef < 1.0
+
+
+def test_lbfgs_records_its_update_with_update_stats() -> None:
+    """update_stats=True around LBFGS (which re-evaluates its closure): the recorded update norm is
+    the norm of the change its whole step made, measured by the test."""
+    model = model_for()
+    opt = ClippedOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4), update_stats=True)
+    batch = batches_for(1, seed=11)[0]
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = mse(model, batch)
+        loss.backward()
+        return loss
+
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step(closure)
+    change = torch.cat(
+        [(p.detach() - b).reshape(-1) for p, b in zip(model.parameters(), before, strict=True)]
+    )
+    assert opt.last_stats is not None and float(change.norm()) > 0
+    assert opt.last_stats.update_norm == pytest.approx(float(change.double().norm()), rel=1e-5)
+
+
+def test_the_repr_names_the_update_clip() -> None:
+    """repr(ClippedOptimizer) lists update_clip (and update_stats) like the other parts."""
+    model = model_for()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters()), update_clip=UpdateClip(z=3.0, window=16))
+    assert "update_clip=UpdateClip(z=3, window=16)," in repr(opt)
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters()), update_stats=True)
+    assert "update_stats=True," in repr(opt)
+
+
+# ---------------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (
+            {},
+            ValueError,
+            "UpdateClip takes exactly one of max_rms, max_norm or z, got none of them; pass e.g. "
+            "UpdateClip(max_rms=1.0), UpdateClip(max_norm=1.0) or UpdateClip(z=3.0, window=128)",
+        ),
+        (
+            {"max_rms": 1.0, "z": 3.0},
+            ValueError,
+            "UpdateClip takes exactly one of max_rms, max_norm or z, got max_rms=1.0, z=3.0; pass e.g.",
+        ),
+        (
+            {"max_rms": -1.0},
+            ValueError,
+            "max_rms must be a positive finite number or None, got -1.0; pass e.g. max_rms=1.0, "
+            "or max_rms=None to turn it off",
+        ),
+        (
+            {"max_norm": "1"},
+            TypeError,
+            "max_norm must be a float or None, got '1' (str); pass e.g. max_norm=1.0, "
+            "or max_norm=None to turn it off",
+        ),
+        ({"z": 3.0, "window": 1}, ValueError, "window must be an int >= 2, got 1; pass e.g. window=128"),
+        (
+            {"z": 3.0, "window": 8.0},
+            TypeError,
+            "window must be an int >= 2, got 8.0 (float); pass e.g. window=128",
+        ),
+        (
+            {"max_rms": 1.0, "window": 64},
+            ValueError,
+            "window=64 is the history of UpdateClip(z=...), not of max_rms=...; "
+            "pass UpdateClip(max_rms=1.0) without window, or use z=3.0",
+        ),
+    ],
+)
+def test_bad_update_clip_arguments_are_refused(kwargs: dict, error: type, message: str) -> None:
+    """Each bad UpdateClip argument raises the error that names it, its value and the fix."""
+    with pytest.raises(error, match=re.escape(message)):
+        UpdateClip(**kwargs)
+
+
+def test_bad_optimizer_arguments_are_refused() -> None:
+    """update_clip of another type, update_stats not a bool, and update_clip around LBFGS raise errors
+    naming the argument, the value and the fix."""
+    model = model_for()
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "update_clip must be an UpdateClip or None, got float; "
+            "pass e.g. update_clip=UpdateClip(max_rms=1.0)"
+        ),
+    ):
+        ClippedOptimizer(torch.optim.SGD(model.parameters()), update_clip=1.0)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "update_stats must be True or False, got 'yes' (str); "
+            "pass update_stats=True or update_stats=False"
+        ),
+    ):
+        ClippedOptimizer(torch.optim.SGD(model.parameters()), update_stats="yes")  # type: ignore[arg-type]
+    message = (
+        "update_clip=UpdateClip(max_rms=1) cannot bound the step of LBFGS: its line search and curvature "
+        "pairs assume the step it took; pass update_clip=None (update_stats=True records the update norm)"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ClippedOptimizer(torch.optim.LBFGS(model.parameters()), update_clip=UpdateClip(max_rms=1.0))
+
+
+# ---------------------------------------------------------------------------- the pure rules
+
+
+@given(grad_arrays(), st.floats(min_value=1e-3, max_value=1e3))
+def test_rms_coefficients_bound_every_tensor(arrays: list[np.ndarray], max_rms: float) -> None:
+    """For random updates: each coefficient is NumPy's 1 / max(1, rms / max_rms) (rtol 1e-5), the
+    bounded tensor's rms is at most max_rms (float32 slack), and a tensor already within the bound
+    keeps coefficient 1."""
+    tensors = to_tensors(arrays)
+    norms = torch.stack([torch.linalg.vector_norm(t) for t in tensors])
+    coefs = rms_coefs(norms, [t.numel() for t in tensors], max_rms).tolist()
+    for a, coef in zip(arrays, coefs, strict=True):
+        rms = math.sqrt(float(np.mean(a.astype(np.float64) ** 2)))
+        assert coef == pytest.approx(1.0 / max(1.0, rms / max_rms), rel=1e-5)
+        assert coef * rms <= max_rms * (1 + 1e-5)
+        if rms < max_rms * (1 - 1e-5):
+            assert coef == 1.0
+
+
+@given(
+    st.lists(st.floats(min_value=0.0, max_value=1e3, width=32), min_size=0, max_size=8),
+    st.integers(min_value=2, max_value=8),
+    st.floats(min_value=0.1, max_value=6.0),
+)
+def test_z_bound_is_levanters(values: list[float], window: int, z: float) -> None:
+    """The bound from a ring holding ``values`` (at most ``window`` of them, in its first slots) is
+    Levanter's: inf while fewer than max(2, window // 2), then mean + z * max(std, 1e-6) of the
+    values (population std; float32 against NumPy float64: rtol 1e-4 + 1e-5 absolute)."""
+    values = values[:window]
+    history = torch.zeros(window)
+    history[: len(values)] = torch.tensor(values, dtype=torch.float32)
+    got = float(z_bound(history, torch.tensor(len(values)), z, window))
+    if len(values) < max(2, window // 2):
+        assert got == math.inf
+    else:
+        ring = np.array(values, dtype=np.float64)
+        assert got == pytest.approx(ring.mean() + z * max(ring.std(), 1e-6), rel=1e-4, abs=1e-5)
+
+
+def test_the_update_clip_survives_deepcopy_and_pickle() -> None:
+    """A wrapper with UpdateClip(z=...) is copied with its history (copy.deepcopy), which then runs
+    on as the original does."""
+    model = model_for()
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), update_clip=UpdateClip(z=1.0, window=4)
+    )
+    for batch in batches_for(3, seed=12):
+        _backward(model, batch)
+        opt.step()
+        opt.zero_grad()
+    twin = copy.deepcopy(opt)
+    assert twin.update_clip is not opt.update_clip
+    assert int(twin.update_clip.state_dict()["count"]) == 3
