@@ -529,3 +529,63 @@ def test_the_update_clip_survives_deepcopy_and_pickle() -> None:
     twin = copy.deepcopy(opt)
     assert twin.update_clip is not opt.update_clip
     assert int(twin.update_clip.state_dict()["count"]) == 3
+
+
+# ---------------------------------------------------------------------------- combinations
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_grad_scaler_overflow_makes_no_update_and_no_history_entry(fused: bool) -> None:
+    """A GradScaler run (CPU, scale 2**8) whose third loss overflows once scaled: that window is
+    skipped with reason "overflow", records an update norm of 0 and adds nothing to z's history;
+    every window matches, bit for bit, the run without a scaler that never saw that batch."""
+    runs = []
+    for scaled in (True, False):
+        model = model_for()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if scaled else None
+        opt = ClippedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=LR, fused=fused),
+            max_norm=1.0,
+            scaler=scaler,
+            update_clip=UpdateClip(z=0.2, window=4),
+        )
+        for i, (x, y) in enumerate(batches_for(8, seed=13)):
+            if i == 2 and not scaled:
+                continue
+            loss = mse(model, (x, y))
+            (loss if scaler is None else scaler.scale(loss * (3e38 if i == 2 else 1.0))).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    (model, opt), (bare_model, bare) = runs
+    stats = list(opt.stats)
+    assert stats[2].reason == "overflow" and stats[2].update_norm == 0.0
+    assert int(opt.update_clip.state_dict()["count"]) == int(bare.update_clip.state_dict()["count"]) == 4
+    assert [s.update_norm for s in stats[:2] + stats[3:]] == [s.update_norm for s in bare.stats]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), bare_model.parameters(), strict=True))
+
+
+def test_several_inner_optimizers_are_bounded_and_put_back_as_one() -> None:
+    """ClippedOptimizer([ZeroDivideSGD(first layer), AdamW(rest)], update_clip=max_norm): one
+    coefficient for all parameters (the test's own global norm of the change), and a non-finite
+    update of the first optimizer puts back both optimizers' parameters and state."""
+    model = model_for()
+    params = list(model.parameters())
+    first, rest = ZeroDivideSGD(params[:2], lr=0.01, bad_calls={3}), torch.optim.AdamW(params[2:], lr=LR)
+    opt = ClippedOptimizer([first, rest], max_norm=None, update_clip=UpdateClip(max_norm=0.02))
+    snapshots = []
+    for batch in batches_for(4, seed=14):
+        _backward(model, batch)
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        opt.zero_grad()
+        change = torch.cat(
+            [(p.detach() - b).double().reshape(-1) for p, b in zip(params, before, strict=True)]
+        )
+        snapshots.append(([p.detach().clone() for p in params], _state(first) + _state(rest)))
+        assert opt.last_stats is not None
+        if opt.last_stats.reason is None:
+            assert float(change.norm()) <= 0.02 * (1 + 1e-5)
+    assert [s.reason for s in opt.stats] == [None, None, "nonfinite_update", None]
+    for now, then in zip(snapshots[2], snapshots[1], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(now, then, strict=True))
