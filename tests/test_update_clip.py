@@ -25,8 +25,9 @@ from hypothesis import strategies as st
 from clipopt import ClippedOptimizer, CSVLogger, UpdateClip
 from clipopt._update_clip import rms_coefs, z_bound
 
-from .helpers import ZeroDivideSGD, batches_for, model_for, mse
+from .helpers import ZeroDivideSGD, assert_tensors_close, batches_for, model_for, mse, spawn_job
 from .hostreads import count_host_reads
+from .markers import needs_gloo
 from .optim_db import OptimInfo, get, params
 from .strategies import grad_arrays, to_tensors
 
@@ -589,3 +590,56 @@ def test_several_inner_optimizers_are_bounded_and_put_back_as_one() -> None:
     assert [s.reason for s in opt.stats] == [None, None, "nonfinite_update", None]
     for now, then in zip(snapshots[2], snapshots[1], strict=True):
         assert all(torch.equal(a, b) for a, b in zip(now, then, strict=True))
+
+
+# ---------------------------------------------------------------------------- 2 gloo ranks
+
+
+@pytest.fixture(scope="module")
+def gloo(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from . import update_clip_jobs
+
+    return spawn_job(update_clip_jobs.update_clip_job, "update_clip", tmp_path_factory.mktemp("uc"), 2)
+
+
+@needs_gloo
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize("mode", ["max_rms", "max_norm"])
+def test_ddp_and_fsdp2_bound_the_update_as_one_process_does(
+    gloo: list[dict[str, Any]], kind: str, mode: str
+) -> None:
+    """2 gloo ranks, DDP and FSDP2 (a tensor's norm over its shards): every rank ends with the
+    parameters, update norms and coefficients of the single-process reference bounding the update
+    by hand (rtol 1e-5), the ranks alike; some windows are bounded."""
+    from .update_clip_jobs import reference
+
+    want = reference(mode)
+    for rank in gloo:
+        got = rank[f"{kind}-{mode}"]
+        assert_tensors_close(got["params"], want["params"])
+        assert got["norms"] == pytest.approx(want["norms"], rel=1e-5)
+        assert got["coefs"] == pytest.approx(want["coefs"], rel=1e-5)
+    first, second = (rank[f"{kind}-{mode}"] for rank in gloo)
+    assert first["norms"] == second["norms"] and first["coefs"] == second["coefs"]
+    assert all(torch.equal(a, b) for a, b in zip(first["params"], second["params"], strict=True))
+    assert any(c < 0.99 for c in first["coefs"])
+
+
+@needs_gloo
+def test_fsdp2_puts_back_a_nonfinite_update_on_every_rank(gloo: list[dict[str, Any]]) -> None:
+    """FSDP2 with an inner optimizer dividing by zero in its second step: on both ranks that window
+    is skipped with reason "nonfinite_update" and the (full) parameters are those of the first."""
+    for rank in gloo:
+        got = rank["fsdp-nonfinite"]
+        assert got["reasons"] == [None, "nonfinite_update", None]
+        assert all(torch.equal(a, b) for a, b in zip(got["after"][1], got["after"][0], strict=True))
+        assert not all(torch.equal(a, b) for a, b in zip(got["after"][2], got["after"][1], strict=True))
+
+
+@needs_gloo
+def test_ranks_with_another_update_clip_are_refused_on_every_rank(gloo: list[dict[str, Any]]) -> None:
+    """Rank 1 built UpdateClip(max_rms=0.009), rank 0 max_rms=0.008: the first step raises on both
+    ranks, naming the setting and both values."""
+    for rank, mine in zip(gloo, (0.008, 0.009), strict=True):
+        assert rank["settings"] is not None
+        assert f"update_clip.limit (from 0.008 to 0.009; this rank: {mine:g})" in rank["settings"]
