@@ -103,7 +103,7 @@ class WindowUpdate:
         coef = torch.ones((), dtype=torch.float32, device=total.device)
         if self._clip is not None:
             coef = self._clip.coefficients(norms, [p.numel() for p in self._params], total)
-            shrink = (1.0 - coef).to(updates[0].dtype)
+            shrink = 1.0 - coef  # float32: a 0-d tensor scales every dtype as a scalar would
             torch._foreach_mul_(updates, list(shrink.unbind()) if self._clip.per_tensor else shrink)
             torch._foreach_sub_(now, updates)
         on = bad > 0
@@ -119,8 +119,8 @@ class WindowUpdate:
         d.nonfinite_only = False  # the outcome is no longer the gradients' flag alone
         d.update_norm = total
         d.update_coef = torch.where(on, 0.0, coef.min())
-        if self._clip is not None:
-            self._clip.commit(total, 1.0 - outcome)
+        if self._clip is not None:  # a non-finite norm (skip_nonfinite=False) never enters the history
+            self._clip.commit(total, (1.0 - outcome) * torch.isfinite(total))
         return outcome
 
 

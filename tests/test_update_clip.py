@@ -643,3 +643,36 @@ def test_ranks_with_another_update_clip_are_refused_on_every_rank(gloo: list[dic
     for rank, mine in zip(gloo, (0.008, 0.009), strict=True):
         assert rank["settings"] is not None
         assert f"update_clip.limit (from 0.008 to 0.009; this rank: {mine:g})" in rank["settings"]
+
+
+def test_a_nonfinite_update_is_not_a_nonfinite_gradient() -> None:
+    """Three non-finite updates in a row (finite gradients) with max_consecutive_nonfinite=2 raise
+    nothing: the reason counts as a skip, not as a non-finite gradient."""
+    model = model_for()
+    inner = ZeroDivideSGD(model.parameters(), bad_calls={2, 3, 4})
+    opt = ClippedOptimizer(inner, max_consecutive_nonfinite=2, update_stats=True)
+    for batch in batches_for(5, seed=15):
+        _backward(model, batch)
+        opt.step()
+        opt.zero_grad()
+    assert [s.reason for s in opt.stats] == [None, *["nonfinite_update"] * 3, None]
+
+
+def test_nonfinite_gradients_applied_on_request_stay_out_of_the_z_history() -> None:
+    """skip_nonfinite=False applies a window with a nan gradient (the user's choice: it is not put
+    back, its gradients were not finite); its nan update norm does not enter z's history, which
+    keeps bounding later windows."""
+    model = model_for()
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        max_norm=None,
+        skip_nonfinite=False,
+        update_clip=UpdateClip(z=0.5, window=4),
+    )
+    for i, batch in enumerate(batches_for(4, seed=16)):
+        _backward(model, batch, nan=i == 3)
+        opt.step()
+        opt.zero_grad()
+    assert opt.stats[3].reason is None and not math.isfinite(opt.stats[3].update_norm)
+    state = opt.update_clip.state_dict()
+    assert int(state["count"]) == 3 and bool(torch.isfinite(state["history"]).all())
