@@ -676,3 +676,20 @@ def test_nonfinite_gradients_applied_on_request_stay_out_of_the_z_history() -> N
     assert opt.stats[3].reason is None and not math.isfinite(opt.stats[3].update_norm)
     state = opt.update_clip.state_dict()
     assert int(state["count"]) == 3 and bool(torch.isfinite(state["history"]).all())
+
+
+@needs_gloo
+def test_pipeline_stages_bound_and_put_back_their_update_as_one(gloo: list[dict[str, Any]]) -> None:
+    """norm_group (each rank a pipeline stage with its own layer): both stages record the norm of
+    the whole update (the stages' changes combined, as the test measures them) and one coefficient;
+    a bounded window moves both stages by 0.05 together; when stage 0's update is not finite, stage
+    1 puts its own back too (both "nonfinite_update", no change)."""
+    first, second = (rank["stages"] for rank in gloo)
+    assert first["reasons"] == second["reasons"] == [None, None, "nonfinite_update", None]
+    assert first["norms"][:2] == second["norms"][:2] and first["coefs"] == second["coefs"]
+    assert first["changes"][2] == second["changes"][2] == 0.0
+    for w in (0, 1, 3):
+        combined = math.hypot(first["changes"][w], second["changes"][w])
+        assert combined == pytest.approx(first["norms"][w] * first["coefs"][w], rel=1e-5)
+        assert combined <= 0.05 * (1 + 1e-5)
+    assert any(c < 1.0 for c in first["coefs"])

@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from clipopt import ClippedOptimizer, UpdateClip
@@ -114,6 +115,34 @@ def _settings_error(rank: int) -> str | None:
     return None
 
 
+def _stages(rank: int) -> dict[str, Any]:
+    """Pipeline stages: rank r holds its own layer (norm_group=WORLD), UpdateClip(max_norm=...) over
+    both; stage 0's optimizer divides by zero in its third step.  Returns, per window, the norm of
+    the change this stage applied, and what clipopt recorded."""
+    torch.manual_seed(rank)
+    model = nn.Linear(6, 3)
+    inner = ZeroDivideSGD(model.parameters(), lr=0.1, bad_calls={3} if rank == 0 else set())
+    bound = UpdateClip(max_norm=0.05)
+    opt = ClippedOptimizer(inner, None, norm_group=dist.group.WORLD, replica_group=None, update_clip=bound)
+    changes = []
+    for i in range(4):
+        _loss(model, rank, i).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        change = torch.cat(
+            [(p.detach() - b).double().reshape(-1) for p, b in zip(model.parameters(), before, strict=True)]
+        )
+        changes.append(float(change.norm()))
+    stats = list(opt.stats)
+    return {
+        "changes": changes,
+        "norms": [s.update_norm for s in stats],
+        "coefs": [s.update_coef for s in stats],
+        "reasons": [s.reason for s in stats],
+    }
+
+
 def update_clip_job(rank: int, port: int, out_dir: str) -> None:
     init_world(rank, port)
     res: dict[str, Any] = {}
@@ -130,6 +159,7 @@ def update_clip_job(rank: int, port: int, out_dir: str) -> None:
     sharded = _fsdp(mlp((6, 8, 3)))
     inner = ZeroDivideSGD(sharded.parameters(), lr=LR, bad_calls={2})
     res["fsdp-nonfinite"] = _run(sharded, ClippedOptimizer(inner, None, update_stats=True), rank, windows=3)
+    res["stages"] = _stages(rank)
     res["settings"] = _settings_error(rank)
     torch.save(res, f"{out_dir}/update_clip{rank}.pt")
     leave_process_group()
