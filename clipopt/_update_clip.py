@@ -136,6 +136,7 @@ class UpdateClip:
         self._history = torch.zeros(self.window, dtype=torch.float32)  # the ring (z only)
         self._count = torch.zeros((), dtype=torch.int64)  # valid entries, at most window
         self._next = torch.zeros((), dtype=torch.int64)  # the slot the next norm goes to
+        self._fresh = True  # nothing recorded or loaded yet: made anew on the device, not copied there
 
     @property
     def per_tensor(self) -> bool:
@@ -166,11 +167,19 @@ class UpdateClip:
         old = self._history.index_select(0, slot)
         value = torch.where(on, total.to(torch.float32).reshape(1), old)
         self._history = self._history.scatter(0, slot, value)  # replaced, never written into
+        self._fresh = False
         self._next = torch.where(on, (self._next + 1) % self.window, self._next)
         self._count = torch.where(on, torch.clamp(self._count + 1, max=self.window), self._count)
 
     def _to(self, device: torch.device) -> None:
-        if self._history.device != device:
+        """The history on ``device`` (the update norms'); a fresh one is made there (no copy)."""
+        if self._history.device == device:
+            return
+        if self._fresh:
+            self._history = torch.zeros(self.window, dtype=torch.float32, device=device)
+            self._count = torch.zeros((), dtype=torch.int64, device=device)
+            self._next = torch.zeros((), dtype=torch.int64, device=device)
+        else:
             self._history = self._history.to(device)
             self._count, self._next = self._count.to(device), self._next.to(device)
 
@@ -202,6 +211,7 @@ class UpdateClip:
         self._history = history.detach().to(device, torch.float32, copy=True)
         self._count = count.detach().reshape(()).to(device, torch.int64, copy=True)
         self._next = nxt.detach().reshape(()).to(device, torch.int64, copy=True)
+        self._fresh = False
 
     def settings(self) -> list[tuple[str, float]]:
         """What data-parallel ranks must share (the mode as a code, the limit, the window)."""
