@@ -31,8 +31,8 @@ from .markers import needs_gloo
 from .optim_db import OptimInfo, get, params
 from .strategies import grad_arrays, to_tensors
 
-#: The inner optimizers the references run (cheap on CPU): AdamW (foreach, fused), SGD with momentum.
-INNERS = [get("AdamW-foreach"), get("AdamW-fused"), get("SGD-momentum-foreach")]
+#: The inner optimizers the references run (cheap on CPU): AdamW and SGD with momentum, foreach and fused.
+INNERS = [get("AdamW-foreach"), get("AdamW-fused"), get("SGD-momentum-foreach"), get("SGD-momentum-fused")]
 
 #: Each mode with a limit that bounds some windows of these runs and leaves others (lr 0.01).
 MODES: dict[str, dict[str, Any]] = {
@@ -392,8 +392,15 @@ def test_lbfgs_records_its_update_with_update_stats() -> None:
 
 
 def test_the_repr_names_the_update_clip() -> None:
-    """repr(ClippedOptimizer) lists update_clip (and update_stats) like the other parts."""
+    """repr(ClippedOptimizer) lists update_clip (and update_stats) like the other parts; without them
+    it is as before (the settings, then the inner optimizer indented)."""
     model = model_for()
+    plain = repr(ClippedOptimizer(torch.optim.SGD(model.parameters())))
+    assert plain.startswith(
+        "ClippedOptimizer(max_norm=1.0, norm_type=2.0, clip_value=None, accumulation_steps=1, "
+        "reduction='mean', skip_nonfinite=True,\n  SGD (\n"
+    )
+    assert plain.endswith("\n  )\n)")
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters()), update_clip=UpdateClip(z=3.0, window=16))
     assert "update_clip=UpdateClip(z=3, window=16)," in repr(opt)
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters()), update_stats=True)
