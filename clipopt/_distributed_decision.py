@@ -68,7 +68,6 @@ from ._rank_check import (
     state_checksum,
     tensor_checksum,
 )
-from ._update_clip import update_settings
 
 __all__ = ["DIVERGENCE_RTOL", "ReplicaDecision", "check_norm_group", "check_replica_group"]
 
@@ -480,7 +479,7 @@ def settings_of(opt: Any) -> list[tuple[str, float]]:
         ("micro_batches pending", float(opt.micro_batches)),
         *_group_settings(opt.param_groups),
         *_recovery_settings(opt.spike_guard, opt.rewind),
-        *update_settings(opt.update_clip, opt.update_stats),
+        *_update_settings(opt.update_clip, opt.update_stats),
     ]
 
 
@@ -498,6 +497,14 @@ def _group_settings(groups: list[dict[str, Any]]) -> list[tuple[str, float]]:
         (f"per-group {key}", sum((g + 1) * code(group, key) for g, group in enumerate(groups)))
         for key in ("max_norm", "clip_value")
     ]
+
+
+def _update_settings(update_clip: Any, update_stats: bool) -> list[tuple[str, float]]:
+    """UpdateClip's settings (its own ``settings()``: mode, limit, window) and ``update_stats``
+    (``-1``: off): replicas that bound their updates differently would drift."""
+    off = [("update_clip.mode", -1.0), ("update_clip.limit", -1.0), ("update_clip.window", -1.0)]
+    clip = off if update_clip is None else update_clip.settings()
+    return [*clip, ("update_stats", float(update_stats))]
 
 
 def _recovery_settings(guard: Any, rewind: Any) -> list[tuple[str, float]]:

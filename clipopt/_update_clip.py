@@ -40,7 +40,6 @@ __all__ = [
     "checked_update_state",
     "global_coef",
     "rms_coefs",
-    "update_settings",
     "z_bound",
     "z_coef",
 ]
@@ -224,15 +223,6 @@ class UpdateClip:
     def __repr__(self) -> str:
         window = f", window={self.window}" if self.mode == "z" else ""
         return f"UpdateClip({self.mode}={self.limit:g}{window})"
-
-
-def update_settings(update_clip: UpdateClip | None, update_stats: bool) -> list[tuple[str, float]]:
-    """The update settings data-parallel ranks must share (``-1``: off)."""
-    if update_clip is None:
-        clip = [("update_clip.mode", -1.0), ("update_clip.limit", -1.0), ("update_clip.window", -1.0)]
-    else:
-        clip = update_clip.settings()
-    return [*clip, ("update_stats", float(update_stats))]
 
 
 def checked_update_state(entry: Any, update_clip: UpdateClip | None) -> Any:
