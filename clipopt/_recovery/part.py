@@ -24,7 +24,6 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .._distributed.collectives import has_dtensor
 from .._reasons import SPIKE
 from .._window.decision import WindowDecision
 from .rewind import Rewind, RewindEvent
@@ -74,13 +73,8 @@ class SpikeRecovery:
     def attach(
         cls, guard: SpikeGuard | None, rewind: Rewind | None, params: list[Tensor], optimizer: Optimizer
     ) -> SpikeRecovery:
-        """The recovery of a new optimizer; binds the Rewind to its parameters (DTensors refused)."""
+        """The recovery of a new optimizer; binds the Rewind to its parameters (DTensors: their shards)."""
         if rewind is not None:
-            if has_dtensor(params):
-                raise ValueError(
-                    "rewind=Rewind(...) does not support DTensor (FSDP2, tensor-parallel) parameters yet; "
-                    "pass rewind=None (spike_guard works)"
-                )
             rewind.bind(params, optimizer)
         return cls(guard, rewind)
 
