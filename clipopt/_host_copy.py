@@ -16,6 +16,8 @@ and dtype still match, on its live device (no new device memory at a rewind;
 a copy loaded from a checkpoint of another device goes where the state is
 now); the others get new tensors of the captured dtypes on the captured
 devices (those of the parameters, for a loaded copy).
+DTensors (FSDP2, tensor parallel) are copied as their local shards, spec
+kind ``"s"``, and written back into them (:mod:`clipopt._shard_copy`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+
+from ._shard_copy import is_shard, local, locals_of, shard_like, shard_problem
 
 __all__ = [
     "HostCopy",
@@ -97,8 +101,9 @@ class HostTensors(_Landing):
 
     def fits(self, live: Sequence[Tensor]) -> bool:
         """Whether they can stand in for ``live`` (same count, shapes and dtypes)."""
-        return len(live) == len(self.leaves) and all(
-            (t.shape, t.dtype) == (h.shape, h.dtype) for t, h in zip(live, self.leaves, strict=True)
+        shards = locals_of(live)
+        return len(shards) == len(self.leaves) and all(
+            (t.shape, t.dtype) == (h.shape, h.dtype) for t, h in zip(shards, self.leaves, strict=True)
         )
 
 
@@ -108,9 +113,15 @@ class _Leaf(NamedTuple):
     number: int
 
 
-def _place(obj: Any, put: Callable[[_Leaf, Any], Tensor], live: Any = None) -> Any:
-    """``obj`` with each :class:`_Leaf` replaced by ``put(leaf, live value at that place)``."""
-    if isinstance(obj, _Leaf):
+class _Shard(NamedTuple):
+    """Where a restored structure holds the copy's local shard number ``number`` of a DTensor."""
+
+    number: int
+
+
+def _place(obj: Any, put: Callable[[Any, Any], Any], live: Any = None) -> Any:
+    """``obj`` with each :class:`_Leaf` or :class:`_Shard` replaced by ``put(leaf, live value there)``."""
+    if isinstance(obj, (_Leaf, _Shard)):
         return put(obj, live)
     if isinstance(obj, dict):
         return {k: _place(v, put, live.get(k) if isinstance(live, dict) else None) for k, v in obj.items()}
@@ -122,7 +133,11 @@ def _place(obj: Any, put: Callable[[_Leaf, Any], Tensor], live: Any = None) -> A
 
 
 def _flatten(obj: Any, out: list[Tensor]) -> Any:
-    """``obj`` with every tensor replaced by ``("t", i)``, the tensors appended to ``out``."""
+    """``obj`` with every tensor replaced by ``("t", i)`` (a DTensor: ``("s", i)``, its local shard
+    appended), the tensors appended to ``out``."""
+    if is_shard(obj):
+        out.append(local(obj))
+        return ("s", len(out) - 1)
     if isinstance(obj, Tensor):
         out.append(obj)
         return ("t", len(out) - 1)
@@ -135,20 +150,23 @@ def _flatten(obj: Any, out: list[Tensor]) -> Any:
     return ("v", copy.deepcopy(obj))
 
 
-def _unflatten(spec: Any, leaf: Any) -> Any:
+def _unflatten(spec: Any, leaf: Any, shard: Any = None) -> Any:
+    """The structure of ``spec``: ``leaf(i)`` at its tensors, ``shard(i)`` (or ``leaf``) at its shards."""
     kind, body = spec
     if kind == "t":
         return leaf(body)
+    if kind == "s":
+        return (shard or leaf)(body)
     if kind == "d":
-        return {k: _unflatten(v, leaf) for k, v in body}
+        return {k: _unflatten(v, leaf, shard) for k, v in body}
     if kind == "l":
-        return [_unflatten(v, leaf) for v in body]
+        return [_unflatten(v, leaf, shard) for v in body]
     if kind == "u":
-        return tuple(_unflatten(v, leaf) for v in body)
+        return tuple(_unflatten(v, leaf, shard) for v in body)
     return copy.deepcopy(body)
 
 
-_KINDS = ("t", "d", "l", "u", "v")
+_KINDS = ("t", "s", "d", "l", "u", "v")
 
 
 def _spec_problem(spec: Any, n: int) -> str | None:
@@ -156,7 +174,7 @@ def _spec_problem(spec: Any, n: int) -> str | None:
     if not (isinstance(spec, tuple) and len(spec) == 2 and spec[0] in _KINDS):
         return "a node of its 'spec' is not a (kind, body) pair"
     kind, body = spec
-    if kind == "t":
+    if kind in ("t", "s"):
         ok = isinstance(body, int) and not isinstance(body, bool) and 0 <= body < n
         return None if ok else f"its 'spec' refers to leaf {body!r}, not one of its {n} leaves"
     if kind == "v":
@@ -173,8 +191,8 @@ def _spec_problem(spec: Any, n: int) -> str | None:
 
 
 def _leaf_list(node: Any) -> list[int] | None:
-    """The leaf numbers of a ``("l", [("t", i), ...])`` node, or None for any other node."""
-    if node[0] != "l" or not all(child[0] == "t" for child in node[1]):
+    """The leaf numbers of a ``("l", [("t" or "s", i), ...])`` node, or None for any other node."""
+    if node[0] != "l" or not all(child[0] in ("t", "s") for child in node[1]):
         return None
     return [child[1] for child in node[1]]
 
@@ -204,7 +222,8 @@ def copy_problem(spec: Any, leaves: Sequence[Tensor], target: TrainingState | No
         return None
     for name, live, saved in (("parameters", target.params, params), ("buffers", target.buffers, buffers)):
         if len(live) != len(saved) or any(
-            t.shape != leaves[i].shape or t.dtype != leaves[i].dtype for t, i in zip(live, saved, strict=True)
+            t.shape != leaves[i].shape or t.dtype != leaves[i].dtype
+            for t, i in zip(locals_of(live), saved, strict=True)
         ):
             return f"its copies hold {name} of other shapes or dtypes than this optimizer's"
     if any(type(i) is not int or not 0 <= i < len(params) for i in numbers) or len(set(numbers)) != len(
@@ -229,7 +248,9 @@ def _host_buffer(src: Tensor, old: Tensor | None) -> Tensor:
 
 
 def plain(t: Tensor) -> bool:
-    """Whether a copy can hold ``t``: a dense tensor (not sparse, not a subclass such as DTensor)."""
+    """Whether a copy can hold ``t``: a dense tensor (not sparse, not another subclass), or a DTensor
+    whose local shard is one."""
+    t = local(t)
     return not t.is_sparse and t.layout == torch.strided and type(t) in (Tensor, torch.nn.Parameter)
 
 
@@ -238,7 +259,7 @@ def _check_plain(tensors: Sequence[Tensor]) -> None:
         if not plain(t):
             raise TypeError(
                 f"Rewind copies dense tensors only, got a {type(t).__name__} with layout {t.layout}; "
-                "pass rewind=None for sparse or distributed (DTensor) state"
+                "pass rewind=None for sparse or other tensor-subclass state"
             )
 
 
@@ -270,8 +291,9 @@ def host_tensors(tensors: Sequence[Tensor], step: int, reuse: HostTensors | None
 
     ``reuse``: earlier ones whose host tensors may be overwritten (copies on the same stream land in order).
     """
-    _check_plain(tensors)
-    return HostTensors(step, *_to_host(tensors, [] if reuse is None else reuse.leaves))
+    shards = locals_of(tensors)
+    _check_plain(shards)
+    return HostTensors(step, *_to_host(shards, [] if reuse is None else reuse.leaves))
 
 
 def capture(
@@ -312,39 +334,72 @@ def restore(copy_: HostCopy, target: TrainingState) -> Any:
 
     The parameters' gradients are cleared.  Raises ``ValueError`` (touching
     nothing) when the parameters or buffers no longer match the copy.
+    DTensors get their local shards back, in place.
     """
     copy_.wait()
-    leaves, devices = copy_.leaves, copy_.devices
+    leaves = copy_.leaves
+    tree = _unflatten(copy_.spec, _Leaf, _Shard)
+    params, buffers = tree["params"], tree["buffers"]
+    _check_restorable(tree, target, leaves)
+    with torch.no_grad():
+        for t, s in zip(target.params, params, strict=True):
+            local(t).copy_(leaves[s.number])
+            t.grad = None
+        for t, s in zip(target.buffers, buffers, strict=True):
+            local(t).copy_(leaves[s.number])
+        state = target.optimizer.state
+        # a state tensor of the same shape, dtype and device is written in place (tensors inside
+        # lists, LBFGS's history, always get new ones: such lists may share them with other copies)
+        per_param = [
+            (i, _place(entry, _putter(copy_, target.params[i]), state.get(target.params[i])))
+            for i, entry in tree["state"]
+        ]
+        state.clear()
+        for i, entry in per_param:
+            state[target.params[i]] = entry
+    return _place(tree["extra"], lambda leaf, _: leaves[leaf.number].clone())
 
-    def put(leaf: _Leaf, live: Any) -> Tensor:
-        """Into the live tensor when shape and dtype fit (no new device memory), else into a new one."""
-        src, device = leaves[leaf.number], devices[leaf.number]
+
+def _putter(copy_: HostCopy, like: Tensor) -> Callable[[Any, Any], Any]:
+    """How the state of parameter ``like`` gets a copied leaf back: into the live tensor when shape
+    and dtype fit (no new device memory), else into a new one (a DTensor's shard: as ``like``'s)."""
+
+    def put(leaf: Any, live: Any) -> Any:
+        src, device = copy_.leaves[leaf.number], copy_.devices[leaf.number]
+        if isinstance(leaf, _Shard):
+            return shard_like(src, live, like)
         if type(live) is Tensor and (live.shape, live.dtype) == (src.shape, src.dtype):
             return live.copy_(src)  # where the live state is (a copy loaded from another device)
         return src.to(device, copy=True)
 
-    tree = _unflatten(copy_.spec, _Leaf)
+    return put
+
+
+def _check_restorable(tree: Any, target: TrainingState, leaves: list[Tensor]) -> None:
+    """``ValueError`` unless the copy's structure ``tree`` (over ``leaves``) can go back into ``target``."""
     params, buffers = tree["params"], tree["buffers"]
     for name, live, saved in (("parameters", target.params, params), ("buffers", target.buffers, buffers)):
         if len(live) != len(saved) or any(
             t.shape != leaves[s.number].shape or t.dtype != leaves[s.number].dtype
-            for t, s in zip(live, saved, strict=True)
+            for t, s in zip(locals_of(live), saved, strict=True)
         ):
             raise ValueError(
                 f"cannot rewind: the {name} changed since the copy was taken (count, shape or dtype); "
                 "a Rewind needs the same model and parameter groups throughout training"
             )
-    with torch.no_grad():
-        for t, s in zip(target.params, params, strict=True):
-            t.copy_(leaves[s.number])
-            t.grad = None
-        for t, s in zip(target.buffers, buffers, strict=True):
-            t.copy_(leaves[s.number])
-        state = target.optimizer.state
-        # a state tensor of the same shape, dtype and device is written in place (tensors inside
-        # lists, LBFGS's history, always get new ones: such lists may share them with other copies)
-        per_param = [(i, _place(entry, put, state.get(target.params[i]))) for i, entry in tree["state"]]
-        state.clear()
-        for i, entry in per_param:
-            state[target.params[i]] = entry
-    return _place(tree["extra"], lambda leaf, _: leaves[leaf.number].clone())
+    problems: list[str] = []
+    state = target.optimizer.state
+    for i, entry in tree["state"]:
+        like = target.params[i]
+
+        def check(leaf: Any, live: Any, like: Tensor = like) -> None:
+            why = shard_problem(leaves[leaf.number], live, like) if isinstance(leaf, _Shard) else None
+            if why is not None:
+                problems.append(why)
+
+        _place(entry, check, state.get(like))
+    if problems:
+        raise ValueError(
+            f"cannot rewind: {problems[0]}; a Rewind needs the same model, sharding and optimizer "
+            "throughout training"
+        )

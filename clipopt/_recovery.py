@@ -25,7 +25,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ._decision import WindowDecision
-from ._distributed import has_dtensor
 from ._reasons import SPIKE
 from ._rewind import Rewind, RewindEvent
 from ._spike_guard import SpikeGuard
@@ -74,13 +73,8 @@ class SpikeRecovery:
     def attach(
         cls, guard: SpikeGuard | None, rewind: Rewind | None, params: list[Tensor], optimizer: Optimizer
     ) -> SpikeRecovery:
-        """The recovery of a new optimizer; binds the Rewind to its parameters (DTensors refused)."""
+        """The recovery of a new optimizer; binds the Rewind to its parameters (DTensors: their shards)."""
         if rewind is not None:
-            if has_dtensor(params):
-                raise ValueError(
-                    "rewind=Rewind(...) does not support DTensor (FSDP2, tensor-parallel) parameters yet; "
-                    "pass rewind=None (spike_guard works)"
-                )
             rewind.bind(params, optimizer)
         return cls(guard, rewind)
 

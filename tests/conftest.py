@@ -37,6 +37,7 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "test_distributed.py",
         "test_distributed_hardening.py",
         "test_spike_distributed.py",
+        "test_rewind_fsdp.py",
         "test_replay.py::test_ddp_rank_files_replay_without_a_process_group",
         "test_window_guard.py::test_ddp_gradients_and_bucket_views_are_not_mistaken_for_clearing",
     ),

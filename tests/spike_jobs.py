@@ -33,7 +33,7 @@ def spike_job(rank: int, port: int, out_dir: str) -> None:
 
 
 def _run(kind: str, rank: int) -> dict[str, Any]:
-    """DDP: SpikeGuard + Rewind; FSDP2 (DTensor parameters, where Rewind is refused): SpikeGuard."""
+    """DDP: SpikeGuard + Rewind; FSDP2 (DTensor parameters): SpikeGuard (with Rewind: test_rewind_fsdp)."""
     plain = mlp((5, 4, 3))  # Linear(5, 4), Tanh, Linear(4, 3), global seed 0
     rewind = None
     if kind == "ddp":

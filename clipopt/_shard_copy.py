@@ -1,0 +1,83 @@
+"""Local shards of DTensor state (FSDP2, tensor parallel) for :class:`~clipopt.Rewind`'s host copies.
+
+Under FSDP2 or tensor parallelism the parameters, and the inner optimizer's
+state that mirrors them (``exp_avg`` of ``torch.zeros_like(p)``), are DTensors:
+each rank holds its own shard.  A copy holds each rank's local shard
+(``DTensor.to_local()``, which shares the DTensor's storage) as a plain
+tensor, and restoring writes the shard back into the live DTensor's local
+tensor in place: FSDP2 all-gathers from that storage at the next forward pass,
+so every rank's full parameters are those of the copy's window once every rank
+restored its own shard (every rank rewinds at the same window: the decision is
+one, see docs/spike-recovery.md).  A state DTensor with no live counterpart
+left (state cleared since) is rebuilt around the copied shard with its
+parameter's mesh and placements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+
+from ._distributed import has_dtensor
+
+__all__ = ["fits", "is_shard", "local", "locals_of", "shard_like", "shard_problem"]
+
+
+def is_shard(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (a copy holds its local shard)."""
+    return isinstance(t, Tensor) and has_dtensor([t])
+
+
+def local(t: Tensor) -> Tensor:
+    """``t``'s local shard when it is a DTensor (sharing its storage: writing it writes ``t``), else ``t``.
+
+    Call it under ``torch.no_grad()`` where the result is written.
+    """
+    return t.to_local() if is_shard(t) else t  # type: ignore[attr-defined]
+
+
+def fits(src: Tensor, live: Any) -> bool:
+    """Whether ``live`` is a DTensor whose local shard has ``src``'s shape and dtype."""
+    return is_shard(live) and (local(live).shape, local(live).dtype) == (src.shape, src.dtype)
+
+
+def shard_problem(src: Tensor, live: Any, like: Tensor) -> str | None:
+    """Why the copied shard ``src`` of a state DTensor cannot be restored, or None.
+
+    It goes into ``live`` (the live state tensor at its place) when that fits,
+    else into a new DTensor laid out as the parameter ``like``, which needs
+    ``like`` to be a DTensor whose local shard has ``src``'s shape.
+    """
+    if fits(src, live):
+        return None
+    if is_shard(like) and local(like).shape == src.shape:
+        return None
+    return (
+        f"a copied optimizer-state shard of shape {tuple(src.shape)} fits neither the live state "
+        "nor its parameter's shard"
+    )
+
+
+def shard_like(src: Tensor, live: Any, like: Tensor) -> Tensor:
+    """The copied shard ``src`` back as a state DTensor: written into ``live`` when it fits (kept), else a
+    new DTensor of ``like``'s mesh and placements (:func:`shard_problem` said it can)."""
+    if fits(src, live):
+        local(live).copy_(src)
+        return live  # type: ignore[no-any-return]
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        src.to(local(like).device, copy=True),
+        like.device_mesh,  # type: ignore[attr-defined]
+        like.placements,  # type: ignore[attr-defined]
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+def locals_of(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """:func:`local` of each tensor."""
+    return [local(t) for t in tensors]
