@@ -31,7 +31,15 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ._shard_copy import is_shard, local, locals_of, shard_like, shard_problem
+from ._shard_copy import (
+    coordinates,
+    coordinates_problem,
+    is_shard,
+    local,
+    locals_of,
+    shard_like,
+    shard_problem,
+)
 
 __all__ = [
     "HostCopy",
@@ -167,6 +175,7 @@ def _unflatten(spec: Any, leaf: Any, shard: Any = None) -> Any:
 
 
 _KINDS = ("t", "s", "d", "l", "u", "v")
+_PARTS = {"params", "buffers", "state", "extra"}  #: what a copy's structure holds (and "shards" for DTensors)
 
 
 def _spec_problem(spec: Any, n: int) -> str | None:
@@ -211,7 +220,7 @@ def copy_problem(spec: Any, leaves: Sequence[Tensor], target: TrainingState | No
     if why is not None:
         return why
     body = dict(spec[1]) if spec[0] == "d" else {}
-    if set(body) != {"params", "buffers", "state", "extra"}:
+    if not _PARTS <= set(body) <= {*_PARTS, "shards"}:
         return "its 'spec' must hold params, buffers, state and extra"
     params, buffers, state = _leaf_list(body["params"]), _leaf_list(body["buffers"]), body["state"]
     entries = state[1] if state[0] == "l" else None
@@ -220,6 +229,10 @@ def copy_problem(spec: Any, leaves: Sequence[Tensor], target: TrainingState | No
     numbers = [e[1][0][1] if e[0] == "u" and len(e[1]) == 2 and e[1][0][0] == "v" else None for e in entries]
     if target is None:
         return None
+    shards = _unflatten(body["shards"], lambda _: None) if "shards" in body else None
+    why = coordinates_problem(shards, coordinates(target.params))
+    if why is not None:
+        return why
     for name, live, saved in (("parameters", target.params, params), ("buffers", target.buffers, buffers)):
         if len(live) != len(saved) or any(
             t.shape != leaves[i].shape or t.dtype != leaves[i].dtype
@@ -313,9 +326,11 @@ def capture(
     state = source.optimizer.state
     per_param = [(i, state[p]) for i, p in enumerate(source.params) if p in state]
     tensors: list[Tensor] = []
-    spec = _flatten(
-        {"params": source.params, "buffers": source.buffers, "state": per_param, "extra": extra}, tensors
-    )
+    tree = {"params": source.params, "buffers": source.buffers, "state": per_param, "extra": extra}
+    shards = coordinates(source.params)
+    if shards is not None:  # DTensor parameters: where this rank's shards lie
+        tree["shards"] = shards
+    spec = _flatten(tree, tensors)
     _check_plain(tensors)
     held: dict[int, Tensor] = {}
     if buffers is not None and buffers.fits(source.buffers):

@@ -10,7 +10,10 @@ so every rank's full parameters are those of the copy's window once every rank
 restored its own shard (every rank rewinds at the same window: the decision is
 one, see docs/spike-recovery.md).  A state DTensor with no live counterpart
 left (state cleared since) is rebuilt around the copied shard with its
-parameter's mesh and placements.
+parameter's mesh and placements.  A copy records the mesh coordinates of its
+parameters' shards, so that a copy loaded on another rank than the one that
+took it (another rank's state dict) is refused instead of restoring the wrong
+shards.
 """
 
 from __future__ import annotations
@@ -22,7 +25,16 @@ from torch import Tensor
 
 from ._distributed import has_dtensor
 
-__all__ = ["fits", "is_shard", "local", "locals_of", "shard_like", "shard_problem"]
+__all__ = [
+    "coordinates",
+    "coordinates_problem",
+    "fits",
+    "is_shard",
+    "local",
+    "locals_of",
+    "shard_like",
+    "shard_problem",
+]
 
 
 def is_shard(t: Any) -> bool:
@@ -81,3 +93,30 @@ def shard_like(src: Tensor, live: Any, like: Tensor) -> Tensor:
 def locals_of(tensors: Sequence[Tensor]) -> list[Tensor]:
     """:func:`local` of each tensor."""
     return [local(t) for t in tensors]
+
+
+def coordinates(params: Sequence[Tensor]) -> list[list[int] | None] | None:
+    """Where each parameter's shard lies: its DTensor's coordinate in its device mesh (None: not a
+    DTensor); None when no parameter is a DTensor."""
+    if not any(is_shard(p) for p in params):
+        return None
+    out: list[list[int] | None] = []
+    for p in params:
+        where = p.device_mesh.get_coordinate() if is_shard(p) else None  # type: ignore[attr-defined]
+        out.append(None if where is None else [int(c) for c in where])
+    return out
+
+
+def coordinates_problem(saved: Any, live: list[list[int] | None] | None) -> str | None:
+    """Why a copy whose shards lie at ``saved`` (:func:`coordinates` when it was taken) cannot go into
+    parameters whose shards lie at ``live``, or None."""
+    if saved == live:
+        return None
+    if live is None:
+        return "its copies hold DTensor shards (FSDP2, tensor parallel); these parameters are not DTensors"
+    if saved is None:
+        return "its copies hold whole tensors but this optimizer's parameters are DTensor shards"
+    return (
+        f"its copies hold the shards at mesh coordinates {saved[:4]!r} but this rank's are at {live[:4]!r}: "
+        "another rank's state; load each rank's own state dict"
+    )

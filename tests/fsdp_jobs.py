@@ -113,6 +113,44 @@ def _fsdp_run() -> tuple[nn.Module, ClippedOptimizer]:
     return model, wrapper(model.parameters(), rewind)
 
 
+def _load_other_ranks(opt: ClippedOptimizer, own: dict[str, Any], rank: int, world: int) -> str | None:
+    """``opt.load_state_dict`` of its own state with the Rewind part of the next rank's: the error."""
+    import torch.distributed as dist
+
+    states: list[Any] = [None] * world
+    dist.all_gather_object(states, own)
+    state = opt.state_dict()
+    state["clipopt"]["rewind"] = states[(rank + 1) % world]
+    try:
+        opt.load_state_dict(state)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _load_across_sharding(sharded: ClippedOptimizer, own: dict[str, Any]) -> list[str | None]:
+    """The errors of loading a one-process run's Rewind state into ``sharded`` (FSDP2), and ``own``
+    (this rank's, FSDP2) into the one-process run's optimizer."""
+    model = bn_model()
+    plain = wrapper(model.parameters(), Rewind(every=1, module=model, check_every=1))
+    for i in range(3):
+        x, y = batch(0, i, 5)
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        plain.step(loss=loss)
+        plain.zero_grad()
+    errors: list[str | None] = []
+    for target, rewind_state in ((sharded, plain.state_dict()["clipopt"]["rewind"]), (plain, own)):
+        state = target.state_dict()
+        state["clipopt"]["rewind"] = rewind_state
+        try:
+            target.load_state_dict(state)
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
 def fsdp_rewind_job(rank: int, port: int, out_dir: str, world: int) -> None:
     """World 2, FSDP2; rank :data:`SPIKED`'s batches spike.  Then the same run stopped after
     :data:`STOP` batches, its model's and optimizer's state dicts (each rank its own) loaded into a
@@ -128,6 +166,8 @@ def fsdp_rewind_job(rank: int, port: int, out_dir: str, world: int) -> None:
     second_opt.load_state_dict(saved[1])
     rest = _train(second, second_opt, rank, rank == SPIKED, 5, range(STOP, WINDOWS))
     res["resumed"] = {"used": rest["used"], "log": rest["log"], "last": rest["after"][-1]}
+    res["other_rank"] = _load_other_ranks(second_opt, res["rewind_state"], rank, world)
+    res["unsharded"] = _load_across_sharding(second_opt, res["rewind_state"])
     torch.save(res, os.path.join(out_dir, f"fsdp{rank}.pt"))
     leave_process_group()
 

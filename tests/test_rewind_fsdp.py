@@ -151,3 +151,29 @@ def test_tensor_parallel_inside_fsdp2_rewinds_on_every_rank(tp: list[dict[str, A
         assert run["used"] == [*range(16), *range(18, jobs.WINDOWS)]
         _assert_same_record(_rewound(run), _at(run, 11))
         _assert_close(run["after"][-1], ref[-1])
+
+
+def test_fsdp2_rewind_state_of_another_rank_is_refused(fsdp: list[dict[str, Any]]) -> None:
+    """Each rank's Rewind state holds its own shards (and their mesh coordinates): loading the other
+    rank's into an optimizer raises ValueError naming both coordinates, instead of restoring the wrong
+    shards at the next rewind."""
+    for rank, run in enumerate(fsdp):
+        other = 1 - rank
+        assert run["other_rank"] == (
+            f"invalid Rewind state: its copies hold the shards at mesh coordinates {[[other]] * 4!r} but "
+            f"this rank's are at {[[rank]] * 4!r}: another rank's state; load each rank's own state dict; "
+            "pass the state saved by Rewind.state_dict() (opt.state_dict()['clipopt'])"
+        )
+
+
+def test_rewind_state_across_sharding_is_refused(fsdp: list[dict[str, Any]]) -> None:
+    """A one-process run's Rewind state (whole tensors) loaded into an FSDP2 optimizer, and an FSDP2
+    rank's (shards) into a one-process optimizer: each a ValueError saying which is which."""
+    end = "; pass the state saved by Rewind.state_dict() (opt.state_dict()['clipopt'])"
+    for run in fsdp:
+        assert run["unsharded"] == [
+            "invalid Rewind state: its copies hold whole tensors but this optimizer's parameters are "
+            "DTensor shards" + end,
+            "invalid Rewind state: its copies hold DTensor shards (FSDP2, tensor parallel); these "
+            "parameters are not DTensors" + end,
+        ]
