@@ -75,13 +75,22 @@ def record(model: nn.Module, opt: ClippedOptimizer) -> dict[str, Any]:
 
 
 def _train(
-    model: nn.Module, opt: ClippedOptimizer, dp_rank: int, spiked: bool, features: int, numbers: range
+    model: nn.Module,
+    opt: ClippedOptimizer,
+    dp_rank: int,
+    spiked: bool,
+    features: int,
+    numbers: range,
+    clear_at: int | None = None,
 ) -> dict[str, Any]:
-    """The run over batches ``numbers`` (through ``opt.rewind.batches``), one micro-batch per window."""
+    """The run over batches ``numbers`` (through ``opt.rewind.batches``), one micro-batch per window;
+    ``clear_at``: the inner optimizer's state is emptied before that batch."""
     assert opt.rewind is not None
     numbered = [(i, batch(dp_rank, i, features, spiked)) for i in numbers]
     used, reasons, after = [], [], []
     for i, (x, y) in opt.rewind.batches(numbered):
+        if i == clear_at:
+            opt.state.clear()
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
         opt.step(loss=loss)
@@ -154,7 +163,8 @@ def _load_across_sharding(sharded: ClippedOptimizer, own: dict[str, Any]) -> lis
 def fsdp_rewind_job(rank: int, port: int, out_dir: str, world: int) -> None:
     """World 2, FSDP2; rank :data:`SPIKED`'s batches spike.  Then the same run stopped after
     :data:`STOP` batches, its model's and optimizer's state dicts (each rank its own) loaded into a
-    new FSDP2 model and optimizer, which train on the rest: ``"resumed"``, its final record."""
+    new FSDP2 model and optimizer, which train on the rest: ``"resumed"``, its final record; and the
+    same run with the inner state emptied just before the batch whose close rewinds: ``"cleared"``."""
     init_world(rank, port, world)
     model, opt = _fsdp_run()
     res = _train(model, opt, rank, rank == SPIKED, 5, range(WINDOWS))
@@ -166,6 +176,10 @@ def fsdp_rewind_job(rank: int, port: int, out_dir: str, world: int) -> None:
     second_opt.load_state_dict(saved[1])
     rest = _train(second, second_opt, rank, rank == SPIKED, 5, range(STOP, WINDOWS))
     res["resumed"] = {"used": rest["used"], "log": rest["log"], "last": rest["after"][-1]}
+    cleared, cleared_opt = _fsdp_run()
+    again = _train(cleared, cleared_opt, rank, rank == SPIKED, 5, range(WINDOWS), clear_at=15)
+    rewound = again["after"][again["reasons"].index("rewind")]
+    res["cleared"] = {"log": again["log"], "rewound": rewound, "last": again["after"][-1]}
     res["other_rank"] = _load_other_ranks(second_opt, res["rewind_state"], rank, world)
     res["unsharded"] = _load_across_sharding(second_opt, res["rewind_state"])
     torch.save(res, os.path.join(out_dir, f"fsdp{rank}.pt"))

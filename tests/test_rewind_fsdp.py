@@ -108,6 +108,17 @@ def test_fsdp2_rewind_restores_the_copy_window_bit_for_bit(fsdp: list[dict[str, 
     assert not torch.equal(fsdp[0]["after"][-1]["buffers"][0], fsdp[1]["after"][-1]["buffers"][0])
 
 
+def test_fsdp2_rewind_rebuilds_state_dtensors_that_are_gone(fsdp: list[dict[str, Any]]) -> None:
+    """The same run with the inner optimizer's state emptied just before the window whose close
+    rewinds: the copy's moment shards come back as new DTensors laid out as their parameters (the
+    step counters as plain tensors): the state after the rewind, and at the end, is bit-identical to
+    the run's."""
+    for run in fsdp:
+        assert run["cleared"]["log"] == [EVENT]
+        _assert_same_record(run["cleared"]["rewound"], _rewound(run))
+        _assert_same_record(run["cleared"]["last"], run["after"][-1])
+
+
 def test_fsdp2_run_after_the_rewind_equals_one_process_without_the_spike_batches(
     fsdp: list[dict[str, Any]],
 ) -> None:
