@@ -39,11 +39,14 @@ def batch(dp_rank: int, index: int, features: int, spiked: bool = False) -> tupl
 
 
 def bn_model() -> nn.Sequential:
-    """``Linear(5, 4), Tanh, BatchNorm1d(4), Linear(4, 3)``, seed 0: parameters of uneven shards over two
-    ranks and buffers (running statistics) that every forward pass changes.  (No bias straight before
-    the batch norm: its gradient would be rounding noise, which Adam scales up to full steps.)"""
+    """``Linear(5, 4), Tanh, BatchNorm1d(4), Linear(4, 1), Tanh, Linear(1, 3)``, seed 0: parameters
+    whose shards over two ranks are uneven or empty (``Linear(4, 1)``: rank 1 holds none of it) and
+    buffers (running statistics) that every forward pass changes.  (No bias straight before the batch
+    norm: its gradient would be rounding noise, which Adam scales up to full steps.)"""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    return nn.Sequential(
+        nn.Linear(5, 4), nn.Tanh(), nn.BatchNorm1d(4), nn.Linear(4, 1), nn.Tanh(), nn.Linear(1, 3)
+    )
 
 
 def tp_model() -> nn.Sequential:

@@ -131,18 +131,20 @@ def test_fsdp2_run_after_the_rewind_equals_one_process_without_the_spike_batches
 
 
 def test_fsdp2_state_dict_holds_each_ranks_shards_and_resumes_exactly(fsdp: list[dict[str, Any]]) -> None:
-    """``opt.state_dict()`` on each rank holds that rank's local shards of the copies (of the Linear(4, 3)
-    weight: rows 0-1 on rank 0, row 2 on rank 1); together they make the full parameters at the copy's
-    window.  A run stopped between the spikes and resumed from each rank's state dicts rewinds at the
-    same window and ends bit-identical to the run that never stopped."""
+    """``opt.state_dict()`` on each rank holds that rank's local shards of the copies (of the Linear(4, 1)
+    weight: its one row on rank 0, an empty shard on rank 1; of the Linear(1, 3) weight: rows 0-1 on
+    rank 0, row 2 on rank 1); together they make the full parameters at the copy's window.  A run
+    stopped between the spikes and resumed from each rank's state dicts rewinds at the same window and
+    ends bit-identical to the run that never stopped."""
     last = {"step": 21, "applied": 16}
     for run in fsdp:
         copy = run["rewind_state"]["copies"][-1]
         assert {k: copy[k] for k in last} == last
-    weight = 4  # the leaves start with the parameters: Linear(5, 4) and BatchNorm1d(4) (2 each), then it
-    shards = [run["rewind_state"]["copies"][-1]["leaves"][weight] for run in fsdp]
-    assert [tuple(s.shape) for s in shards] == [(2, 4), (1, 4)]
-    assert torch.equal(torch.cat(shards), _at(fsdp[0], 21)["params"][weight])
+    # the leaves start with the parameters: Linear(5, 4), BatchNorm1d(4), Linear(4, 1), Linear(1, 3)
+    for weight, shapes in ((4, [(1, 4), (0, 4)]), (6, [(2, 1), (1, 1)])):
+        shards = [run["rewind_state"]["copies"][-1]["leaves"][weight] for run in fsdp]
+        assert [tuple(s.shape) for s in shards] == shapes
+        assert torch.equal(torch.cat(shards), _at(fsdp[0], 21)["params"][weight])
     for run in fsdp:
         resumed = run["resumed"]
         assert resumed["log"] == [EVENT]
