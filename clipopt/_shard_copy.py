@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ._distributed import has_dtensor
@@ -43,11 +44,12 @@ def is_shard(t: Any) -> bool:
 
 
 def local(t: Tensor) -> Tensor:
-    """``t``'s local shard when it is a DTensor (sharing its storage: writing it writes ``t``), else ``t``.
-
-    Call it under ``torch.no_grad()`` where the result is written.
-    """
-    return t.to_local() if is_shard(t) else t  # type: ignore[attr-defined]
+    """``t``'s local shard when it is a DTensor (sharing its storage: writing it writes ``t``; no autograd
+    record), else ``t``."""
+    if not is_shard(t):
+        return t
+    with torch.no_grad():
+        return t.to_local()  # type: ignore[attr-defined,no-any-return]
 
 
 def fits(src: Tensor, live: Any) -> bool:
