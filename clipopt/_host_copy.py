@@ -229,8 +229,7 @@ def copy_problem(spec: Any, leaves: Sequence[Tensor], target: TrainingState | No
     numbers = [e[1][0][1] if e[0] == "u" and len(e[1]) == 2 and e[1][0][0] == "v" else None for e in entries]
     if target is None:
         return None
-    shards = _unflatten(body["shards"], lambda _: None) if "shards" in body else None
-    why = coordinates_problem(shards, coordinates(target.params))
+    why = _sharding_problem(body, target)
     if why is not None:
         return why
     for name, live, saved in (("parameters", target.params, params), ("buffers", target.buffers, buffers)):
@@ -244,6 +243,18 @@ def copy_problem(spec: Any, leaves: Sequence[Tensor], target: TrainingState | No
     ):
         return "its copies hold optimizer state of parameters this optimizer does not have"
     return None
+
+
+def _sharding_problem(body: dict[str, Any], target: TrainingState) -> str | None:
+    """Why a copy (its structure's parts ``body``) holds other shards than ``target``'s parameters, or
+    None: the mesh coordinates it recorded, and which parameters it holds as shards."""
+    shards = _unflatten(body["shards"], lambda _: None) if "shards" in body else None
+    why = coordinates_problem(shards, coordinates(target.params))
+    kinds = [c[0] for c in body["params"][1]]
+    whole_or_shard = ["s" if is_shard(p) else "t" for p in target.params]
+    if why is None and len(kinds) == len(whole_or_shard) and kinds != whole_or_shard:  # (count: shapes check)
+        why = "its copies hold whole tensors and DTensor shards at other places than these parameters"
+    return why
 
 
 def copy_extra(spec: Any, leaves: Sequence[Tensor]) -> Any:
@@ -390,6 +401,15 @@ def _putter(copy_: HostCopy, like: Tensor) -> Callable[[Any, Any], Any]:
     return put
 
 
+def _state_leaf_problem(leaf: Any, src: Tensor, live: Any, like: Tensor) -> str | None:
+    """Why the copied state tensor ``src`` (at ``leaf``) of parameter ``like`` cannot replace ``live``."""
+    if isinstance(leaf, _Shard):
+        return shard_problem(src, live, like)
+    if is_shard(live):
+        return "a copied optimizer-state tensor is whole where the live state is a DTensor"
+    return None
+
+
 def _check_restorable(tree: Any, target: TrainingState, leaves: list[Tensor]) -> None:
     """``ValueError`` unless the copy's structure ``tree`` (over ``leaves``) can go back into ``target``."""
     params, buffers = tree["params"], tree["buffers"]
@@ -408,7 +428,7 @@ def _check_restorable(tree: Any, target: TrainingState, leaves: list[Tensor]) ->
         like = target.params[i]
 
         def check(leaf: Any, live: Any, like: Tensor = like) -> None:
-            why = shard_problem(leaves[leaf.number], live, like) if isinstance(leaf, _Shard) else None
+            why = _state_leaf_problem(leaf, leaves[leaf.number], live, like)
             if why is not None:
                 problems.append(why)
 

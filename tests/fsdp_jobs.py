@@ -141,8 +141,9 @@ def _load_other_ranks(opt: ClippedOptimizer, own: dict[str, Any], rank: int, wor
 
 
 def _load_across_sharding(sharded: ClippedOptimizer, own: dict[str, Any]) -> list[str | None]:
-    """The errors of loading a one-process run's Rewind state into ``sharded`` (FSDP2), and ``own``
-    (this rank's, FSDP2) into the one-process run's optimizer."""
+    """The errors of loading a one-process run's Rewind state into ``sharded`` (FSDP2), ``own`` (this
+    rank's, FSDP2) into the one-process run's optimizer, and ``own`` with its first parameter marked
+    whole (not a shard) into ``sharded``."""
     model = bn_model()
     plain = wrapper(model.parameters(), Rewind(every=1, module=model, check_every=1))
     for i in range(3):
@@ -152,7 +153,12 @@ def _load_across_sharding(sharded: ClippedOptimizer, own: dict[str, Any]) -> lis
         plain.step(loss=loss)
         plain.zero_grad()
     errors: list[str | None] = []
-    for target, rewind_state in ((sharded, plain.state_dict()["clipopt"]["rewind"]), (plain, own)):
+    tampered = copy.deepcopy(own)
+    spec = tampered["copies"][-1]["spec"]
+    parts = dict(spec[1])
+    parts["params"][1][0] = ("t", parts["params"][1][0][1])
+    cases = ((sharded, plain.state_dict()["clipopt"]["rewind"]), (plain, own), (sharded, tampered))
+    for target, rewind_state in cases:
         state = target.state_dict()
         state["clipopt"]["rewind"] = rewind_state
         try:

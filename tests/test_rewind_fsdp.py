@@ -180,8 +180,9 @@ def test_fsdp2_rewind_state_of_another_rank_is_refused(fsdp: list[dict[str, Any]
 
 
 def test_rewind_state_across_sharding_is_refused(fsdp: list[dict[str, Any]]) -> None:
-    """A one-process run's Rewind state (whole tensors) loaded into an FSDP2 optimizer, and an FSDP2
-    rank's (shards) into a one-process optimizer: each a ValueError saying which is which."""
+    """A one-process run's Rewind state (whole tensors) loaded into an FSDP2 optimizer, an FSDP2
+    rank's (shards) into a one-process optimizer, and a rank's own with one parameter's shard marked
+    whole: each a ValueError saying which is which."""
     end = "; pass the state saved by Rewind.state_dict() (opt.state_dict()['clipopt'])"
     for run in fsdp:
         assert run["unsharded"] == [
@@ -189,4 +190,6 @@ def test_rewind_state_across_sharding_is_refused(fsdp: list[dict[str, Any]]) -> 
             "DTensor shards" + end,
             "invalid Rewind state: its copies hold DTensor shards (FSDP2, tensor parallel); these "
             "parameters are not DTensors" + end,
+            "invalid Rewind state: its copies hold whole tensors and DTensor shards at other places than "
+            "these parameters" + end,
         ]
