@@ -26,7 +26,9 @@ from ._diagnostics.stats import StepStats, materialize
 from ._diagnostics.tensorboard import TensorBoardLogger
 from ._errors import NonFiniteGradientError
 from ._optimizer import ClippedOptimizer
+from ._policies.adagc import AdaGC
 from ._policies.builtin import AGC, AutoClip, ClipPolicy, ZClip
+from ._policies.stable_spam import StableSPAM
 from ._recovery.rewind import Rewind, RewindEvent
 from ._recovery.spike_guard import SpikeGuard
 from ._replay.replay import ReplayResult, replay
@@ -36,6 +38,7 @@ from ._window.update_clip import UpdateClip
 
 __all__ = [
     "AGC",
+    "AdaGC",
     "AutoClip",
     "CSVLogger",
     "ClipPolicy",
@@ -49,6 +52,7 @@ __all__ = [
     "Rewind",
     "RewindEvent",
     "SpikeGuard",
+    "StableSPAM",
     "StepStats",
     "TensorBoardLogger",
     "UpdateClip",

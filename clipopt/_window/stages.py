@@ -32,6 +32,7 @@ from .._diagnostics.badrow import any_nonfinite, norm_with_row, row_of_norms
 from .._diagnostics.layers import LayerStats
 from .._distributed.collectives import reduce_norm_over
 from .._distributed.replicas import ReplicaDecision
+from .._policies.kinds import PolicyWindow, policy_window
 from .._reasons import DIVERGENCE, NONFINITE, NORM_OVERFLOW, OVERFLOW, SPIKE
 from .decision import (
     SkipSignal,
@@ -143,20 +144,20 @@ def clip_and_decide(
     window once already.  With per-group options each group is clipped by its own bound or
     with the others sharing the wrapper's (``clip_groups_``).
     """
-    policy = s.policy if reevaluated is None or s.unitwise else None  # unit-wise: stateless
+    policy = s.policy if reevaluated is None or s.unitwise else None  # in place: clips every evaluation
     max_norm = s.max_norm if reevaluated is None else reevaluated[0]
+    window = _policy_window(s, d, g, reevaluated is None) if policy is not None and policy.unitwise else None
     if s.plan is not None:
-        norms_of = functools.partial(g.norms, norm_type=s.norm_type, foreach=s.foreach)
-        params = [group["params"] for group in param_groups]
         clip_groups_(
             d,
             g.by_group,
-            params,
+            [group["params"] for group in param_groups],
             s.plan,
+            window,
             norm_type=s.norm_type,
             divisor=s.divisor,
             foreach=s.foreach,
-            norms_of=norms_of,
+            norms_of=functools.partial(g.norms, norm_type=s.norm_type, foreach=s.foreach),
             policy=policy,
             max_norm=max_norm,
         )
@@ -167,7 +168,7 @@ def clip_and_decide(
         clip_(
             d,
             g.grads,
-            g.params,
+            window,
             clip_value=s.clip_value,
             divisor=s.divisor,
             foreach=s.foreach,
@@ -176,6 +177,22 @@ def clip_and_decide(
             max_norm=max_norm,
         )
     decide_skip(d, _signals(s, d, policy, sources if reevaluated is None else None))
+    if window is not None and policy is not None:  # a skipped window: its statistics as they were
+        policy.settle(d.skip)
+
+
+def _policy_window(s: WindowSettings, d: WindowDecision, g: WindowGrads, update: bool) -> PolicyWindow:
+    """What a policy that clips in place (unit-wise, per-tensor) sees of the window (``update``:
+    not a closure's re-evaluation)."""
+    return policy_window(
+        g.params,
+        g.grads,
+        divisor=s.divisor,
+        norms=lambda grads, p: g.norms(list(grads), p, s.foreach),
+        norm_group=s.norm_group,
+        flags=(d.nonfinite, d.divergence),
+        update=update,
+    )
 
 
 def _signals(
