@@ -24,6 +24,8 @@ from ._layers import LAYER_FIELDS, LayerStats
 from ._logging import CSVLogger, Logger
 from ._optimizer import ClippedOptimizer
 from ._policies import AGC, AutoClip, ClipPolicy, ZClip
+from ._policy_adagc import AdaGC
+from ._policy_stable_spam import StableSPAM
 from ._replay import ReplayResult, replay
 from ._rewind import Rewind, RewindEvent
 from ._scheduler import PerUpdateScheduler, per_update
@@ -35,6 +37,7 @@ from ._version import __version__
 
 __all__ = [
     "AGC",
+    "AdaGC",
     "AutoClip",
     "CSVLogger",
     "ClipPolicy",
@@ -48,6 +51,7 @@ __all__ = [
     "Rewind",
     "RewindEvent",
     "SpikeGuard",
+    "StableSPAM",
     "StepStats",
     "TensorBoardLogger",
     "ZClip",

@@ -120,12 +120,13 @@ class WindowSettings:
 
     @property
     def unitwise(self) -> bool:
-        """The policy clips unit by unit (AGC), in place."""
+        """The policy clips the gradients in place: unit by unit (AGC) or tensor by tensor (AdaGC)."""
         return self.policy is not None and self.policy.unitwise
 
     @property
     def clips_in_place(self) -> bool:
-        """Clipping changes the gradients before the inner step (value clipping or AGC)."""
+        """Clipping changes the gradients before the inner step (value clipping, or a policy that
+        clips in place)."""
         value = self.clip_value is not None or (self.plan is not None and self.plan.any_value_clipping)
         return value or self.unitwise
 

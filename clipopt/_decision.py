@@ -44,6 +44,7 @@ from ._reasons import (
 if TYPE_CHECKING:
     from ._group_options import GroupPlan
     from ._policies import ClipPolicy
+    from ._policy_kinds import PolicyWindow
 
 __all__ = [
     "NONFINITE_CODES",
@@ -273,7 +274,7 @@ def read_anomaly(
 def clip_(
     d: WindowDecision,
     grads: list[Tensor],
-    params: list[Tensor],
+    window: PolicyWindow | None,
     *,
     clip_value: float | None,
     divisor: float,
@@ -285,8 +286,8 @@ def clip_(
     """Stage 4 (clip), on the device: value clipping, then the norm bound (``max_norm``, or the policy's).
 
     ``grads`` are the window's summed gradients (``divisor`` micro-batches);
-    ``norm_of`` measures them (sharded / pipeline norms included).  A unit-wise
-    policy (AGC) clips them itself, the ``1/divisor`` included.
+    ``norm_of`` measures them (sharded / pipeline norms included).  A policy that clips in
+    place (unit-wise or per-tensor) clips them itself from ``window``, the ``1/divisor`` included.
     """
     inv = 1.0 / divisor
     norm = d.total_norm
@@ -296,8 +297,8 @@ def clip_(
         F.clip_grads_value_(grads, clip_value * divisor, foreach=foreach)
         norm = norm_of(grads) * inv
         clipped = norm < d.total_norm
-    if policy is not None and policy.unitwise:
-        unit_clipped = policy.clip_(params, inv)  # applies the 1/n as well
+    if policy is not None and policy.unitwise and window is not None:
+        unit_clipped = policy.clip_window_(window)  # applies the 1/n as well
         d.clipped = unit_clipped | clipped if isinstance(clipped, Tensor) else unit_clipped
         return
     if policy is not None:
@@ -335,6 +336,7 @@ def clip_groups_(
     grads: Sequence[Sequence[Tensor]],
     params: Sequence[Sequence[Tensor]],
     plan: GroupPlan,
+    window: PolicyWindow | None,
     *,
     norm_type: float,
     divisor: float,
@@ -348,17 +350,20 @@ def clip_groups_(
     Value clipping takes each group's bound; the norms after it are read again only for the
     clamped groups (``norms_of``: per-tensor norms, sharded ones included).  The groups without
     their own ``max_norm`` share ``max_norm`` (or the policy's threshold, fed their common norm
-    ``d.shared_norm``) and one coefficient ``d.coef``, which is ``d.scale``; a unit-wise policy
-    (AGC) clips them itself.  The other groups are listed in ``d.unfolded`` with their scale in
-    ``d.group_scales``.  ``d.group_norms`` (pre-clip, set when measured) must be there.
+    ``d.shared_norm``) and one coefficient ``d.coef``, which is ``d.scale``; a policy that clips
+    in place (unit-wise or per-tensor) clips them itself, from ``window`` restricted to them.
+    The other groups are listed in ``d.unfolded`` with their scale in ``d.group_scales``.
+    ``d.group_norms`` (pre-clip, set when measured) must be there.
     """
     if d.group_norms is None:
         raise ValueError("clip_groups_ needs the window's group norms (d.group_norms); measure them first")
     inv = 1.0 / divisor
     post, clipped = _value_clip_groups(d.group_norms, grads, plan, norm_type, divisor, foreach, norms_of)
     d.unfolded = tuple(j for j, shared in enumerate(plan.shared) if not shared)
-    if policy is not None and policy.unitwise:
-        unit = policy.clip_([p for j, ps in enumerate(params) if plan.shared[j] for p in ps], inv)
+    if policy is not None and policy.unitwise and window is not None:
+        shared_params = [p for j, ps in enumerate(params) if plan.shared[j] for p in ps]
+        shared_grads = [g for j, gs in enumerate(grads) if plan.shared[j] for g in gs]
+        unit = policy.clip_window_(window.restricted(shared_params, shared_grads))
         d.clipped = unit | clipped
         one = torch.ones_like(d.group_norms)
         d.group_coefs = one

@@ -152,8 +152,8 @@ def check_policy_with_groups(policy: ClipPolicy | None, plan: GroupPlan | None) 
             if bound is not None:
                 raise ValueError(
                     f"parameter group {index} has its own 'max_norm': {bound!r}, which cannot combine "
-                    f"with max_norm={policy!r}: a unit-wise policy clips every unit against its weight "
-                    "norm and has no norm bound for a group to replace; set 'max_norm': None in the group "
+                    f"with max_norm={policy!r}: {policy.in_place_rule} "
+                    "and has no norm bound for a group to replace; set 'max_norm': None in the group "
                     "to leave it out of the policy, or remove the key"
                 )
     elif not plan.any_shared:

@@ -25,23 +25,28 @@ from ._checks import (
     check_positive_int,
 )
 from ._distributed import has_dtensor, sharded_unit_norms
+from ._policy_kinds import PolicyWindow
 from ._state import bad
 
-__all__ = ["AGC", "AutoClip", "ClipPolicy", "ZClip", "checked_policy_state"]
+__all__ = ["AGC", "AutoClip", "ClipPolicy", "TensorPolicy", "ZClip", "checked_policy_state"]
 
 
 class ClipPolicy:
     """Base class of the adaptive thresholds.
 
     Subclasses implement :meth:`threshold` (global-norm policies) or
-    :meth:`clip_` (unit-wise policies, ``unitwise = True``), plus
-    :meth:`state_dict` / :meth:`load_state_dict`.  State is kept in attributes
-    that are replaced, never written into, so that a ``step()`` that fails
+    :meth:`clip_` (unit-wise policies, ``unitwise = True``), or derive from
+    :class:`TensorPolicy` (per-tensor policies; the three kinds are described in
+    :mod:`clipopt._policy_kinds`), plus :meth:`state_dict` / :meth:`load_state_dict`.
+    State is kept in attributes that are replaced, never written into, so that a ``step()`` that fails
     after the policy saw its window can put the old attributes back.
     """
 
-    #: True for policies that clip each unit themselves instead of bounding the global norm.
+    #: True for policies that clip the gradients themselves (unit-wise or per-tensor)
+    #: instead of bounding the global norm.
     unitwise = False
+    #: Why a parameter group's own float ``max_norm`` cannot combine with such a policy.
+    in_place_rule = "a unit-wise policy clips every unit against its weight norm"
 
     def threshold(self, total_norm: Tensor) -> Tensor:
         """The norm bound for a window whose pre-clip norm is ``total_norm`` (0-d, on the device).
@@ -65,6 +70,11 @@ class ClipPolicy:
     def clip_(self, params: Sequence[Tensor], scale: float) -> Tensor:
         """Unit-wise policies: clip ``scale * p.grad`` in place, return whether anything was clipped."""
         raise NotImplementedError
+
+    def clip_window_(self, window: PolicyWindow) -> Tensor:
+        """Policies that clip in place (``unitwise``): clip the window's gradients, the
+        ``window.scale`` included, and return whether anything was clipped (0-d bool)."""
+        return self.clip_(window.params, window.scale)
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -286,6 +296,30 @@ class AGC(ClipPolicy):
 
     def __repr__(self) -> str:
         return f"AGC(clip_factor={self.clip_factor:g}, eps={self.eps:g})"
+
+
+class TensorPolicy(ClipPolicy):
+    """Base class of the per-tensor policies: each gradient tensor clipped by statistics of its own.
+
+    A subclass implements :meth:`clip_window_` (scale the gradients in place, return whether
+    any was clipped, a 0-d bool), :meth:`state_dict`, :meth:`load_state_dict` and a
+    ``__repr__`` that shows every setting (the ranks compare it).  Its statistics live in
+    tensors on the device that are replaced, never written into (``UndoPoint`` puts the old
+    ones back when a close fails), updated with ``torch.where(window.healthy, new, old)``.
+    """
+
+    unitwise = True  # clips in place: no global norm bound
+    #: why a parameter group's own float ``max_norm`` cannot combine with the policy
+    in_place_rule = "a per-tensor policy sets each tensor's norm from its own statistics"
+
+    def clip_window_(self, window: PolicyWindow) -> Tensor:
+        raise NotImplementedError
+
+    def clip_(self, params: Sequence[Tensor], scale: float) -> Tensor:
+        raise TypeError(
+            f"{type(self).__name__} clips through clip_window_(window); "
+            "pass it as ClippedOptimizer(..., max_norm=policy)"
+        )
 
 
 def _unit_norms(p: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -44,6 +44,7 @@ from ._diagnostics import norm_with_row, row_of_norms
 from ._distributed import reduce_norm_over
 from ._distributed_decision import ReplicaDecision
 from ._layers import LayerStats
+from ._policy_kinds import PolicyWindow, policy_window
 from ._reasons import DIVERGENCE, NONFINITE, NORM_OVERFLOW, OVERFLOW, SPIKE
 from ._window_grads import WindowGrads
 
@@ -144,8 +145,9 @@ def clip_and_decide(
     window once already.  With per-group options each group is clipped by its own bound or
     with the others sharing the wrapper's (``clip_groups_``).
     """
-    policy = s.policy if reevaluated is None or s.unitwise else None  # unit-wise: stateless
+    policy = s.policy if reevaluated is None or s.unitwise else None  # in place: clips every evaluation
     max_norm = s.max_norm if reevaluated is None else reevaluated[0]
+    window = _policy_window(s, d, g, update=reevaluated is None) if s.unitwise else None
     if s.plan is not None:
         norms_of = functools.partial(g.norms, norm_type=s.norm_type, foreach=s.foreach)
         params = [group["params"] for group in param_groups]
@@ -154,6 +156,7 @@ def clip_and_decide(
             g.by_group,
             params,
             s.plan,
+            window,
             norm_type=s.norm_type,
             divisor=s.divisor,
             foreach=s.foreach,
@@ -168,7 +171,7 @@ def clip_and_decide(
         clip_(
             d,
             g.grads,
-            g.params,
+            window,
             clip_value=s.clip_value,
             divisor=s.divisor,
             foreach=s.foreach,
@@ -177,6 +180,19 @@ def clip_and_decide(
             max_norm=max_norm,
         )
     decide_skip(d, _signals(s, d, policy, sources if reevaluated is None else None))
+
+
+def _policy_window(s: WindowSettings, d: WindowDecision, g: WindowGrads, *, update: bool) -> PolicyWindow:
+    """What a policy that clips in place (unit-wise, per-tensor) sees of the window."""
+    return policy_window(
+        g.params,
+        g.grads,
+        divisor=s.divisor,
+        norms=lambda grads, p: g.norms(list(grads), p, s.foreach),
+        norm_group=s.norm_group,
+        flags=(d.nonfinite, d.divergence),
+        update=update,
+    )
 
 
 def _signals(
