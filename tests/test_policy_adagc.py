@@ -1,0 +1,244 @@
+"""AdaGC (per-tensor adaptive clipping) against ``pytorch_optimizer.AdaGC``, and as a wrapper policy."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import re
+from typing import Any
+
+import pytest
+import torch
+from pytorch_optimizer import AdaGC as ReferenceAdaGC
+
+from clipopt import AdaGC, ClippedOptimizer
+from clipopt._rank_check import settings_key
+
+from .helpers import reads_per_step, square_mean
+from .policy_runs import SPIKES, UPDATES, largest_difference, layers, spiked_model, train_spiked, trajectory
+
+ADAM = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def _reference(warmup: int = 20, **kw: Any) -> Any:
+    return lambda m: ReferenceAdaGC(m.parameters(), warmup_steps=warmup, **ADAM, **kw)
+
+
+def _ours(warmup: int = 20, accumulation: int = 1, foreach: bool = False, **kw: Any) -> Any:
+    return lambda m: ClippedOptimizer(
+        torch.optim.AdamW(m.parameters(), foreach=foreach, **ADAM),
+        max_norm=AdaGC(warmup=warmup, **kw),
+        accumulation_steps=accumulation,
+    )
+
+
+# ------------------------------------------------------------------------------ trajectories
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adagc_reproduces_the_reference_trajectory(foreach: bool) -> None:
+    """300 updates with gradient spikes (x1e3 on four updates, one element +1e6 on another) give
+    parameters identical, update by update, to pytorch_optimizer.AdaGC's with the same settings
+    (tolerance 0: measured 0.0 with torch.optim.AdamW foreach=False and foreach=True); the run
+    without clipping differs by more than 0.1, so the spikes matter."""
+    want = trajectory(_reference(), mean_grads=True)
+    got = trajectory(_ours(foreach=foreach))
+    assert largest_difference(got, want) == 0.0
+    plain = trajectory(lambda m: torch.optim.AdamW(m.parameters(), foreach=False, **ADAM))
+    assert largest_difference(plain, want) > 0.1
+
+
+def test_adagc_non_default_settings_reproduce_the_reference() -> None:
+    """Other hyper-parameters (beta 0.9, lambda_rel 1.2, lambda_abs 0.5, warm-up 5) give the
+    reference's trajectory as well (tolerance 0)."""
+    kw = {"beta": 0.9, "lambda_rel": 1.2, "lambda_abs": 0.5}
+    want = trajectory(_reference(warmup=5, **kw), mean_grads=True)
+    got = trajectory(_ours(warmup=5, **kw))
+    assert largest_difference(got, want) == 0.0
+
+
+def test_adagc_with_accumulation_reproduces_the_reference_on_the_mean_gradient() -> None:
+    """accumulation_steps=3 (reduction 'mean'): each update equals the reference stepping on the
+    mean of the three micro-batches' gradients (tolerance 0)."""
+    want = trajectory(_reference(), accumulation=3, mean_grads=True)
+    got = trajectory(_ours(accumulation=3), accumulation=3)
+    assert largest_difference(got, want) == 0.0
+
+
+def test_adagc_records_the_spikes_as_clipped() -> None:
+    """StepStats: no global bound (max_norm None, clip_coef 1.0); a spike update is clipped."""
+    model = spiked_model()
+    opt = _ours()(model)
+    train_spiked(model, opt, range(60))
+    assert all(s.max_norm is None and s.clip_coef == 1.0 for s in opt.stats)
+    assert all(opt.stats[i].clipped for i in SPIKES if i < 60)
+
+
+# ------------------------------------------------------------------------------ state
+
+
+def test_adagc_state_dict_resumes_identically() -> None:
+    """Saved after 150 updates (past the warm-up), loaded into a fresh wrapper with a fresh AdaGC
+    (through torch.save / torch.load), the run continues exactly as the uninterrupted one."""
+    model = spiked_model()
+    opt = _ours()(model)
+    train_spiked(model, opt, range(150))
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    model2 = copy.deepcopy(model)
+    opt2 = _ours()(model2)
+    buffer.seek(0)
+    opt2.load_state_dict(torch.load(buffer, weights_only=True))
+    train_spiked(model, opt, range(150, UPDATES))
+    train_spiked(model2, opt2, range(150, UPDATES))
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_adagc_state_is_checked_before_loading() -> None:
+    """A corrupt AdaGC state raises ValueError naming it, and the policy keeps its state."""
+    model = spiked_model()
+    opt = _ours()(model)
+    train_spiked(model, opt, range(3))
+    sd = copy.deepcopy(opt.state_dict())
+    sd["clipopt"]["policy"]["gamma"] = torch.zeros(2, 2)
+    before = copy.deepcopy(opt.max_norm.state_dict())  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=re.escape("invalid AdaGC state: 'gamma' must be 1-d")):
+        opt.load_state_dict(sd)
+    after = opt.max_norm.state_dict()  # type: ignore[union-attr]
+    assert torch.equal(after["gamma"], before["gamma"]) and torch.equal(after["count"], before["count"])
+
+
+def test_a_skipped_window_leaves_adagc_as_if_it_never_happened() -> None:
+    """A window with a NaN gradient is skipped, and AdaGC's statistics (gamma, count) and the
+    parameters are those of the run that never saw it."""
+    batches = [(torch.randn(8, 6), torch.randn(8, 3)) for _ in range(30)]
+    bad = (batches[10][0].clone(), batches[10][1])
+    bad[0][0, 0] = math.nan
+    runs = []
+    for data in ([*batches[:10], bad, *batches[10:]], batches):
+        model = spiked_model()
+        opt = _ours(warmup=5)(model)
+        for x, y in data:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    (m1, o1), (m2, o2) = runs
+    assert o1.stats[10].skipped and o1.stats[10].reason == "nonfinite"
+    s1, s2 = o1.max_norm.state_dict(), o2.max_norm.state_dict()  # type: ignore[union-attr]
+    assert torch.equal(s1["gamma"], s2["gamma"]) and float(s1["count"]) == float(s2["count"]) == 30
+    for a, b in zip(m1.parameters(), m2.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------ arguments, settings
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "message"),
+    [
+        ({"beta": 1.0}, ValueError, "beta must be in [0, 1), got 1.0; pass e.g. beta=0.98"),
+        ({"beta": "0.9"}, TypeError, "beta must be a float in [0, 1), got '0.9' (str); pass e.g. beta=0.98"),
+        (
+            {"lambda_rel": 0},
+            ValueError,
+            "lambda_rel must be a positive finite number or None, got 0; pass e.g. lambda_rel=1.05",
+        ),
+        (
+            {"lambda_abs": None},
+            TypeError,
+            "lambda_abs must be a positive float, got None; pass e.g. lambda_abs=1.0",
+        ),
+        ({"warmup": -1}, ValueError, "warmup must be an int >= 0, got -1; pass e.g. warmup=100"),
+        ({"warmup": 2.5}, TypeError, "warmup must be an int >= 0, got 2.5 (float); pass e.g. warmup=100"),
+    ],
+)
+def test_adagc_bad_arguments(kw: dict[str, Any], error: type[Exception], message: str) -> None:
+    """Bad AdaGC arguments raise errors naming the argument, the value and the fix."""
+    with pytest.raises(error, match=re.escape(message)):
+        AdaGC(**kw)
+
+
+def test_adagc_defaults_and_settings_key() -> None:
+    """The defaults are those of the paper's reference code; the ranks' settings check tells
+    two AdaGCs with different settings apart (their repr shows every setting)."""
+    assert repr(AdaGC()) == "AdaGC(beta=0.98, lambda_rel=1.05, lambda_abs=1.0, warmup=100)"
+    assert settings_key([], AdaGC()) == settings_key([], AdaGC())
+    assert settings_key([], AdaGC()) != settings_key([], AdaGC(beta=0.99))
+    assert settings_key([], AdaGC()) != settings_key([], AdaGC(warmup=101))
+
+
+# ------------------------------------------------------------------------------ sync, groups, closures
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_adagc_reads_nothing_on_the_fused_path(accumulation: int) -> None:
+    """AdaGC keeps a fused AdamW update free of host reads (after the first window)."""
+    model = spiked_model()
+    opt = ClippedOptimizer(
+        torch.optim.AdamW(model.parameters(), fused=True),
+        max_norm=AdaGC(warmup=2),
+        accumulation_steps=accumulation,
+    )
+    reads = reads_per_step(model, opt, [torch.randn(4, 6) for _ in range(8)], square_mean)
+    assert reads[accumulation:] == [0] * (8 - accumulation)
+
+
+def test_adagc_with_an_excluded_group_matches_the_reference_on_the_others() -> None:
+    """A group with 'max_norm': None is left out of AdaGC: the other group follows
+    pytorch_optimizer.AdaGC over its parameters alone, the excluded one plain AdamW (tolerance 0)."""
+
+    def ours(m: torch.nn.Module) -> Any:
+        first, second = layers(m)
+        groups = [{"params": first.parameters()}, {"params": second.parameters(), "max_norm": None}]
+        return ClippedOptimizer(torch.optim.AdamW(groups, foreach=False, **ADAM), max_norm=AdaGC(warmup=20))
+
+    class Both(torch.optim.Optimizer):
+        def __init__(self, m: torch.nn.Module) -> None:
+            first, second = layers(m)
+            self.a = ReferenceAdaGC(first.parameters(), warmup_steps=20, **ADAM)
+            self.b = torch.optim.AdamW(second.parameters(), foreach=False, **ADAM)
+            super().__init__(list(m.parameters()), {})
+
+        def step(self, closure: Any = None) -> None:  # type: ignore[override]
+            self.a.step()
+            self.b.step()
+
+    want = trajectory(Both, mean_grads=True)
+    got = trajectory(ours)
+    assert largest_difference(got, want) == 0.0
+
+
+def test_adagc_refuses_a_group_with_its_own_bound() -> None:
+    """A group's own float max_norm cannot combine with AdaGC: a ValueError saying why and the fix."""
+    model = spiked_model()
+    first, second = layers(model)
+    groups = [{"params": first.parameters()}, {"params": second.parameters(), "max_norm": 1.0}]
+    message = (
+        "parameter group 1 has its own 'max_norm': 1.0, which cannot combine with max_norm=AdaGC(beta=0.98, "
+        "lambda_rel=1.05, lambda_abs=1.0, warmup=100): a per-tensor policy sets each tensor's norm from its "
+        "own statistics and has no norm bound for a group to replace; set 'max_norm': None in the group"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ClippedOptimizer(torch.optim.AdamW(groups), max_norm=AdaGC())
+
+
+def test_adagc_counts_each_window_once_with_lbfgs() -> None:
+    """LBFGS re-evaluations are clipped by AdaGC but do not move its statistics: one count per step()."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    policy = AdaGC(warmup=1)
+    opt = ClippedOptimizer(torch.optim.LBFGS(model.parameters(), max_iter=5), max_norm=policy)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    opt.step(closure)
+    assert float(policy.state_dict()["count"]) == 2
