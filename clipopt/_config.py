@@ -151,8 +151,8 @@ def check_max_norm(value: Any) -> tuple[ClipPolicy | None, float | None]:
         return value, None
     if value is not None and (isinstance(value, bool) or not isinstance(value, Real)):
         raise TypeError(
-            f"max_norm must be a float, a ClipPolicy (AutoClip, ZClip, AGC) or None, got {value!r} "
-            f"({type(value).__name__}); pass e.g. max_norm=1.0 or max_norm=AutoClip()"
+            "max_norm must be a float, a ClipPolicy (AutoClip, ZClip, AGC, AdaGC, StableSPAM) or None, "
+            f"got {value!r} ({type(value).__name__}); pass e.g. max_norm=1.0 or max_norm=AutoClip()"
         )
     return None, check_optional_positive_float("max_norm", value, "1.0")
 

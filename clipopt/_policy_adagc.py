@@ -1,7 +1,8 @@
 """``max_norm=AdaGC(...)``: each gradient tensor clipped against an EMA of its own clipped norms.
 
 Wang et al. 2025, "AdaGC: Improving Training Stability for Large Language Model
-Pretraining"; the rule of ``pytorch_optimizer.AdaGC`` (docs/policies.md).
+Pretraining"; the rule of ``pytorch_optimizer.AdaGC`` (docs/choosing-max-norm.md,
+'Per-tensor policies').
 """
 
 from __future__ import annotations

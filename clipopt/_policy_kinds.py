@@ -17,8 +17,8 @@ has no global bound; ``StepStats.max_norm`` is None and ``clip_coef`` 1.0, ``cli
 says whether the policy changed anything).  The wrapper calls
 ``policy.clip_window_(window)`` with a :class:`PolicyWindow`; the default forwards to
 ``clip_(window.params, window.scale)``.  A new per-tensor policy subclasses
-:class:`~clipopt._policies.TensorPolicy` in a file of its own (docs/policies.md, ARCHITECTURE.md 'Extension
-points').
+:class:`~clipopt._policies.TensorPolicy` in a file of its own (docs/choosing-max-norm.md,
+'Per-tensor policies'; ARCHITECTURE.md, 'Extension points').
 """
 
 from __future__ import annotations

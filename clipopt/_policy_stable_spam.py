@@ -1,7 +1,8 @@
 """``max_norm=StableSPAM(...)``: Stable-SPAM's gradient part, AdaClip then AdaGN, per tensor.
 
 Huang et al. 2025, "Stable-SPAM: How to Train in 4-Bit More Stably than 16-Bit Adam";
-the gradient transformation of ``pytorch_optimizer.StableSPAM`` (docs/policies.md).
+the gradient transformation of ``pytorch_optimizer.StableSPAM`` (docs/choosing-max-norm.md,
+'Per-tensor policies').
 """
 
 from __future__ import annotations

@@ -37,13 +37,15 @@ BAD_ARGUMENTS: list[tuple[dict[str, Any], type[Exception], str]] = [
     (
         {"max_norm": "1.0"},
         TypeError,
-        "max_norm must be a float, a ClipPolicy (AutoClip, ZClip, AGC) or None, got '1.0' (str); "
+        "max_norm must be a float, a ClipPolicy (AutoClip, ZClip, AGC, AdaGC, StableSPAM) or None, "
+        "got '1.0' (str); "
         "pass e.g. max_norm=1.0 or max_norm=AutoClip()",
     ),
     (
         {"max_norm": True},
         TypeError,
-        "max_norm must be a float, a ClipPolicy (AutoClip, ZClip, AGC) or None, got True (bool); "
+        "max_norm must be a float, a ClipPolicy (AutoClip, ZClip, AGC, AdaGC, StableSPAM) or None, "
+        "got True (bool); "
         "pass e.g. max_norm=1.0 or max_norm=AutoClip()",
     ),
     (
