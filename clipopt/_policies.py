@@ -76,6 +76,10 @@ class ClipPolicy:
         ``window.scale`` included, and return whether anything was clipped (0-d bool)."""
         return self.clip_(window.params, window.scale)
 
+    def settle(self, skip: Tensor | None) -> None:
+        """After the window's skip decision (``skip``: 0/1 on the device; None: no skip signal), a
+        policy that clips in place takes back what a skipped window changed.  Default: nothing."""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -305,12 +309,29 @@ class TensorPolicy(ClipPolicy):
     any was clipped, a 0-d bool), :meth:`state_dict`, :meth:`load_state_dict` and a
     ``__repr__`` that shows every setting (the ranks compare it).  Its statistics live in
     tensors on the device that are replaced, never written into (``UndoPoint`` puts the old
-    ones back when a close fails), updated with ``torch.where(window.healthy, new, old)``.
+    ones back when a close fails), updated with ``torch.where(window.healthy, new, old)`` and
+    set through :meth:`commit`, so that :meth:`settle` puts them back when the window is
+    skipped for any reason (a SpikeGuard's spike included).
     """
 
     unitwise = True  # clips in place: no global norm bound
     #: why a parameter group's own float ``max_norm`` cannot combine with the policy
     in_place_rule = "a per-tensor policy sets each tensor's norm from its own statistics"
+
+    def __init__(self) -> None:
+        self._undo: dict[str, Tensor] = {}  #: the statistics before the latest window, until settled
+
+    def commit(self, **changes: tuple[Tensor, Tensor]) -> None:
+        """Set each attribute ``name=(old, new)`` to ``new``, keeping ``old`` until :meth:`settle`."""
+        self._undo = {name: old for name, (old, _) in changes.items()}
+        for name, (_, new) in changes.items():
+            setattr(self, name, new)
+
+    def settle(self, skip: Tensor | None) -> None:
+        undo, self._undo = self._undo, {}
+        if skip is not None:
+            for name, old in undo.items():
+                setattr(self, name, torch.where(skip > 0, old, getattr(self, name)))
 
     def clip_window_(self, window: PolicyWindow) -> Tensor:
         raise NotImplementedError

@@ -62,6 +62,7 @@ class AdaGC(TensorPolicy):
         self.lambda_rel = check_positive_float("lambda_rel", lambda_rel, "1.05")
         self.lambda_abs = check_positive_float("lambda_abs", lambda_abs, "1.0")
         self.warmup = check_int_at_least("warmup", warmup, 0, 100)
+        super().__init__()
         self._gamma = torch.zeros(0)  #: each tensor's EMA (nan: not seen yet), made at the first window
         self._count = torch.zeros((), dtype=torch.float64)  #: healthy windows seen
 
@@ -87,8 +88,10 @@ class AdaGC(TensorPolicy):
             clipped = window.norms(grads, 2.0).to(gamma.dtype)  # as the reference: the clipped tensor's norm
             seen = torch.where(torch.isnan(gamma), clipped, torch.minimum(gamma, clipped))
             new = torch.where(warm, seen, gamma.lerp(clipped, 1.0 - self.beta))
-            self._gamma = put(state, where, torch.where(window.healthy, new, gamma))
-            self._count = count + window.healthy.to(count.dtype)
+            self.commit(
+                _gamma=(state, put(state, where, torch.where(window.healthy, new, gamma))),
+                _count=(count, count + window.healthy.to(count.dtype)),
+            )
         return (coef < 1.0).any()
 
     def state_dict(self) -> dict[str, Any]:

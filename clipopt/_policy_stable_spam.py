@@ -64,6 +64,7 @@ class StableSPAM(TensorPolicy):
         self.gamma2 = check_decay("gamma2", gamma2, "0.9")
         self.theta = check_decay("theta", theta, "0.999")
         self.eps = check_positive_float("eps", eps, "1e-8")
+        super().__init__()
         self._m_max = torch.zeros(0)  #: EMA of each tensor's largest |g|
         self._m_norm = torch.zeros(0)  #: EMA of each tensor's norm after AdaClip
         self._v_norm = torch.zeros(0)  #: EMA of its square
@@ -104,12 +105,17 @@ class StableSPAM(TensorPolicy):
         )
         if window.update:
             ok = window.healthy
-            old = [take(s, where) for s in states]
-            self._m_max, self._m_norm, self._v_norm = (
-                put(s, where, torch.where(ok, new, before))
-                for s, new, before in zip(states, (m_max, m_norm, v_norm), old, strict=True)
+            new = [
+                put(s, where, torch.where(ok, after, take(s, where)))
+                for s, after in zip(states, (m_max, m_norm, v_norm), strict=True)
+            ]
+            count = t - 1
+            self.commit(
+                _m_max=(states[0], new[0]),
+                _m_norm=(states[1], new[1]),
+                _v_norm=(states[2], new[2]),
+                _count=(count, count + ok.to(count.dtype)),
             )
-            self._count = self._count.to(t.device) + ok.to(t.dtype)
         return ((peaks.to(limits.dtype) > limits) | (active & (target < norms))).any()
 
     def state_dict(self) -> dict[str, Any]:

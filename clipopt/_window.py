@@ -179,7 +179,21 @@ def clip_and_decide(
             policy=policy,
             max_norm=max_norm,
         )
-    decide_skip(d, _signals(s, d, policy, sources if reevaluated is None else None))
+    _decide(s, d, policy, window, sources if reevaluated is None else None)
+
+
+def _decide(
+    s: WindowSettings,
+    d: WindowDecision,
+    policy: Any,
+    window: PolicyWindow | None,
+    sources: Sequence[SkipSource] | None,
+) -> None:
+    """Stage 5 (decide): the skip signals; a skipped window leaves the statistics of a policy
+    that clips in place as they were (``settle``)."""
+    decide_skip(d, _signals(s, d, policy, sources))
+    if window is not None and policy is not None:
+        policy.settle(d.skip)
 
 
 def _policy_window(s: WindowSettings, d: WindowDecision, g: WindowGrads, *, update: bool) -> PolicyWindow:

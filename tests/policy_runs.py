@@ -90,3 +90,35 @@ def largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     """The largest absolute difference between two trajectories, over every update."""
     assert len(a) == len(b)
     return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def with_and_without(
+    make: MakeOpt, bad: tuple[torch.Tensor, torch.Tensor], *, at: int = 10, n: int = 30
+) -> tuple[tuple[nn.Module, torch.optim.Optimizer], tuple[nn.Module, torch.optim.Optimizer]]:
+    """Two runs of ``n`` MSE micro-batches from one seeded generator (one ``step()`` each): the
+    first with ``bad`` inserted before batch ``at``, the second without it."""
+    gen = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)) for _ in range(n)]
+    runs = []
+    for data in ([*batches[:at], bad, *batches[at:]], batches):
+        model = spiked_model()
+        opt = make(model)
+        for x, y in data:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    return runs[0], runs[1]
+
+
+def assert_same_run(
+    a: tuple[nn.Module, torch.optim.Optimizer],
+    b: tuple[nn.Module, torch.optim.Optimizer],
+    keys: Iterable[str],
+) -> None:
+    """The two runs' parameters and their policies' statistics ``keys`` are identical."""
+    sa, sb = a[1].max_norm.state_dict(), b[1].max_norm.state_dict()  # type: ignore[attr-defined]
+    for key in keys:
+        assert torch.equal(sa[key], sb[key]), key
+    for p, q in zip(a[0].parameters(), b[0].parameters(), strict=True):
+        assert torch.equal(p, q)

@@ -17,11 +17,21 @@ import pytest
 import torch
 from pytorch_optimizer import StableSPAM as ReferenceStableSPAM
 
-from clipopt import ClippedOptimizer, StableSPAM
+from clipopt import ClippedOptimizer, SpikeGuard, StableSPAM
 from clipopt._rank_check import settings_key
 
 from .helpers import reads_per_step, square_mean
-from .policy_runs import SPIKES, UPDATES, largest_difference, layers, spiked_model, train_spiked, trajectory
+from .policy_runs import (
+    SPIKES,
+    UPDATES,
+    assert_same_run,
+    largest_difference,
+    layers,
+    spiked_model,
+    train_spiked,
+    trajectory,
+    with_and_without,
+)
 
 ADAM = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 NO_RESET = 10**9  # update_proj_gap: the reference resets its moments every that many updates
@@ -131,25 +141,27 @@ def test_stable_spam_state_is_checked_before_loading() -> None:
 def test_a_skipped_window_leaves_stable_spam_as_if_it_never_happened() -> None:
     """A window with a NaN gradient is skipped, and StableSPAM's statistics (the EMAs of max |g|,
     of the norm and its square, the count) and the parameters are those of the run that never saw it."""
-    batches = [(torch.randn(8, 6), torch.randn(8, 3)) for _ in range(30)]
-    bad = (batches[10][0].clone(), batches[10][1])
+    bad = (torch.randn(8, 6), torch.randn(8, 3))
     bad[0][0, 0] = math.nan
-    runs = []
-    for data in ([*batches[:10], bad, *batches[10:]], batches):
-        model = spiked_model()
-        opt = _ours()(model)
-        for x, y in data:
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        runs.append((model, opt))
-    (m1, o1), (m2, o2) = runs
-    assert o1.stats[10].skipped and o1.stats[10].reason == "nonfinite"
-    s1, s2 = o1.max_norm.state_dict(), o2.max_norm.state_dict()  # type: ignore[union-attr]
-    assert all(torch.equal(s1[k], s2[k]) for k in ("m_max", "m_norm", "v_norm", "count"))
-    assert float(s1["count"]) == 30
-    for a, b in zip(m1.parameters(), m2.parameters(), strict=True):
-        assert torch.equal(a, b)
+    with_bad, without = with_and_without(_ours(), bad)
+    assert with_bad[1].stats[10].skipped and with_bad[1].stats[10].reason == "nonfinite"  # type: ignore[attr-defined]
+    assert float(with_bad[1].max_norm.state_dict()["count"]) == 30  # type: ignore[attr-defined]
+    assert_same_run(with_bad, without, ("m_max", "m_norm", "v_norm", "count"))
+
+
+def test_a_spike_skipped_by_spike_guard_leaves_stable_spam_as_if_it_never_happened() -> None:
+    """A finite window that SpikeGuard skips (reason "spike") after StableSPAM clipped it leaves the
+    policy's statistics and the parameters those of the run that never saw it."""
+    bad = (torch.randn(8, 6) * 1e4, torch.randn(8, 3))
+
+    def make(m: torch.nn.Module) -> Any:
+        guard = SpikeGuard(z_thresh=4.0, window=8, signals=("grad_norm",))
+        inner = torch.optim.AdamW(m.parameters(), foreach=False, **ADAM)
+        return ClippedOptimizer(inner, max_norm=StableSPAM(), spike_guard=guard)
+
+    with_bad, without = with_and_without(make, bad)
+    assert with_bad[1].stats[10].skipped and with_bad[1].stats[10].reason == "spike"  # type: ignore[attr-defined]
+    assert_same_run(with_bad, without, ("m_max", "m_norm", "v_norm", "count"))
 
 
 # ------------------------------------------------------------------------------ arguments, settings
