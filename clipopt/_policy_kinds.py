@@ -155,16 +155,19 @@ def positions(window: PolicyWindow, device: torch.device) -> Tensor | None:
 
 def ready(state: Tensor, size: int, fill: float, like: Tensor) -> Tensor:
     """A per-tensor statistic of ``size`` values on ``like``'s device, in at least float32:
-    ``state`` (loaded or kept), or ``fill`` everywhere the first time."""
+    ``state`` (loaded or kept), then ``fill`` for the tensors it has not seen (all of them the
+    first time; those of a parameter group added since, which come last)."""
     dtype = torch.promote_types(like.dtype, torch.float32)
-    if state.numel() == 0:
-        return torch.full((size,), fill, dtype=dtype, device=like.device)
-    if state.numel() != size:
+    have = state.numel()
+    if have > size:
         raise ValueError(
-            f"the policy holds statistics of {state.numel()} tensors, but is asked to clip {size}; "
-            "use a fresh policy (or its own state) for a different set of parameters"
+            f"the policy holds statistics of {have} tensors, but is asked to clip {size}: its state "
+            "belongs to another set of parameters; use a fresh policy, or load the state saved with these"
         )
-    return state.to(like.device, dtype)
+    state = state.to(like.device, dtype)
+    if have < size:
+        state = torch.cat([state, torch.full((size - have,), fill, dtype=dtype, device=like.device)])
+    return state
 
 
 def take(state: Tensor, where: Tensor | None) -> Tensor:

@@ -255,3 +255,24 @@ def test_adagc_counts_each_window_once_with_lbfgs() -> None:
     opt.step(closure)
     opt.step(closure)
     assert float(policy.state_dict()["count"]) == 2
+
+
+def test_adagc_takes_a_parameter_group_added_later() -> None:
+    """add_param_group after some updates: the new tensors start unseen (their first clipped norm
+    starts their EMA), the others keep theirs; a state for more tensors than the optimizer has is
+    refused with a ValueError saying why."""
+    model = spiked_model()
+    first, second = layers(model)
+    opt = ClippedOptimizer(torch.optim.AdamW(first.parameters(), **ADAM), max_norm=AdaGC(warmup=2))
+    train_spiked(model, opt, range(3))
+    before = opt.max_norm.state_dict()["gamma"].clone()  # type: ignore[union-attr]
+    assert before.shape == (2,)
+    opt.add_param_group({"params": list(second.parameters())})
+    train_spiked(model, opt, range(3, 4))
+    gamma = opt.max_norm.state_dict()["gamma"]  # type: ignore[union-attr]
+    assert gamma.shape == (4,) and bool(torch.isfinite(gamma).all())
+    fresh = ClippedOptimizer(torch.optim.AdamW(first.parameters(), **ADAM), max_norm=AdaGC(warmup=2))
+    fresh.max_norm.load_state_dict(opt.max_norm.state_dict())  # type: ignore[union-attr]
+    message = "the policy holds statistics of 4 tensors, but is asked to clip 2: its state belongs to another"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train_spiked(model, fresh, range(1))
