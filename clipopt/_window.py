@@ -149,18 +149,16 @@ def clip_and_decide(
     max_norm = s.max_norm if reevaluated is None else reevaluated[0]
     window = _policy_window(s, d, g, update=reevaluated is None) if s.unitwise else None
     if s.plan is not None:
-        norms_of = functools.partial(g.norms, norm_type=s.norm_type, foreach=s.foreach)
-        params = [group["params"] for group in param_groups]
         clip_groups_(
             d,
             g.by_group,
-            params,
+            [group["params"] for group in param_groups],
             s.plan,
             window,
             norm_type=s.norm_type,
             divisor=s.divisor,
             foreach=s.foreach,
-            norms_of=norms_of,
+            norms_of=functools.partial(g.norms, norm_type=s.norm_type, foreach=s.foreach),
             policy=policy,
             max_norm=max_norm,
         )
@@ -179,20 +177,8 @@ def clip_and_decide(
             policy=policy,
             max_norm=max_norm,
         )
-    _decide(s, d, policy, window, sources if reevaluated is None else None)
-
-
-def _decide(
-    s: WindowSettings,
-    d: WindowDecision,
-    policy: Any,
-    window: PolicyWindow | None,
-    sources: Sequence[SkipSource] | None,
-) -> None:
-    """Stage 5 (decide): the skip signals; a skipped window leaves the statistics of a policy
-    that clips in place as they were (``settle``)."""
-    decide_skip(d, _signals(s, d, policy, sources))
-    if window is not None and policy is not None:
+    decide_skip(d, _signals(s, d, policy, sources if reevaluated is None else None))
+    if window is not None and policy is not None:  # a skipped window: its statistics as they were
         policy.settle(d.skip)
 
 
