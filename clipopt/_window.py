@@ -147,7 +147,7 @@ def clip_and_decide(
     """
     policy = s.policy if reevaluated is None or s.unitwise else None  # in place: clips every evaluation
     max_norm = s.max_norm if reevaluated is None else reevaluated[0]
-    window = _policy_window(s, d, g, update=reevaluated is None) if s.unitwise else None
+    window = _policy_window(s, d, g, reevaluated is None) if policy is not None and policy.unitwise else None
     if s.plan is not None:
         clip_groups_(
             d,
@@ -182,8 +182,9 @@ def clip_and_decide(
         policy.settle(d.skip)
 
 
-def _policy_window(s: WindowSettings, d: WindowDecision, g: WindowGrads, *, update: bool) -> PolicyWindow:
-    """What a policy that clips in place (unit-wise, per-tensor) sees of the window."""
+def _policy_window(s: WindowSettings, d: WindowDecision, g: WindowGrads, update: bool) -> PolicyWindow:
+    """What a policy that clips in place (unit-wise, per-tensor) sees of the window (``update``:
+    not a closure's re-evaluation)."""
     return policy_window(
         g.params,
         g.grads,
