@@ -14,6 +14,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -652,9 +653,10 @@ class ClippedOptimizer(InnerOptimizerView):
     ) -> tuple[Any, bool]:
         """Stage 6 (apply): the inner step or the skip (see :mod:`clipopt._window.apply`), then the counters;
         returns ``step()``'s result and whether the fused (host-read-free) path ran."""
-        step_result, on = (loss, closure), self.update_clip is not None or self.update_stats
+        on = self.update_clip is not None or self.update_stats
         upd = start_update(self, self._params(), self._inner) if on else None  # update_clip, update_stats
-        out, skipped, fused = apply_window(self._inner, s, d, g, step_result, self._reclip, self._readiness)
+        run = partial(apply_window, self._inner, s, d, g, (loss, closure), self._reclip, self._readiness)
+        out, skipped, fused = self._recovery.apply(self.param_groups, run)  # a Rewind's lr_cut, if due
         skipped = skipped if upd is None else upd.finish(d, skipped)  # measured, bounded, or put back
         self._last_skipped = skipped
         self._update_applied = not skipped if isinstance(skipped, bool) else None
@@ -703,6 +705,7 @@ class ClippedOptimizer(InnerOptimizerView):
             lr=[_lr_value(g["lr"]) for g in self.param_groups],
             layers=layers,
             bad_row=self._diagnostics.bad_row,
+            recovery=self._recovery.record(),
         )
         self.last_stats = stats
         self.stats.append(stats)

@@ -21,6 +21,7 @@ from .._log_names import (
     BASE_COLUMNS,
     GROUP_KINDS,
     LOSS,
+    RECOVERY_COLUMNS,
     UPDATE_COEF,
     UPDATE_COLUMNS,
     UPDATE_NORM,
@@ -155,8 +156,13 @@ class CSVLogger:
     ``overflow``, ``spike``, ``divergence``, ``nograd``, ``rewind``),
     ``max_norm`` (empty when off), ``lr`` (group 0), ``loss`` (the window's loss, empty when
     none was given to ``step(loss=...)``) — then ``lr.<g>`` for further
-    parameter groups, then, with per-group clipping (a group carries its own
-    ``max_norm`` or ``clip_value``), ``group_norm.<g>`` and ``group_coef.<g>``
+    parameter groups, then, with a :class:`~clipopt.Rewind`, ``batch_start`` and
+    ``batch_end`` (the batches ``opt.rewind.batches()`` drew during the window,
+    ``batch_start <= n < batch_end``), ``lr_factor`` (with ``lr_cut``: the factor
+    the window's learning rates were multiplied by) and ``state_reset`` (with
+    ``reset_state``: 1 where a rewind zeroed the moment buffers), then, with
+    per-group clipping (a group carries its own ``max_norm`` or ``clip_value``),
+    ``group_norm.<g>`` and ``group_coef.<g>``
     for every group (see :attr:`StepStats.group_norms`), then, with ``update_clip`` or
     ``update_stats=True``, ``update_norm`` and ``update_coef`` (see
     :attr:`StepStats.update_norm`), then, when the
@@ -199,6 +205,7 @@ class CSVLogger:
         self._groups = 1
         self._per_group = False  # group_norm.<g> / group_coef.<g> columns
         self._update = False  # update_norm / update_coef columns
+        self._recovery: list[str] = []  # a Rewind's columns (clipopt._log_names.RECOVERY_COLUMNS)
         self._buffer: list[StepStats] = []
         self._closed = False
         _track(self)
@@ -230,6 +237,7 @@ class CSVLogger:
         per_group, update = stats.has_group_stats, stats.has_update_stats
         if self.columns is None:
             self._per_group, self._update = per_group, update
+            self._recovery = list(stats.recovery)
             self._set_columns(optimizer, len(stats.lr))
         elif len(stats.lr) != self._groups or (per_group > self._per_group) or (update > self._update):
             self._per_group = self._per_group or per_group  # columns are never taken away
@@ -242,7 +250,7 @@ class CSVLogger:
 
     def _columns_for(self, optimizer: LoggedOptimizer, groups: int) -> tuple[list[str], list[str]]:
         """The columns a new logger uses for ``optimizer`` with ``groups`` groups, and the layer names."""
-        columns = list(BASE_COLUMNS) + [lr_name(g) for g in range(1, groups)]
+        columns = list(BASE_COLUMNS) + [lr_name(g) for g in range(1, groups)] + self._recovery
         if self._per_group:
             columns += [group_column(kind, g) for g in range(groups) for kind in GROUP_KINDS]
         if self._update:
@@ -254,7 +262,8 @@ class CSVLogger:
     def _set_columns(self, optimizer: LoggedOptimizer, groups: int) -> None:
         columns, names = self._columns_for(optimizer, groups)
         existing = self._existing_header()
-        if existing is not None and not set(columns) - {LOSS} <= set(existing):  # older files: no loss
+        older = {LOSS, *RECOVERY_COLUMNS}  # files of earlier versions: no loss, no Rewind columns
+        if existing is not None and not set(columns) - older <= set(existing):
             raise ValueError(
                 f"{self.path} already holds a CSV log with other columns "
                 f"({len(existing)} vs {len(columns)}: a different model or layer_stats setting); "
@@ -322,6 +331,7 @@ class CSVLogger:
         names = [*BASE_COLUMNS[:-2], *(lr_name(g) for g in range(self._groups))]
         cells = dict(zip(names, (format_value(v) for v in (*row, *lr)), strict=True))
         cells[LOSS] = format_value(s.loss) if s.has_loss else ""
+        cells.update({name: format_value(value) for name, value in s.recovery.items()})
         if s.has_update_stats:
             cells[UPDATE_NORM], cells[UPDATE_COEF] = format_value(s.update_norm), format_value(s.update_coef)
         for g, pair in enumerate(zip(s.group_norms, s.group_coefs, strict=True)):

@@ -98,6 +98,10 @@ class StepStats:
         update_coef: with ``update_clip``, the coefficient the update was multiplied by (with
             ``max_rms`` the smallest over the tensors); ``1.0`` with ``update_stats`` alone,
             ``0.0`` for a non-finite update (not applied); None without.
+        recovery: with a :class:`~clipopt.Rewind`, its cells (host numbers, None: not recorded), by
+            column name (``clipopt._log_names.RECOVERY_COLUMNS``): ``batch_start``/``batch_end``,
+            the batches ``opt.rewind.batches()`` drew during the window; with ``lr_cut``,
+            ``lr_factor``; with ``reset_state``, ``state_reset``; ``{}`` without a Rewind.
     """
 
     __slots__ = (
@@ -116,6 +120,7 @@ class StepStats:
         "_update_norm",
         "layers",
         "micro_batches",
+        "recovery",
         "step",
     )
 
@@ -129,6 +134,7 @@ class StepStats:
         lr: Sequence[float | Tensor] = (),
         layers: LayerStats | None = None,
         bad_row: LayerStats | None = None,
+        recovery: dict[str, float | None] | None = None,
     ) -> None:
         self.step = step
         self.micro_batches = micro_batches
@@ -148,6 +154,7 @@ class StepStats:
         self._bad_row = (
             bad_row  # per-layer row to log if this window is non-finite (clipopt._diagnostics.badrow)
         )
+        self.recovery: dict[str, float | None] = recovery or {}
 
     @property
     def loss(self) -> float:

@@ -25,6 +25,7 @@ from .common import (
 )
 from .exploding import loss_blowup, norm_growth
 from .nonfinite import nonfinite_finding
+from .recovery import escalation_text, skip_list, skip_list_notes
 from .spikes import loss_spikes, norm_spikes
 from .threshold import clipping_advice, reference_thresholds, stretch_for, suggest, suggestions
 from .vanishing import vanishing_findings
@@ -145,23 +146,34 @@ def _run_notes(log: GradLog, n_overflow: int, handled: list[int]) -> list[str]:
 def _recovery_notes(log: GradLog) -> list[str]:
     """Notes on SpikeGuard skips (reason ``spike``) and Rewind rewinds (reason ``rewind``)."""
     notes = []
-    spikes = [log.steps[i] for i, r in sorted(log.reason.items()) if r == SPIKE_NAME]
-    rewinds = [log.steps[i] for i, r in sorted(log.reason.items()) if r == REWIND_NAME]
+    spike_rows = [i for i, r in sorted(log.reason.items()) if r == SPIKE_NAME]
+    rewind_rows = [i for i, r in sorted(log.reason.items()) if r == REWIND_NAME]
+    spikes, rewinds = [log.steps[i] for i in spike_rows], [log.steps[i] for i in rewind_rows]
     if spikes:
         steps = steps_text(spikes)
         notes.append(f"{len(spikes)} update(s) skipped as spikes (reason 'spike') at step(s) {steps}")
     if rewinds:
+        escalation = escalation_text(log, rewind_rows)
         notes.append(
             f"{len(rewinds)} rewind(s) (reason 'rewind') at step(s) {steps_text(rewinds)}: the training "
             "state went back to an earlier copy after repeated spikes, and the following batches were dropped"
+            + (f"; {escalation}" if escalation else "")
         )
-    return notes
+    return notes + skip_list_notes(log, spike_rows, rewind_rows)
+
+
+def _skip_list(log: GradLog) -> list[list[int]]:
+    """The batches of the spike skips and rewinds as ``opt.rewind.batches(skip=...)`` ranges."""
+    rows = sorted(log.reason.items())
+    return skip_list(log, [i for i, r in rows if r == SPIKE_NAME], [i for i, r in rows if r == REWIND_NAME])
 
 
 def _summary(
     log: GradLog, norm: Tensor, loss: Tensor, finite: Tensor, overflow: int, handled: int
 ) -> dict[str, Any]:
-    """The summary's figures: updates, clipping, non-finite rows, norms, max_norm, losses, layers, groups."""
+    """The summary's figures: updates, clipping, non-finite rows, norms, max_norm, losses, layers, groups,
+    spike skips and rewinds (``skip``: their batches as ``[start, end]`` ranges, ``[]`` without the
+    batch columns)."""
     n = len(log)
     x = norm[finite]
     given = loss[~torch.isnan(loss)]
@@ -180,6 +192,7 @@ def _summary(
         "skipped": sum(log.skipped),
         "spike_skips": sum(1 for r in log.reason.values() if r == SPIKE_NAME),
         "rewinds": sum(1 for r in log.reason.values() if r == REWIND_NAME),
+        "skip": _skip_list(log),
         "nonfinite": int((~finite).sum()),
         "overflow": overflow,
         "finite_norms": int(x.numel()),
