@@ -260,16 +260,19 @@ def apply_window(
     step_result: tuple[Any, Callable[[], Any] | None],
     reclip: Callable[[float | Tensor | None], tuple[Tensor, list[Tensor]]],
     readiness: StateReadiness,
+    *,
+    host: bool = False,
 ) -> tuple[Any, bool | Tensor, bool]:
     """Stage 6 (apply): the inner step or the skip of the window decided as ``d`` (settings ``s``).
 
     ``step_result``: the loss the wrapper's ``step()`` computed and the user's closure (or
     None); ``reclip(max_norm)`` clips a closure's re-evaluation (:func:`reevaluating_closure`).
     Returns ``step()``'s result, the outcome (a bool, or a 0/1 device flag) and whether the
-    fused, host-read-free path ran.
+    fused, host-read-free path ran.  ``host``: take the host path even for a fused optimizer (the
+    outcome is then known on the host: a Rewind's learning-rate cut counts applied updates).
     """
     loss, closure = step_result
-    fused = is_fused(inner) and readiness.ready(inner, g.params)
+    fused = not host and is_fused(inner) and readiness.ready(inner, g.params)
 
     def make_closure(bad: list[bool] | None = None) -> Any:
         return reevaluating_closure(loss, closure, lambda: reclip(d.max_norm), bad)

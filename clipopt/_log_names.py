@@ -14,6 +14,9 @@ import re
 __all__ = [
     "column_tag",
     "BASE_COLUMNS",
+    "BATCH_END",
+    "BATCH_START",
+    "RECOVERY_COLUMNS",
     "CLIPPED",
     "CLIP_COEF",
     "GROUP_COLUMN",
@@ -22,10 +25,12 @@ __all__ = [
     "LAYERS_TAG",
     "LOSS",
     "LR",
+    "LR_FACTOR",
     "MAX_NORM",
     "MICRO_BATCHES",
     "REASON",
     "SKIPPED",
+    "STATE_RESET",
     "STEP",
     "TAG_PREFIX",
     "TOTAL_NORM",
@@ -52,6 +57,16 @@ LOSS = "loss"
 
 #: The columns every :class:`~clipopt.CSVLogger` row has, in order.
 BASE_COLUMNS = (STEP, MICRO_BATCHES, TOTAL_NORM, CLIP_COEF, CLIPPED, SKIPPED, REASON, MAX_NORM, LR, LOSS)
+
+#: A Rewind's columns (after the base ones, when the optimizer has a Rewind): the batches
+#: ``opt.rewind.batches()`` drew during the window, ``batch_start <= n < batch_end`` (empty before it
+#: is used); with ``lr_cut``, the factor the window's learning rates were multiplied by (1: none);
+#: with ``reset_state``, 1 in the row of a rewind that zeroed the optimizer's moment buffers.
+BATCH_START = "batch_start"
+BATCH_END = "batch_end"
+LR_FACTOR = "lr_factor"
+STATE_RESET = "state_reset"
+RECOVERY_COLUMNS = (BATCH_START, BATCH_END, LR_FACTOR, STATE_RESET)
 
 #: Per-group clipping's columns and tags: each group's pre-clip norm and its coefficient.
 GROUP_KINDS = ("norm", "coef")

@@ -145,8 +145,13 @@ class CSVLogger:
     ``overflow``, ``spike``, ``divergence``, ``nograd``, ``rewind``),
     ``max_norm`` (empty when off), ``lr`` (group 0), ``loss`` (the window's loss, empty when
     none was given to ``step(loss=...)``) — then ``lr.<g>`` for further
-    parameter groups, then, with per-group clipping (a group carries its own
-    ``max_norm`` or ``clip_value``), ``group_norm.<g>`` and ``group_coef.<g>``
+    parameter groups, then, with a :class:`~clipopt.Rewind`, ``batch_start`` and
+    ``batch_end`` (the batches ``opt.rewind.batches()`` drew during the window,
+    ``batch_start <= n < batch_end``), ``lr_factor`` (with ``lr_cut``: the factor
+    the window's learning rates were multiplied by) and ``state_reset`` (with
+    ``reset_state``: 1 where a rewind zeroed the moment buffers), then, with
+    per-group clipping (a group carries its own ``max_norm`` or ``clip_value``),
+    ``group_norm.<g>`` and ``group_coef.<g>``
     for every group (see :attr:`StepStats.group_norms`), then, when the
     optimizer has ``layer_stats`` on, for every
     parameter ``<name>.grad_norm``, ``.grad_max``, ``.grad_min``, ``.nonfinite``,
@@ -186,6 +191,7 @@ class CSVLogger:
         self._names: list[str] = []
         self._groups = 1
         self._per_group = False  # group_norm.<g> / group_coef.<g> columns
+        self._recovery: list[str] = []  # a Rewind's columns (clipopt._log_names.RECOVERY_COLUMNS)
         self._buffer: list[StepStats] = []
         self._closed = False
         _track(self)
@@ -217,6 +223,7 @@ class CSVLogger:
         per_group = stats.has_group_stats
         if self.columns is None:
             self._per_group = per_group
+            self._recovery = list(stats.recovery)
             self._set_columns(optimizer, len(stats.lr))
         elif len(stats.lr) != self._groups or (per_group and not self._per_group):  # add_param_group()
             self._per_group = self._per_group or per_group  # columns are never taken away
@@ -228,7 +235,7 @@ class CSVLogger:
 
     def _columns_for(self, optimizer: LoggedOptimizer, groups: int) -> tuple[list[str], list[str]]:
         """The columns a new logger uses for ``optimizer`` with ``groups`` groups, and the layer names."""
-        columns = list(BASE_COLUMNS) + [lr_name(g) for g in range(1, groups)]
+        columns = list(BASE_COLUMNS) + [lr_name(g) for g in range(1, groups)] + self._recovery
         if self._per_group:
             columns += [group_column(kind, g) for g in range(groups) for kind in GROUP_KINDS]
         names = optimizer.layer_names() if optimizer.layer_stats else []
@@ -306,6 +313,7 @@ class CSVLogger:
         names = [*BASE_COLUMNS[:-2], *(lr_name(g) for g in range(self._groups))]
         cells = dict(zip(names, (format_value(v) for v in (*row, *lr)), strict=True))
         cells[LOSS] = format_value(s.loss) if s.has_loss else ""
+        cells.update({name: format_value(value) for name, value in s.recovery.items()})
         for g, pair in enumerate(zip(s.group_norms, s.group_coefs, strict=True)):
             for kind, value in zip(GROUP_KINDS, pair, strict=True):
                 cells[group_column(kind, g)] = format_value(value)

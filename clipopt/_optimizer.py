@@ -14,6 +14,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -647,8 +648,8 @@ class ClippedOptimizer(InnerOptimizerView):
     ) -> tuple[Any, bool]:
         """Stage 6 (apply): the inner step or the skip (see :mod:`clipopt._apply`), then the counters;
         returns ``step()``'s result and whether the fused (host-read-free) path ran."""
-        step_result = (loss, closure)
-        out, skipped, fused = apply_window(self._inner, s, d, g, step_result, self._reclip, self._readiness)
+        run = partial(apply_window, self._inner, s, d, g, (loss, closure), self._reclip, self._readiness)
+        out, skipped, fused = self._recovery.apply(self.param_groups, run)  # a Rewind's lr_cut, if due
         self._last_skipped = skipped
         self._update_applied = not skipped if isinstance(skipped, bool) else None
         self._counters.record(skipped, d.counted_nonfinite(skipped, s.skip_enabled))
@@ -696,6 +697,7 @@ class ClippedOptimizer(InnerOptimizerView):
             lr=[_lr_value(g["lr"]) for g in self.param_groups],
             layers=layers,
             bad_row=self._diagnostics.bad_row,
+            recovery=self._recovery.record(),
         )
         self.last_stats = stats
         self.stats.append(stats)

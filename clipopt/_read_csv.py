@@ -23,7 +23,7 @@ from operator import itemgetter
 import torch
 
 from ._layers import LAYER_FIELDS
-from ._log_names import CLIPPED, GROUP_COLUMN, MAX_NORM, REASON, SKIPPED
+from ._log_names import CLIPPED, GROUP_COLUMN, MAX_NORM, REASON, RECOVERY_COLUMNS, SKIPPED
 from ._report_log import EXPECTED as _EXPECTED
 from ._report_log import LIGHTNING_LAYER as _LIGHTNING_LAYER
 from ._report_log import GradLog, Names
@@ -52,11 +52,12 @@ class _Columns:
     reason: int = -1
     layers: dict[str, dict[str, int]] = field(default_factory=dict)
     groups: list[tuple[int, str, int]] = field(default_factory=list)  # (group, "norm"/"coef", column)
+    recovery: list[tuple[str, int]] = field(default_factory=list)  # a Rewind's (name, column)
 
     def used(self) -> set[int]:
         """The columns read as something (the others are listed as ignored)."""
         singles = (self.step, self.norm, self.loss, self.lr, self.max_norm, self.clipped, self.skipped)
-        used = {*singles, self.reason, *(i for _, _, i in self.groups)}
+        used = {*singles, self.reason, *(i for _, _, i in self.groups), *(i for _, i in self.recovery)}
         return used | {i for fields in self.layers.values() for i in fields.values()}
 
 
@@ -78,6 +79,7 @@ def _columns(name: str, header: list[str], names: Names) -> _Columns:
     cols.lr = at[lr] if lr is not None else -1
     cols.max_norm, cols.clipped = at.get(MAX_NORM, -1), at.get(CLIPPED, -1)
     cols.skipped, cols.reason = at.get(SKIPPED, -1), at.get(REASON, -1)
+    cols.recovery = [(c, at[c]) for c in RECOVERY_COLUMNS if c in at]
     for i, col in enumerate(header):
         base, _, fld = col.rpartition(".")
         if (m := GROUP_COLUMN.fullmatch(col)) is not None:
@@ -153,6 +155,7 @@ class _ChunkValues:
     lr: array[float]
     max_norm: array[float]
     groups: list[tuple[int, str, array[float]]]  #: (group, "norm"/"coef", values)
+    recovery: list[tuple[str, array[float]]]  #: (a Rewind's column, values)
     clipped: bytearray
     skipped: bytearray
     reasons: list[tuple[int, str]]  #: (row in the log, skip reason) of the rows with a reason
@@ -173,6 +176,8 @@ class _Parser:
         log.counted = {n for n, fields in cols.layers.items() if "nonfinite" in fields}
         for g, _, _ in sorted(cols.groups):
             log.groups.setdefault(g, {"norm": array("d"), "coef": array("d")})
+        for name, _ in cols.recovery:
+            log.recovery[name] = array("d")
         self.pending_loss: dict[int, float] = {}  # losses of sparse rows whose norm row is not read yet
         self.flat = [cols.layers[n].get(f, -1) for n in self.layer_names for f in LAYER_FIELDS]
 
@@ -248,6 +253,7 @@ class _Parser:
             lr=_floats(columns[c.lr] if c.lr >= 0 else empty),
             max_norm=_floats(columns[c.max_norm] if c.max_norm >= 0 else empty),
             groups=[(g, kind, _floats(columns[i])) for g, kind, i in c.groups],
+            recovery=[(name, _floats(columns[i])) for name, i in c.recovery],
             clipped=bytearray(map(flags, columns[c.clipped])) if c.clipped >= 0 else bytearray(len(chunk)),
             skipped=bytearray(map(flags, columns[c.skipped])) if c.skipped >= 0 else bytearray(len(chunk)),
             reasons=reasons,
@@ -260,7 +266,7 @@ class _Parser:
         first = self.layer_first[0] if self.layer_first else -1
         last = self.layer_first[-1] if self.layer_first else -1
         wanted = [c.step, c.norm, c.loss, c.lr, c.max_norm, c.clipped, c.skipped, c.reason, first, last]
-        wanted += [i for _, _, i in c.groups]
+        wanted += [i for _, _, i in c.groups] + [i for _, i in c.recovery]
         present = sorted({i for i in wanted if i >= 0} | {c.norm, -1})  # -1: two indices at least (tuples)
         # one C-level pass picks the cells of every row, a second transposes them into columns
         return dict(zip(present, zip(*map(itemgetter(*present), chunk), strict=True), strict=True))
@@ -293,6 +299,8 @@ class _Parser:
         log.reason.update(values.reasons)
         for g, kind, group_values in values.groups:
             log.groups[g][kind].extend(group_values)
+        for name, recovery_values in values.recovery:
+            log.recovery[name].extend(recovery_values)
         for at, layer_values in values.layer_rows:
             self.add_layers(at, layer_values)
 
@@ -336,6 +344,8 @@ class _Parser:
             log.reason[len(log.steps) - 1] = reason
         for g, kind, i in c.groups:
             log.groups[g][kind].append(self.optional(lineno, i, row))
+        for name, i in c.recovery:
+            log.recovery[name].append(self.optional(lineno, i, row))
         if self.layer_cells and any(row[i].strip() for i in self.layer_first):
             self.layer_row(lineno, row)
 

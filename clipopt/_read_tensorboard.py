@@ -10,7 +10,7 @@ import glob
 import os
 
 from ._layers import LAYER_FIELDS
-from ._log_names import CLIPPED, GROUP_TAG, LAYERS_TAG, MAX_NORM, SKIPPED, column_tag
+from ._log_names import CLIPPED, GROUP_TAG, LAYERS_TAG, MAX_NORM, RECOVERY_COLUMNS, SKIPPED, column_tag
 from ._reasons import REASONS
 from ._report_log import LIGHTNING_LAYER as _LIGHTNING_LAYER
 from ._report_log import GradLog, Names, from_records
@@ -21,7 +21,7 @@ __all__ = ["TENSORBOARD", "tensorboard_runs"]
 
 #: clipopt's TensorBoard tags read by exact name (``clipopt/<key>``), besides the norm, loss, lr and
 #: the skip reasons' tags (each reason's ``tag`` in :data:`clipopt._reasons.REASONS`).
-_CLIPOPT_TAGS = (MAX_NORM, CLIPPED, SKIPPED)
+_CLIPOPT_TAGS = (MAX_NORM, CLIPPED, SKIPPED, *RECOVERY_COLUMNS)
 
 
 def _read_tensorboard(name: str, names: Names) -> GradLog:

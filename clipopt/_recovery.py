@@ -26,11 +26,15 @@ from torch.optim import Optimizer
 
 from ._decision import WindowDecision
 from ._distributed import has_dtensor
+from ._lr_cut import cut_applied
 from ._reasons import SPIKE
 from ._rewind import Rewind, RewindEvent
 from ._spike_guard import SpikeGuard
 
 __all__ = ["SpikeRecovery", "check_recovery"]
+
+#: What stage 6 returns (``apply_window``): ``step()``'s result, the outcome, whether fused.
+_Applied = tuple[Any, bool | Tensor, bool]
 
 
 def check_recovery(spike_guard: Any, rewind: Any, policy: Any) -> None:
@@ -69,6 +73,7 @@ class SpikeRecovery:
         self.rewind = rewind  #: the Rewind, or None
         #: This window's loss as agreed by the data-parallel ranks (set by the optimizer), or None.
         self.shared_loss: Tensor | None = None
+        self._window: tuple[float | None, bool] = (None, False)  # this window's lr factor, rewound
 
     @classmethod
     def attach(
@@ -152,7 +157,29 @@ class SpikeRecovery:
         # the check runs in the close of window closed + 1, the one discarded (StepStats, CSV: "rewind")
         event = dataclasses.replace(hit[0], step=closed + 1)
         self.rewind.log[-1] = event
+        self._window = (None, True)
         return event, hit[1]
+
+    def apply(self, groups: list[dict[str, Any]], run: Callable[..., _Applied]) -> _Applied:
+        """Stage 6 through ``run(host=...)`` (``apply_window``), with the Rewind's learning-rate cut
+        when one is active: every group's lr multiplied by its factor around the inner step only
+        (:func:`~clipopt._lr_cut.cut_applied`), on the host path, so that the outcome (read there)
+        counts an applied update against the cut."""
+        factor = None if self.rewind is None else self.rewind.lr_factor()
+        self._window = (factor, False)
+        if factor is None:
+            return run()
+        with cut_applied(factor, groups):
+            out = run(host=True)
+        if self.rewind is not None and isinstance(out[1], bool):
+            self.rewind.lr_counted(out[1])
+        return out
+
+    def record(self) -> dict[str, float | None]:
+        """The closed window's cells for the log (``StepStats.recovery``); ``{}`` without a Rewind."""
+        factor, rewound = self._window
+        self._window = (None, False)
+        return {} if self.rewind is None else self.rewind.window_record(factor, rewound)
 
     def wrapper_state(self, policy: Any, scaler: Any) -> dict[str, Any]:
         """The wrapper state a Rewind copy holds: policy, SpikeGuard and scaler (device tensors)."""

@@ -131,6 +131,7 @@ from torch import Tensor
 
 from ._reasons import NORM_OVERFLOW, OVERFLOW, REWIND, SPIKE, by_code
 from ._report_read import GradLog
+from ._report_recovery import escalation_text, skip_list_notes
 from ._text import fmt_num as _num
 
 __all__ = ["VERDICTS", "analyze", "block", "percentile"]
@@ -354,17 +355,20 @@ def _run_notes(log: GradLog, n_overflow: int, handled: list[int]) -> list[str]:
 def _recovery_notes(log: GradLog) -> list[str]:
     """Notes on SpikeGuard skips (reason ``spike``) and Rewind rewinds (reason ``rewind``)."""
     notes = []
-    spikes = [log.steps[i] for i, r in sorted(log.reason.items()) if r == _SPIKE]
-    rewinds = [log.steps[i] for i, r in sorted(log.reason.items()) if r == _REWIND]
+    spike_rows = [i for i, r in sorted(log.reason.items()) if r == _SPIKE]
+    rewind_rows = [i for i, r in sorted(log.reason.items()) if r == _REWIND]
+    spikes, rewinds = [log.steps[i] for i in spike_rows], [log.steps[i] for i in rewind_rows]
     if spikes:
         steps = _steps_text(spikes)
         notes.append(f"{len(spikes)} update(s) skipped as spikes (reason 'spike') at step(s) {steps}")
     if rewinds:
+        escalation = escalation_text(log, rewind_rows)
         notes.append(
             f"{len(rewinds)} rewind(s) (reason 'rewind') at step(s) {_steps_text(rewinds)}: the training "
             "state went back to an earlier copy after repeated spikes, and the following batches were dropped"
+            + (f"; {escalation}" if escalation else "")
         )
-    return notes
+    return notes + skip_list_notes(log, spike_rows, rewind_rows)
 
 
 def _steps_text(steps: list[int]) -> str:

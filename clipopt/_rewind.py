@@ -37,8 +37,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ._batch_skips import BatchCount, check_skip
 from ._caller import user_stacklevel
-from ._checks import check_int_at_least, check_positive_int
+from ._checks import check_flag, check_int_at_least, check_positive_int
 from ._host_copy import (
     HostCopy,
     HostTensors,
@@ -50,7 +51,10 @@ from ._host_copy import (
     plain,
     restore,
 )
+from ._log_names import BATCH_END, BATCH_START, LR_FACTOR, STATE_RESET
+from ._lr_cut import LrCut, check_lr_cut
 from ._state import StateDictError, bad, int_field
+from ._state_reset import reset_moments
 
 __all__ = ["Rewind", "RewindEvent", "rewind_target"]
 
@@ -66,6 +70,9 @@ class RewindEvent:
     first_spike: int  #: the first spike skip of the group that triggered it
     spikes: int  #: spike skips in that group
     undone: int  #: applied updates the rewind took back
+    lr_factor: float = 1.0  #: the learning-rate cut it started (``lr_cut``'s factor; 1.0: none)
+    lr_updates: int = 0  #: applied updates that cut lasts (0: none)
+    state_reset: bool = False  #: whether it zeroed the inner optimizer's moment buffers (``reset_state``)
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -109,6 +116,11 @@ class Rewind:
         module: a ``torch.nn.Module`` whose buffers (batch-norm statistics, ...)
             are copied and restored too; parameters come from the optimizer.
         check_every: windows between the checks (one host read each).
+        lr_cut: ``(factor, updates)``: after a rewind, every group's learning rate is multiplied
+            by ``factor`` (in (0, 1]) for the next ``updates`` applied updates (see
+            :mod:`clipopt._lr_cut`); None: no cut.
+        reset_state: zero the inner optimizer's moment buffers at a rewind, keeping its step
+            counters (SPAM; see :mod:`clipopt._state_reset`).
     """
 
     def __init__(
@@ -121,6 +133,8 @@ class Rewind:
         module: torch.nn.Module | None = None,
         *,
         check_every: int = 10,
+        lr_cut: tuple[float, int] | None = None,
+        reset_state: bool = False,
     ) -> None:
         self.every = check_positive_int("every", every, 100)
         self.keep = check_positive_int("keep", keep, 2)
@@ -140,6 +154,10 @@ class Rewind:
             )
         self.module = module
         self.check_every = check_positive_int("check_every", check_every, 10)
+        self.lr_cut = check_lr_cut(lr_cut)
+        self.reset_state = check_flag("reset_state", reset_state)
+        self._cut = None if self.lr_cut is None else LrCut(*self.lr_cut)
+        self._count = BatchCount()
         self.rewinds = 0  #: rewinds so far
         self.pending_skip = 0  #: batches :meth:`batches` still drops
         self.batches_dropped = 0  #: batches dropped so far
@@ -269,8 +287,16 @@ class Rewind:
         index = [c.step for c in self._copies].index(copy_step)
         chosen = self._copies[index]
         restored = restore(chosen, target)
+        if self.reset_state:
+            reset_moments(target.optimizer.state)
+        if self._cut is not None:
+            self._cut.start()
         self._copies = self._copies[: index + 1]  # newer copies belong to the abandoned run
-        event = RewindEvent(step, copy_step, first, len(self.spike_steps), self.applied - chosen.applied)
+        factor, updates = self.lr_cut if self.lr_cut is not None else (1.0, 0)
+        event = RewindEvent(
+            step, copy_step, first, len(self.spike_steps), self.applied - chosen.applied,
+            factor, updates, self.reset_state,
+        )  # fmt: skip
         self.log.append(event)
         self.rewinds += 1
         self.applied = chosen.applied
@@ -278,14 +304,69 @@ class Rewind:
         self.pending_skip = self.skip_batches
         return event, restored
 
-    def batches(self, iterable: Iterable[T]) -> Iterator[T]:
-        """Yield from ``iterable``, dropping ``skip_batches`` batches after each rewind."""
+    def batches(self, iterable: Iterable[T], skip: Iterable[tuple[int, int]] = ()) -> Iterator[T]:
+        """Yield from ``iterable``, dropping ``skip_batches`` batches after each rewind and the listed ones.
+
+        ``skip``: ``(start, end)`` ranges of batch numbers to drop, ``start <= n < end`` (see
+        :mod:`clipopt._batch_skips`); batches are numbered from 0 over the whole run, across calls
+        and restarts (:attr:`batch_count` is in the state dict).  Checked here, before anything is drawn.
+        """
+        listed = check_skip(skip)
+        return self._batches(iterable, listed.__contains__)
+
+    def _batches(self, iterable: Iterable[T], listed: Callable[[int], bool]) -> Iterator[T]:
+        count = self._count
         for item in iterable:
-            if self.pending_skip > 0:
+            n = count.next
+            count.next += 1
+            if self.pending_skip > 0:  # a rewind's drops first: they count batches drawn, listed or not
                 self.pending_skip -= 1
                 self.batches_dropped += 1
                 continue
+            if listed(n):
+                count.listed += 1
+                continue
             yield item
+
+    @property
+    def batch_count(self) -> int:
+        """Batches drawn by :meth:`batches` over the run (dropped ones included): the next one's number."""
+        return self._count.next
+
+    @property
+    def batches_listed(self) -> int:
+        """Batches dropped because :meth:`batches`'s ``skip`` listed them."""
+        return self._count.listed
+
+    # ------------------------------------------------------------------ the optimizer's window
+
+    def lr_factor(self) -> float | None:
+        """The factor the next update's learning rates are multiplied by, or None (no cut active)."""
+        return self._cut.factor if self._cut is not None and self._cut.active else None
+
+    def lr_counted(self, skipped: bool) -> None:
+        """A window with an active cut was decided (``skipped``: its outcome, read on the host)."""
+        if self._cut is not None:
+            self._cut.counted(skipped)
+
+    @property
+    def lr_cut_left(self) -> int:
+        """Applied updates the current learning-rate cut still lasts (0: none)."""
+        return 0 if self._cut is None else self._cut.left
+
+    def window_record(self, factor: float | None, rewound: bool) -> dict[str, float | None]:
+        """A closed window's cells for the log (``clipopt._log_names``): the batches drawn during it,
+        and, when on, the cut's factor it used and whether its rewind reset the optimizer state."""
+        start, end = self._count.closed()
+        used = end > 0  # batches() has drawn a batch (in this run or before a restart)
+        cells: dict[str, float | None] = {BATCH_START: None, BATCH_END: None}
+        if used:
+            cells = {BATCH_START: start, BATCH_END: end}
+        if self.lr_cut is not None:
+            cells[LR_FACTOR] = 1.0 if factor is None else factor
+        if self.reset_state:
+            cells[STATE_RESET] = 1.0 if rewound else 0.0
+        return cells
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -324,6 +405,8 @@ class Rewind:
             "flags": [[step, f.detach().to("cpu", copy=True)] for step, f in self._flags],
             "log": [e.to_dict() for e in self.log],
             "copies": copies,
+            "lr_cut_left": self.lr_cut_left,
+            **self._count.state(),
         }
         if self._staged is not None:  # only then: the state of a Rewind without buffers keeps its format
             self._staged.wait()
@@ -339,7 +422,7 @@ class Rewind:
         """
         parsed = _parse_state(state, self._target)
         if check_extra is not None:
-            for c in parsed[-2]:
+            for c in parsed[-3]:  # the copies (see _parse_state)
                 check_extra(copy_extra(c.spec, c.leaves))
         return parsed
 
@@ -361,8 +444,12 @@ class Rewind:
             self.log,
             copies,
             self._staged,
+            (cut_left, *count),
         ) = parsed
         self._copies = copies[-self.keep :]
+        if self._cut is not None:
+            self._cut.left = min(cut_left, self._cut.updates)
+        self._count.load((count[0], count[1], count[2]))
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickling / deep copies: the copies' pending events are waited for (events do not travel)."""
@@ -375,7 +462,8 @@ class Rewind:
     def __repr__(self) -> str:
         return (
             f"Rewind(every={self.every}, keep={self.keep}, spikes={self.spikes}, within={self.within}, "
-            f"skip_batches={self.skip_batches}, check_every={self.check_every})"
+            f"skip_batches={self.skip_batches}, check_every={self.check_every}, lr_cut={self.lr_cut}, "
+            f"reset_state={self.reset_state})"
         )
 
 
@@ -470,11 +558,26 @@ def _parse_state(state: Any, target: TrainingState | None) -> tuple[Any, ...]:
         events = [RewindEvent(**e) for e in log]  # type: ignore[union-attr]
     except TypeError as exc:
         raise _bad(f"'log' must be a list of rewind records ({exc})") from None
-    if not all(type(v) is int for e in events for v in e.to_dict().values()):
-        raise _bad("'log' must be a list of rewind records of ints")
+    if not all(_event_ok(e) for e in events):
+        raise _bad("'log' must be a list of rewind records of ints")  # lr_factor a float, state_reset a bool
     copies = state.get("copies")
     if not isinstance(copies, list):
         raise _bad("'copies' must be a list")
     parsed = [_parse_copy(c, target) for c in copies]
     pending = [(step, f.detach().to("cpu", torch.float32, copy=True)) for step, f in flags]
-    return (*ints, list(spikes), pending, events, parsed, _parse_staged(state.get("staged"), target))
+    staged = _parse_staged(state.get("staged"), target)
+    return (*ints, list(spikes), pending, events, parsed, staged, _escalation_fields(state))
+
+
+#: Fields added with ``lr_cut`` and listed skips: 0 when a state saved before them lacks them.
+_ESCALATION_FIELDS = ("lr_cut_left", "batch_next", "batch_window_start", "batches_listed")
+
+
+def _escalation_fields(state: dict[str, Any]) -> tuple[int, ...]:
+    return tuple(_int_field(state, k) if k in state else 0 for k in _ESCALATION_FIELDS)
+
+
+def _event_ok(e: RewindEvent) -> bool:
+    ints = (e.step, e.restored, e.first_spike, e.spikes, e.undone, e.lr_updates)
+    factor_ok = type(e.lr_factor) is float or type(e.lr_factor) is int
+    return all(type(v) is int for v in ints) and factor_ok and type(e.state_reset) is bool

@@ -68,6 +68,10 @@ class StepStats:
             groups sharing the wrapper's bound, 1.0 for a group left out); ``()`` without.
             ``clip_coef`` and ``max_norm`` are then those of the shared groups
             (``1.0`` and None in a window where no shared group has a gradient).
+        recovery: with a :class:`~clipopt.Rewind`, its cells (host numbers, None: not recorded), by
+            column name (``clipopt._log_names.RECOVERY_COLUMNS``): ``batch_start``/``batch_end``,
+            the batches ``opt.rewind.batches()`` drew during the window; with ``lr_cut``,
+            ``lr_factor``; with ``reset_state``, ``state_reset``; ``{}`` without a Rewind.
     """
 
     __slots__ = (
@@ -84,6 +88,7 @@ class StepStats:
         "_total_norm",
         "layers",
         "micro_batches",
+        "recovery",
         "step",
     )
 
@@ -97,6 +102,7 @@ class StepStats:
         lr: Sequence[float | Tensor] = (),
         layers: LayerStats | None = None,
         bad_row: LayerStats | None = None,
+        recovery: dict[str, float | None] | None = None,
     ) -> None:
         self.step = step
         self.micro_batches = micro_batches
@@ -112,6 +118,7 @@ class StepStats:
         self._group_norms: tuple[float, ...] | Tensor = _vector(decision.group_norms)
         self._group_coefs: tuple[float, ...] | Tensor = _vector(decision.group_coefs)
         self._bad_row = bad_row  # per-layer row to log if this window is non-finite (clipopt._badrow)
+        self.recovery: dict[str, float | None] = recovery or {}
 
     @property
     def loss(self) -> float:

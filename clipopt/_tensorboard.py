@@ -174,6 +174,9 @@ class TensorBoardLogger:
             add(column_tag(LOSS), s.loss)
         for g, lr in enumerate(s.lr):
             add(column_tag(lr_name(g)), float(lr))
+        for name, value in s.recovery.items():  # a Rewind's (clipopt._log_names.RECOVERY_COLUMNS)
+            if value is not None:
+                add(column_tag(name), float(value))
         for g, (norm, coef) in enumerate(zip(s.group_norms, s.group_coefs, strict=True)):
             add(group_tag("norm", g), norm)
             add(group_tag("coef", g), coef)

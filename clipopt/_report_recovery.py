@@ -1,0 +1,85 @@
+"""The report's lines on a Rewind's escalation and batches, from its log columns.
+
+A log written with a :class:`~clipopt.Rewind` has ``batch_start``/``batch_end``
+(the batches ``opt.rewind.batches()`` drew during each window), and with
+``lr_cut``/``reset_state`` the ``lr_factor``/``state_reset`` columns
+(:mod:`clipopt._log_names`).  From them the report says what each rewind did
+and which batches the spike skips and rewinds were drawn from, as the
+``skip=`` list of ``opt.rewind.batches(loader, skip=...)`` that leaves them out
+on a restart.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ._log_names import BATCH_END, BATCH_START, LR_FACTOR, STATE_RESET
+from ._report_log import GradLog
+
+__all__ = ["batch_ranges", "escalation_text", "skip_list_notes"]
+
+
+def batch_ranges(log: GradLog, rows: list[int]) -> list[tuple[int, int]]:
+    """The ``(start, end)`` batches of each of ``rows`` that recorded them (``end > start``), in order."""
+    starts, ends = log.recovery.get(BATCH_START), log.recovery.get(BATCH_END)
+    if starts is None or ends is None:
+        return []
+    out = []
+    for i in rows:
+        start, end = starts[i], ends[i]
+        if math.isfinite(start) and math.isfinite(end) and end > start:
+            out.append((int(start), int(end)))
+    return out
+
+
+def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Ranges sorted and joined where they overlap or touch."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _range_text(r: tuple[int, int]) -> str:
+    return f"{r[0]}" if r[1] == r[0] + 1 else f"{r[0]}-{r[1] - 1}"
+
+
+def skip_list_notes(log: GradLog, spikes: list[int], rewinds: list[int]) -> list[str]:
+    """The batches of the spike-skip rows ``spikes`` and rewind rows ``rewinds``, and the ``skip=`` list."""
+    rows = sorted(spikes + rewinds)
+    ranges = batch_ranges(log, rows)
+    if not ranges:
+        return []
+    kinds = {i: "spike" for i in spikes} | {i: "rewind" for i in rewinds}
+    parts = []
+    for i in rows:
+        own = batch_ranges(log, [i])
+        if own:
+            parts.append(f"step {log.steps[i]} ({kinds[i]}): batch {_range_text(own[0])}")
+    pairs = ", ".join(f"({a}, {b})" for a, b in merged(ranges))
+    return [
+        "batches drawn by opt.rewind.batches() in the spike skips and rewinds: "
+        + "; ".join(parts[:10])
+        + ("; ..." if len(parts) > 10 else ""),
+        f"to leave those batches out on a restart: opt.rewind.batches(loader, skip=[{pairs}])",
+    ]
+
+
+def escalation_text(log: GradLog, rewinds: list[int]) -> str:
+    """What the rewinds did beyond restoring (``lr_cut``, ``reset_state``), or ``""``."""
+    said = []
+    factors = log.recovery.get(LR_FACTOR)
+    if factors is not None and rewinds:
+        cut = [f for f in factors[rewinds[0] :] if math.isfinite(f) and f < 1.0]
+        if cut:
+            n = len(cut)
+            said.append(f"the learning rate was multiplied by {cut[0]:g} after them (lr_cut; {n} window(s))")
+    resets = log.recovery.get(STATE_RESET)
+    if resets is not None:
+        n = sum(1 for i in rewinds if resets[i] > 0.5)
+        if n:
+            said.append(f"{n} of them zeroed the optimizer's moment buffers (reset_state)")
+    return "; ".join(said)
