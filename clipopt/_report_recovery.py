@@ -73,10 +73,14 @@ def escalation_text(log: GradLog, rewinds: list[int]) -> str:
     said = []
     factors = log.recovery.get(LR_FACTOR)
     if factors is not None and rewinds:
-        cut = [f for f in factors[rewinds[0] :] if math.isfinite(f) and f < 1.0]
+        first = rewinds[0]
+        cut = [i for i in range(first, len(factors)) if math.isfinite(factors[i]) and factors[i] < 1.0]
+        applied = sum(1 for i in cut if not log.skipped[i])
         if cut:
-            n = len(cut)
-            said.append(f"the learning rate was multiplied by {cut[0]:g} after them (lr_cut; {n} window(s))")
+            said.append(
+                f"the learning rate was multiplied by {factors[cut[0]]:g} after them "
+                f"(lr_cut; {applied} applied update(s) in all)"
+            )
     resets = log.recovery.get(STATE_RESET)
     if resets is not None:
         n = sum(1 for i in rewinds if resets[i] > 0.5)
