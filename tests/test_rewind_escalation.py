@@ -25,6 +25,7 @@ from clipopt import ClippedOptimizer, CSVLogger, Rewind, SpikeGuard, TensorBoard
 from clipopt._report import analyze, format_report, read_log
 
 from .helpers import batches_for, model_for
+from .hostreads import count_host_reads
 from .optim_db import get
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -357,3 +358,30 @@ def test_escalation_is_logged_in_the_csv_tensorboard_and_report(tmp_path: Path) 
             "to leave those batches out on a restart: "
             "opt.rewind.batches(loader, skip=[(12, 13), (14, 16), (17, 18)])"
         ) in text, source
+
+
+def _reads_per_window(rewind: Rewind) -> list[int]:
+    """Host reads in each window of a fused AdamW run on ``_batches()``."""
+    model = model_for()
+    opt = ClippedOptimizer(
+        get("AdamW-fused").make(model.parameters(), lr=0.01), spike_guard=_guard(), rewind=rewind
+    )
+    reads = []
+    assert opt.rewind is not None
+    for x, y in opt.rewind.batches(_batches()):
+        with count_host_reads() as r:
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step(loss=loss)
+            opt.zero_grad()
+        reads.append(len(r))
+    return reads
+
+
+def test_lr_cut_reads_the_host_once_per_cut_window_only() -> None:
+    """Fused AdamW: a cut window takes the host path (one more read, to count applied updates); every
+    other window reads as often as without lr_cut (the checks only)."""
+    cut, plain = _reads_per_window(_rewind(lr_cut=(FACTOR, CUT))), _reads_per_window(_rewind())
+    extra = {w + 1 for w, (a, b) in enumerate(zip(cut, plain, strict=True)) if a != b}
+    assert extra == CUT_WINDOWS | {18}  # 18: the spike skipped inside the cut, read on the host too
+    assert all(cut[w - 1] == plain[w - 1] + 1 for w in extra)
