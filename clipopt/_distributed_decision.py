@@ -511,4 +511,16 @@ def _recovery_settings(guard: Any, rewind: Any) -> list[tuple[str, float]]:
         ("rewind.within", -1.0 if rewind is None else float(rewind.within)),
         ("rewind.check_every", -1.0 if rewind is None else float(rewind.check_every)),
         ("rewind.rewinds", -1.0 if rewind is None else float(rewind.rewinds)),
+        *_escalation_settings(rewind),
+    ]
+
+
+def _escalation_settings(rewind: Any) -> list[tuple[str, float]]:
+    """A Rewind's ``lr_cut`` and ``reset_state`` (``-1``: no Rewind or no cut): replicas that cut or
+    reset differently after the same rewind would drift."""
+    cut = None if rewind is None else rewind.lr_cut
+    return [
+        ("rewind.lr_cut factor", -1.0 if cut is None else float(cut[0])),
+        ("rewind.lr_cut updates", -1.0 if cut is None else float(cut[1])),
+        ("rewind.reset_state", -1.0 if rewind is None else float(rewind.reset_state)),
     ]

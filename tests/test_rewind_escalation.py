@@ -22,6 +22,7 @@ from torch.optim import lr_scheduler as lrs
 
 import clipopt
 from clipopt import ClippedOptimizer, CSVLogger, Rewind, SpikeGuard, TensorBoardLogger
+from clipopt._distributed_decision import settings_of
 from clipopt._report import analyze, format_report, read_log
 
 from .helpers import batches_for, model_for
@@ -385,3 +386,21 @@ def test_lr_cut_reads_the_host_once_per_cut_window_only() -> None:
     extra = {w + 1 for w, (a, b) in enumerate(zip(cut, plain, strict=True)) if a != b}
     assert extra == CUT_WINDOWS | {18}  # 18: the spike skipped inside the cut, read on the host too
     assert all(cut[w - 1] == plain[w - 1] + 1 for w in extra)
+
+
+def test_lr_cut_and_reset_state_are_settings_the_ranks_compare() -> None:
+    """lr_cut and reset_state are among the settings every data-parallel rank checks it shares:
+    optimizers that differ only in them give different settings."""
+
+    def settings(**kw: Any) -> list[tuple[str, float]]:
+        model = model_for()
+        return settings_of(
+            ClippedOptimizer(
+                optim.SGD(model.parameters(), lr=0.1), spike_guard=_guard(), rewind=_rewind(**kw)
+            )
+        )
+
+    base = settings()
+    for kw in ({"lr_cut": (0.5, 10)}, {"lr_cut": (0.5, 11)}, {"lr_cut": (0.25, 10)}, {"reset_state": True}):
+        assert settings(**kw) != base, kw
+    assert settings(lr_cut=(0.5, 10)) != settings(lr_cut=(0.5, 11)) != settings(lr_cut=(0.25, 11))
