@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn, optim
 
 from clipopt import ClippedOptimizer, Rewind, SpikeGuard
@@ -157,3 +159,16 @@ def test_skip_is_checked_before_anything_is_drawn(skip: Any, error: type[Excepti
     with pytest.raises(error, match=re.escape(message)):
         rewind.batches(loader, skip=skip)
     assert next(loader) == 0 and rewind.batch_count == 0
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20)), max_size=8),
+    st.integers(0, 80),
+)
+def test_any_ranges_drop_exactly_the_listed_batches(pairs: list[tuple[int, int]], n: int) -> None:
+    """For any list of ranges (overlapping, unsorted, adjacent) and loader length, batches() yields
+    exactly the numbers no range holds, in order."""
+    skip = [(start, start + length) for start, length in pairs]
+    rewind = Rewind()
+    assert list(rewind.batches(range(n), skip=skip)) == _complement(n, skip)
+    assert rewind.batch_count == n and rewind.batches_listed == n - len(_complement(n, skip))
