@@ -10,15 +10,18 @@ from __future__ import annotations
 import copy
 import csv
 import re
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import pytorch_optimizer
 import torch
 from torch import nn, optim
 from torch.optim import lr_scheduler as lrs
+from torch.utils.data import DataLoader, TensorDataset
 
 import clipopt
 from clipopt import ClippedOptimizer, CSVLogger, Rewind, SpikeGuard, TensorBoardLogger
@@ -404,3 +407,68 @@ def test_lr_cut_and_reset_state_are_settings_the_ranks_compare() -> None:
     for kw in ({"lr_cut": (0.5, 10)}, {"lr_cut": (0.5, 11)}, {"lr_cut": (0.25, 10)}, {"reset_state": True}):
         assert settings(**kw) != base, kw
     assert settings(lr_cut=(0.5, 10)) != settings(lr_cut=(0.5, 11)) != settings(lr_cut=(0.25, 11))
+
+
+class _SpikyRegressor(L.LightningModule):
+    """A tiny MLP under Lightning; the batches in SPIKES have targets 1000 times larger. OneCycleLR at
+    interval "step": Lightning calls its step() after every optimizer step."""
+
+    def __init__(self, lr_cut: tuple[float, int] | None) -> None:
+        super().__init__()
+        self.net = model_for()
+        self.lr_cut = lr_cut
+        self.step_lrs: dict[int, float] = {}  # window -> the lr its inner step saw
+        self.sched_lrs: list[float] = []  # the group's lr after every batch: the scheduler's
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return ((self.net(x) - (y * 1000 if batch_idx in SPIKES else y)) ** 2).mean()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.sched_lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        inner = optim.SGD(self.parameters(), lr=0.1)
+        rewind = _rewind(lr_cut=self.lr_cut)
+        opt = ClippedOptimizer(inner, max_norm=None, spike_guard=_guard(), rewind=rewind)
+
+        def seen(o: optim.Optimizer, args: Any, kwargs: Any) -> None:
+            self.step_lrs[opt.num_windows] = o.param_groups[0]["lr"]
+
+        inner.register_step_pre_hook(seen)
+        sched = lrs.OneCycleLR(opt, max_lr=0.5, total_steps=40)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _fit(lr_cut: tuple[float, int] | None, tmp_path: Path) -> tuple[_SpikyRegressor, ClippedOptimizer]:
+    x, y = zip(*batches_for(26, seed=5), strict=True)
+    data = TensorDataset(torch.cat(x), torch.cat(y))
+    model = _SpikyRegressor(lr_cut)
+    trainer = L.Trainer(
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|LeafSpec|litlogger).*")
+        trainer.fit(model, DataLoader(data, batch_size=8))
+    opt = trainer.optimizers[0]
+    assert isinstance(opt, ClippedOptimizer)
+    return model, opt
+
+
+def test_lr_cut_under_lightning_keeps_the_schedulers_values(tmp_path: Path) -> None:
+    """A real Lightning Trainer stepping OneCycleLR after every update: with lr_cut the scheduler's
+    lr sequence is the one without it, and the inner step sees it times the factor on exactly the
+    cut windows (the spike skipped inside the cut not counted)."""
+    cut, opt = _fit((FACTOR, CUT), tmp_path / "cut")
+    plain, plain_opt = _fit(None, tmp_path / "plain")
+    assert [s.reason for s in opt.stats] == [s.reason for s in plain_opt.stats]
+    assert opt.rewinds == plain_opt.rewinds == 1 and opt.stats[REWIND_WINDOW - 1].reason == "rewind"
+    assert cut.sched_lrs == plain.sched_lrs
+    assert set(cut.step_lrs) == set(plain.step_lrs)
+    for window, lr in plain.step_lrs.items():
+        assert cut.step_lrs[window] == (lr * FACTOR if window in CUT_WINDOWS else lr), window
