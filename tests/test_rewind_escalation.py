@@ -19,6 +19,7 @@ import lightning as L
 import pytest
 import pytorch_optimizer
 import torch
+import transformers
 from torch import nn, optim
 from torch.optim import lr_scheduler as lrs
 from torch.utils.data import DataLoader, TensorDataset
@@ -472,3 +473,79 @@ def test_lr_cut_under_lightning_keeps_the_schedulers_values(tmp_path: Path) -> N
     assert set(cut.step_lrs) == set(plain.step_lrs)
     for window, lr in plain.step_lrs.items():
         assert cut.step_lrs[window] == (lr * FACTOR if window in CUT_WINDOWS else lr), window
+
+
+class _Rows(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """The rows of ``_batches()`` in order (an iterable dataset: the Trainer does not shuffle it)."""
+
+    def __iter__(self) -> Any:
+        for x, y in _batches():
+            for i in range(x.shape[0]):
+                yield {"x": x[i], "labels": y[i]}
+
+
+class _HFRegressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = model_for()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": ((self.net(x) - labels) ** 2).mean()}
+
+
+def _hf_fit(
+    lr_cut: tuple[float, int] | None, out: Path
+) -> tuple[dict[int, float], list[float], ClippedOptimizer]:
+    """A Hugging Face Trainer run over ``_batches()`` (8 rows per step, in order), OneCycleLR stepped by
+    the Trainer after every optimizer step; the lr each inner step saw (by window) and the scheduler's."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    model = _HFRegressor()
+    inner = optim.SGD(model.parameters(), lr=0.1)
+    guard = SpikeGuard(z_thresh=50.0, window=8, warmup=4, signals=("grad_norm",))  # the Trainer gives no loss
+    opt = ClippedOptimizer(inner, max_norm=None, spike_guard=guard, rewind=_rewind(lr_cut=lr_cut))
+    step_lrs: dict[int, float] = {}
+    inner.register_step_pre_hook(
+        lambda o, a, k: step_lrs.__setitem__(opt.num_windows, o.param_groups[0]["lr"])
+    )
+    sched = lrs.OneCycleLR(opt, max_lr=0.5, total_steps=40)
+    sched_lrs: list[float] = []
+
+    class Record(transformers.TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            sched_lrs.append(opt.param_groups[0]["lr"])
+
+    args = transformers.TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=8,
+        max_steps=26,
+        max_grad_norm=0.0,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=_Rows(), optimizers=(opt, sched), callbacks=[Record()]
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(torch.utils._pytree|LeafSpec).*")
+        trainer.train()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return step_lrs, sched_lrs, opt
+
+
+def test_lr_cut_under_the_hf_trainer_keeps_the_schedulers_values(tmp_path: Path) -> None:
+    """A real Hugging Face Trainer stepping OneCycleLR after every optimizer step: with lr_cut the
+    scheduler's values are those without it, and the inner step sees them times the factor on
+    exactly the cut windows."""
+    cut_steps, cut_sched, opt = _hf_fit((FACTOR, CUT), tmp_path / "cut")
+    plain_steps, plain_sched, plain_opt = _hf_fit(None, tmp_path / "plain")
+    assert [s.reason for s in opt.stats] == [s.reason for s in plain_opt.stats]
+    assert opt.rewinds == 1 and opt.stats[REWIND_WINDOW - 1].reason == "rewind"
+    assert cut_sched == plain_sched and set(cut_steps) == set(plain_steps)
+    for window, lr in plain_steps.items():
+        assert cut_steps[window] == (lr * FACTOR if window in CUT_WINDOWS else lr), window
