@@ -498,10 +498,6 @@ def _hf_fit(
 ) -> tuple[dict[int, float], list[float], ClippedOptimizer]:
     """A Hugging Face Trainer run over ``_batches()`` (8 rows per step, in order), OneCycleLR stepped by
     the Trainer after every optimizer step; the lr each inner step saw (by window) and the scheduler's."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
     model = _HFRegressor()
     inner = optim.SGD(model.parameters(), lr=0.1)
     guard = SpikeGuard(z_thresh=50.0, window=8, warmup=4, signals=("grad_norm",))  # the Trainer gives no loss
@@ -533,11 +529,10 @@ def _hf_fit(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(torch.utils._pytree|LeafSpec).*")
         trainer.train()
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
     return step_lrs, sched_lrs, opt
 
 
+@pytest.mark.usefixtures("fresh_accelerate_state")  # the Trainer's Accelerator state, reset around the test
 def test_lr_cut_under_the_hf_trainer_keeps_the_schedulers_values(tmp_path: Path) -> None:
     """A real Hugging Face Trainer stepping OneCycleLR after every optimizer step: with lr_cut the
     scheduler's values are those without it, and the inner step sees them times the factor on
