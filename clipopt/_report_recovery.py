@@ -16,7 +16,7 @@ import math
 from ._log_names import BATCH_END, BATCH_START, LR_FACTOR, STATE_RESET
 from ._report_log import GradLog
 
-__all__ = ["batch_ranges", "escalation_text", "skip_list_notes"]
+__all__ = ["batch_ranges", "escalation_text", "skip_list", "skip_list_notes"]
 
 
 def batch_ranges(log: GradLog, rows: list[int]) -> list[tuple[int, int]]:
@@ -43,6 +43,12 @@ def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+def skip_list(log: GradLog, spikes: list[int], rewinds: list[int]) -> list[list[int]]:
+    """The ``skip=`` list (merged ``[start, end]`` ranges) of the spike-skip and rewind rows; ``[]``
+    when the log has no batch columns (the report's summary, ``skip``)."""
+    return [[a, b] for a, b in merged(batch_ranges(log, sorted(spikes + rewinds)))]
+
+
 def _range_text(r: tuple[int, int]) -> str:
     return f"{r[0]}" if r[1] == r[0] + 1 else f"{r[0]}-{r[1] - 1}"
 
@@ -59,7 +65,7 @@ def skip_list_notes(log: GradLog, spikes: list[int], rewinds: list[int]) -> list
         own = batch_ranges(log, [i])
         if own:
             parts.append(f"step {log.steps[i]} ({kinds[i]}): batch {_range_text(own[0])}")
-    pairs = ", ".join(f"({a}, {b})" for a, b in merged(ranges))
+    pairs = ", ".join(f"({a}, {b})" for a, b in skip_list(log, spikes, rewinds))
     return [
         "batches drawn by opt.rewind.batches() in the spike skips and rewinds: "
         + "; ".join(parts[:10])

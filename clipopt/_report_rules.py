@@ -131,7 +131,7 @@ from torch import Tensor
 
 from ._reasons import NORM_OVERFLOW, OVERFLOW, REWIND, SPIKE, by_code
 from ._report_read import GradLog
-from ._report_recovery import escalation_text, skip_list_notes
+from ._report_recovery import escalation_text, skip_list, skip_list_notes
 from ._text import fmt_num as _num
 
 __all__ = ["VERDICTS", "analyze", "block", "percentile"]
@@ -369,6 +369,12 @@ def _recovery_notes(log: GradLog) -> list[str]:
             + (f"; {escalation}" if escalation else "")
         )
     return notes + skip_list_notes(log, spike_rows, rewind_rows)
+
+
+def _skip_list(log: GradLog) -> list[list[int]]:
+    """The batches of the spike skips and rewinds as ``opt.rewind.batches(skip=...)`` ranges."""
+    rows = sorted(log.reason.items())
+    return skip_list(log, [i for i, r in rows if r == _SPIKE], [i for i, r in rows if r == _REWIND])
 
 
 def _steps_text(steps: list[int]) -> str:
@@ -1105,7 +1111,8 @@ def _suggestions(norms: Tensor, where: str = "") -> list[dict[str, Any]]:
 def _summary(
     log: GradLog, norm: Tensor, loss: Tensor, finite: Tensor, overflow: int, handled: int
 ) -> dict[str, Any]:
-    """The summary's figures: updates, clipping, non-finite rows, norms, max_norm, losses, layers, groups."""
+    """The summary's figures: updates, clipping, non-finite rows, norms, max_norm, losses, layers, groups,
+    spike skips and rewinds (``skip``: their batches as ``[start, end]`` ranges, ``[]`` without batch columns)."""
     n = len(log)
     x = norm[finite]
     given = loss[~torch.isnan(loss)]
@@ -1124,6 +1131,7 @@ def _summary(
         "skipped": sum(log.skipped),
         "spike_skips": sum(1 for r in log.reason.values() if r == _SPIKE),
         "rewinds": sum(1 for r in log.reason.values() if r == _REWIND),
+        "skip": _skip_list(log),
         "nonfinite": int((~finite).sum()),
         "overflow": overflow,
         "finite_norms": int(x.numel()),

@@ -349,6 +349,7 @@ def test_escalation_is_logged_in_the_csv_tensorboard_and_report(tmp_path: Path) 
     assert [(r["batch_start"], r["batch_end"]) for r in rows[:3]] == [("0", "1"), ("1", "2"), ("2", "3")]
     for source in (str(csv_path), str(tb_dir)):
         report = analyze(read_log(source))
+        assert report["summary"]["skip"] == [[12, 13], [14, 16], [17, 18]], source
         text = format_report(report)
         assert (
             "the learning rate was multiplied by 0.25 after them (lr_cut; 3 applied update(s) in all); "
