@@ -1112,7 +1112,8 @@ def _summary(
     log: GradLog, norm: Tensor, loss: Tensor, finite: Tensor, overflow: int, handled: int
 ) -> dict[str, Any]:
     """The summary's figures: updates, clipping, non-finite rows, norms, max_norm, losses, layers, groups,
-    spike skips and rewinds (``skip``: their batches as ``[start, end]`` ranges, ``[]`` without batch columns)."""
+    spike skips and rewinds (``skip``: their batches as ``[start, end]`` ranges, ``[]`` without the
+    batch columns)."""
     n = len(log)
     x = norm[finite]
     given = loss[~torch.isnan(loss)]
