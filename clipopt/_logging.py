@@ -19,7 +19,7 @@ from ._checks import check_path, check_positive_int
 from ._distributed import check_ranks, rank_target
 from ._files import WarnOnce, check_file_path, remove_stale_temps, write_atomic
 from ._layers import LAYER_FIELDS
-from ._log_names import BASE_COLUMNS, GROUP_KINDS, LOSS, group_column, layer_column, lr_name
+from ._log_names import BASE_COLUMNS, GROUP_KINDS, LOSS, RECOVERY_COLUMNS, group_column, layer_column, lr_name
 from ._stats import StepStats, materialize
 
 __all__ = ["BASE_COLUMNS", "CSVLogger", "LoggedOptimizer", "Logger", "format_value", "log_window"]
@@ -245,7 +245,8 @@ class CSVLogger:
     def _set_columns(self, optimizer: LoggedOptimizer, groups: int) -> None:
         columns, names = self._columns_for(optimizer, groups)
         existing = self._existing_header()
-        if existing is not None and not set(columns) - {LOSS} <= set(existing):  # older files: no loss
+        older = {LOSS, *RECOVERY_COLUMNS}  # files of earlier versions: no loss, no Rewind columns
+        if existing is not None and not set(columns) - older <= set(existing):
             raise ValueError(
                 f"{self.path} already holds a CSV log with other columns "
                 f"({len(existing)} vs {len(columns)}: a different model or layer_stats setting); "

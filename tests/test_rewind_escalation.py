@@ -545,3 +545,21 @@ def test_lr_cut_under_the_hf_trainer_keeps_the_schedulers_values(tmp_path: Path)
     assert cut_sched == plain_sched and set(cut_steps) == set(plain_steps)
     for window, lr in plain_steps.items():
         assert cut_steps[window] == (lr * FACTOR if window in CUT_WINDOWS else lr), window
+
+
+def test_a_run_with_a_rewind_appends_to_a_log_without_its_columns(tmp_path: Path) -> None:
+    """A resumed run with a Rewind appends to a CSV log whose header lacks the Rewind's columns (as an
+    earlier version wrote it; here: a run without a Rewind): its rows go in the file's columns."""
+    path = tmp_path / "log.csv"
+    model = model_for()
+    first = ClippedOptimizer(optim.SGD(model.parameters(), lr=0.1), loggers=[CSVLogger(path)])
+    for x, y in _batches()[:5]:
+        ((model(x) - y) ** 2).mean().backward()
+        first.step()
+        first.zero_grad()
+    first.close()
+    header = path.read_text().splitlines()[0]
+    assert "batch_start" not in header
+    second, _ = _run(lambda p: optim.SGD(p, lr=0.1), _rewind(), loggers=[CSVLogger(path)])
+    second.close()
+    assert path.read_text().splitlines()[0] == header and len(list(csv.DictReader(path.open()))) == 5 + 26
