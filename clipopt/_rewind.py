@@ -74,7 +74,7 @@ class RewindEvent:
     lr_updates: int = 0  #: applied updates that cut lasts (0: none)
     state_reset: bool = False  #: whether it zeroed the inner optimizer's moment buffers (``reset_state``)
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | float | bool]:
         return dataclasses.asdict(self)
 
 
@@ -294,9 +294,15 @@ class Rewind:
         self._copies = self._copies[: index + 1]  # newer copies belong to the abandoned run
         factor, updates = self.lr_cut if self.lr_cut is not None else (1.0, 0)
         event = RewindEvent(
-            step, copy_step, first, len(self.spike_steps), self.applied - chosen.applied,
-            factor, updates, self.reset_state,
-        )  # fmt: skip
+            step=step,
+            restored=copy_step,
+            first_spike=first,
+            spikes=len(self.spike_steps),
+            undone=self.applied - chosen.applied,
+            lr_factor=factor,
+            lr_updates=updates,
+            state_reset=self.reset_state,
+        )
         self.log.append(event)
         self.rewinds += 1
         self.applied = chosen.applied
@@ -315,6 +321,8 @@ class Rewind:
         return self._batches(iterable, listed.__contains__)
 
     def _batches(self, iterable: Iterable[T], listed: Callable[[int], bool]) -> Iterator[T]:
+        """The generator of :meth:`batches`: every batch drawn is numbered; a rewind's drops, then the
+        listed ones, are not yielded."""
         count = self._count
         for item in iterable:
             n = count.next
@@ -358,10 +366,11 @@ class Rewind:
         """A closed window's cells for the log (``clipopt._log_names``): the batches drawn during it,
         and, when on, the cut's factor it used and whether its rewind reset the optimizer state."""
         start, end = self._count.closed()
-        used = end > 0  # batches() has drawn a batch (in this run or before a restart)
-        cells: dict[str, float | None] = {BATCH_START: None, BATCH_END: None}
-        if used:
-            cells = {BATCH_START: start, BATCH_END: end}
+        drawn = end > 0  # batches() has drawn a batch (in this run or before a restart)
+        cells: dict[str, float | None] = {
+            BATCH_START: start if drawn else None,
+            BATCH_END: end if drawn else None,
+        }
         if self.lr_cut is not None:
             cells[LR_FACTOR] = 1.0 if factor is None else factor
         if self.reset_state:
@@ -574,10 +583,12 @@ _ESCALATION_FIELDS = ("lr_cut_left", "batch_next", "batch_window_start", "batche
 
 
 def _escalation_fields(state: dict[str, Any]) -> tuple[int, ...]:
+    """``lr_cut_left`` and the batch count of a state, each an int >= 0 (0 when absent)."""
     return tuple(_int_field(state, k) if k in state else 0 for k in _ESCALATION_FIELDS)
 
 
 def _event_ok(e: RewindEvent) -> bool:
+    """A loaded log record of the right types (ints, a float ``lr_factor``, a bool ``state_reset``)."""
     ints = (e.step, e.restored, e.first_spike, e.spikes, e.undone, e.lr_updates)
     factor_ok = type(e.lr_factor) is float or type(e.lr_factor) is int
     return all(type(v) is int for v in ints) and factor_ok and type(e.state_reset) is bool
