@@ -1,4 +1,5 @@
-"""Spike recovery, side by side: plain clipping, ZClip, SpikeGuard, SpikeGuard + Rewind.
+"""Spike recovery, side by side: plain clipping, ZClip, SpikeGuard, SpikeGuard + Rewind (also with
+``lr_cut`` and with ``reset_state``).
 
 The workload is a small causal transformer language model (2 layers, d=64,
 characters of the ``argparse`` source that ships with Python) trained with
@@ -16,7 +17,7 @@ window and its ratio to plain clipping, and the host memory of Rewind's copies.
 A second part times Rewind's copy itself against an update, on this model and
 on the 101M-parameter "large" parameter set of ``benchmarks/bench.py``.
 
-    python benchmarks/spikes.py             # 3 seeds x 4 configurations, ~5 min on 2 shared cores
+    python benchmarks/spikes.py             # 3 seeds x 6 configurations, ~7 min on 2 shared cores
     python benchmarks/spikes.py --quick     # 1 seed, 150 windows
     python benchmarks/spikes.py --no-large  # skip the copy timing on the 101M model (needs ~3 GB)
 
@@ -147,11 +148,25 @@ def make_optimizer(name: str, model: torch.nn.Module, w: Workload) -> ClippedOpt
     guard = clipopt.SpikeGuard(z_thresh=6.0, window=128)
     if name == "spikeguard":
         return ClippedOptimizer(inner, max_norm=1.0, spike_guard=guard)
-    rewind = clipopt.Rewind(every=50, keep=2, spikes=3, within=25, skip_batches=40, module=model)
+    escalation: dict[str, Any] = {}
+    if name == "spikeguard+rewind+lr_cut":
+        escalation = {"lr_cut": (0.5, 50)}  # half the learning rate for 50 updates after a rewind
+    elif name == "spikeguard+rewind+reset_state":
+        escalation = {"reset_state": True}  # AdamW's moments zeroed at a rewind
+    rewind = clipopt.Rewind(
+        every=50, keep=2, spikes=3, within=25, skip_batches=40, module=model, **escalation
+    )
     return ClippedOptimizer(inner, max_norm=1.0, spike_guard=guard, rewind=rewind)
 
 
-CONFIGS = ("clip", "zclip", "spikeguard", "spikeguard+rewind")
+CONFIGS = (
+    "clip",
+    "zclip",
+    "spikeguard",
+    "spikeguard+rewind",
+    "spikeguard+rewind+lr_cut",
+    "spikeguard+rewind+reset_state",
+)
 
 
 @dataclass
