@@ -563,3 +563,37 @@ def test_a_run_with_a_rewind_appends_to_a_log_without_its_columns(tmp_path: Path
     second, _ = _run(lambda p: optim.SGD(p, lr=0.1), _rewind(), loggers=[CSVLogger(path)])
     second.close()
     assert path.read_text().splitlines()[0] == header and len(list(csv.DictReader(path.open()))) == 5 + 26
+
+
+def test_escalation_over_several_inner_optimizers() -> None:
+    """ClippedOptimizer([Muon, AdamW]): the rewind zeroes both optimizers' moments (AdamW's step kept)
+    and the cut multiplies both optimizers' learning rates on the cut windows only."""
+    model = model_for()
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    others = [p for p in model.parameters() if p.ndim != 2]
+    muon, adamw = optim.Muon(matrices, lr=0.02), optim.AdamW(others, lr=0.01)
+    seen = [_lr_seen(muon), _lr_seen(adamw)]
+    rewind = _rewind(reset_state=True, lr_cut=(FACTOR, CUT))
+    opt = ClippedOptimizer([muon, adamw], max_norm=None, spike_guard=_guard(), rewind=rewind)
+    windows: list[int] = []  # the window of every inner step (both step in the same windows)
+    muon.register_step_pre_hook(lambda o, a, k: windows.append(opt.num_windows))
+    for x, y in rewind.batches(_batches()[:REWIND_WINDOW]):
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step(loss=loss)
+        opt.zero_grad()
+    assert rewind.log[-1].step == REWIND_WINDOW and rewind.log[-1].state_reset
+    for p in matrices:
+        assert not opt.state[p]["momentum_buffer"].any()
+    for p in others:
+        assert not opt.state[p]["exp_avg"].any() and not opt.state[p]["exp_avg_sq"].any()
+        assert opt.state[p]["step"] == 11  # the copy's (window 11's) step count
+    for x, y in rewind.batches(_batches()[REWIND_WINDOW:]):
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step(loss=loss)
+        opt.zero_grad()
+    for lrs_seen, lr in zip(seen, (0.02, 0.01), strict=True):
+        by_window = dict(zip(windows, lrs_seen, strict=True))
+        assert {w for w, v in by_window.items() if v != [lr]} == CUT_WINDOWS
+        assert all(by_window[w] == [lr * FACTOR] for w in CUT_WINDOWS)
