@@ -59,8 +59,6 @@ def check_skip(skip: Any) -> SkipList:
 class SkipList:
     """Listed ranges, merged into sorted disjoint ``[start, end)`` ranges."""
 
-    __slots__ = ("_ends", "_starts", "ranges")
-
     def __init__(self, ranges: list[tuple[int, int]]) -> None:
         merged: list[tuple[int, int]] = []
         for start, end in sorted(ranges):
@@ -79,8 +77,6 @@ class SkipList:
 
 class BatchCount:
     """Batches drawn over the whole run, and where the open window's batches began."""
-
-    __slots__ = ("listed", "next", "window_start")
 
     def __init__(self) -> None:
         self.next = 0  #: batches drawn so far: the next batch's number

@@ -63,8 +63,6 @@ def check_lr_cut(value: Any) -> tuple[float, int] | None:
 class LrCut:
     """The cut's setting and how many applied updates it still lasts (host integers only)."""
 
-    __slots__ = ("factor", "left", "updates")
-
     def __init__(self, factor: float, updates: int) -> None:
         self.factor = factor  #: what every group's learning rate is multiplied by
         self.updates = updates  #: applied updates a cut lasts

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import io
+import pickle
 import re
 from typing import Any
 
@@ -172,3 +174,13 @@ def test_any_ranges_drop_exactly_the_listed_batches(pairs: list[tuple[int, int]]
     rewind = Rewind()
     assert list(rewind.batches(range(n), skip=skip)) == _complement(n, skip)
     assert rewind.batch_count == n and rewind.batches_listed == n - len(_complement(n, skip))
+
+
+@pytest.mark.parametrize("protocol", [0, pickle.HIGHEST_PROTOCOL])
+def test_a_pickled_rewind_keeps_its_count_and_cut(protocol: int) -> None:
+    """Pickling (any protocol) and deep copies keep the batch count, the listed count and the cut."""
+    rewind = Rewind(lr_cut=(0.5, 3))
+    assert list(rewind.batches(range(6), skip=[(1, 3)])) == [0, 3, 4, 5]
+    for copied in (pickle.loads(pickle.dumps(rewind, protocol=protocol)), copy.deepcopy(rewind)):
+        assert (copied.batch_count, copied.batches_listed, copied.lr_cut) == (6, 2, (0.5, 3))
+        assert list(copied.batches(range(6, 8), skip=[(7, 9)])) == [6]
