@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 from torch.compiler import is_compiling
 from torch.optim import Optimizer
-from torch.optim import optimizer as _optim_module
 
 from ._checkpoint import read_checkpoint, wrapper_entry
 from ._config import DTENSOR_DIAGNOSTICS, check_closure, check_max_norm, configure, describe
@@ -48,9 +47,9 @@ from ._window.apply import StateReadiness, apply_window
 from ._window.decision import SkipSource, WindowDecision
 from ._window.diagnose import Diagnostics, layer_names
 from ._window.grads import ParamIndex, WindowGrads
-from ._window.groups import GroupPlan, check_groups
 from ._window.guard import WindowGuard
 from ._window.loss import LossSum, check_loss, loss_of_closure
+from ._window.plan import PLANNED, WindowPlan
 from ._window.rollback import UndoPoint, note_discarded
 from ._window.settings import WindowSettings
 from ._window.skip_run import SkipRun
@@ -186,6 +185,7 @@ class ClippedOptimizer(InnerOptimizerView):
 
     _policy: ClipPolicy | None
     _bound: float | None
+    _planned = PLANNED  # assigning one of these settings resets the window plan (_settings_changed)
 
     def __init__(
         self,
@@ -246,7 +246,8 @@ class ClippedOptimizer(InnerOptimizerView):
         self._update_applied: bool | None = False  # None: read _last_skipped
         self._last_skipped: bool | Tensor = False
         self._readiness = StateReadiness()  # whether the fused path may skip (see _apply)
-        self._index = ParamIndex()  # the parameters, in group order (see _window_grads)
+        # the parameters, in group order (see _window_grads); what a window does, per settings (see _plan)
+        self._index, self._plan = ParamIndex(), WindowPlan()
         self._unsynced: Unsynced | None = None  # the latest micro-batch that skipped its sync, see no_sync()
         writer = None if snapshot_dir is None else SnapshotWriter(snapshot_dir, self.max_snapshots)
         self._diagnostics = Diagnostics(writer)  # snapshots, attachments, the candidate bad row
@@ -294,19 +295,12 @@ class ClippedOptimizer(InnerOptimizerView):
         """Add a parameter group to the inner optimizer; its ``max_norm`` and ``clip_value``
         (docs/per-group-clipping.md) are checked first, so a bad one adds nothing."""
         if isinstance(param_group, dict):
-            self._group_plan([*self.param_groups, param_group])
+            self._plan.check_groups(self, [*self.param_groups, param_group])
         super().add_param_group(param_group, optimizer)
+        self._plan.reset()
 
-    def _group_plan(self, groups: list[dict[str, Any]] | None = None) -> GroupPlan | None:
-        """The per-group options of ``groups`` (default: the current ones), all checked; None
-        when no group has one.  Read at every window: they may change like a learning rate."""
-        return check_groups(
-            self.param_groups if groups is None else groups,
-            self._inner.defaults,
-            policy=self._policy,
-            norm_group=self.norm_group,
-            clip_value=self.clip_value,
-        )
+    def _settings_changed(self) -> None:
+        self._plan.reset()
 
     # ------------------------------------------------------------------ signals
 
@@ -380,15 +374,17 @@ class ClippedOptimizer(InnerOptimizerView):
         gradients clipped the same way.  Step hooks registered on the wrapper
         (and global optimizer hooks) run around every call.
         """
-        if (
-            self._optimizer_step_pre_hooks
-            or self._optimizer_step_post_hooks
-            or _optim_module._global_optimizer_pre_hooks
-            or _optim_module._global_optimizer_post_hooks
-            # a host-only query torch.compile cannot trace (a graph break); compiled code has no profiler hook
-            or (not is_compiling() and torch.autograd._profiler_enabled())  # type: ignore[attr-defined]
-        ):
+        if self._step_hooked(compiling := is_compiling()):
             return self._profiled_step(closure, loss=loss)
+        c, k = self._counters, self.accumulation_steps
+        # a plain micro-batch that leaves the window open only counts (and feeds the window guard)
+        if closure is None and loss is None and c.micro_batches + 1 < k and self._replicas.checked_k == k:
+            if not (compiling or self._index.has_dtensor):  # as in _step
+                self._window_guard.step(c.micro_batches, k, self.backward_passes_per_step, self._params)
+            c.micro_batches += 1
+            if self._update_applied is not False:  # set once per window (__setattr__ is a Python call)
+                self._update_applied = False
+            return None
         return self._step(closure, loss=loss)
 
     # torch's profile_hook_step costs ~12 us per call (record_function) even with
@@ -560,7 +556,7 @@ class ClippedOptimizer(InnerOptimizerView):
         """Stages 1-7 of docs/design.md, 'Order of operations': combine, measure, diagnose, clip,
         decide, apply, record (a due Rewind check first)."""
         n, params = self._counters.micro_batches, self._params()
-        s = WindowSettings.read(self, n, self._group_plan())  # group options checked before any change
+        s = self._plan.settings(self, n)  # group options checked (when changed) before any change
         if self._recovery.due(self._counters.windows):  # Rewind: a copy, or back to one
             hit = self._recovery.check(self._counters.windows, params, self._inner, self._policy, self.scaler)
             if hit is not None:
@@ -651,12 +647,13 @@ class ClippedOptimizer(InnerOptimizerView):
     def _apply(
         self, s: WindowSettings, d: WindowDecision, g: WindowGrads, loss: Any, closure: Any
     ) -> tuple[Any, bool]:
-        """Stage 6 (apply): the inner step or the skip (see :mod:`clipopt._window.apply`), then the counters;
-        returns ``step()``'s result and whether the fused (host-read-free) path ran."""
+        """Stage 6 (apply): the inner step or the skip (see :mod:`clipopt._window.apply`; with a Rewind,
+        through its lr_cut), then the counters; returns ``step()``'s result and whether the fused
+        (host-read-free) path ran."""
         on = self.update_clip is not None or self.update_stats
         upd = start_update(self, self._params(), self._inner) if on else None  # update_clip, update_stats
         run = partial(apply_window, self._inner, s, d, g, (loss, closure), self._reclip, self._readiness)
-        out, skipped, fused = self._recovery.apply(self.param_groups, run)  # a Rewind's lr_cut, if due
+        out, skipped, fused = self._recovery.apply(self._inner, run) if self._recovery.rewind else run()
         skipped = skipped if upd is None else upd.finish(d, skipped)  # measured, bounded, or put back
         self._last_skipped = skipped
         self._update_applied = not skipped if isinstance(skipped, bool) else None
@@ -665,9 +662,11 @@ class ClippedOptimizer(InnerOptimizerView):
 
     def _reclip(self, max_norm: float | Tensor | None) -> tuple[Tensor, list[Tensor]]:
         """A closure's re-evaluation: measured and clipped with the window's bound ``max_norm``."""
-        params, plan = self._params(), self._group_plan()
-        g = WindowGrads.of(params, self.param_groups, sharded=self._index.has_dtensor, split=plan is not None)
-        return reclip(WindowSettings.read(self, 1, plan), g, self.param_groups, max_norm)
+        s, params = self._plan.settings(self, 1), self._params()
+        g = WindowGrads.of(
+            params, self.param_groups, sharded=self._index.has_dtensor, split=s.plan is not None
+        )
+        return reclip(s, g, self.param_groups, max_norm)
 
     def _close_rewound(self, n: int, loss: Any, restored: dict[str, Any]) -> Any:
         """The Rewind restored an earlier copy: load its wrapper state; this window (computed on the
@@ -705,7 +704,7 @@ class ClippedOptimizer(InnerOptimizerView):
             lr=[_lr_value(g["lr"]) for g in self.param_groups],
             layers=layers,
             bad_row=self._diagnostics.bad_row,
-            recovery=self._recovery.record(),
+            recovery={} if self._recovery.rewind is None else self._recovery.record(),
         )
         self.last_stats = stats
         self.stats.append(stats)
@@ -790,6 +789,7 @@ class ClippedOptimizer(InnerOptimizerView):
             self._inner, params, scaler=self.scaler, policy=self._policy, recovery=self._recovery
         )
         self._readiness.reset()
+        self._plan.reset()  # the groups' options came from the checkpoint
         self._window_guard.reset()  # loaded gradients are new tensors
         self._loss = ckpt.loss_sum
         self._update_applied, self._last_skipped = False, False

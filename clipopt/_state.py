@@ -87,9 +87,15 @@ class WrapperState:
         if isinstance(skipped, Tensor) or isinstance(nonfinite, Tensor):  # in place, on the device
             like = cast(Tensor, skipped if isinstance(skipped, Tensor) else nonfinite)
             one = torch.as_tensor(skipped, device=like.device).to(torch.int64)
-            bad = torch.as_tensor(nonfinite, device=like.device).to(torch.int64)
+            # the same flag (a plain window: only the non-finite signal skips) is converted once
+            bad = (
+                one
+                if nonfinite is skipped
+                else torch.as_tensor(nonfinite, device=like.device).to(torch.int64)
+            )
             self.skipped = _on_device(self.skipped, like).add_(one)
-            self.consecutive = _on_device(self.consecutive, like).add_(bad).mul_(bad)
+            run = _on_device(self.consecutive, like)  # (run + bad) * bad, in one kernel: bad is 0 or 1
+            self.consecutive = torch.addcmul(bad, run, bad, out=run)
         else:
             self.skipped = self.skipped + int(skipped)
             self.consecutive = self.consecutive + 1 if nonfinite else 0

@@ -154,16 +154,16 @@ class SpikeRecovery:
         self._window = (None, True)
         return event, hit[1]
 
-    def apply(self, groups: list[dict[str, Any]], run: Callable[..., _Applied]) -> _Applied:
+    def apply(self, inner: Optimizer, run: Callable[..., _Applied]) -> _Applied:
         """Stage 6 through ``run(host=...)`` (``apply_window``), with the Rewind's learning-rate cut
-        when one is active: every group's lr multiplied by its factor around the inner step only
-        (:func:`~clipopt._recovery.lr_cut.cut_applied`), on the host path, so that the outcome (read there)
-        counts an applied update against the cut."""
+        when one is active: every group of ``inner`` gets its lr multiplied by the factor around the
+        inner step only (:func:`~clipopt._recovery.lr_cut.cut_applied`), on the host path, so that
+        the outcome (read there) counts an applied update against the cut."""
         factor = None if self.rewind is None else self.rewind.lr_factor()
         self._window = (factor, False)
         if factor is None:
             return run()
-        with cut_applied(factor, groups):
+        with cut_applied(factor, inner.param_groups):
             out = run(host=True)
         if self.rewind is not None and isinstance(out[1], bool):
             self.rewind.lr_counted(out[1])
