@@ -79,7 +79,8 @@ class WindowSettings:
     """What one window closes with: the wrapper's settings when the window closes.
 
     They may change between windows (``opt.norm_type = 1.0``, a group's
-    ``max_norm``), so the optimizer reads them afresh at every close; every
+    ``max_norm``): the window plan (:mod:`clipopt._plan`) reads them again after
+    each change, and every
     stage of the close (:mod:`clipopt._window`, :mod:`clipopt._diagnostics`)
     gets them from this record, never from the optimizer.
     """

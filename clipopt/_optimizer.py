@@ -36,10 +36,10 @@ from ._grad_sync import (
     pending_unsynced,
     plan_no_sync,
 )
-from ._group_options import GroupPlan, check_groups
 from ._layers import LayerStats
 from ._logging import Logger, log_window
 from ._loss import LossSum, check_loss, loss_of_closure
+from ._plan import PLANNED, WindowPlan
 from ._policies import ClipPolicy
 from ._reasons import NOGRAD, REWIND
 from ._recovery import SpikeRecovery, check_recovery
@@ -175,6 +175,7 @@ class ClippedOptimizer(InnerOptimizerView):
 
     _policy: ClipPolicy | None
     _bound: float | None
+    _planned = PLANNED  # assigning one of these settings resets the window plan (_settings_changed)
 
     def __init__(
         self,
@@ -204,6 +205,7 @@ class ClippedOptimizer(InnerOptimizerView):
         options = {name: value for name, value in locals().items() if name != "self"}  # every argument
         cfg = configure(optimizer, ClippedOptimizer, options)  # raises before any state exists
         check_recovery(spike_guard, rewind, cfg.policy)
+        self._plan = WindowPlan()  # what a window does, decided once per settings (see _plan)
         self._policy, self._bound = cfg.policy, cfg.bound  # what the max_norm property returns
         self.norm_type, self.clip_value = cfg.norm_type, cfg.clip_value
         self.accumulation_steps, self.reduction = cfg.accumulation_steps, cfg.reduction
@@ -289,19 +291,13 @@ class ClippedOptimizer(InnerOptimizerView):
         """Add a parameter group to the inner optimizer; its ``max_norm`` and ``clip_value``
         (docs/per-group-clipping.md) are checked first, so a bad one adds nothing."""
         if isinstance(param_group, dict):
-            self._group_plan([*self.param_groups, param_group])
+            self._plan.check_groups(self, [*self.param_groups, param_group])
         super().add_param_group(param_group, optimizer)
+        self._plan.reset()
 
-    def _group_plan(self, groups: list[dict[str, Any]] | None = None) -> GroupPlan | None:
-        """The per-group options of ``groups`` (default: the current ones), all checked; None
-        when no group has one.  Read at every window: they may change like a learning rate."""
-        return check_groups(
-            self.param_groups if groups is None else groups,
-            self._inner.defaults,
-            policy=self._policy,
-            norm_group=self.norm_group,
-            clip_value=self.clip_value,
-        )
+    def _settings_changed(self) -> None:
+        if "_plan" in self.__dict__:  # (not yet while the constructor assigns them)
+            self._plan.reset()
 
     # ------------------------------------------------------------------ signals
 
@@ -555,7 +551,7 @@ class ClippedOptimizer(InnerOptimizerView):
         """Stages 1-7 of docs/design.md, 'Order of operations': combine, measure, diagnose, clip,
         decide, apply, record (a due Rewind check first)."""
         n, params = self._counters.micro_batches, self._params()
-        s = WindowSettings.read(self, n, self._group_plan())  # group options checked before any change
+        s = self._plan.settings(self, n)  # group options checked (when changed) before any change
         if self._recovery.due(self._counters.windows):  # Rewind: a copy, or back to one
             hit = self._recovery.check(self._counters.windows, params, self._inner, self._policy, self.scaler)
             if hit is not None:
@@ -656,9 +652,11 @@ class ClippedOptimizer(InnerOptimizerView):
 
     def _reclip(self, max_norm: float | Tensor | None) -> tuple[Tensor, list[Tensor]]:
         """A closure's re-evaluation: measured and clipped with the window's bound ``max_norm``."""
-        params, plan = self._params(), self._group_plan()
-        g = WindowGrads.of(params, self.param_groups, sharded=self._index.has_dtensor, split=plan is not None)
-        return reclip(WindowSettings.read(self, 1, plan), g, self.param_groups, max_norm)
+        s, params = self._plan.settings(self, 1), self._params()
+        g = WindowGrads.of(
+            params, self.param_groups, sharded=self._index.has_dtensor, split=s.plan is not None
+        )
+        return reclip(s, g, self.param_groups, max_norm)
 
     def _close_rewound(self, n: int, loss: Any, restored: dict[str, Any]) -> Any:
         """The Rewind restored an earlier copy: load its wrapper state; this window (computed on the
@@ -778,6 +776,7 @@ class ClippedOptimizer(InnerOptimizerView):
             self._inner, params, scaler=self.scaler, policy=self._policy, recovery=self._recovery
         )
         self._readiness.reset()
+        self._plan.reset()  # the groups' options came from the checkpoint
         self._window_guard.reset()  # loaded gradients are new tensors
         self._loss = ckpt.loss_sum
         self._update_applied, self._last_skipped = False, False

@@ -107,6 +107,9 @@ class InnerOptimizerView(Optimizer):
     #: optimizer raises instead of hiding it (see ``__setattr__``).
     _forwarding = False
 
+    #: Attributes whose assignment calls :meth:`_settings_changed` (the subclass's window plan).
+    _planned: frozenset[str] = frozenset()
+
     if not TYPE_CHECKING:  # hidden from mypy, which would otherwise type every misspelt attribute Any
 
         def __getattr__(self, name: str) -> Any:
@@ -137,6 +140,11 @@ class InnerOptimizerView(Optimizer):
                     f"attribute, read through the wrapper; set it there: {where}.{name} = ..."
                 )
         super().__setattr__(name, value)
+        if name in self._planned:
+            self._settings_changed()
+
+    def _settings_changed(self) -> None:
+        """One of :attr:`_planned` was assigned (the subclass forgets what it decided from it)."""
 
     def __dir__(self) -> list[str]:
         """The wrapper's names and the inner optimizers' public ones (what ``__getattr__`` reads)."""
