@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 from torch.compiler import is_compiling
 from torch.optim import Optimizer
-from torch.optim import optimizer as _optim_module
 
 from ._apply import StateReadiness, apply_window
 from ._checkpoint import read_checkpoint, wrapper_entry
@@ -205,7 +204,6 @@ class ClippedOptimizer(InnerOptimizerView):
         options = {name: value for name, value in locals().items() if name != "self"}  # every argument
         cfg = configure(optimizer, ClippedOptimizer, options)  # raises before any state exists
         check_recovery(spike_guard, rewind, cfg.policy)
-        self._plan = WindowPlan()  # what a window does, decided once per settings (see _plan)
         self._policy, self._bound = cfg.policy, cfg.bound  # what the max_norm property returns
         self.norm_type, self.clip_value = cfg.norm_type, cfg.clip_value
         self.accumulation_steps, self.reduction = cfg.accumulation_steps, cfg.reduction
@@ -234,7 +232,8 @@ class ClippedOptimizer(InnerOptimizerView):
         self._update_applied: bool | None = False  # None: read _last_skipped
         self._last_skipped: bool | Tensor = False
         self._readiness = StateReadiness()  # whether the fused path may skip (see _apply)
-        self._index = ParamIndex()  # the parameters, in group order (see _window_grads)
+        # the parameters, in group order (see _window_grads); what a window does, per settings (see _plan)
+        self._index, self._plan = ParamIndex(), WindowPlan()
         self._unsynced: Unsynced | None = None  # the latest micro-batch that skipped its sync, see no_sync()
         writer = None if snapshot_dir is None else SnapshotWriter(snapshot_dir, self.max_snapshots)
         self._diagnostics = Diagnostics(writer)  # snapshots, attachments, the candidate bad row
@@ -296,8 +295,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self._plan.reset()
 
     def _settings_changed(self) -> None:
-        if "_plan" in self.__dict__:  # (not yet while the constructor assigns them)
-            self._plan.reset()
+        self._plan.reset()
 
     # ------------------------------------------------------------------ signals
 
@@ -371,15 +369,17 @@ class ClippedOptimizer(InnerOptimizerView):
         gradients clipped the same way.  Step hooks registered on the wrapper
         (and global optimizer hooks) run around every call.
         """
-        if (
-            self._optimizer_step_pre_hooks
-            or self._optimizer_step_post_hooks
-            or _optim_module._global_optimizer_pre_hooks
-            or _optim_module._global_optimizer_post_hooks
-            # a host-only query torch.compile cannot trace (a graph break); compiled code has no profiler hook
-            or (not is_compiling() and torch.autograd._profiler_enabled())  # type: ignore[attr-defined]
-        ):
+        if self._step_hooked(compiling := is_compiling()):
             return self._profiled_step(closure, loss=loss)
+        c, k = self._counters, self.accumulation_steps
+        # a plain micro-batch that leaves the window open only counts (and feeds the window guard)
+        if closure is None and loss is None and c.micro_batches + 1 < k and self._replicas.checked_k == k:
+            if not (compiling or self._index.has_dtensor):  # as in _step
+                self._window_guard.step(c.micro_batches, k, self.backward_passes_per_step, self._params)
+            c.micro_batches += 1
+            if self._update_applied is not False:  # set once per window (__setattr__ is a Python call)
+                self._update_applied = False
+            return None
         return self._step(closure, loss=loss)
 
     # torch's profile_hook_step costs ~12 us per call (record_function) even with

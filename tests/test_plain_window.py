@@ -78,7 +78,8 @@ def test_a_plain_closing_step_calls_no_feature_that_is_off() -> None:
 
 def test_a_plain_micro_batch_step_only_counts() -> None:
     """A micro-batch ``step()`` inside an open window, without loss or closure, enters only the step
-    itself and the window guard (no loss or closure checks, no attribute forwarding check)."""
+    itself, the hook check and the window guard (the fast path at the top of ``step()``: no loss or
+    closure checks, no ``_step``, no attribute forwarding check)."""
     opt, params = _plain(4, fused=True)
     for _ in range(5):  # one closed window, then the second micro-batch of the next
         _fill(params)
@@ -86,6 +87,6 @@ def test_a_plain_micro_batch_step_only_counts() -> None:
     _fill(params)
     assert _entered(opt.step) == [
         ("_optimizer.py", "step"),
-        ("_optimizer.py", "_step"),
+        ("_wrapping.py", "_step_hooked"),
         ("_window_guard.py", "step"),
     ]
