@@ -145,7 +145,8 @@ def step_fused(
         F.scale_groups_([grad_groups[j] for j in d.unfolded], ratios, foreach=foreach)
     grad_scale: Tensor | None = None  # the kernel divides the gradients by grad_scale
     if isinstance(d.scale, Tensor):
-        grad_scale = d.scale.to(torch.float32).reciprocal()
+        scale = d.scale if d.scale.dtype == torch.float32 else d.scale.to(torch.float32)
+        grad_scale = scale.reciprocal()
     elif d.scale != 1.0:
         # made on the device: torch.tensor(x, device=...) would be a blocking host-to-device copy
         grad_scale = torch.full((), 1.0 / d.scale, dtype=torch.float32, device=d.total_norm.device)

@@ -226,7 +226,11 @@ def decide_skip(d: WindowDecision, signals: Sequence[SkipSignal]) -> None:
     skip: Tensor | None = None
     reason: int | Tensor = NO_REASON
     for code, flag in reversed(active):
-        reason = torch.where(flag > 0, code, reason)
+        if skip is None:  # the last signal: its code where it is on, else NO_REASON (0): no where()
+            hit = (flag > 0).to(torch.int64)
+            reason = hit if code == 1 else hit * code
+        else:
+            reason = torch.where(flag > 0, code, reason)
         skip = flag if skip is None else torch.maximum(flag, skip)
     d.skip, d.reason = skip, reason
 

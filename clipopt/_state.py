@@ -87,7 +87,12 @@ class WrapperState:
         if isinstance(skipped, Tensor) or isinstance(nonfinite, Tensor):  # in place, on the device
             like = cast(Tensor, skipped if isinstance(skipped, Tensor) else nonfinite)
             one = torch.as_tensor(skipped, device=like.device).to(torch.int64)
-            bad = torch.as_tensor(nonfinite, device=like.device).to(torch.int64)
+            # the same flag (a plain window: only the non-finite signal skips) is converted once
+            bad = (
+                one
+                if nonfinite is skipped
+                else torch.as_tensor(nonfinite, device=like.device).to(torch.int64)
+            )
             self.skipped = _on_device(self.skipped, like).add_(one)
             self.consecutive = _on_device(self.consecutive, like).add_(bad).mul_(bad)
         else:

@@ -89,7 +89,6 @@ def _group(grads: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dtype], li
     return groups
 
 
-@torch.no_grad()
 def get_total_norm(
     grads: Sequence[Tensor],
     norm_type: float = 2.0,
@@ -113,9 +112,20 @@ def get_total_norm(
         norm_type: ``p > 0`` or ``float("inf")``.
         foreach: use ``torch._foreach_norm`` (``None``: where supported).
     """
-    p = float(norm_type)
+    if torch.is_grad_enabled():  # a window's close runs without: no context to enter there
+        with torch.no_grad():
+            return _total_norm(grads, float(norm_type), foreach)
+    return _total_norm(grads, float(norm_type), foreach)
+
+
+def _total_norm(grads: Sequence[Tensor], p: float, foreach: bool | None) -> Tensor:
+    """:func:`get_total_norm` (``p``: the norm type), with autograd off."""
     if len(grads) == 0:
         return torch.zeros((), dtype=torch.float32)
+    plain = _plain_norms(grads, p, foreach)
+    if plain is not None:  # the common case, in one pass of host checks: the same kernels as below
+        plain_total: Tensor = torch.linalg.vector_norm(torch.stack(plain), p)
+        return plain_total
     first_device = grads[0].device
     out_dtype = torch.float32
     norms: list[Tensor] = []
@@ -133,6 +143,24 @@ def get_total_norm(
     stacked = torch.stack(norms)
     total: Tensor = torch.linalg.vector_norm(stacked, p)
     return total
+
+
+def _plain_norms(grads: Sequence[Tensor], p: float, foreach: bool | None) -> list[Tensor] | None:
+    """Each gradient's norm from one ``torch._foreach_norm`` when they are all dense, real, of one
+    device and dtype that the foreach kernels support, and none is large enough for
+    :func:`_direct_cpu_norms`; else None (the general path of :func:`get_total_norm` decides)."""
+    first = grads[0]
+    dtype, device = first.dtype, first.device
+    if foreach is False or dtype.is_complex or device.type not in _FOREACH_DEVICES:
+        return None
+    acc = _norm_dtype(dtype)
+    limit: float = math.inf
+    if foreach is None and device.type == "cpu":  # the sizes _direct_cpu_norms takes
+        limit = DOT_MIN_NUMEL if p == 2.0 and acc == dtype else AMINMAX_MIN_NUMEL if p == math.inf else limit
+    for g in grads:
+        if g.dtype is not dtype or g.is_sparse or g.numel() >= limit or g.device != device:
+            return None
+    return list(torch._foreach_norm(list(grads), p, dtype=acc))
 
 
 def _same_kind_norms(
@@ -369,9 +397,14 @@ def nonfinite_grads(
 def nonfinite_flag(total_norm: Tensor) -> Tensor:
     """``1.0`` (float32) where ``total_norm`` is ``nan`` or ``±inf``, else ``0.0``.
 
-    Exactly the values a fused optimizer's ``found_inf`` accepts.
+    Exactly the values a fused optimizer's ``found_inf`` accepts.  Two kernels: ``x - x`` is
+    ``0`` for a finite ``x`` and ``nan`` for ``nan`` and ``±inf``, and ``ne_(0)`` writes the
+    flag into that float tensor (``isfinite`` is five, and a sixth to convert it).
     """
-    return (~torch.isfinite(total_norm)).to(torch.float32)
+    diff = total_norm - total_norm
+    if diff.dtype != torch.float32:
+        diff = diff.to(torch.float32)  # nan stays nan
+    return diff.ne_(0.0)
 
 
 # ----------------------------------------------------------------------------- per-group clipping

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import pytest
 import torch
 
 import clipopt
@@ -90,3 +91,24 @@ def test_a_plain_micro_batch_step_only_counts() -> None:
         ("_wrapping.py", "_step_hooked"),
         ("_window_guard.py", "step"),
     ]
+
+
+def test_the_one_pass_norm_is_the_general_paths_norm() -> None:
+    """``get_total_norm``'s one-pass case (dense, real, one device and dtype, no large CPU tensor) gives
+    bit for bit the norm of the same kernels (``_foreach_norm``, ``stack``, ``vector_norm``); lists it
+    does not cover (a large CPU tensor, mixed dtypes, a sparse gradient) go the general way."""
+    from clipopt import functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(16, 16, generator=gen) * 3 for _ in range(8)]
+    for p in (1.0, 2.0, 3.0, float("inf")):
+        want = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, p, dtype=torch.float32)), p)
+        assert torch.equal(F.get_total_norm(grads, p), want), p
+    assert F._plain_norms(grads, 2.0, None) is not None
+    big = [torch.ones(F.DOT_MIN_NUMEL)]  # measured directly with dot, not _foreach_norm
+    assert F._plain_norms(big, 2.0, None) is None
+    assert F.get_total_norm(big, 2.0).item() == pytest.approx(F.DOT_MIN_NUMEL**0.5)
+    assert F._plain_norms([torch.ones(3), torch.ones(3, dtype=torch.float64)], 2.0, None) is None
+    sparse = torch.sparse_coo_tensor([[0]], [3.0], (4,))
+    assert F._plain_norms([torch.ones(3), sparse], 2.0, None) is None
+    assert F.get_total_norm([torch.full((4,), 4.0), sparse], 2.0).item() == pytest.approx(73**0.5)
