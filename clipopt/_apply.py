@@ -201,8 +201,12 @@ def _read_skip(d: WindowDecision, skip_flag: Tensor, grads: list[Tensor], foreac
     is ``+inf`` and whose elements nobody looked at is looked at now, on the device (one more pass
     over the gradients, only then; no read): all finite means a float32 norm that overflowed,
     reason ``"norm_overflow"``, not non-finite."""
-    flags = [skip_flag, torch.isposinf(d.total_norm), d.bad_elements()]
-    skip, overflowed, bad = torch.stack([f.to(torch.float32) for f in flags]).tolist()
+    norm = d.total_norm  # a float32 norm is read as it is (+inf stays +inf): no isposinf kernel
+    flags = [skip_flag, norm if norm.dtype == torch.float32 else torch.isposinf(norm), d.bad_elements()]
+    skip, overflow_read, bad = torch.stack(
+        [f if f.dtype == torch.float32 else f.float() for f in flags]
+    ).tolist()
+    overflowed = overflow_read == (math.inf if norm.dtype == torch.float32 else 1.0)
     if skip and overflowed and d.elements is None:
         maxima = F.get_norms(grads, math.inf, foreach=foreach)
         d.checked_elements(F.nonfinite_grads(grads, maxima, math.inf).amax())

@@ -227,7 +227,8 @@ def decide_skip(d: WindowDecision, signals: Sequence[SkipSignal]) -> None:
     reason: int | Tensor = NO_REASON
     for code, flag in reversed(active):
         if skip is None:  # the last signal: its code where it is on, else NO_REASON (0): no where()
-            hit = (flag > 0).to(torch.int64)
+            # (the window's own non-finite flag is exactly 0.0 or 1.0: converted as it is)
+            hit = (flag if flag is d.nonfinite else flag > 0).to(torch.int64)
             reason = hit if code == 1 else hit * code
         else:
             reason = torch.where(flag > 0, code, reason)

@@ -94,7 +94,8 @@ class WrapperState:
                 else torch.as_tensor(nonfinite, device=like.device).to(torch.int64)
             )
             self.skipped = _on_device(self.skipped, like).add_(one)
-            self.consecutive = _on_device(self.consecutive, like).add_(bad).mul_(bad)
+            run = _on_device(self.consecutive, like)  # (run + bad) * bad, in one kernel: bad is 0 or 1
+            self.consecutive = torch.addcmul(bad, run, bad, out=run)
         else:
             self.skipped = self.skipped + int(skipped)
             self.consecutive = self.consecutive + 1 if nonfinite else 0
