@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import clipopt
 from clipopt import ClippedOptimizer
@@ -29,6 +30,26 @@ OFF_FEATURES = {
     ("_logging.py", "log_window"),  # loggers
     ("_group_options.py", "check_policy_with_groups"),  # per-group options
 }
+
+
+#: What one closing ``step()`` of a plain run costs (issue #24), AdamW over 8 tensors of 16x16: clipopt
+#: functions entered (was 130 fused / 135 foreach before the window plan) and ATen operators
+#: dispatched, the inner step's own included (was 29 / 50).  A change that adds work to every
+#: plain window fails here: measure it (benchmarks/small.py) and raise the bound knowingly.
+PLAIN_WINDOW_CALLS = {"fused": 84, "foreach": 89}
+PLAIN_WINDOW_OPS = {"fused": 20, "foreach": 41}
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the ATen operators dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def _entered(call: Callable[[], Any]) -> list[tuple[str, str]]:
@@ -112,3 +133,23 @@ def test_the_one_pass_norm_is_the_general_paths_norm() -> None:
     sparse = torch.sparse_coo_tensor([[0]], [3.0], (4,))
     assert F._plain_norms([torch.ones(3), sparse], 2.0, None) is None
     assert F.get_total_norm([torch.full((4,), 4.0), sparse], 2.0).item() == pytest.approx(73**0.5)
+
+
+def test_a_plain_closing_step_stays_within_its_call_and_kernel_budget() -> None:
+    """A closing ``step()`` of a plain run enters at most PLAIN_WINDOW_CALLS clipopt functions and
+    dispatches at most PLAIN_WINDOW_OPS ATen operators (fused: norm 3, non-finite flag 2,
+    coefficient 4, clipped 1, reason 1, grad_scale 1, counters 3, the inner step 3 and torch's
+    record_function pair)."""
+    for kind in ("fused", "foreach"):
+        opt, params = _plain(1, **{kind: True})
+        for _ in range(3):
+            _fill(params)
+            opt.step()
+        _fill(params)
+        entered = _entered(opt.step)
+        _fill(params)
+        with _Ops() as mode:
+            opt.step()
+        assert ("_optimizer.py", "_finish_window") in entered  # the window did close
+        assert len(entered) <= PLAIN_WINDOW_CALLS[kind], (kind, entered)
+        assert len(mode.ops) <= PLAIN_WINDOW_OPS[kind], (kind, mode.ops)
