@@ -157,8 +157,14 @@ def _plain_norms(grads: Sequence[Tensor], p: float, foreach: bool | None) -> lis
     limit: float = math.inf
     if foreach is None and device.type == "cpu":  # the sizes _direct_cpu_norms takes
         limit = DOT_MIN_NUMEL if p == 2.0 and acc == dtype else AMINMAX_MIN_NUMEL if p == math.inf else limit
+    cpu = device.type == "cpu"  # is_cpu is a cheaper test than building each tensor's device
     for g in grads:
-        if g.dtype is not dtype or g.is_sparse or g.numel() >= limit or g.device != device:
+        if (
+            g.dtype is not dtype
+            or g.is_sparse
+            or g.numel() >= limit
+            or not (g.is_cpu if cpu else g.device == device)
+        ):
             return None
     return list(torch._foreach_norm(list(grads), p, dtype=acc))
 
