@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._config import WindowSettings
-from ._group_options import GroupPlan, check_groups
+from ._group_options import GROUP_KEYS, GroupPlan, check_groups
 from ._policies import ClipPolicy
 
 __all__ = ["PLANNED", "WindowPlan"]
@@ -73,10 +73,10 @@ class WindowPlan:
     def settings(self, opt: Any, n: int) -> WindowSettings:
         """The settings of a window of ``n`` micro-batches of the wrapper ``opt``; the groups' options
         are checked again (before anything changes) when one was set since the last window."""
-        groups = opt.param_groups
+        groups, defaults = opt.param_groups, opt.defaults  # (over several inner optimizers a new dict)
         values = (
             groups,
-            opt.defaults,
+            *[key in defaults for key in GROUP_KEYS],  # which keys are clipping options (group_keys)
             bool(opt.loggers),
             *[g.get(k, _ABSENT) for g in groups for k in _FOLLOWED],
         )
