@@ -187,3 +187,33 @@ def test_a_policy_set_mid_run_is_checked_against_the_groups() -> None:
         p.grad = g
     with pytest.raises(ValueError, match=re.escape("parameter group 0 has its own 'max_norm': 1.0")):
         opt.step()
+
+
+def test_the_plan_is_made_once_while_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Windows with unchanged settings check the groups once, with one inner optimizer and over
+    several (whose merged ``defaults`` is a new dict at every read); a setting assigned makes the
+    plan again, once."""
+    import clipopt._plan as plan_module
+
+    checks: list[int] = []
+    real = plan_module.check_groups
+
+    def counting(*args: object, **kwargs: object) -> object:
+        checks.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(plan_module, "check_groups", counting)
+    params = _params(2)
+    one = ClippedOptimizer(torch.optim.SGD(params, lr=1.0), max_norm=1.0)
+    several = ClippedOptimizer(
+        [torch.optim.SGD(params[:1], lr=1.0), torch.optim.SGD(params[1:], lr=1.0)], max_norm=1.0
+    )
+    for opt in (one, several):
+        checks.clear()
+        for seed in range(4):
+            _window(opt, params, _grads(params, seed))
+        assert len(checks) == 1
+        opt.clip_value = 5.0
+        for seed in range(3):
+            _window(opt, params, _grads(params, seed))
+        assert len(checks) == 2
