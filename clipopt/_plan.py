@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._config import WindowSettings
-from ._group_options import GROUP_KEYS, GroupPlan, check_groups
+from ._group_options import GroupPlan, check_groups
 from ._policies import ClipPolicy
 
 __all__ = ["PLANNED", "WindowPlan"]
@@ -76,7 +76,8 @@ class WindowPlan:
         groups, defaults = opt.param_groups, opt.defaults  # (over several inner optimizers a new dict)
         values = (
             groups,
-            *[key in defaults for key in GROUP_KEYS],  # which keys are clipping options (group_keys)
+            "max_norm" in defaults,  # which of GROUP_KEYS are clipping options (group_keys)
+            "clip_value" in defaults,
             bool(opt.loggers),
             *[g.get(k, _ABSENT) for g in groups for k in _FOLLOWED],
         )
