@@ -276,7 +276,7 @@ def loss_spikes(run: Run, w: Workload) -> tuple[int, int]:
     A spike starts at a real-text window whose loss is more than ``SPIKE`` nats above the median of
     the 20 real-text windows before it, and lasts while the loss stays above that median + ``SPIKE``
     (the damage a corrupted batch, or the run itself, did); it recovered when the loss came back
-    within ``RECOVERY`` real-text windows.  A non-finite loss is a spike that did not recover.
+    within ``RECOVERY`` real-text windows.  A non-finite loss counts as above the level.
     """
     values = [v for _, v in _clean_losses(run, w)]
     spikes = recovered = 0
