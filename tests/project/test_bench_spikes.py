@@ -27,6 +27,7 @@ def test_a_spike_that_never_comes_back_is_not_recovered() -> None:
     """A loss that stays 1 nat up to the end is one spike and not recovered; a non-finite loss too."""
     assert loss_spikes(_run([2.0] * 40 + [3.0] * 60), W) == (1, 0)
     assert loss_spikes(_run([2.0] * 40 + [math.nan] * 60), W) == (1, 0)
+    assert loss_spikes(_run([2.0] * 80 + [3.0] * 20), W) == (1, 0)  # up for the last 20: not back
 
 
 def test_corrupted_batches_and_small_rises_are_not_spikes() -> None:
