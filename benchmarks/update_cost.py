@@ -1,0 +1,188 @@
+"""The cost of going beyond the gradient: UpdateClip, AdaGC and StableSPAM against the plain clipped update.
+
+    python benchmarks/update_cost.py                    # 25M model, fused AdamW, 1 thread, 15 rounds
+    python benchmarks/update_cost.py --optimizer AdamW-foreach --rounds 5
+
+On the 25M-parameter transformer-shaped parameter set of ``benchmarks/diagnostics.py`` (3 layers of
+d=768 and one of d=512, synthetic gradients of norm well above 1), one update (``step()`` with
+``accumulation_steps=1``) of:
+
+* ``clip``          ``max_norm=1.0`` (the baseline of the ratios);
+* ``update_stats``  ``max_norm=1.0, update_stats=True`` (the update norm recorded, nothing bounded);
+* ``update-rms``    ``max_norm=1.0, update_clip=UpdateClip(max_rms=1e-5)``;
+* ``update-norm``   ``max_norm=1.0, update_clip=UpdateClip(max_norm=1e-3)``;
+* ``update-z``      ``max_norm=1.0, update_clip=UpdateClip(z=3.0, window=4)`` (its history full);
+* ``adagc``         ``max_norm=AdaGC(warmup=0)`` (past its warm-up);
+* ``stablespam``    ``max_norm=StableSPAM()``;
+* ``bare``          the inner optimizer's ``step()`` alone, for scale.
+
+The bounds are small enough that every update is scaled (lr 1e-4: AdamW's update RMS is about 1e-4).
+Methods run interleaved with the order rotating every round (A B C ..., then B C ... A), medians over
+rounds; ``paired`` is the median of each round's own ratio to ``clip`` (robust to the load of a shared
+machine drifting between rounds). Memory: the largest sum of tensors allocated and alive during one
+update (``bench._AllocTracker``, a ``TorchDispatchMode``), and what it adds to ``clip``'s, in units of
+the parameters' bytes. Host reads per update (tests/hostreads.py). Writes
+``update_cost_<optimizer>.md`` and ``.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench import OPTIMIZERS, ParamModel, _AllocTracker, transformer_shapes  # noqa: E402
+
+from clipopt import AdaGC, ClippedOptimizer, StableSPAM, UpdateClip  # noqa: E402
+from tests.hostreads import count_host_reads  # noqa: E402
+
+#: name -> (setting, ClippedOptimizer keywords besides the inner optimizer); None: the bare inner step
+METHODS: dict[str, tuple[str, Callable[[], dict[str, Any]] | None]] = {
+    "clip": ("max_norm=1.0", lambda: {"max_norm": 1.0}),
+    "update_stats": ("max_norm=1.0, update_stats=True", lambda: {"max_norm": 1.0, "update_stats": True}),
+    "update-rms": (
+        "max_norm=1.0, update_clip=UpdateClip(max_rms=1e-5)",
+        lambda: {"max_norm": 1.0, "update_clip": UpdateClip(max_rms=1e-5)},
+    ),
+    "update-norm": (
+        "max_norm=1.0, update_clip=UpdateClip(max_norm=1e-3)",
+        lambda: {"max_norm": 1.0, "update_clip": UpdateClip(max_norm=1e-3)},
+    ),
+    "update-z": (
+        "max_norm=1.0, update_clip=UpdateClip(z=3.0, window=4)",
+        lambda: {"max_norm": 1.0, "update_clip": UpdateClip(z=3.0, window=4)},
+    ),
+    "adagc": ("max_norm=AdaGC(warmup=0)", lambda: {"max_norm": AdaGC(warmup=0)}),
+    "stablespam": ("max_norm=StableSPAM()", lambda: {"max_norm": StableSPAM()}),
+    "bare": ("inner.step()", None),
+}
+
+
+def make_methods(params: list[torch.nn.Parameter], inner: str) -> dict[str, Callable[[], None]]:
+    new = OPTIMIZERS[inner]
+    out: dict[str, Callable[[], None]] = {}
+    for name, (_, kwargs) in METHODS.items():
+        opt = new(params)
+        out[name] = opt.step if kwargs is None else ClippedOptimizer(opt, **kwargs()).step
+    return out
+
+
+def measure(model: ParamModel, methods: dict[str, Callable[[], None]], rounds: int) -> dict[str, Any]:
+    """Median time, paired ratio, transient memory and host reads of one update per method."""
+    grads = [p.grad for p in model.parameters()]
+    saved = [g.clone() for g in grads if g is not None]
+
+    def restore() -> None:
+        torch._foreach_copy_(grads, saved)  # type: ignore[arg-type]
+
+    for update in methods.values():  # warm-up: optimizer state, first-update paths, a full z history
+        for _ in range(4):
+            restore()
+            update()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    names = list(methods)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            restore()
+            gc.disable()
+            t0 = time.perf_counter()
+            methods[name]()
+            times[name].append(time.perf_counter() - t0)
+            gc.enable()
+    out: dict[str, Any] = {}
+    for name, update in methods.items():
+        restore()
+        with count_host_reads() as reads:
+            update()
+        restore()
+        tracker = _AllocTracker()
+        with tracker:
+            update()
+        out[name] = {
+            "update_s": statistics.median(times[name]),
+            "paired_vs_clip": statistics.median(
+                t / b for t, b in zip(times[name], times["clip"], strict=True)
+            ),
+            "host_reads": len(reads),
+            "transient_bytes": tracker.peak,
+        }
+    for row in out.values():
+        row["vs_clip"] = row["update_s"] / out["clip"]["update_s"]
+    return out
+
+
+def render(rows: dict[str, Any], meta: dict[str, Any]) -> str:
+    pbytes = meta["param_bytes"]
+    lines = [
+        f"{meta['params'] / 1e6:.1f}M parameters ({pbytes / 2**20:.0f} MB), {meta['optimizer']}, "
+        f"torch {meta['torch']}, {meta['threads']} thread(s), "
+        f"{meta['rounds']} interleaved rounds (rotating).",
+        "",
+        "| method | setting | ms / update (median) | vs clip (medians) | vs clip (paired) "
+        "| memory during the update (MB) | added to clip (x parameters) | host reads |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    base = rows["clip"]["transient_bytes"]
+    for name, r in rows.items():
+        added = (r["transient_bytes"] - base) / pbytes
+        lines.append(
+            f"| {name} | `{METHODS[name][0]}` | {1e3 * r['update_s']:.1f} | {r['vs_clip']:.3f} "
+            f"| {r['paired_vs_clip']:.3f} | {r['transient_bytes'] / 2**20:.0f} | {added:+.2f} "
+            f"| {r['host_reads']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--optimizer", default="AdamW-fused", choices=list(OPTIMIZERS))
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--small", action="store_true", help="a 1-layer d=256 model instead (smoke run)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    shapes = (
+        transformer_shapes(256, 1) if args.small else transformer_shapes(768, 3) + transformer_shapes(512, 1)
+    )
+    model = ParamModel(shapes)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p) * 0.05  # norm well above 1: gradient clipping is active
+    rows = measure(model, make_methods(params, args.optimizer), args.rounds)
+    meta = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "optimizer": args.optimizer,
+        "params": sum(p.numel() for p in params),
+        "param_bytes": sum(p.numel() * p.element_size() for p in params),
+    }
+    table = render(rows, meta)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"update_cost_{args.optimizer}"
+    (out / f"{stem}.md").write_text(table)
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
