@@ -60,7 +60,7 @@ from ._wrapping import InnerOptimizerView
 
 __all__ = ["ClippedOptimizer"]
 
-#: What closing a window replaces in the wrapper: put back when it fails (see ``_rollback.UndoPoint``).
+#: What closing a window replaces in the wrapper: put back when it fails (see ``_window.rollback.UndoPoint``).
 _UNDO_FIELDS = ("_counters", "_update_applied", "_last_skipped", "_unsynced", "last_stats", "_diagnostics")
 
 
@@ -244,14 +244,14 @@ class ClippedOptimizer(InnerOptimizerView):
         self._loss = LossSum()  # the open window's micro-batch losses
         self._update_applied: bool | None = False  # None: read _last_skipped
         self._last_skipped: bool | Tensor = False
-        self._readiness = StateReadiness()  # whether the fused path may skip (see _apply)
-        self._index = ParamIndex()  # the parameters, in group order (see _window_grads)
+        self._readiness = StateReadiness()  # whether the fused path may skip (see _window.apply)
+        self._index = ParamIndex()  # the parameters, in group order (see _window.grads)
         self._unsynced: Unsynced | None = None  # the latest micro-batch that skipped its sync, see no_sync()
         writer = None if snapshot_dir is None else SnapshotWriter(snapshot_dir, self.max_snapshots)
         self._diagnostics = Diagnostics(writer)  # snapshots, attachments, the candidate bad row
-        self._window_guard = WindowGuard()  # outside clearing and stacked accumulation, see _window_guard
-        self._skip_sources: list[SkipSource] = []  # extra skip signals after the built-in ones (_decision)
-        self._skip_run = SkipRun()  # warns after 10 skipped windows in a row (see _skip_run)
+        self._window_guard = WindowGuard()  # outside clearing and stacked accumulation, see _window.guard
+        self._skip_sources: list[SkipSource] = []  # skip signals after the built-in ones (_window.decision)
+        self._skip_run = SkipRun()  # warns after 10 skipped windows in a row (see _window.skip_run)
 
     # ------------------------------------------------------------------ delegation
 
@@ -405,7 +405,7 @@ class ClippedOptimizer(InnerOptimizerView):
             with torch.enable_grad():
                 out = closure()
         if self.accumulation_steps > 1 and not self._index.has_dtensor and not is_compiling():
-            # host bookkeeping only (see _window_guard); FSDP2 writes .grad outside autograd
+            # host bookkeeping only (see _window.guard); FSDP2 writes .grad outside autograd
             guard, allowed = self._window_guard, self.backward_passes_per_step
             guard.step(self._counters.micro_batches, self.accumulation_steps, allowed, self._params)
         loss_before = self._loss.total, self._loss.count  # add() replaces, never writes into, the sum

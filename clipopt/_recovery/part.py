@@ -56,7 +56,7 @@ def check_recovery(spike_guard: Any, rewind: Any, policy: Any) -> None:
 class SpikeRecovery:
     """A guard and/or a rewind attached to one optimizer.
 
-    With a guard it is one of the optimizer's skip sources (``_decision.SkipSource``):
+    With a guard it is one of the optimizer's skip sources (``_window.decision.SkipSource``):
     :attr:`code` and :meth:`flag`.
     """
 
