@@ -39,7 +39,7 @@ from ._distributed.no_sync import (
 from ._distributed.replicas import ReplicaDecision, settings_of
 from ._policies.builtin import ClipPolicy
 from ._reasons import NOGRAD, REWIND
-from ._recovery.part import SpikeRecovery, check_recovery
+from ._recovery.part import SpikeRecovery, WrapperParts, check_recovery
 from ._recovery.rewind import Rewind
 from ._recovery.spike_guard import SpikeGuard
 from ._state import WrapperState
@@ -561,7 +561,7 @@ class ClippedOptimizer(InnerOptimizerView):
         n, params = self._counters.micro_batches, self._params()
         s = WindowSettings.read(self, n, self._group_plan())  # group options checked before any change
         if self._recovery.due(self._counters.windows):  # Rewind: a copy, or back to one
-            hit = self._recovery.check(self._counters.windows, params, self._inner, self._policy, self.scaler)
+            hit = self._recovery.check(self._counters.windows, params, self._inner, self._wrapper_parts())
             if hit is not None:
                 undo.committed = True  # the training state was restored: this window is discarded
                 return self._close_rewound(n, loss, hit[1])
@@ -670,11 +670,15 @@ class ClippedOptimizer(InnerOptimizerView):
     def _close_rewound(self, n: int, loss: Any, restored: dict[str, Any]) -> Any:
         """The Rewind restored an earlier copy: load its wrapper state; this window (computed on the
         abandoned state) is discarded and recorded as skipped with reason ``"rewind"``."""
-        self._recovery.restore_wrapper(restored, self._policy, self.scaler)
+        self._recovery.restore_wrapper(restored, self._wrapper_parts())
         self._readiness.reset()  # the inner state holds new tensors
         self._window_guard.reset()
         self._diagnostics.attached.clear()
         return self._close_empty(n, loss, REWIND)
+
+    def _wrapper_parts(self) -> WrapperParts:
+        """What a Rewind copy holds of the wrapper beside the guard (see ``_recovery.part``)."""
+        return self._policy, self.scaler, self.update_clip
 
     def _close_empty(self, n: int, loss: Any, reason: int = NOGRAD) -> Any:
         """A window in which no parameter has a gradient: nothing to apply, so the inner step is not

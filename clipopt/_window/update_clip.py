@@ -38,6 +38,7 @@ __all__ = [
     "MODES",
     "UpdateClip",
     "checked_update_state",
+    "fits",
     "global_coef",
     "rms_coefs",
     "z_bound",
@@ -249,3 +250,12 @@ def checked_update_state(entry: Any, update_clip: UpdateClip | None) -> Any:
         return None
     copy.deepcopy(update_clip).load_state_dict(saved)
     return saved
+
+
+def fits(update_clip: UpdateClip, saved: Any) -> bool:
+    """Whether ``update_clip`` can load ``saved`` (a state of its mode and window), changing nothing."""
+    try:
+        copy.deepcopy(update_clip).load_state_dict(saved)
+    except ValueError:
+        return False
+    return True
