@@ -493,6 +493,29 @@ def test_bad_update_clip_arguments_are_refused(kwargs: dict, error: type, messag
         UpdateClip(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("update_clip", "max_rms", "update_clip must be an UpdateClip or None, got str; "),
+        ("update_stats", "yes", "update_stats must be True or False, got 'yes' (str); "),
+    ],
+)
+def test_update_options_reassigned_to_a_bad_value_are_refused_at_the_first_step(
+    name: str, value: str, message: str
+) -> None:
+    """``opt.update_clip`` / ``opt.update_stats`` reassigned to a value of another type before the
+    first step: the step raises the TypeError of the constructor's check (naming the argument, the
+    value and the fix), not an AttributeError or a float conversion error from the ranks' settings
+    check, and no window is counted."""
+    model = model_for()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), update_clip=UpdateClip(max_rms=1.0))
+    setattr(opt, name, value)
+    _backward(model, batches_for(1, seed=0)[0])
+    with pytest.raises(TypeError, match=re.escape(message)):
+        opt.step()
+    assert opt.num_windows == 0
+
+
 def test_bad_optimizer_arguments_are_refused() -> None:
     """update_clip of another type, update_stats not a bool, and update_clip around LBFGS raise errors
     naming the argument, the value and the fix."""
