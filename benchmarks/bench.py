@@ -11,6 +11,8 @@ the same run are compared):
 * ``clip_grad_norm_`` ``torch.nn.utils.clip_grad_norm_(params, 1.0)`` then ``step()``;
 * ``clipopt``         ``ClippedOptimizer(inner, max_norm=1.0, accumulation_steps=k)``,
                       the k ``step()`` calls of one window;
+* ``clipopt+update_clip`` the same with ``update_clip=UpdateClip(max_rms=1.0)``: the copy of
+                      the parameters and inner state, the update's norms and bound;
 * ``zclip``           ``zclip.ZClip(max_grad_norm=None).step(model)`` then ``step()`` (extra ``bench``);
 * ``autoclip``        ``autoclip.torch.QuantileClip(params, 0.9, 1000, global_threshold=True).step()``
                       then ``step()`` (extra ``bench``).
@@ -45,7 +47,7 @@ from torch.utils._pytree import tree_leaves
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from clipopt import ClippedOptimizer  # noqa: E402
+from clipopt import ClippedOptimizer, UpdateClip  # noqa: E402
 from tests.hostreads import count_host_reads  # noqa: E402
 
 # ----------------------------------------------------------------------------- models
@@ -118,6 +120,16 @@ def make_methods(model: ParamModel, opt_name: str, accumulation: int, peers: boo
             wrapped.step()
 
     methods.append(Method("clipopt", clipopt_window, [wrapped.optimizer]))
+
+    bounded = ClippedOptimizer(
+        new(params), max_norm=1.0, accumulation_steps=accumulation, update_clip=UpdateClip(max_rms=1.0)
+    )
+
+    def update_clip_window() -> None:
+        for _ in range(accumulation):
+            bounded.step()
+
+    methods.append(Method("clipopt+update_clip", update_clip_window, [bounded.optimizer]))
 
     if peers:
         try:

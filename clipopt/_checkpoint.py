@@ -173,7 +173,7 @@ def read_checkpoint(
         loss_sum = LossSum.from_dict(ext, wrapper[0].micro_batches)
     checked: tuple[Any, Any] = (None, None)
     if wrapper is not None and isinstance(ext, dict) and recovery is not None:
-        checked = recovery.validate(ext, _copied_wrapper_check(policy, scaler))
+        checked = recovery.validate(ext, _copied_wrapper_check(policy, scaler, update_clip))
     inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
     counters, pending, scaler_state = wrapper if wrapper is not None else (None, None, None)
     return Checkpoint(
@@ -241,14 +241,17 @@ def _checked_kept_options(
     return kept
 
 
-def _copied_wrapper_check(policy: ClipPolicy | None, scaler: torch.amp.GradScaler | None) -> Any:
-    """A check of the policy and scaler state inside a Rewind copy (loaded at a rewind, after the
-    parameters are restored: it must be loadable before anything changes)."""
+def _copied_wrapper_check(
+    policy: ClipPolicy | None, scaler: torch.amp.GradScaler | None, update_clip: UpdateClip | None
+) -> Any:
+    """A check of the policy, scaler and update-clip state inside a Rewind copy (loaded at a rewind,
+    after the parameters are restored: it must be loadable before anything changes)."""
 
     def check(extra: Any) -> None:
         if not isinstance(extra, dict):
             return
         checked_policy_state(extra.get("policy"), policy)
         check_scaler_matches(extra.get("scaler"), scaler)
+        checked_update_state(extra, update_clip)
 
     return check

@@ -39,7 +39,7 @@ from ._distributed.no_sync import (
 from ._distributed.replicas import ReplicaDecision, settings_of
 from ._policies.builtin import ClipPolicy
 from ._reasons import NOGRAD, REWIND
-from ._recovery.part import SpikeRecovery, check_recovery
+from ._recovery.part import SpikeRecovery, WrapperParts, check_recovery
 from ._recovery.rewind import Rewind
 from ._recovery.spike_guard import SpikeGuard
 from ._state import WrapperState
@@ -60,7 +60,7 @@ from ._wrapping import InnerOptimizerView
 
 __all__ = ["ClippedOptimizer"]
 
-#: What closing a window replaces in the wrapper: put back when it fails (see ``_rollback.UndoPoint``).
+#: What closing a window replaces in the wrapper: put back when it fails (see ``_window.rollback.UndoPoint``).
 _UNDO_FIELDS = ("_counters", "_update_applied", "_last_skipped", "_unsynced", "last_stats", "_diagnostics")
 
 
@@ -245,15 +245,15 @@ class ClippedOptimizer(InnerOptimizerView):
         self._loss = LossSum()  # the open window's micro-batch losses
         self._update_applied: bool | None = False  # None: read _last_skipped
         self._last_skipped: bool | Tensor = False
-        self._readiness = StateReadiness()  # whether the fused path may skip (see _apply)
-        # the parameters, in group order (see _window_grads); what a window does, per settings (see _plan)
+        self._readiness = StateReadiness()  # whether the fused path may skip (see _window.apply)
+        # the parameters in group order (_window.grads); what a window does, per settings (_window.plan)
         self._index, self._plan = ParamIndex(), WindowPlan()
         self._unsynced: Unsynced | None = None  # the latest micro-batch that skipped its sync, see no_sync()
         writer = None if snapshot_dir is None else SnapshotWriter(snapshot_dir, self.max_snapshots)
         self._diagnostics = Diagnostics(writer)  # snapshots, attachments, the candidate bad row
-        self._window_guard = WindowGuard()  # outside clearing and stacked accumulation, see _window_guard
-        self._skip_sources: list[SkipSource] = []  # extra skip signals after the built-in ones (_decision)
-        self._skip_run = SkipRun()  # warns after 10 skipped windows in a row (see _skip_run)
+        self._window_guard = WindowGuard()  # outside clearing and stacked accumulation, see _window.guard
+        self._skip_sources: list[SkipSource] = []  # skip signals after the built-in ones (_window.decision)
+        self._skip_run = SkipRun()  # warns after 10 skipped windows in a row (see _window.skip_run)
 
     # ------------------------------------------------------------------ delegation
 
@@ -402,7 +402,7 @@ class ClippedOptimizer(InnerOptimizerView):
             with torch.enable_grad():
                 out = closure()
         if self.accumulation_steps > 1 and not self._index.has_dtensor and not is_compiling():
-            # host bookkeeping only (see _window_guard); FSDP2 writes .grad outside autograd
+            # host bookkeeping only (see _window.guard); FSDP2 writes .grad outside autograd
             guard, allowed = self._window_guard, self.backward_passes_per_step
             guard.step(self._counters.micro_batches, self.accumulation_steps, allowed, self._params)
         loss_before = self._loss.total, self._loss.count  # add() replaces, never writes into, the sum
@@ -558,7 +558,7 @@ class ClippedOptimizer(InnerOptimizerView):
         n, params = self._counters.micro_batches, self._params()
         s = self._plan.settings(self, n)  # group options checked (when changed) before any change
         if self._recovery.due(self._counters.windows):  # Rewind: a copy, or back to one
-            hit = self._recovery.check(self._counters.windows, params, self._inner, self._policy, self.scaler)
+            hit = self._recovery.check(self._counters.windows, params, self._inner, self._wrapper_parts())
             if hit is not None:
                 undo.committed = True  # the training state was restored: this window is discarded
                 return self._close_rewound(n, loss, hit[1])
@@ -671,11 +671,15 @@ class ClippedOptimizer(InnerOptimizerView):
     def _close_rewound(self, n: int, loss: Any, restored: dict[str, Any]) -> Any:
         """The Rewind restored an earlier copy: load its wrapper state; this window (computed on the
         abandoned state) is discarded and recorded as skipped with reason ``"rewind"``."""
-        self._recovery.restore_wrapper(restored, self._policy, self.scaler)
+        self._recovery.restore_wrapper(restored, self._wrapper_parts())
         self._readiness.reset()  # the inner state holds new tensors
         self._window_guard.reset()
         self._diagnostics.attached.clear()
         return self._close_empty(n, loss, REWIND)
+
+    def _wrapper_parts(self) -> WrapperParts:
+        """What a Rewind copy holds of the wrapper beside the guard (see ``_recovery.part``)."""
+        return self._policy, self.scaler, self.update_clip
 
     def _close_empty(self, n: int, loss: Any, reason: int = NOGRAD) -> Any:
         """A window in which no parameter has a gradient: nothing to apply, so the inner step is not

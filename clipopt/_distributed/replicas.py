@@ -499,12 +499,17 @@ def _group_settings(groups: list[dict[str, Any]]) -> list[tuple[str, float]]:
     ]
 
 
-def _update_settings(update_clip: Any, update_stats: bool) -> list[tuple[str, float]]:
+def _update_settings(update_clip: Any, update_stats: Any) -> list[tuple[str, float]]:
     """UpdateClip's settings (its own ``settings()``: mode, limit, window) and ``update_stats``
-    (``-1``: off): replicas that bound their updates differently would drift."""
-    off = [("update_clip.mode", -1.0), ("update_clip.limit", -1.0), ("update_clip.window", -1.0)]
-    clip = off if update_clip is None else update_clip.settings()
-    return [*clip, ("update_stats", float(update_stats))]
+    (``-1``: off): replicas that bound their updates differently would drift.  A value of another
+    type (reassigned since the constructor checked it) reads -4: the window's own check refuses it
+    with its message."""
+    names = ("update_clip.mode", "update_clip.limit", "update_clip.window")
+    if update_clip is None or not callable(getattr(update_clip, "settings", None)):
+        clip = [(name, -1.0 if update_clip is None else -4.0) for name in names]
+    else:
+        clip = update_clip.settings()
+    return [*clip, ("update_stats", float(update_stats) if isinstance(update_stats, bool) else -4.0)]
 
 
 def _recovery_settings(guard: Any, rewind: Any) -> list[tuple[str, float]]:

@@ -98,7 +98,7 @@ class AdaGC(TensorPolicy):
         return {"gamma": self._gamma, "count": self._count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        checked = checked_state("AdaGC", state, ("gamma", "count"))
+        checked = checked_state("AdaGC", state, ("gamma", "count"), unseen=("gamma",))
         self._gamma = checked["gamma"].clone()
         self._count = checked["count"].reshape(()).to(torch.float64, copy=True)
 

@@ -80,6 +80,11 @@ class ClipPolicy:
         """After the window's skip decision (``skip``: 0/1 on the device; None: no skip signal), a
         policy that clips in place takes back what a skipped window changed.  Default: nothing."""
 
+    def take_back(self, skip: Tensor) -> None:
+        """After the inner step, when the window is skipped then (``skip``: 0/1 on the device; a
+        non-finite update put back), a policy that clips in place takes back what the window
+        changed, as :meth:`settle` does.  Default: nothing."""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -320,6 +325,7 @@ class TensorPolicy(ClipPolicy):
 
     def __init__(self) -> None:
         self._undo: dict[str, Tensor] = {}  #: the statistics before the latest window, until settled
+        self._settled: dict[str, Tensor] = {}  #: those of the latest settled window (for take_back)
 
     def commit(self, **changes: tuple[Tensor, Tensor]) -> None:
         """Set each attribute ``name=(old, new)`` to ``new``, keeping ``old`` until :meth:`settle`."""
@@ -329,9 +335,13 @@ class TensorPolicy(ClipPolicy):
 
     def settle(self, skip: Tensor | None) -> None:
         undo, self._undo = self._undo, {}
+        self._settled = undo  # this window's: take_back() may still need them after the inner step
         if skip is not None:
-            for name, old in undo.items():
-                setattr(self, name, torch.where(skip > 0, old, getattr(self, name)))
+            self.take_back(skip)
+
+    def take_back(self, skip: Tensor) -> None:
+        for name, old in self._settled.items():
+            setattr(self, name, torch.where(skip > 0, old, getattr(self, name)))
 
     def clip_window_(self, window: PolicyWindow) -> Tensor:
         raise NotImplementedError

@@ -187,21 +187,39 @@ def bias_correction(decay: float, count: Tensor, dtype: torch.dtype) -> Tensor:
     return (1.0 - torch.pow(base, count.to(torch.float64))).to(dtype)
 
 
-def checked_state(name: str, state: dict[str, Any], keys: Sequence[str]) -> dict[str, Tensor]:
-    """A per-tensor policy's saved state: 1-d real statistics of one length and a 0-d ``count``
-    >= 0 (the last of ``keys``), else ``ValueError`` naming the policy (touching nothing)."""
+def checked_state(
+    name: str, state: dict[str, Any], keys: Sequence[str], unseen: Sequence[str] = ()
+) -> dict[str, Tensor]:
+    """A per-tensor policy's saved state: 1-d real statistics of one length, each finite and >= 0
+    (nan too for the keys in ``unseen``: a tensor not seen yet), and a 0-d ``count`` (the last of
+    ``keys``), a whole number >= 0; else ``ValueError`` naming the policy (touching nothing).
+    A nan, infinite or negative statistic would turn the clipping off, or make every gradient nan
+    after the window's finiteness check.  Reads the values (a load, not a step)."""
     fix = f"pass the state a {name} saved"
     out: dict[str, Tensor] = {}
     for key in keys:
         value = state.get(key) if isinstance(state, dict) else None
         if not isinstance(value, Tensor) or value.is_complex() or not value.is_floating_point():
             raise ValueError(f"invalid {name} state: {key!r} must be a float tensor; {fix}")
-        if key == "count" and (value.numel() != 1 or not bool(value.reshape(()) >= 0)):
-            raise ValueError(f"invalid {name} state: 'count' must be one number >= 0; {fix}")
+        if key == "count" and (value.numel() != 1 or not _whole(value.reshape(()))):
+            raise ValueError(f"invalid {name} state: 'count' must be one whole number >= 0; {fix}")
         if key != "count" and value.dim() != 1:
             raise ValueError(f"invalid {name} state: {key!r} must be 1-d; {fix}")
+        ok = torch.isfinite(value) & (value >= 0)
+        if key in unseen:
+            ok |= torch.isnan(value)
+        if not bool(ok.all()):
+            also = " (or nan: not seen yet)" if key in unseen else ""
+            raise ValueError(
+                f"invalid {name} state: {key!r} holds a value that is not finite and >= 0{also}; {fix}"
+            )
         out[key] = value.detach()
     sizes = sorted({v.numel() for k, v in out.items() if k != "count"})
     if len(sizes) > 1:
         raise ValueError(f"invalid {name} state: statistics of different lengths {sizes}; {fix}")
     return out
+
+
+def _whole(count: Tensor) -> bool:
+    """Whether ``count`` (0-d) is a finite whole number >= 0."""
+    return bool(torch.isfinite(count) & (count >= 0) & (count == count.round()))

@@ -26,11 +26,16 @@ from torch.optim import Optimizer
 
 from .._reasons import SPIKE
 from .._window.decision import WindowDecision
+from .._window.update_clip import fits
 from .lr_cut import cut_applied
 from .rewind import Rewind, RewindEvent
 from .spike_guard import SpikeGuard
 
-__all__ = ["SpikeRecovery", "check_recovery"]
+__all__ = ["SpikeRecovery", "WrapperParts", "check_recovery"]
+
+#: The wrapper's parts whose state a Rewind copy holds beside the guard's: its policy (None: a float
+#: bound), its GradScaler and its UpdateClip (or None).
+WrapperParts = tuple[Any, Any, Any]
 
 #: What stage 6 returns (``apply_window``): ``step()``'s result, the outcome, whether fused.
 _Applied = tuple[Any, bool | Tensor, bool]
@@ -60,7 +65,7 @@ def check_recovery(spike_guard: Any, rewind: Any, policy: Any) -> None:
 class SpikeRecovery:
     """A guard and/or a rewind attached to one optimizer.
 
-    With a guard it is one of the optimizer's skip sources (``_decision.SkipSource``):
+    With a guard it is one of the optimizer's skip sources (``_window.decision.SkipSource``):
     :attr:`code` and :meth:`flag`.
     """
 
@@ -137,15 +142,15 @@ class SpikeRecovery:
         return self.rewind is not None and closed > 0 and closed % self.rewind.check_every == 0
 
     def check(
-        self, closed: int, params: list[Tensor], optimizer: Optimizer, policy: Any, scaler: Any
+        self, closed: int, params: list[Tensor], optimizer: Optimizer, wrapper: WrapperParts
     ) -> tuple[RewindEvent, Any] | None:
         """The Rewind's check after ``closed`` windows: a copy or a rewind (then the event and the
-        restored wrapper state, which :meth:`restore_wrapper` loads).  A copy holds the wrapper's
-        ``policy``, guard and ``scaler`` state beside the parameters and the inner state."""
+        restored wrapper state, which :meth:`restore_wrapper` loads).  A copy holds the ``wrapper``'s
+        policy, update-clip history, guard and scaler state beside the parameters and the inner state."""
         if self.rewind is None:
             return None
         self.rewind.bind(params, optimizer)  # parameter groups may have been added since
-        hit = self.rewind.check(closed, lambda: self.wrapper_state(policy, scaler))
+        hit = self.rewind.check(closed, lambda: self.wrapper_state(wrapper))
         if hit is None:
             return None
         # the check runs in the close of window closed + 1, the one discarded (StepStats, CSV: "rewind")
@@ -175,22 +180,31 @@ class SpikeRecovery:
         self._window = (None, False)
         return {} if self.rewind is None else self.rewind.window_record(factor, rewound)
 
-    def wrapper_state(self, policy: Any, scaler: Any) -> dict[str, Any]:
-        """The wrapper state a Rewind copy holds: policy, SpikeGuard and scaler (device tensors)."""
+    def wrapper_state(self, wrapper: WrapperParts) -> dict[str, Any]:
+        """The wrapper state a Rewind copy holds: policy, SpikeGuard, scaler and the history of
+        ``UpdateClip(z=...)`` (device tensors)."""
+        policy, scaler, update_clip = wrapper
         return {
             "policy": None if policy is None else policy.state_dict(),
             "spike_guard": None if self.guard is None else self.guard.state_dict(),
             "scaler": None if scaler is None else scaler.state_dict(),
+            "update_clip": (update_clip.state_dict() or None) if update_clip is not None else None,
         }
 
-    def restore_wrapper(self, restored: dict[str, Any], policy: Any, scaler: Any) -> None:
-        """Load the wrapper state of the copy a rewind went back to (see :meth:`wrapper_state`)."""
+    def restore_wrapper(self, restored: dict[str, Any], wrapper: WrapperParts) -> None:
+        """Load the wrapper state of the copy a rewind went back to (see :meth:`wrapper_state`); a copy
+        without an update-clip history (or one of another window: ``opt.update_clip`` was replaced
+        since) leaves the current one as it is."""
+        policy, scaler, update_clip = wrapper
         if restored.get("policy") is not None and policy is not None:
             policy.load_state_dict(restored["policy"])
         if restored.get("spike_guard") is not None and self.guard is not None:
             self.guard.load_state_dict(restored["spike_guard"])
         if restored.get("scaler") is not None and scaler is not None:
             scaler.load_state_dict(restored["scaler"])
+        saved = restored.get("update_clip")
+        if saved is not None and update_clip is not None and fits(update_clip, saved):
+            update_clip.load_state_dict(saved)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -214,7 +214,7 @@ class Rewind:
         """Read the pending flags; rewind, or take a copy when one is due.
 
         ``wrapper_state()`` gives the wrapper's state to copy along (policy,
-        guard).  After a rewind returns the event and the restored wrapper state
+        guard, scaler, update-clip history).  After a rewind returns the event and the restored wrapper state
         (CPU tensors) for the optimizer to load; else None.
         """
         target = self._bound_target()

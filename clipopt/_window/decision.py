@@ -156,8 +156,8 @@ class WindowDecision:
         #: The common pre-clip norm of the groups sharing the wrapper's bound (``nan`` when the window
         #: is not finite): what a policy sees.  None without per-group clipping (it sees ``total_norm``).
         self.shared_norm: Tensor | None = None
-        #: With ``update_clip``/``update_stats`` (set after the inner step, ``_update_apply``): the norm
-        #: of the update before clipping and the coefficient applied; None without.
+        #: With ``update_clip``/``update_stats`` (set after the inner step, ``_window.update_apply``):
+        #: the norm of the update before clipping and the coefficient applied; None without.
         self.update_norm: Tensor | None = None
         self.update_coef: Tensor | None = None
 

@@ -10,7 +10,8 @@ on the device and
    (over pipeline stages with ``norm_group``): ``StepStats.update_norm``;
 2. rejects a non-finite update from finite gradients: parameters and inner
    state are put back (a device select, no host read), the window is skipped
-   with reason ``"nonfinite_update"`` and adds nothing to the ``z`` history;
+   with reason ``"nonfinite_update"`` and adds nothing to the ``z`` history, nor to a
+   per-tensor policy's statistics (``ClipPolicy.take_back``);
 3. bounds it (``UpdateClip``): ``p = p_after - (1 - coef) * u``, which is
    ``p_before + coef * u`` and leaves ``p_after`` bit for bit when ``coef`` is 1;
    the coefficient (the smallest with ``max_rms``; 0 for a rejected update) is
@@ -34,6 +35,7 @@ from .. import functional as F
 from .._checks import check_flag
 from .._distributed.collectives import ShardedGrads, has_dtensor, reduce_norm_over
 from .._inner import inner_optimizers, reevaluates
+from .._policies.builtin import ClipPolicy
 from .._reasons import NONFINITE_UPDATE
 from .decision import WindowDecision
 from .rollback import InnerBackup, local_view
@@ -65,21 +67,25 @@ def start_update(owner: Any, params: list[Tensor], optimizer: Optimizer) -> Wind
     """Copy ``params`` and their inner state just before the inner step of ``optimizer``.
 
     ``owner`` is the :class:`~clipopt.ClippedOptimizer`: its public ``update_clip``,
-    ``update_stats`` and ``norm_group`` are read (and the first two checked: they may have been
-    reassigned since the constructor checked them)."""
+    ``update_stats``, ``norm_group`` and ``max_norm`` (a policy takes back a window put back) are
+    read (and the first two checked: they may have been reassigned since the constructor checked
+    them)."""
     clip, _ = check_update_options(owner.update_clip, owner.update_stats, optimizer)
-    return WindowUpdate(clip, params, InnerBackup(optimizer, params), owner.norm_group)
+    policy = owner.max_norm if isinstance(owner.max_norm, ClipPolicy) else None
+    return WindowUpdate(clip, params, InnerBackup(optimizer, params), (owner.norm_group, policy))
 
 
 class WindowUpdate:
     """One window's update: the copy taken before the inner step, finished after it."""
 
-    __slots__ = ("_backup", "_clip", "_norm_group", "_params")
+    __slots__ = ("_backup", "_clip", "_norm_group", "_params", "_policy")
 
     def __init__(
-        self, clip: UpdateClip | None, params: list[Tensor], backup: InnerBackup, norm_group: Any
+        self, clip: UpdateClip | None, params: list[Tensor], backup: InnerBackup, context: tuple[Any, Any]
     ) -> None:
-        self._clip, self._params, self._backup, self._norm_group = clip, params, backup, norm_group
+        """``context``: the ``norm_group`` (pipeline stages) and the clipping policy (or None)."""
+        self._clip, self._params, self._backup = clip, params, backup
+        self._norm_group, self._policy = context
 
     def _norms(self, updates: Sequence[Tensor]) -> Tensor:
         """Each tensor's update norm (float32, a DTensor's over its shards)."""
@@ -110,6 +116,8 @@ class WindowUpdate:
         for p, saved in zip(now, before, strict=True):
             p.copy_(torch.where(on, saved, p))
         self._backup.restore_where(bad)
+        if self._policy is not None:  # its statistics as they were before the window, too
+            self._policy.take_back(bad)
         outcome = _as_flag(skipped, total.device)
         outcome = torch.maximum(outcome, bad)
         reason = d.reason

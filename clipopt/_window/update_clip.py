@@ -38,6 +38,7 @@ __all__ = [
     "MODES",
     "UpdateClip",
     "checked_update_state",
+    "fits",
     "global_coef",
     "rms_coefs",
     "z_bound",
@@ -190,26 +191,14 @@ class UpdateClip:
 
     def load_state_dict(self, state: Any) -> None:
         """Load :meth:`state_dict` of an ``UpdateClip`` with the same mode and window (``ValueError``
-        before anything changes otherwise)."""
+        before anything changes otherwise, or when the ring's values cannot be a saved history)."""
         if self.mode != "z":
             return
-        parts = [state.get(k) for k in ("history", "count", "next")] if isinstance(state, dict) else []
-        tensors = [t for t in parts if isinstance(t, Tensor)]
-        if (
-            len(tensors) != 3
-            or tensors[0].shape != (self.window,)
-            or not all(t.numel() == 1 for t in tensors[1:])
-        ):
-            raise ValueError(
-                f"invalid UpdateClip state: expected the history of {self.window} update norms saved "
-                f"by UpdateClip(z=..., window={self.window}); load a state dict saved with the same "
-                "update_clip"
-            )
-        history, count, nxt = tensors
+        history, count, nxt = _checked_ring(state, self.window)
         device = self._history.device
-        self._history = history.detach().to(device, torch.float32, copy=True)
-        self._count = count.detach().reshape(()).to(device, torch.int64, copy=True)
-        self._next = nxt.detach().reshape(()).to(device, torch.int64, copy=True)
+        self._history = history.to(device, torch.float32, copy=True)
+        self._count = count.to(device, torch.int64, copy=True)
+        self._next = nxt.to(device, torch.int64, copy=True)
         self._fresh = False
 
     def settings(self) -> list[tuple[str, float]]:
@@ -225,6 +214,33 @@ class UpdateClip:
         return f"UpdateClip({self.mode}={self.limit:g}{window})"
 
 
+def _checked_ring(state: Any, window: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The ``history``, ``count`` and ``next`` of a saved ``z`` history of ``window`` norms, checked
+    (``ValueError`` otherwise): real tensors of the right shapes, ``count`` in [0, window], ``next``
+    the slot after the newest norm, every norm finite and >= 0.  Reads the saved values (a load,
+    not a step)."""
+    parts = [state.get(k) for k in ("history", "count", "next")] if isinstance(state, dict) else []
+    tensors = [t.detach() for t in parts if isinstance(t, Tensor) and not t.is_complex()]
+    fix = f"load a state dict saved with the same update_clip (UpdateClip(z=..., window={window}))"
+    if len(tensors) != 3 or tensors[0].shape != (window,) or not all(t.numel() == 1 for t in tensors[1:]):
+        raise ValueError(
+            f"invalid UpdateClip state: expected the history of {window} update norms saved by "
+            f"UpdateClip(z=..., window={window}); load a state dict saved with the same update_clip"
+        )
+    history, count, nxt = tensors[0], tensors[1].reshape(()), tensors[2].reshape(())
+    n, at = count.double().item(), nxt.double().item()
+    if not (n in range(window + 1) and at in range(window) and (n == window or at == n)):
+        raise ValueError(
+            f"invalid UpdateClip state: count={n:g} and next={at:g} are not those of a ring of "
+            f"{window} norms (0 <= count <= {window}, next the slot after the newest); {fix}"
+        )
+    if not bool((torch.isfinite(history) & (history >= 0)).all()):
+        raise ValueError(
+            f"invalid UpdateClip state: the history holds a norm that is not finite and >= 0; {fix}"
+        )
+    return history, count, nxt
+
+
 def checked_update_state(entry: Any, update_clip: UpdateClip | None) -> Any:
     """The ``"update_clip"`` part of a saved ``"clipopt"`` entry, checked by loading it into a copy
     of ``update_clip`` (``ValueError``, nothing changed); None when none was saved or there is no
@@ -234,3 +250,12 @@ def checked_update_state(entry: Any, update_clip: UpdateClip | None) -> Any:
         return None
     copy.deepcopy(update_clip).load_state_dict(saved)
     return saved
+
+
+def fits(update_clip: UpdateClip, saved: Any) -> bool:
+    """Whether ``update_clip`` can load ``saved`` (a state of its mode and window), changing nothing."""
+    try:
+        copy.deepcopy(update_clip).load_state_dict(saved)
+    except ValueError:
+        return False
+    return True

@@ -120,6 +120,41 @@ def test_adagc_state_is_checked_before_loading() -> None:
     assert torch.equal(after["gamma"], before["gamma"]) and torch.equal(after["count"], before["count"])
 
 
+_NOT_FINITE = "invalid AdaGC state: 'gamma' holds a value that is not finite and >= 0 (or nan: not seen yet)"
+_NOT_WHOLE = "invalid AdaGC state: 'count' must be one whole number >= 0"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("gamma", -1.0, _NOT_FINITE),  # every gradient clipped to ~1e-8: training stops, silently
+        ("gamma", math.inf, _NOT_FINITE),  # no tensor ever clipped again
+        ("count", math.inf, _NOT_WHOLE),
+        ("count", math.nan, _NOT_WHOLE),
+        ("count", 2.5, _NOT_WHOLE),
+    ],
+)
+def test_adagc_state_values_are_checked_before_loading(key: str, value: float, message: str) -> None:
+    """An AdaGC state whose EMA holds a negative or infinite norm, or whose count is not a whole
+    number >= 0, raises ValueError naming the entry, and the policy keeps its state; a nan in
+    ``gamma`` (a tensor not seen yet) is accepted."""
+    model = spiked_model()
+    opt = _ours()(model)
+    train_spiked(model, opt, range(3))
+    unseen = copy.deepcopy(opt.state_dict())
+    unseen["clipopt"]["policy"]["gamma"][0] = math.nan
+    opt.load_state_dict(unseen)  # a tensor not seen yet: its gamma is nan
+    sd = copy.deepcopy(opt.state_dict())
+    entry = sd["clipopt"]["policy"][key]
+    entry[0 if entry.dim() else ()] = value
+    before = copy.deepcopy(opt.max_norm.state_dict())  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=re.escape(f"{message}; pass the state a AdaGC saved")):
+        opt.load_state_dict(sd)
+    after = opt.max_norm.state_dict()  # type: ignore[union-attr]
+    assert torch.equal(after["gamma"].nan_to_num(-7.0), before["gamma"].nan_to_num(-7.0))
+    assert torch.equal(after["count"], before["count"]) and bool(after["gamma"][0].isnan())
+
+
 def test_a_skipped_window_leaves_adagc_as_if_it_never_happened() -> None:
     """A window with a NaN gradient is skipped, and AdaGC's statistics (gamma, count)
     and the parameters are those of the run that never saw it."""

@@ -138,6 +138,34 @@ def test_stable_spam_state_is_checked_before_loading() -> None:
     assert all(torch.equal(after[k], before[k]) for k in before)
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("v_norm", -100.0, "'v_norm' holds a value that is not finite and >= 0"),  # sqrt: nan gradients
+        ("m_max", math.nan, "'m_max' holds a value that is not finite and >= 0"),  # AdaClip off for good
+        ("m_norm", math.inf, "'m_norm' holds a value that is not finite and >= 0"),
+        ("count", -1.0, "'count' must be one whole number >= 0"),
+        ("count", math.inf, "'count' must be one whole number >= 0"),
+    ],
+)
+def test_stable_spam_state_values_are_checked_before_loading(key: str, value: float, message: str) -> None:
+    """A StableSPAM state with a negative, nan or infinite statistic (a negative ``v_norm`` made
+    the next window's gradients nan after the window's finiteness check: nan parameters, nothing
+    skipped), or a count that is not a whole number >= 0, raises ValueError naming the entry, and
+    the policy keeps its state."""
+    model = spiked_model()
+    opt = _ours()(model)
+    train_spiked(model, opt, range(3))
+    sd = copy.deepcopy(opt.state_dict())
+    entry = sd["clipopt"]["policy"][key]
+    entry[0 if entry.dim() else ()] = value
+    before = copy.deepcopy(opt.max_norm.state_dict())  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=re.escape(f"invalid StableSPAM state: {message}; pass the state")):
+        opt.load_state_dict(sd)
+    after = opt.max_norm.state_dict()  # type: ignore[union-attr]
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
 def test_a_skipped_window_leaves_stable_spam_as_if_it_never_happened() -> None:
     """A window with a NaN gradient is skipped, and StableSPAM's statistics (the EMAs of max |g|,
     of the norm and its square, the count) and the parameters are those of the run that never saw it."""

@@ -222,7 +222,7 @@ def _code_lines(node: ast.AST, source: list[str]) -> int:
 
 
 #: ARCHITECTURE.md's budgets: the optimizer class is orchestration, and functions stay short.
-MAX_OPTIMIZER_CODE_LINES = 430
+MAX_OPTIMIZER_CODE_LINES = 440
 MAX_FUNCTION_LINES = 50
 
 

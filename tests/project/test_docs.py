@@ -8,6 +8,8 @@ run are fenced as ```text or ```bash.
 
 from __future__ import annotations
 
+import ast
+import importlib
 import re
 import subprocess
 import sys
@@ -178,6 +180,93 @@ def test_the_spec_check_can_fail(tmp_path: Path) -> None:
     path = tmp_path / "mod.py"
     path.write_text('"""In SPEC §1\'s order."""\nSPECIAL = 1  # see SPEC.md\nspec = "SPECS"\n')
     assert spec_citations([path]) == ["mod.py:1", "mod.py:2"]
+
+
+#: A private name cited in backticks, after "see " or in parentheses: ``_window.rollback.UndoPoint``,
+#: `_checkpoint.py`, (see _window.guard).
+_PRIVATE_CITED = re.compile(
+    r"(?:``?|\bsee |\()(_[a-z][a-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)(?=``?|\)|[\s,;:]|$)"
+)
+#: torch's own private names that the code and the pages cite.
+_TORCH_PRIVATE = {
+    "_foreach",
+    "_fused_adamw",
+    "_local_scalar_dense",
+    "_opt_called",
+    "_step_supports_amp_scaling",
+}
+
+
+def _package_names() -> set[str]:
+    """Every name the package defines or uses: functions, classes, attributes, variables, arguments."""
+    names: set[str] = set()
+    for path in sorted((REPO / "clipopt").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name):
+                names.add(node.id)
+    return names
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``clipopt.<dotted>`` is a module of the package, or a name reached from one
+    (``_window.rollback.InnerBackup.restore_where``); a ``.py`` name is a file at the top level."""
+    if dotted.endswith(".py"):
+        return (REPO / "clipopt" / dotted).is_file()
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module("clipopt." + ".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def stale_citations(paths: list[Path], names: set[str]) -> list[str]:
+    """``name:line: cited`` of every private module or name ``paths`` cite that the package lacks:
+    a dotted one must resolve from a module (``_rollback.UndoPoint`` after the move to
+    ``_window/rollback.py`` does not), a bare one be a module or one of ``names``."""
+    found = []
+    for path in paths:
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for cited in _PRIVATE_CITED.findall(line):
+                dotted = "." in cited
+                if cited in _TORCH_PRIVATE or _resolves(cited) or (not dotted and cited in names):
+                    continue
+                found.append(f"{path.name}:{i}: {cited}")
+    return found
+
+
+def test_no_comment_or_page_cites_a_module_that_moved() -> None:
+    """The code's comments and docstrings, ARCHITECTURE.md, the README and docs/ cite private modules
+    by the names they have (``_window.decision.SkipSource``, not ``_decision.SkipSource`` from
+    before the layout of #23), and private names the package has."""
+    assert stale_citations(_CITING, _package_names()) == []
+
+
+def test_the_stale_citation_check_can_fail(tmp_path: Path) -> None:
+    """The check reports a dotted citation of a module that is gone, a bare one that names nothing,
+    and a top-level file that is not there; it leaves those that resolve."""
+    path = tmp_path / "mod.md"
+    path.write_text(
+        "See `_rollback.UndoPoint` (see _window_grads) and `_report_rules.py`.\n"
+        "See `_window.rollback.UndoPoint`, ``_checkpoint.wrapper_entry``, (see _window.guard), `_state.py`.\n"
+        "`_finish_window` and `_foreach`.\n",
+        encoding="utf-8",
+    )
+    assert stale_citations([path], {"_finish_window"}) == [
+        "mod.md:1: _rollback.UndoPoint",
+        "mod.md:1: _window_grads",
+        "mod.md:1: _report_rules.py",
+    ]
 
 
 _DESIGN = REPO / "docs" / "design.md"

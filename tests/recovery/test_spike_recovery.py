@@ -17,7 +17,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn, optim
 
-from clipopt import AutoClip, ClippedOptimizer, CSVLogger, Rewind, SpikeGuard, ZClip
+from clipopt import (
+    AdaGC,
+    AutoClip,
+    ClippedOptimizer,
+    CSVLogger,
+    Rewind,
+    SpikeGuard,
+    StableSPAM,
+    UpdateClip,
+    ZClip,
+)
 from clipopt._report.report import analyze, format_report, read_log
 
 from ..helpers import batches_for, model_for
@@ -369,6 +379,72 @@ def test_rewind_restores_scaler_and_policy_state() -> None:
     assert saved[11][0] != 2.0**10  # the scale had grown, so restoring it is visible
 
 
+@pytest.mark.parametrize("policy", [AdaGC, StableSPAM])
+def test_rewind_restores_the_policy_and_the_update_clip_history(policy: Callable[[], Any]) -> None:
+    """With a per-tensor policy and UpdateClip(z=...), a rewind to the copy taken after window 11
+    puts back the policy's statistics and the z history of update norms as they were then (the
+    windows undone, 12 and 14, leave no norm behind, as they leave no gradient statistics), and the
+    parameters."""
+    model = model_for()
+    rewind = Rewind(every=5, spikes=2, within=5, skip_batches=0, check_every=1)
+    clip = policy()
+    update_clip = UpdateClip(z=2.0, window=8)
+    opt = ClippedOptimizer(
+        optim.SGD(model.parameters(), lr=0.1),
+        max_norm=clip,
+        spike_guard=_guard(),
+        rewind=rewind,
+        update_clip=update_clip,
+    )
+    saved: dict[str, Any] = {}
+    for x, y in _spiky(20, {12, 14}):
+        if opt.num_windows == 11:  # the state the copy taken at the start of window 12 holds
+            saved = copy.deepcopy({"policy": clip.state_dict(), "update_clip": update_clip.state_dict()})
+            saved["params"] = [p.detach().clone() for p in model.parameters()]
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step(loss=loss)
+        opt.zero_grad()
+        if opt.last_stats is not None and opt.last_stats.reason == "rewind":
+            break
+    assert opt.rewinds == 1 and rewind.log[-1].restored == 11
+    assert int(saved["update_clip"]["count"]) == 8  # a full ring: the windows undone replaced two norms
+    _assert_identical(update_clip.state_dict(), saved["update_clip"])
+    _assert_identical(clip.state_dict(), saved["policy"])
+    _assert_identical([p.detach() for p in model.parameters()], saved["params"])
+
+
+def test_an_update_clip_assigned_after_the_copy_keeps_its_own_history_at_a_rewind() -> None:
+    """``opt.update_clip`` replaced by one with another window after the copy was taken: the rewind
+    restores the parameters and leaves the new UpdateClip's history as it was (the copy's ring of 8
+    norms cannot be its ring of 4), instead of failing halfway through the rewind."""
+    model = model_for()
+    rewind = Rewind(every=5, spikes=2, within=5, skip_batches=0, check_every=1)
+    opt = ClippedOptimizer(
+        optim.SGD(model.parameters(), lr=0.1),
+        spike_guard=_guard(),
+        rewind=rewind,
+        update_clip=UpdateClip(z=2.0, window=8),
+    )
+    for x, y in _spiky(20, {12, 14}):
+        if opt.num_windows == 11:  # the parameters the copy taken at the start of window 12 holds
+            saved = [p.detach().clone() for p in model.parameters()]
+        if opt.num_windows == 12:  # after that copy
+            opt.update_clip = UpdateClip(z=2.0, window=4)
+        if opt.num_windows == 15:
+            history = copy.deepcopy(opt.update_clip.state_dict())
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step(loss=loss)
+        opt.zero_grad()
+        if opt.last_stats is not None and opt.last_stats.reason == "rewind":
+            break
+    assert opt.rewinds == 1 and rewind.log[-1].restored == 11
+    assert int(history["count"]) == 1  # window 14 was applied with the new UpdateClip (13, 15: spikes)
+    _assert_identical(opt.update_clip.state_dict(), history)
+    _assert_identical([p.detach() for p in model.parameters()], saved)
+
+
 @pytest.mark.parametrize("adam", params(pick("Adam-foreach", "Adam-forloop", "Adam-fused")))
 def test_spike_in_one_micro_batch_skips_the_window(adam: OptimInfo) -> None:
     """accumulation_steps=3: a spiking micro-batch skips its whole window; the run then equals one
@@ -460,20 +536,22 @@ def test_guard_composes_with_per_group_clipping(impl: str) -> None:
             torch.zeros(3, dtype=torch.float64),
             "invalid ZClip state: expected 5 statistics",
         ),
+        ("update_clip", "next", 1, torch.tensor(9), "and next=9 are not those of a ring of 4 norms"),
     ],
 )
 def test_load_state_dict_checks_the_wrapper_parts_inside_rewind_copies(
     part: str, leaf: str, copy_index: int, bad_value: torch.Tensor, message: str
 ) -> None:
-    """A Rewind copy whose SpikeGuard or policy (ZClip) part is corrupt is refused at load
-    (ValueError, nothing changed), not loaded after the parameters were already restored at a
-    rewind; the intact state still loads."""
+    """A Rewind copy whose SpikeGuard, policy (ZClip) or UpdateClip(z=...) history part is corrupt is
+    refused at load (ValueError, nothing changed), not loaded after the parameters were already
+    restored at a rewind; the intact state still loads."""
     model = model_for()
     opt = ClippedOptimizer(
         optim.Adam(model.parameters(), lr=0.01),
         max_norm=ZClip(warmup_steps=2) if part == "policy" else 1.0,
         spike_guard=_guard(),
         rewind=Rewind(every=2, check_every=1),
+        update_clip=UpdateClip(z=2.0, window=4) if part == "update_clip" else None,
     )
     for b in batches_for(6, seed=7):
         _window(CASES[0], opt, model, b)

@@ -349,6 +349,43 @@ def test_a_z_history_of_another_window_is_refused_before_anything_changes() -> N
     assert opt.num_windows == 0 and int(opt.update_clip.state_dict()["count"]) == 0
 
 
+_RING = "are not those of a ring of 4 norms (0 <= count <= 4, next the slot after the newest)"
+_NORMS = "the history holds a norm that is not finite and >= 0"
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"next": torch.tensor(4)}, f"count=4 and next=4 {_RING}"),  # the slot past the ring
+        ({"next": torch.tensor(-1)}, f"count=4 and next=-1 {_RING}"),
+        ({"count": torch.tensor(9)}, f"count=9 and next=1 {_RING}"),
+        ({"count": torch.tensor(-2)}, f"count=-2 and next=1 {_RING}"),
+        ({"count": torch.tensor(2.5)}, f"count=2.5 and next=1 {_RING}"),
+        ({"count": torch.tensor(2)}, f"count=2 and next=1 {_RING}"),  # a ring not yet full has next == count
+        ({"history": torch.tensor([1.0, math.nan, 1.0, 1.0])}, _NORMS),
+        ({"history": torch.tensor([1.0, -1.0, 1.0, 1.0])}, _NORMS),
+        ({"history": torch.tensor([1.0, math.inf, 1.0, 1.0])}, _NORMS),
+    ],
+)
+def test_a_corrupt_z_history_is_refused_before_anything_changes(entry: dict, message: str) -> None:
+    """A saved z history (window 4, full: count 4, next 1) with one entry out of what a ring of 4
+    norms can hold (a slot outside the ring, which the next window's index_select would fail on;
+    a count outside [0, 4] or not whole; a norm nan, inf or negative, which would turn the bound
+    off or make it nonsense) is a ValueError naming the problem, and the optimizer's counters and
+    history stay as they were."""
+    saved, _ = _z_run(20, 20)
+    ring = saved["opt"]["clipopt"]["update_clip"]
+    assert int(ring["count"]) == 4 and int(ring["next"]) == 1  # the valid state the entries corrupt
+    saved["opt"]["clipopt"]["update_clip"] = {**ring, **entry}
+    model = model_for()
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), update_clip=UpdateClip(z=0.2, window=4)
+    )
+    with pytest.raises(ValueError, match=re.escape(f"invalid UpdateClip state: {message}; ")):
+        opt.load_state_dict(saved["opt"])
+    assert opt.num_windows == 0 and int(opt.update_clip.state_dict()["count"]) == 0
+
+
 def test_update_clip_with_per_group_clipping_bounds_every_tensor() -> None:
     """Per-group gradient clipping (a group with its own max_norm) and UpdateClip(max_rms=...): each
     parameter tensor's change per window, measured by the test, has rms <= max_rms (float32 slack),
@@ -454,6 +491,29 @@ def test_bad_update_clip_arguments_are_refused(kwargs: dict, error: type, messag
     """Each bad UpdateClip argument raises the error that names it, its value and the fix."""
     with pytest.raises(error, match=re.escape(message)):
         UpdateClip(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("update_clip", "max_rms", "update_clip must be an UpdateClip or None, got str; "),
+        ("update_stats", "yes", "update_stats must be True or False, got 'yes' (str); "),
+    ],
+)
+def test_update_options_reassigned_to_a_bad_value_are_refused_at_the_first_step(
+    name: str, value: str, message: str
+) -> None:
+    """``opt.update_clip`` / ``opt.update_stats`` reassigned to a value of another type before the
+    first step: the step raises the TypeError of the constructor's check (naming the argument, the
+    value and the fix), not an AttributeError or a float conversion error from the ranks' settings
+    check, and no window is counted."""
+    model = model_for()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), update_clip=UpdateClip(max_rms=1.0))
+    setattr(opt, name, value)
+    _backward(model, batches_for(1, seed=0)[0])
+    with pytest.raises(TypeError, match=re.escape(message)):
+        opt.step()
+    assert opt.num_windows == 0
 
 
 def test_bad_optimizer_arguments_are_refused() -> None:
