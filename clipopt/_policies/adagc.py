@@ -18,11 +18,11 @@ from .builtin import TensorPolicy
 from .kinds import (
     PolicyWindow,
     check_decay,
-    check_dense,
     checked_state,
     positions,
     put,
     ready,
+    scaled_grads,
     take,
 )
 
@@ -67,12 +67,9 @@ class AdaGC(TensorPolicy):
         self._count = torch.zeros((), dtype=torch.float64)  #: healthy windows seen
 
     def clip_window_(self, window: PolicyWindow) -> Tensor:
-        check_dense("AdaGC", window.grads)
-        grads = list(window.grads)
+        grads = scaled_grads("AdaGC", window)
         if not grads:
             return torch.zeros((), dtype=torch.bool)
-        if window.scale != 1.0:
-            torch._foreach_mul_(grads, window.scale)
         norms = window.norms(grads, 2.0)
         state = ready(self._gamma, len(window.params), math.nan, norms)
         where = positions(window, norms.device)

@@ -38,6 +38,7 @@ __all__ = [
     "bias_correction",
     "check_decay",
     "check_dense",
+    "scaled_grads",
     "checked_state",
     "policy_window",
     "positions",
@@ -143,6 +144,16 @@ def check_dense(name: str, grads: Sequence[Tensor]) -> None:
     """Refuse sparse gradients before any gradient changes."""
     if any(g.is_sparse for g in grads):
         raise TypeError(f"{name} does not support sparse gradients; use a float max_norm or None")
+
+
+def scaled_grads(name: str, window: PolicyWindow) -> list[Tensor]:
+    """The window's gradients, checked dense (``name``: the policy, for the error) and multiplied in
+    place by ``window.scale``: what a per-tensor policy measures and clips (empty: no gradient)."""
+    check_dense(name, window.grads)
+    grads = list(window.grads)
+    if grads and window.scale != 1.0:
+        torch._foreach_mul_(grads, window.scale)
+    return grads
 
 
 def positions(window: PolicyWindow, device: torch.device) -> Tensor | None:

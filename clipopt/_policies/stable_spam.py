@@ -19,11 +19,11 @@ from .kinds import (
     PolicyWindow,
     bias_correction,
     check_decay,
-    check_dense,
     checked_state,
     positions,
     put,
     ready,
+    scaled_grads,
     take,
 )
 
@@ -71,12 +71,9 @@ class StableSPAM(TensorPolicy):
         self._count = torch.zeros((), dtype=torch.float64)  #: healthy windows seen
 
     def clip_window_(self, window: PolicyWindow) -> Tensor:
-        check_dense("StableSPAM", window.grads)
-        grads = list(window.grads)
+        grads = scaled_grads("StableSPAM", window)
         if not grads:
             return torch.zeros((), dtype=torch.bool)
-        if window.scale != 1.0:
-            torch._foreach_mul_(grads, window.scale)
         peaks = window.norms(grads, math.inf)  # each tensor's largest |g|
         size, where = len(window.params), positions(window, peaks.device)
         states = [ready(s, size, 0.0, peaks) for s in (self._m_max, self._m_norm, self._v_norm)]
