@@ -123,7 +123,11 @@ def halves(batch: int, world: int) -> list[slice]:
 
 
 def single(
-    config: str, seed: int, w: Workload, data: tuple[torch.Tensor, torch.Tensor, int], parts: list[slice]
+    config: str,
+    seed: int,
+    w: Workload,
+    data: tuple[torch.Tensor, torch.Tensor, int],
+    parts: list[slice],
 ) -> dict[str, Any]:
     """A one-process run: with ``parts=[slice(None)]`` as ``spikes.train`` runs it; with :func:`halves`,
     the loss the mean of the halves' losses (the FSDP2 run's arithmetic, in another order)."""
