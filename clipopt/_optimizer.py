@@ -246,8 +246,8 @@ class ClippedOptimizer(InnerOptimizerView):
         self._loss = LossSum()  # the open window's micro-batch losses
         self._update_applied: bool | None = False  # None: read _last_skipped
         self._last_skipped: bool | Tensor = False
-        self._readiness = StateReadiness()  # whether the fused path may skip (see _apply)
-        self._update_copy = UpdateCopy()  # update_clip, update_stats: the copy before the inner step
+        # whether the fused path may skip (see _apply); update_clip/update_stats' copy before the inner step
+        self._readiness, self._update_copy = StateReadiness(), UpdateCopy()
         # the parameters, in group order (see _window_grads); what a window does, per settings (see _plan)
         self._index, self._plan = ParamIndex(), WindowPlan()
         self._unsynced: Unsynced | None = None  # the latest micro-batch that skipped its sync, see no_sync()

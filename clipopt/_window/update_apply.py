@@ -94,7 +94,7 @@ class WindowUpdate:
     def _update(self, now: list[Tensor], before: list[Tensor]) -> list[Tensor]:
         """``u = now - before``, written into the buffers when there are (one pass, no new tensor)."""
         if self._updates is None:
-            return torch._foreach_sub(now, before)
+            return list(torch._foreach_sub(now, before))
         for u, a, b in zip(self._updates, now, before, strict=True):
             torch.sub(a, b, out=u)
         return self._updates
