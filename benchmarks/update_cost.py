@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import platform
 import statistics
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -71,13 +73,48 @@ METHODS: dict[str, tuple[str, Callable[[], dict[str, Any]] | None]] = {
 }
 
 
-def make_methods(params: list[torch.nn.Parameter], inner: str) -> dict[str, Callable[[], None]]:
+#: The methods also run with the baseline package (``--baseline``).
+UPDATE_METHODS = ("update_stats", "update-rms", "update-norm", "update-z")
+
+
+def make_methods(
+    params: list[torch.nn.Parameter], inner: str, base: Any = None
+) -> dict[str, Callable[[], None]]:
     new = OPTIMIZERS[inner]
     out: dict[str, Callable[[], None]] = {}
     for name, (_, kwargs) in METHODS.items():
         opt = new(params)
         out[name] = opt.step if kwargs is None else ClippedOptimizer(opt, **kwargs()).step
+    if base is not None:  # the same settings, the baseline package's classes
+        for name in UPDATE_METHODS:
+            kw = METHODS[name][1]()  # type: ignore[misc]
+            if "update_clip" in kw:
+                kw["update_clip"] = base.UpdateClip(
+                    **{
+                        kw["update_clip"].mode: kw["update_clip"].limit,
+                        **({"window": kw["update_clip"].window} if kw["update_clip"].mode == "z" else {}),
+                    }
+                )
+            out[f"{name}@base"] = base.ClippedOptimizer(new(params), **kw).step
     return out
+
+
+class _OpCount(TorchDispatchMode):
+    """ATen operators dispatched (what runs on the device, whatever the machine's load)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _held(update: Callable[[], None]) -> int:
+    """The bytes the wrapper behind ``update`` holds between updates for the copy before the inner step."""
+    copy = getattr(getattr(update, "__self__", None), "_update_copy", None)
+    return int(getattr(copy, "held_bytes", 0))
 
 
 def measure(model: ParamModel, methods: dict[str, Callable[[], None]], rounds: int) -> dict[str, Any]:
@@ -111,6 +148,9 @@ def measure(model: ParamModel, methods: dict[str, Callable[[], None]], rounds: i
         tracker = _AllocTracker()
         with tracker:
             update()
+        restore()
+        with _OpCount() as ops:
+            update()
         out[name] = {
             "update_s": statistics.median(times[name]),
             "paired_vs_clip": statistics.median(
@@ -118,6 +158,8 @@ def measure(model: ParamModel, methods: dict[str, Callable[[], None]], rounds: i
             ),
             "host_reads": len(reads),
             "transient_bytes": tracker.peak,
+            "held_bytes": _held(update),
+            "aten_ops": ops.count,
         }
     for row in out.values():
         row["vs_clip"] = row["update_s"] / out["clip"]["update_s"]
@@ -132,16 +174,18 @@ def render(rows: dict[str, Any], meta: dict[str, Any]) -> str:
         f"{meta['rounds']} interleaved rounds (rotating).",
         "",
         "| method | setting | ms / update (median) | vs clip (medians) | vs clip (paired) "
-        "| memory during the update (MB) | added to clip (x parameters) | host reads |",
-        "|---|---|---|---|---|---|---|---|",
+        "| memory during the update (MB) | added to clip (x parameters) | held between updates "
+        "(x parameters) | host reads | ATen ops |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = rows["clip"]["transient_bytes"]
     for name, r in rows.items():
         added = (r["transient_bytes"] - base) / pbytes
+        setting = METHODS[name.removesuffix("@base")][0]
         lines.append(
-            f"| {name} | `{METHODS[name][0]}` | {1e3 * r['update_s']:.1f} | {r['vs_clip']:.3f} "
+            f"| {name} | `{setting}` | {1e3 * r['update_s']:.1f} | {r['vs_clip']:.3f} "
             f"| {r['paired_vs_clip']:.3f} | {r['transient_bytes'] / 2**20:.0f} | {added:+.2f} "
-            f"| {r['host_reads']} |"
+            f"| {r['held_bytes'] / pbytes:.2f} | {r['host_reads']} | {r['aten_ops']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -153,7 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--small", action="store_true", help="a 1-layer d=256 model instead (smoke run)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--baseline", default=None, help="a folder holding another clipopt as clipopt_base")
     args = ap.parse_args(argv)
+    base = None
+    if args.baseline is not None:
+        sys.path.insert(0, args.baseline)
+        base = importlib.import_module("clipopt_base")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     shapes = (
@@ -163,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     params = list(model.parameters())
     for p in params:
         p.grad = torch.randn_like(p) * 0.05  # norm well above 1: gradient clipping is active
-    rows = measure(model, make_methods(params, args.optimizer), args.rounds)
+    rows = measure(model, make_methods(params, args.optimizer, base), args.rounds)
     meta = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -171,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "rounds": args.rounds,
         "optimizer": args.optimizer,
+        "baseline": args.baseline,
         "params": sum(p.numel() for p in params),
         "param_bytes": sum(p.numel() * p.element_size() for p in params),
     }

@@ -56,6 +56,7 @@ from ._window.skip_run import SkipRun
 from ._window.stages import agree, check_clippable, clip_and_decide, measure, reclip
 from ._window.update_apply import check_update_options, start_update
 from ._window.update_clip import UpdateClip
+from ._window.update_copy import UpdateCopy
 from ._wrapping import InnerOptimizerView
 
 __all__ = ["ClippedOptimizer"]
@@ -245,7 +246,8 @@ class ClippedOptimizer(InnerOptimizerView):
         self._loss = LossSum()  # the open window's micro-batch losses
         self._update_applied: bool | None = False  # None: read _last_skipped
         self._last_skipped: bool | Tensor = False
-        self._readiness = StateReadiness()  # whether the fused path may skip (see _window.apply)
+        # whether the fused path may skip (_window.apply); the update's copy (_window.update_copy)
+        self._readiness, self._update_copy = StateReadiness(), UpdateCopy()
         # the parameters in group order (_window.grads); what a window does, per settings (_window.plan)
         self._index, self._plan = ParamIndex(), WindowPlan()
         self._unsynced: Unsynced | None = None  # the latest micro-batch that skipped its sync, see no_sync()
@@ -651,7 +653,7 @@ class ClippedOptimizer(InnerOptimizerView):
         through its lr_cut), then the counters; returns ``step()``'s result and whether the fused
         (host-read-free) path ran."""
         on = self.update_clip is not None or self.update_stats
-        upd = start_update(self, self._params(), self._inner) if on else None  # update_clip, update_stats
+        upd = start_update(self, self._params(), self._inner, self._update_copy) if on else None
         run = partial(apply_window, self._inner, s, d, g, (loss, closure), self._reclip, self._readiness)
         out, skipped, fused = self._recovery.apply(self._inner, run) if self._recovery.rewind else run()
         skipped = skipped if upd is None else upd.finish(d, skipped)  # measured, bounded, or put back

@@ -7,7 +7,8 @@
   of an optimizer that re-evaluates its closure (LBFGS): a re-evaluation whose
   gradients or loss are not finite happens after the parameters moved, so the
   window can only be skipped by restoring that copy.  ``UpdateClip`` takes the
-  same copy before every inner step and restores it on the device
+  same copy before every inner step, into buffers it keeps from window to window
+  (:class:`~clipopt._window.update_copy.UpdateCopy`), and restores it on the device
   (:meth:`InnerBackup.restore_where`) when the update is not finite.
 """
 
@@ -117,13 +118,26 @@ def _copy_entry(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 class InnerBackup:
-    """A copy of the parameters and their inner state, taken before an inner step."""
+    """A copy of the parameters and their inner state, taken before an inner step.
 
-    __slots__ = ("_optimizer", "_params", "_state", "_values")
+    ``copies``: the copy already taken (the parameters' values and each parameter's state entry, in
+    buffers the caller keeps and fills again for the next window: :meth:`restore` then puts fresh
+    clones of them into the state, never the buffers); without it the copy is made here."""
 
-    def __init__(self, optimizer: Optimizer, params: Sequence[Tensor]) -> None:
+    __slots__ = ("_optimizer", "_owned", "_params", "_state", "_values")
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        params: Sequence[Tensor],
+        copies: tuple[list[Tensor], dict[Tensor, dict[str, Any]]] | None = None,
+    ) -> None:
         self._optimizer = optimizer
         self._params = list(params)
+        self._owned = copies is None
+        if copies is not None:
+            self._values, self._state = copies
+            return
         with torch.no_grad():
             self._values = [p.detach().clone() for p in self._params]
         state = optimizer.state
@@ -156,21 +170,25 @@ class InnerBackup:
 
     @torch.no_grad()
     def restore_where(self, flag: Tensor) -> None:
-        """The inner state back to the copy where ``flag`` (a 0/1 device tensor) is 1, without a host
-        read when the step kept the state's layout (every value a tensor on ``flag``'s device, as
-        with the fused and foreach optimizers once they have state); else ``flag`` is read once and
-        :meth:`restore` runs when it is 1.  The parameters are the caller's to restore."""
+        """The parameters and inner state back to the copy where ``flag`` (a 0/1 device tensor) is 1,
+        without a host read when the step kept the state's layout (every value a tensor on
+        ``flag``'s device, as with the fused and foreach optimizers once they have state): a select
+        written into each tensor (no new tensor); else ``flag`` is read once and :meth:`restore`
+        runs when it is 1 (nothing else happens when it is 0)."""
         if not self._restorable_on(flag.device):
             if bool(flag.item()):
                 self.restore()
             return
         on = flag > 0
+        for p, value in zip(self._params, self._values, strict=True):
+            current = local_view(p)
+            torch.where(on, local_view(value), current, out=current)
         state = self._optimizer.state
         for p, saved in self._state.items():
             now = state[p]
             for key, value in saved.items():
                 current = local_view(now[key])
-                current.copy_(torch.where(on, local_view(value), current))
+                torch.where(on, local_view(value), current, out=current)
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -179,7 +197,7 @@ class InnerBackup:
         for p, value in zip(self._params, self._values, strict=True):
             p.copy_(value)
             p.grad = None
-            if p in self._state:
-                state[p] = self._state[p]
+            if p in self._state:  # the caller's buffers are refilled: the state gets its own copies
+                state[p] = self._state[p] if self._owned else _copy_entry(self._state[p])
             else:
                 state.pop(p, None)

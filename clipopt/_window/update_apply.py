@@ -1,7 +1,8 @@
 """The update of one window: copied before the inner step, measured, bounded and applied after it.
 
 For ``update_clip=`` and ``update_stats=``, :func:`start_update` copies the
-parameters and the inner state (an :class:`~clipopt._window.rollback.InnerBackup`)
+parameters and the inner state (an :class:`~clipopt._window.rollback.InnerBackup`, into the
+buffers of an :class:`~clipopt._window.update_copy.UpdateCopy` kept from window to window)
 just before the inner step; :meth:`WindowUpdate.finish`, just after it, forms ``u = p_after - p_before``
 on the device and
 
@@ -9,7 +10,7 @@ on the device and
    gradient norm is: :class:`~clipopt._distributed.collectives.ShardedGrads`), the norm of all
    (over pipeline stages with ``norm_group``): ``StepStats.update_norm``;
 2. rejects a non-finite update from finite gradients: parameters and inner
-   state are put back (a device select, no host read), the window is skipped
+   state are put back (a device select written into each tensor, no host read), the window is skipped
    with reason ``"nonfinite_update"`` and adds nothing to the ``z`` history, nor to a
    per-tensor policy's statistics (``ClipPolicy.take_back``);
 3. bounds it (``UpdateClip``): ``p = p_after - (1 - coef) * u``, which is
@@ -40,6 +41,7 @@ from .._reasons import NONFINITE_UPDATE
 from .decision import WindowDecision
 from .rollback import InnerBackup, local_view
 from .update_clip import UpdateClip
+from .update_copy import UpdateCopy
 
 __all__ = ["WindowUpdate", "check_update_options", "start_update"]
 
@@ -63,8 +65,9 @@ def check_update_options(update_clip: Any, update_stats: Any, optimizer: Optimiz
     return update_clip, update_stats
 
 
-def start_update(owner: Any, params: list[Tensor], optimizer: Optimizer) -> WindowUpdate:
-    """Copy ``params`` and their inner state just before the inner step of ``optimizer``.
+def start_update(owner: Any, params: list[Tensor], optimizer: Optimizer, buffers: UpdateCopy) -> WindowUpdate:
+    """Copy ``params`` and their inner state just before the inner step of ``optimizer``, into
+    ``buffers`` (the owner's, reused from window to window).
 
     ``owner`` is the :class:`~clipopt.ClippedOptimizer`: its public ``update_clip``,
     ``update_stats``, ``norm_group`` and ``max_norm`` (a policy takes back a window put back) are
@@ -72,20 +75,35 @@ def start_update(owner: Any, params: list[Tensor], optimizer: Optimizer) -> Wind
     them)."""
     clip, _ = check_update_options(owner.update_clip, owner.update_stats, optimizer)
     policy = owner.max_norm if isinstance(owner.max_norm, ClipPolicy) else None
-    return WindowUpdate(clip, params, InnerBackup(optimizer, params), (owner.norm_group, policy))
+    backup = buffers.take(optimizer, params)
+    return WindowUpdate(clip, params, backup, (owner.norm_group, policy), buffers.updates)
 
 
 class WindowUpdate:
     """One window's update: the copy taken before the inner step, finished after it."""
 
-    __slots__ = ("_backup", "_clip", "_norm_group", "_params", "_policy")
+    __slots__ = ("_backup", "_clip", "_norm_group", "_params", "_policy", "_updates")
 
     def __init__(
-        self, clip: UpdateClip | None, params: list[Tensor], backup: InnerBackup, context: tuple[Any, Any]
+        self,
+        clip: UpdateClip | None,
+        params: list[Tensor],
+        backup: InnerBackup,
+        context: tuple[Any, Any],
+        updates: list[Tensor] | None = None,
     ) -> None:
         """``context``: the ``norm_group`` (pipeline stages) and the clipping policy (or None)."""
         self._clip, self._params, self._backup = clip, params, backup
         self._norm_group, self._policy = context
+        self._updates = updates  # buffers to write the update into (else it is made anew)
+
+    def _update(self, now: list[Tensor], before: list[Tensor]) -> list[Tensor]:
+        """``u = now - before``, written into the buffers when there are (one pass, no new tensor)."""
+        if self._updates is None:
+            return list(torch._foreach_sub(now, before))
+        for u, a, b in zip(self._updates, now, before, strict=True):
+            torch.sub(a, b, out=u)
+        return self._updates
 
     def _norms(self, updates: Sequence[Tensor]) -> Tensor:
         """Each tensor's update norm (float32, a DTensor's over its shards)."""
@@ -100,7 +118,7 @@ class WindowUpdate:
         ``d.update_norm``, ``d.update_coef`` and, for a rejected update, ``d.reason``."""
         now = [local_view(p) for p in self._params]
         before = [local_view(v) for v in self._backup.values]
-        updates = torch._foreach_sub(now, before)
+        updates = self._update(now, before)
         norms = self._norms(updates)
         total = torch.linalg.vector_norm(norms)
         if self._norm_group is not None:  # pipeline stages: every stage decides alike
@@ -112,10 +130,8 @@ class WindowUpdate:
             shrink = 1.0 - coef  # float32: a 0-d tensor scales every dtype as a scalar would
             torch._foreach_mul_(updates, list(shrink.unbind()) if self._clip.per_tensor else shrink)
             torch._foreach_sub_(now, updates)
+        self._backup.restore_where(bad)  # parameters and state, where the update is rejected
         on = bad > 0
-        for p, saved in zip(now, before, strict=True):
-            p.copy_(torch.where(on, saved, p))
-        self._backup.restore_where(bad)
         if self._policy is not None:  # its statistics as they were before the window, too
             self._policy.take_back(bad)
         outcome = _as_flag(skipped, total.device)
