@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from clipopt import ClippedOptimizer, CSVLogger, TensorBoardLogger, UpdateClip
+from clipopt._report.plot import plot_log
 from clipopt._report.report import analyze, format_report, read_log
 
 from ..helpers import run_cli
@@ -350,3 +351,27 @@ def test_norm_option_naming_the_update_norm_reads_it_as_the_norm_alone(
     folder, _ = spiky
     log = read_log(folder / "grads.csv", Names(norm="update_norm"))
     assert log.norm_column == "update_norm" and log.update_column is None and len(log.update_norm) == 0
+
+
+def test_the_plot_has_an_update_norm_panel(spiky: tuple[Path, ClippedOptimizer], tmp_path: Path) -> None:
+    """``--plot`` of a log with the update norm: a panel below the gradient norm's with the update
+    norm of every update, the update spikes circled and the suggested ``UpdateClip(max_norm=...)``."""
+    pytest.importorskip("matplotlib")
+    folder, opt = spiky
+    log = read_log(folder / "grads.csv")
+    report = analyze(log)
+    fig = plot_log(log, report, tmp_path / "p.png")
+    norm_ax, update_ax, loss_ax = fig.axes
+    assert norm_ax.get_ylabel() == "gradient norm" and update_ax.get_ylabel() == "update norm"
+    assert loss_ax.get_ylabel() == "loss"
+    line = update_ax.lines[0]
+    assert list(line.get_ydata()) == [s.update_norm for s in opt.stats]
+    circled = [int(x) for x, _ in update_ax.collections[0].get_offsets()]
+    c = columns(folder / "grads.csv")
+    assert circled == [int(c["step"][r]) for r, _, _ in update_spikes(c)]
+    bound = update_ax.lines[1]
+    assert list(bound.get_ydata()) == [report["update"]["suggested"]["max_norm"]] * 2
+    assert (
+        bound.get_label()
+        == f"suggested UpdateClip(max_norm={num(float(c['update_norm'][healthy_rows(c)].max()))})"
+    )
