@@ -7,6 +7,7 @@ its truth is known by construction.  The runs are generated once per session.
 
 from __future__ import annotations
 
+import copy
 import csv
 import itertools
 import json
@@ -246,6 +247,10 @@ CORPUS: dict[str, tuple[dict[str, Any], str, int | None, str | None]] = {
 }
 
 
+#: The corpus's models as they are before any training (a run trains the model object it is given).
+_UNTRAINED = {name: copy.deepcopy(kw["model"]) for name, (kw, *_) in CORPUS.items() if "model" in kw}
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[float]]]:
     out = tmp_path_factory.mktemp("corpus")
@@ -276,7 +281,8 @@ def corpus_with_update_norm(tmp_path_factory: pytest.TempPathFactory) -> dict[st
     runs = {}
     for name, (kwargs, *_) in CORPUS.items():
         runs[name] = out / f"{name}.csv"
-        train(runs[name], update_stats=True, **kwargs)
+        fresh = {"model": copy.deepcopy(_UNTRAINED[name])} if name in _UNTRAINED else {}
+        train(runs[name], update_stats=True, **{**kwargs, **fresh})
     return runs
 
 

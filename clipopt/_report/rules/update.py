@@ -64,8 +64,8 @@ def update_rules(log: GradLog, norm: Tensor, loss: Tensor, end: int) -> UpdateRu
 
 
 def per_lr(log: GradLog, update: Tensor) -> Tensor:
-    """The update norms per unit of learning rate (group 0's), where the log records a positive
-    finite one in every row (``nan`` elsewhere); the update norms themselves in a log without lr."""
+    """The update norms per unit of learning rate (group 0's) in the rows that record a positive finite
+    one (``nan`` in the others); the update norms themselves when no row records one."""
     lr = as_tensor(log.lr)
     usable = torch.isfinite(lr) & (lr > 0)
     if not bool(usable.any()):
