@@ -54,30 +54,37 @@ def plot_log(log: GradLog, report: Mapping[str, Any], path: str | os.PathLike[st
     except ImportError as exc:
         raise ImportError(_INSTALL) from exc
 
-    names = list(log.layers)
-    heat = bool(len(log.layer_rows) and names)
+    heat = bool(len(log.layer_rows) and log.layers)
     has_loss = report["summary"]["losses"] > 0
     update = report.get("update") is not None
     ratios = [4.0] + ([2.6] if update else []) + ([2.2] if has_loss else [])
-    ratios += [min(1.2 + 0.22 * len(names), 8.0)] if heat else []
+    ratios += [min(1.2 + 0.22 * len(log.layers), 8.0)] if heat else []
     fig = Figure(figsize=(12.0, 1.0 + sum(ratios)), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(len(ratios), 1, sharex=True, height_ratios=ratios, squeeze=False)[:, 0]
-    ax = axes[0]
-    _norm_panel(ax, log, report)
-    ax.set_title(f"{os.path.basename(log.path.rstrip(os.sep))}: verdict: {report['verdict']}")
-    if update:
-        _update_panel(axes[1], log, report)
-    if has_loss:
-        _loss_panel(axes[1 + update], log)
-    if heat:
-        _heatmap(axes[-1], log, names)
+    axes = list(fig.subplots(len(ratios), 1, sharex=True, height_ratios=ratios, squeeze=False)[:, 0])
+    _norm_panel(axes[0], log, report)
+    axes[0].set_title(f"{os.path.basename(log.path.rstrip(os.sep))}: verdict: {report['verdict']}")
+    _lower_panels(axes[1:], log, report, (update, has_loss, heat))
     axes[-1].set_xlabel("update (step)")
     axes[0].set_xlim(*_step_range(log))  # the panels share it
     for a in axes:
         a.tick_params(labelsize=9)
     fig.savefig(os.fspath(path), dpi=110)
     return fig
+
+
+def _lower_panels(
+    axes: list[Any], log: GradLog, report: Mapping[str, Any], which: tuple[bool, bool, bool]
+) -> None:
+    """The panels below the gradient norm's, in order, those of ``which`` that are on: the update
+    norm, the loss, the per-layer heatmap."""
+    update, has_loss, heat = which
+    if update:
+        _update_panel(axes[0], log, report)
+    if has_loss:
+        _loss_panel(axes[int(update)], log)
+    if heat:
+        _heatmap(axes[-1], log, list(log.layers))
 
 
 def _legend(ax: Any) -> None:
