@@ -10,7 +10,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from .._diagnostics.layers import LAYER_FIELDS
-from .._log_names import CLIPPED, MAX_NORM, RECOVERY_COLUMNS, SKIPPED
+from .._log_names import CLIPPED, MAX_NORM, RECOVERY_COLUMNS, SKIPPED, UPDATE_COEF, UPDATE_NORM
 from .._reasons import NONFINITE, REASONS, by_code
 
 __all__ = ["EXPECTED", "LIGHTNING_LAYER", "GradLog", "Names", "from_records"]
@@ -50,7 +50,12 @@ class GradLog:
     ``norm_column`` and ``loss_column`` name the column (tag, key) read as the
     norm and the loss (None: no loss); ``ignored`` lists those read as nothing,
     in the log's order; ``run`` names the TensorBoard run read (None: the
-    path holds one).
+    path holds one).  ``update_norm`` and ``update_coef`` hold clipopt's
+    update statistics (``update_clip=`` or ``update_stats=True``: the norm of
+    the inner optimizer's update before bounding, and the coefficient applied),
+    one value per row, ``nan`` where not recorded; both are empty when the log
+    has no update norm (``update_column`` is then None, else the column or tag
+    read).
     """
 
     path: str
@@ -74,9 +79,17 @@ class GradLog:
     ignored: list[str] = field(default_factory=list)
     run: str | None = None
     has_clipping: bool = False
+    update_norm: array[float] = field(default_factory=lambda: array("d"))
+    update_coef: array[float] = field(default_factory=lambda: array("d"))
+    update_column: str | None = None
 
     def __len__(self) -> int:
         return len(self.steps)
+
+    @property
+    def has_update_norm(self) -> bool:
+        """True when the log has an update-norm column (tag): ``update_clip=`` or ``update_stats=True``."""
+        return self.update_column is not None
 
     @property
     def has_loss(self) -> bool:
@@ -100,9 +113,10 @@ def from_records(
     groups: dict[int, dict[str, dict[int, float]]] | None = None,
 ) -> GradLog:
     """A GradLog from step -> {"norm", "loss", "lr", "max_norm", "clipped", "skipped", and each skip
-    reason's tag (``clipopt/nograd``, ...: 1.0 where the window was skipped for it)} (and ``groups``:
-    group -> "norm"/"coef" -> step -> value).  A skipped window without a reason's tag (a log of
-    an earlier version) reads as "nonfinite"."""
+    reason's tag (``clipopt/nograd``, ...: 1.0 where the window was skipped for it), and
+    ``update_norm``/``update_coef`` when the log has them} (and ``groups``: group -> "norm"/"coef"
+    -> step -> value).  A skipped window without a reason's tag (a log of an earlier version)
+    reads as "nonfinite".  The update columns are filled when some record has an update norm."""
     log = GradLog(name, source)
     index: dict[int, int] = {}
     for step in sorted(records):
@@ -122,6 +136,9 @@ def from_records(
         if skipped:
             marked = [r.name for r in REASONS if rec.get(r.tag, 0.0) > 0.5]
             log.reason[len(log.steps) - 1] = marked[0] if marked else _UNMARKED
+    if any(UPDATE_NORM in records[s] for s in index):
+        for key, out in ((UPDATE_NORM, log.update_norm), (UPDATE_COEF, log.update_coef)):
+            out.extend(records[s].get(key, _NAN) for s in log.steps)
     rows = sorted({s for per in layers.values() for s in per if s in index})
     log.layer_rows.extend(index[s] for s in rows)
     log.counted = {n for n, per in layers.items() if any("nonfinite" in v for v in per.values())}

@@ -6,7 +6,9 @@ recognises the same names: first the exact names of the table, in order of
 preference, then the first name (in the log's order) that matches the kind's
 pattern.  A name the user gives (``--loss NAME``, ``--norm NAME``) replaces the
 choice; one that is not in the log is an error naming it and listing the names
-there (:func:`choose`).
+there (:func:`choose`).  The update norm and its coefficient (``update_clip=``,
+``update_stats=True``) are read by clipopt's exact names only: a log without
+them reads as before.
 """
 
 from __future__ import annotations
@@ -14,9 +16,19 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 
-from .._log_names import LOSS, LR, TOTAL_NORM, column_tag
+from .._log_names import LOSS, LR, TOTAL_NORM, UPDATE_COEF, UPDATE_NORM, column_tag
 
-__all__ = ["LOSS_NAMES", "LR_NAMES", "NORM_NAMES", "STEP_NAMES", "choose", "is_validation", "pick"]
+__all__ = [
+    "LOSS_NAMES",
+    "LR_NAMES",
+    "NORM_NAMES",
+    "STEP_NAMES",
+    "UPDATE_COEF_NAMES",
+    "UPDATE_NORM_NAMES",
+    "choose",
+    "is_validation",
+    "pick",
+]
 
 #: Step columns, in order of preference.
 STEP_NAMES = ("step", "global_step", "trainer/global_step", "iteration", "iter")
@@ -48,6 +60,10 @@ LOSS_NAMES = (
 #: Learning-rate names, in order of preference; then a name starting with ``lr-`` or ``lr/`` (Lightning's
 #: LearningRateMonitor) or ending in ``/lr`` or ``/learning_rate``.
 LR_NAMES = (column_tag(LR), "lr", "learning_rate", "train/learning_rate", "train/lr")
+#: Update-norm names (clipopt's ``update_clip``/``update_stats``: TensorBoard tag, CSV column); no pattern.
+UPDATE_NORM_NAMES = (column_tag(UPDATE_NORM), UPDATE_NORM)
+#: The update coefficient's names, read with the update norm; no pattern.
+UPDATE_COEF_NAMES = (column_tag(UPDATE_COEF), UPDATE_COEF)
 
 _LIGHTNING_TOTAL = re.compile(r"grad_(?:[0-9.]+|inf)_norm_total")
 _HELD_OUT = "val|valid|validation|eval|evaluation|test|dev"
@@ -100,12 +116,15 @@ _TABLE: dict[str, tuple[tuple[str, ...], tuple[Callable[[str], bool], ...]]] = {
     "norm": (NORM_NAMES, (_lightning_total, _norm_like)),
     "loss": (LOSS_NAMES, (_loss_like,)),
     "lr": (LR_NAMES, (_lr_like,)),
+    "update": (UPDATE_NORM_NAMES, ()),
+    "update_coef": (UPDATE_COEF_NAMES, ()),
 }
 
 
 def pick(kind: str, names: Sequence[str]) -> str | None:
-    """The name of ``names`` read as ``kind`` (``"step"``, ``"norm"``, ``"loss"`` or ``"lr"``): the first
-    exact name of the table present, else the first of ``names`` matching a pattern; None: none."""
+    """The name of ``names`` read as ``kind`` (``"step"``, ``"norm"``, ``"loss"``, ``"lr"``, ``"update"`` or
+    ``"update_coef"``): the first exact name of the table present, else the first of ``names``
+    matching a pattern; None: none."""
     exact, patterns = _TABLE[kind]
     present = set(names)
     for n in exact:

@@ -30,9 +30,13 @@ def plot_log(log: GradLog, report: Mapping[str, Any], path: str | os.PathLike[st
     non-finite norm (crosses along the top inside the panel: red where the log
     says they were skipped, black for the others -- "applied" in clipopt's logs,
     which record every skip, plain "non-finite" in logs that record none) and
-    the onset of an explosion (a vertical line).  Panel 2,
-    with a loss: the loss per step (log scale when it is positive), non-finite
-    losses as red crosses along the top.  Panel 3, with per-layer rows:
+    the onset of an explosion (a vertical line).  With the update norm
+    (``update_stats=True``, ``update_clip=``), a panel below it: the update norm
+    of the applied updates on a log scale, the update spikes of the
+    ``update_spikes`` finding (circles) and the suggested
+    ``UpdateClip(max_norm=...)``.  Then, with a loss: the loss per step (log
+    scale when it is positive), non-finite losses as red crosses along the top.
+    Last, with per-layer rows:
     ``log10(grad_norm)`` per layer and per-layer row, each cell spanning the
     steps since the previous per-layer row, non-finite cells crossed out, its
     colour bar beside it; the rows are named by the parameters' names, shortened
@@ -50,26 +54,37 @@ def plot_log(log: GradLog, report: Mapping[str, Any], path: str | os.PathLike[st
     except ImportError as exc:
         raise ImportError(_INSTALL) from exc
 
-    names = list(log.layers)
-    heat = bool(len(log.layer_rows) and names)
+    heat = bool(len(log.layer_rows) and log.layers)
     has_loss = report["summary"]["losses"] > 0
-    ratios = [4.0] + ([2.2] if has_loss else []) + ([min(1.2 + 0.22 * len(names), 8.0)] if heat else [])
+    update = report.get("update") is not None
+    ratios = [4.0] + ([2.6] if update else []) + ([2.2] if has_loss else [])
+    ratios += [min(1.2 + 0.22 * len(log.layers), 8.0)] if heat else []
     fig = Figure(figsize=(12.0, 1.0 + sum(ratios)), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(len(ratios), 1, sharex=True, height_ratios=ratios, squeeze=False)[:, 0]
-    ax = axes[0]
-    _norm_panel(ax, log, report)
-    ax.set_title(f"{os.path.basename(log.path.rstrip(os.sep))}: verdict: {report['verdict']}")
-    if has_loss:
-        _loss_panel(axes[1], log)
-    if heat:
-        _heatmap(axes[-1], log, names)
+    axes = list(fig.subplots(len(ratios), 1, sharex=True, height_ratios=ratios, squeeze=False)[:, 0])
+    _norm_panel(axes[0], log, report)
+    axes[0].set_title(f"{os.path.basename(log.path.rstrip(os.sep))}: verdict: {report['verdict']}")
+    _lower_panels(axes[1:], log, report, (update, has_loss, heat))
     axes[-1].set_xlabel("update (step)")
     axes[0].set_xlim(*_step_range(log))  # the panels share it
     for a in axes:
         a.tick_params(labelsize=9)
     fig.savefig(os.fspath(path), dpi=110)
     return fig
+
+
+def _lower_panels(
+    axes: list[Any], log: GradLog, report: Mapping[str, Any], which: tuple[bool, bool, bool]
+) -> None:
+    """The panels below the gradient norm's, in order, those of ``which`` that are on: the update
+    norm, the loss, the per-layer heatmap."""
+    update, has_loss, heat = which
+    if update:
+        _update_panel(axes[0], log, report)
+    if has_loss:
+        _loss_panel(axes[int(update)], log)
+    if heat:
+        _heatmap(axes[-1], log, list(log.layers))
 
 
 def _legend(ax: Any) -> None:
@@ -212,8 +227,39 @@ def _top_crosses(ax: Any, steps: list[int], height: float, label: str, **kwargs:
     )
 
 
+def _update_panel(ax: Any, log: GradLog, report: Mapping[str, Any]) -> None:
+    """The update norm of the applied updates (log scale), the update spikes found, the suggested bound."""
+    good = [i for i, x in enumerate(log.update_norm) if math.isfinite(x) and x > 0 and not log.skipped[i]]
+    xs, ys = [log.steps[i] for i in good], [log.update_norm[i] for i in good]
+    ax.plot(xs, ys, lw=0.9, color="tab:olive", label="update norm (before update_clip)")
+    found = next((f for f in report["findings"] if f["kind"] == "update_spikes"), None)
+    if found is not None:
+        rows = found["values"]["rows"]
+        ax.scatter(
+            [log.steps[r] for r in rows],
+            [log.update_norm[r] for r in rows],
+            s=60,
+            facecolors="none",
+            edgecolors="tab:purple",
+            lw=1.5,
+            zorder=4,
+            label=f"update spike, no gradient spike ({found['values']['count']})",
+        )
+    suggested = report["update"]["suggested"]
+    if suggested is not None and suggested["max_norm"] > 0:
+        bound = suggested["max_norm"]
+        ax.axhline(
+            bound, color="tab:green", ls=":", lw=1.4, label=f"suggested UpdateClip(max_norm={_num(bound)})"
+        )
+    if good:
+        ax.set_yscale("log")
+    ax.set_ylabel("update norm")
+    ax.grid(True, which="major", alpha=0.3)
+    _legend(ax)
+
+
 def _loss_panel(ax: Any, log: GradLog) -> None:
-    """Panel 2: the loss per step (log scale when positive over a wide range), non-finite losses crossed."""
+    """The loss panel: the loss per step (log scale when positive over a wide range), non-finite crossed."""
     steps, loss = log.steps, log.loss
     good = [i for i, x in enumerate(loss) if math.isfinite(x)]
     ys = [loss[i] for i in good]
@@ -229,7 +275,7 @@ def _loss_panel(ax: Any, log: GradLog) -> None:
 
 
 def _heatmap(ax: Any, log: GradLog, names: list[str]) -> None:
-    """Panel 3: log10 of each layer's gradient norm per per-layer row, non-finite cells crossed."""
+    """The last panel: log10 of each layer's gradient norm per per-layer row, non-finite cells crossed."""
     steps = [log.steps[r] for r in log.layer_rows]
     # cell j spans the steps since the previous per-layer row; the first one starts with the log
     edges = [min(log.steps[0], steps[0]) - 0.5, *(s + 0.5 for s in steps)]

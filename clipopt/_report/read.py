@@ -20,7 +20,10 @@ are chosen from one table of recognised names, :mod:`clipopt._report.names`;
   (:func:`tensorboard_runs`) is never merged: one run is read, by name.
 
 clipopt's per-group columns (``group_norm.<g>``, ``group_coef.<g>``: per-group
-clipping) are read into :attr:`GradLog.groups`.
+clipping) are read into :attr:`GradLog.groups`, and its update norm and coefficient
+(``update_norm``/``update_coef``, TensorBoard ``clipopt/update_norm``/``clipopt/update_coef``:
+``update_clip=``, ``update_stats=True``) into :attr:`GradLog.update_norm` and
+:attr:`GradLog.update_coef`.
 
 Each format is one module defining a :class:`Reader` (:mod:`clipopt._report.read_csv`,
 :mod:`clipopt._report.read_trainer`, :mod:`clipopt._report.read_tensorboard`), registered by one line in

@@ -5,7 +5,8 @@ step column and a gradient-norm column, plus loss and lr columns when present (L
 Rows are streamed: the file is never held whole, only its columns, each as one ``array('d')``.
 Lightning's ``metrics.csv`` writes different metrics of one step in separate rows; the values of one
 step are merged into one row.  clipopt's per-group columns (``group_norm.<g>``, ``group_coef.<g>``:
-per-group clipping) are read into :attr:`GradLog.groups`.
+per-group clipping) are read into :attr:`GradLog.groups`, and its ``update_norm``/``update_coef`` columns
+(``update_clip=``, ``update_stats=True``) into :attr:`GradLog.update_norm` and :attr:`GradLog.update_coef`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class _Columns:
     clipped: int = -1
     skipped: int = -1
     reason: int = -1
+    update: int = -1  #: the update norm (update_clip / update_stats)
+    update_coef: int = -1
     layers: dict[str, dict[str, int]] = field(default_factory=dict)
     groups: list[tuple[int, str, int]] = field(default_factory=list)  # (group, "norm"/"coef", column)
     recovery: list[tuple[str, int]] = field(default_factory=list)  # a Rewind's (name, column)
@@ -57,7 +60,8 @@ class _Columns:
     def used(self) -> set[int]:
         """The columns read as something (the others are listed as ignored)."""
         singles = (self.step, self.norm, self.loss, self.lr, self.max_norm, self.clipped, self.skipped)
-        used = {*singles, self.reason, *(i for _, _, i in self.groups), *(i for _, i in self.recovery)}
+        used = {*singles, self.reason, self.update, self.update_coef, *(i for _, _, i in self.groups)}
+        used |= {i for _, i in self.recovery}
         return used | {i for fields in self.layers.values() for i in fields.values()}
 
 
@@ -80,6 +84,10 @@ def _columns(name: str, header: list[str], names: Names) -> _Columns:
     cols.max_norm, cols.clipped = at.get(MAX_NORM, -1), at.get(CLIPPED, -1)
     cols.skipped, cols.reason = at.get(SKIPPED, -1), at.get(REASON, -1)
     cols.recovery = [(c, at[c]) for c in RECOVERY_COLUMNS if c in at]
+    update, update_coef = pick("update", header), pick("update_coef", header)
+    if update is not None and at[update] != norm:  # --norm update_norm reads it as the norm alone
+        cols.update = at[update]
+        cols.update_coef = at[update_coef] if update_coef is not None else -1
     for i, col in enumerate(header):
         base, _, fld = col.rpartition(".")
         if (m := GROUP_COLUMN.fullmatch(col)) is not None:
@@ -121,6 +129,7 @@ def _read_csv_rows(name: str, rows: Iterator[list[str]], names: Names) -> GradLo
     used = cols.used()
     log.ignored = [c for i, c in enumerate(header) if i not in used]
     log.has_clipping = cols.clipped >= 0 or cols.max_norm >= 0
+    log.update_column = header[cols.update] if cols.update >= 0 else None
     if cols.step < 0:
         log.notes.append("no step column: the row number is used as the step")
     _Parser(name, header, cols, log).run(rows)
@@ -156,6 +165,7 @@ class _ChunkValues:
     max_norm: array[float]
     groups: list[tuple[int, str, array[float]]]  #: (group, "norm"/"coef", values)
     recovery: list[tuple[str, array[float]]]  #: (a Rewind's column, values)
+    update: tuple[array[float], array[float]]  #: update norms and coefficients (empty: no such columns)
     clipped: bytearray
     skipped: bytearray
     reasons: list[tuple[int, str]]  #: (row in the log, skip reason) of the rows with a reason
@@ -254,11 +264,21 @@ class _Parser:
             max_norm=_floats(columns[c.max_norm] if c.max_norm >= 0 else empty),
             groups=[(g, kind, _floats(columns[i])) for g, kind, i in c.groups],
             recovery=[(name, _floats(columns[i])) for name, i in c.recovery],
+            update=self.chunk_update(columns, empty),
             clipped=bytearray(map(flags, columns[c.clipped])) if c.clipped >= 0 else bytearray(len(chunk)),
             skipped=bytearray(map(flags, columns[c.skipped])) if c.skipped >= 0 else bytearray(len(chunk)),
             reasons=reasons,
             layer_rows=self.chunk_layer_rows(chunk, columns),
         )
+
+    def chunk_update(
+        self, columns: dict[int, tuple[str, ...]], empty: tuple[str, ...]
+    ) -> tuple[array[float], array[float]]:
+        """The chunk's update norms and coefficients (empty arrays: the log has no update norm)."""
+        c = self.cols
+        if c.update < 0:
+            return array("d"), array("d")
+        return _floats(columns[c.update]), _floats(columns[c.update_coef] if c.update_coef >= 0 else empty)
 
     def chunk_columns(self, chunk: list[list[str]]) -> dict[int, tuple[str, ...]]:
         """Column index -> the chunk's cells, for every column read (and the first and last layer cells)."""
@@ -266,7 +286,7 @@ class _Parser:
         first = self.layer_first[0] if self.layer_first else -1
         last = self.layer_first[-1] if self.layer_first else -1
         wanted = [c.step, c.norm, c.loss, c.lr, c.max_norm, c.clipped, c.skipped, c.reason, first, last]
-        wanted += [i for _, _, i in c.groups] + [i for _, i in c.recovery]
+        wanted += [c.update, c.update_coef, *(i for _, _, i in c.groups)] + [i for _, i in c.recovery]
         present = sorted({i for i in wanted if i >= 0} | {c.norm, -1})  # -1: two indices at least (tuples)
         # one C-level pass picks the cells of every row, a second transposes them into columns
         return dict(zip(present, zip(*map(itemgetter(*present), chunk), strict=True), strict=True))
@@ -301,6 +321,8 @@ class _Parser:
             log.groups[g][kind].extend(group_values)
         for name, recovery_values in values.recovery:
             log.recovery[name].extend(recovery_values)
+        log.update_norm.extend(values.update[0])
+        log.update_coef.extend(values.update[1])
         for at, layer_values in values.layer_rows:
             self.add_layers(at, layer_values)
 
@@ -346,6 +368,9 @@ class _Parser:
             log.groups[g][kind].append(self.optional(lineno, i, row))
         for name, i in c.recovery:
             log.recovery[name].append(self.optional(lineno, i, row))
+        if c.update >= 0:
+            log.update_norm.append(self.optional(lineno, c.update, row))
+            log.update_coef.append(self.optional(lineno, c.update_coef, row))
         if self.layer_cells and any(row[i].strip() for i in self.layer_first):
             self.layer_row(lineno, row)
 

@@ -1,7 +1,8 @@
 """``clipopt report``'s TensorBoard reader (needs the ``tensorboard`` package): a run's folder, its
 norm, loss and lr tags (Lightning's per-layer ``grad_2.0_norm/<name>`` too) and clipopt's own tags
 (``clipopt/clipped``, per-layer ``clipopt/layers/<name>/<field>``, per-group
-``clipopt/group_norm/<g>`` and ``clipopt/group_coef/<g>``).  A folder holding several runs
+``clipopt/group_norm/<g>`` and ``clipopt/group_coef/<g>``, the update's ``clipopt/update_norm`` and
+``clipopt/update_coef``).  A folder holding several runs
 (:func:`tensorboard_runs`) is never merged: one run is read, by name."""
 
 from __future__ import annotations
@@ -10,7 +11,17 @@ import glob
 import os
 
 from .._diagnostics.layers import LAYER_FIELDS
-from .._log_names import CLIPPED, GROUP_TAG, LAYERS_TAG, MAX_NORM, RECOVERY_COLUMNS, SKIPPED, column_tag
+from .._log_names import (
+    CLIPPED,
+    GROUP_TAG,
+    LAYERS_TAG,
+    MAX_NORM,
+    RECOVERY_COLUMNS,
+    SKIPPED,
+    UPDATE_COEF,
+    UPDATE_NORM,
+    column_tag,
+)
 from .._reasons import REASONS
 from .log import LIGHTNING_LAYER as _LIGHTNING_LAYER
 from .log import GradLog, Names, from_records
@@ -41,6 +52,7 @@ def _read_tensorboard(name: str, names: Names) -> GradLog:
         "norm": norm_tag,
         "loss": choose("loss", tags if names.loss else candidates, names.loss, name, "scalar tag"),
         "lr": pick("lr", candidates),
+        **_update_tags(candidates, norm_tag),
         **{key: column_tag(key) if column_tag(key) in scalars else None for key in _CLIPOPT_TAGS},
         **{r.tag: r.tag if r.tag in scalars else None for r in REASONS},  # the record's key is the tag
     }
@@ -53,7 +65,17 @@ def _read_tensorboard(name: str, names: Names) -> GradLog:
     log.norm_column, log.loss_column = norm_tag, wanted["loss"]
     log.ignored = [t for t in tags if t not in wanted.values() and not _layer_or_group_tag(t)]
     log.has_clipping = wanted[CLIPPED] is not None
+    log.update_column = wanted[UPDATE_NORM] if len(log.update_norm) else None
     return log
+
+
+def _update_tags(tags: list[str], norm_tag: str) -> dict[str, str | None]:
+    """The update norm's and coefficient's tags (``update_clip``/``update_stats``), None where absent
+    (and when ``--norm`` read the update norm as the norm)."""
+    update = pick("update", tags)
+    if update is None or update == norm_tag:
+        return {UPDATE_NORM: None, UPDATE_COEF: None}
+    return {UPDATE_NORM: update, UPDATE_COEF: pick("update_coef", tags)}
 
 
 def _tensorboard_scalars(name: str) -> tuple[dict[str, list[tuple[int, float]]], set[str]]:

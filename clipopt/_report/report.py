@@ -54,6 +54,7 @@ _KIND_TEXT = {
     "nonfinite": "non-finite gradient",
     "spikes": "gradient norm spikes",
     "loss_spikes": "loss spikes",
+    "update_spikes": "update norm spikes without a gradient spike",
     "vanishing": "vanishing layer gradient",
 }
 
@@ -86,7 +87,7 @@ def format_report(report: Mapping[str, Any]) -> str:
         "",
         *_threshold_lines(report),
         "",
-        *_summary_lines(report["summary"], _every_update(report)),
+        *_summary_lines(report["summary"], _every_update(report), report.get("update")),
     ]
     if report["notes"]:
         lines += ["", "Notes:"]
@@ -134,6 +135,9 @@ def _names_line(report: Mapping[str, Any]) -> str:
     if len(ignored) > _MAX_IGNORED:
         shown += f", ... ({len(ignored) - _MAX_IGNORED} more)"
     noun = _NOUNS.get(report["source"], "columns")
+    update = report.get("update")
+    if update is not None:  # update_clip / update_stats
+        loss += f", {update['column']} as the update norm"
     return f"{noun} read: {cols['norm']} as the norm, {loss}; ignored: {shown}"
 
 
@@ -158,6 +162,38 @@ def _threshold_lines(report: Mapping[str, Any]) -> list[str]:
         lines.append("  for reference:")
         rows = [[sug["name"], _suggestion_value(sug), sug["rule"]] for sug in report["suggestions"]]
         lines += ["  " + line for line in _table(rows)]
+    return lines + _update_clip_lines(report.get("update"))
+
+
+def _update_clip_lines(update: Mapping[str, Any] | None) -> list[str]:
+    """``Suggested update_clip:`` and how each bound was chosen (nothing without an update norm)."""
+    if update is None:
+        return []
+    sug = update["suggested"]
+    if sug is None:
+        return ["Suggested update_clip: none (no finite update norm)"]
+    z = f" or UpdateClip(z={sug['z']:g})" if sug["z"] is not None else ""
+    lines = [
+        f"Suggested update_clip: UpdateClip(max_norm={_num(sug['max_norm'])}){z}",
+        f"  max_norm: the largest of the healthy stretch's {sug['healthy_updates']} update norms "
+        "(spikes left out): it bounds no healthy update",
+    ]
+    if sug["z"] is not None:
+        lines.append(
+            f"  z: the smallest (in half steps, at least 3) under which the bound of UpdateClip(z=..., "
+            f"window={sug['window']}) bounds no update of that stretch"
+        )
+    else:
+        lines.append(
+            f"  z: none (no update of that stretch came after {sug['window'] // 2} others, when the bound "
+            f"of UpdateClip(z=..., window={sug['window']}) starts)"
+        )
+    if sug["spikes"]:
+        bounded = sug["spikes_bounded"]
+        lines.append(
+            f"  of the {sug['spikes']} update spike(s) found, max_norm bounds {bounded['max_norm']}"
+            + (f" and z bounds {bounded['z']}" if sug["z"] is not None else "")
+        )
     return lines
 
 
@@ -168,9 +204,12 @@ def _suggestion_value(sug: Mapping[str, Any]) -> str:
     return f"{_num(sug['low'])} - {_num(sug['high'])}"
 
 
-def _summary_lines(s: Mapping[str, Any], every_update: bool = True) -> list[str]:
+def _summary_lines(
+    s: Mapping[str, Any], every_update: bool = True, update: Mapping[str, Any] | None = None
+) -> list[str]:
     """``Summary:`` and its table: updates (logged rows unless ``every_update``), loss, clipped, skipped,
-    non-finite, norms, max_norm, layers, parameter groups."""
+    non-finite, norms, max_norm, the update norm (``update``: when the log has it), layers, parameter
+    groups."""
     rows = [
         ["updates" if every_update else "logged rows", f"{s['updates']}"],
         ["loss", _loss_text(s)],
@@ -180,6 +219,7 @@ def _summary_lines(s: Mapping[str, Any], every_update: bool = True) -> list[str]
         ["non-finite", f"{s['nonfinite']}" + (f" ({s['overflow']} overflow)" if s["overflow"] else "")],
         ["total norm", _norms_text(s)],
         ["max_norm used", _max_norm_text(s)],
+        *([["update norm", _update_text(update)]] if update is not None else []),
         [
             "layers",
             f"{s['layers']} ({s['layer_rows']} rows with per-layer statistics)" if s["layers"] else "-",
@@ -196,6 +236,16 @@ def _norms_text(s: Mapping[str, Any]) -> str:
     return (
         f"min {_num(s['norm_min'])}, median {_num(s['norm_median'])}, max {_num(s['norm_max'])} "
         f"({s['finite_norms']} finite)"
+    )
+
+
+def _update_text(u: Mapping[str, Any]) -> str:
+    """``median 0.003, max 0.02 (200 applied); bounded 0``: the update norms of the report."""
+    if not u["recorded"]:
+        return "no finite update norm"
+    return (
+        f"median {_num(u['median'])}, max {_num(u['max'])} ({u['recorded']} applied); "
+        f"bounded by update_clip {u['bounded']}"
     )
 
 

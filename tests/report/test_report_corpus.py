@@ -7,6 +7,7 @@ its truth is known by construction.  The runs are generated once per session.
 
 from __future__ import annotations
 
+import copy
 import csv
 import itertools
 import json
@@ -56,8 +57,9 @@ def train(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.nn.functional.mse_loss,
     skip_nonfinite: bool = True,
     spike_guard: SpikeGuard | None = None,
+    update_stats: bool = False,
 ) -> list[float]:
-    """Train and log to ``path``; return the losses."""
+    """Train and log to ``path`` (``update_stats``: with the update norm); return the losses."""
     torch.manual_seed(0)
     net = model if model is not None else _mlp()
     inner = make_opt(net)
@@ -68,6 +70,7 @@ def train(
         max_norm=max_norm,
         skip_nonfinite=skip_nonfinite,
         spike_guard=spike_guard,
+        update_stats=update_stats,
         param_names=net.named_parameters(),
         layer_stats=layer_stats,
         loggers=[CSVLogger(path)],
@@ -244,6 +247,10 @@ CORPUS: dict[str, tuple[dict[str, Any], str, int | None, str | None]] = {
 }
 
 
+#: The corpus's models as they are before any training (a run trains the model object it is given).
+_UNTRAINED = {name: copy.deepcopy(kw["model"]) for name, (kw, *_) in CORPUS.items() if "model" in kw}
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[float]]]:
     out = tmp_path_factory.mktemp("corpus")
@@ -265,6 +272,33 @@ def test_report_is_right_on_the_corpus(name: str, corpus: dict[str, tuple[Path, 
         assert head is not None and head["step"] == step
     if layer is not None:
         assert head is not None and head["layer"] == layer
+
+
+@pytest.fixture(scope="session")
+def corpus_with_update_norm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The corpus trained again with ``update_stats=True`` (the same trajectories, plus the update norm)."""
+    out = tmp_path_factory.mktemp("corpus-update")
+    runs = {}
+    for name, (kwargs, *_) in CORPUS.items():
+        runs[name] = out / f"{name}.csv"
+        fresh = {"model": copy.deepcopy(_UNTRAINED[name])} if name in _UNTRAINED else {}
+        train(runs[name], update_stats=True, **{**kwargs, **fresh})
+    return runs
+
+
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_the_update_norm_changes_no_verdict_of_the_corpus(
+    name: str, corpus_with_update_norm: dict[str, Path], corpus: dict[str, tuple[Path, list[float]]]
+) -> None:
+    """With the update norm in the log, each labelled run keeps its verdict and findings: none of them
+    has an update spike without a gradient spike (SGD, momentum, AdamW, warm-up, a GradScaler, a
+    blow-up, corrupted batches), and each gets an ``UpdateClip`` suggestion."""
+    with_update = analyze(read_log(corpus_with_update_norm[name]))
+    without = analyze(read_log(corpus[name][0]))
+    assert with_update["update"]["recorded"] > 0
+    assert [f["kind"] for f in with_update["findings"]] == [f["kind"] for f in without["findings"]]
+    assert with_update["verdict"] == CORPUS[name][1]
+    assert with_update["update"]["suggested"]["max_norm"] > 0
 
 
 def test_early_blowup_is_real(corpus: dict[str, tuple[Path, list[float]]]) -> None:

@@ -2,7 +2,8 @@
 
 Every rule reads a :class:`~clipopt._report.read.GradLog`: the pre-clip total
 norm of each update, the loss when the log has one, the clipping record
-(clipopt logs) and the per-layer rows.  Statistics are computed with torch on
+(clipopt logs), the per-layer rows, and the update norm when the log has it
+(``update_clip=`` or ``update_stats=True``).  Statistics are computed with torch on
 float64 columns, so a million updates take a fraction of a second; the norms
 are judged on their logarithms (or divided by their maximum), so norms up to
 ``1e308`` give a verdict rather than an overflow.
@@ -79,6 +80,20 @@ after it, and the evidence says it was taken from a later row.
   :data:`LOSS_WINDOW` losses and above :data:`LOSS_SPIKE_RATIO` times that
   mean (a corrupted batch, a bad data shard: the loss shows it even when
   clipping hides the norm).
+- *update spikes* (logs with the update norm, ``kind`` ``update_spikes``): the
+  norm spike rule above on the update norm divided by the learning rate (group
+  0's, where the log records one: a warm restart that multiplies the learning
+  rate is not a spike), over the applied updates, with no gradient-norm spike
+  (the same rule, clipped or not) at that row or in the
+  :data:`UPDATE_ECHO_ROWS` before it.  Why: an update that jumps while the
+  gradient does not is the optimizer's own doing -- Adam's second moment,
+  still near zero after a quiet stretch of a parameter (a rare token's
+  embedding), divides an ordinary gradient into a step many times the usual
+  one; gradient clipping cannot see it, update clipping bounds it.  A
+  gradient spike's update is the gradient's (and momentum carries it into the
+  next updates, whence the echo rows): the gradient rules report it.  As with
+  the norm, an update spike that ``update_clip`` bounded (``update_coef`` < 1)
+  and after which the loss stays calm is handled, a note and not evidence.
 
 ``vanishing`` (needs per-layer rows): a layer whose median gradient norm is
 below :data:`VANISH_RELATIVE` times the median over layers, or whose median
@@ -117,6 +132,32 @@ al.'s range of :data:`PASCANU_LOW`-:data:`PASCANU_HIGH` times the mean norm
 (Kumar et al. 2025), of all the finite norms -- or, when the run exploded, of
 the healthy stretch the suggestion came from: the blow-up's norms (1e16 and
 more in the corpus's exploding runs) would only measure how far it went.
+
+Update norm
+-----------
+When the log has the update norm, the report's ``update`` key (None without)
+sums it up (applied updates: median, maximum, how many ``update_clip``
+bounded) and suggests two ``UpdateClip`` bounds from the *healthy stretch of
+the updates*: the applied updates before the same end as ``max_norm``'s
+stretch, every update and gradient spike left out together with the
+:data:`UPDATE_ECHO_ROWS` after it.
+
+- ``UpdateClip(max_norm=...)``: the largest update norm of that stretch, not a
+  percentile as for ``max_norm``.  Why: a gradient bound that clips 10 % of the
+  updates leaves Adam's normalisation to absorb it, but an update bound scales
+  the step itself, so every healthy update it touched would be a step taken
+  with a smaller learning rate; the bound is there for the outliers only.
+- ``UpdateClip(z=...)``: UpdateClip's own rule replayed on the log (the mean and
+  population standard deviation of the previous up to :data:`UPDATE_Z_WINDOW`
+  applied update norms, a bound once it holds half of them): the smallest z, in
+  half steps and at least :data:`UPDATE_Z_MIN`, under which no update of the
+  healthy stretch would have been bounded (None when none came after half a
+  window).  Why: the adaptive bound follows a learning-rate schedule and the
+  slow drift of Adam's update norm, which a fixed bound taken from one part of
+  the run does not; below 3 standard deviations it would act on ordinary
+  updates of a longer run.
+
+The report says how many of the update spikes found each would have bounded.
 """
 
 from __future__ import annotations

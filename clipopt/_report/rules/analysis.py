@@ -28,6 +28,7 @@ from .nonfinite import nonfinite_finding
 from .recovery import escalation_text, skip_list, skip_list_notes
 from .spikes import loss_spikes, norm_spikes
 from .threshold import clipping_advice, reference_thresholds, stretch_for, suggest, suggestions
+from .update import update_rules, update_summary
 from .vanishing import vanishing_findings
 
 
@@ -37,10 +38,10 @@ def analyze(log: GradLog) -> dict[str, Any]:
     Keys: ``file``, ``source``, ``run`` (the TensorBoard run, or None), ``columns`` (the names read as
     ``norm`` and ``loss``, and those ``ignored``), ``verdict`` (one of :data:`VERDICTS`),
     ``findings`` (most severe first; each ``kind`` -- ``blowup``, ``growth``,
-    ``nonfinite``, ``spikes``, ``loss_spikes`` or ``vanishing`` --,
+    ``nonfinite``, ``spikes``, ``loss_spikes``, ``update_spikes`` or ``vanishing`` --,
     ``verdict``, ``step``, ``layer``, ``evidence``, ``values``),
     ``suggested_max_norm``, ``clipping``, ``suggestions``, ``summary``,
-    ``notes``.  See the module docstring for the rules.
+    ``notes``, ``update`` (None: the log has no update norm).  See the module docstring for the rules.
     """
     n = len(log)
     norm, loss = as_tensor(log.total_norm), as_tensor(log.loss)
@@ -54,11 +55,14 @@ def analyze(log: GradLog) -> dict[str, Any]:
     spikes, handled = norm_spikes(log, norm, loss, min(onset, n))
     findings = [*explosions, *_nonfinite_findings(log, bad_rows, onset, first_bad, explosions)]
     findings += [f for f in (spikes, loss_spikes(log, loss, min(onset, n))) if f is not None]
+    update = update_rules(log, norm, loss, min(onset, n))
+    findings += [update.finding] if update is not None and update.finding is not None else []
     findings += _layer_findings(log, notes)
     findings.sort(key=lambda f: VERDICTS.index(f["verdict"]))
-    verdict = findings[0]["verdict"] if findings else "healthy"
+    verdict = _verdict(findings)
+    grad_verdict = _verdict([f for f in findings if f["kind"] != "update_spikes"])  # max_norm's advice
     n_overflow = int(overflow.sum())
-    notes += _run_notes(log, n_overflow, handled)
+    notes += _run_notes(log, n_overflow, handled) + _update_notes(update.handled if update else [])
     end = min(onset, first_bad) if explosions else n
     spike_rows = set(spikes["values"]["rows"]) if spikes is not None else set()
     stretch, stretch_end = stretch_for(norm, finite, end, spike_rows, verdict)
@@ -72,11 +76,27 @@ def analyze(log: GradLog) -> dict[str, Any]:
         "verdict": verdict,
         "findings": findings,
         "suggested_max_norm": suggested,
-        "clipping": clipping_advice(log, verdict, findings, suggested),
+        "clipping": clipping_advice(log, grad_verdict, findings, suggested),
         "suggestions": suggestions(norm[finite]) if references is None else references,
         "summary": _summary(log, norm, loss, finite, n_overflow, len(handled)),
         "notes": notes,
+        "update": update_summary(log, update, stretch_end),
     }
+
+
+def _verdict(findings: list[dict[str, Any]]) -> str:
+    """The most severe verdict of ``findings`` (healthy: none)."""
+    return min((f["verdict"] for f in findings), key=VERDICTS.index, default="healthy")
+
+
+def _update_notes(handled: list[int]) -> list[str]:
+    """A note on the update spikes that ``UpdateClip`` bounded and after which the loss stayed calm."""
+    if not handled:
+        return []
+    return [
+        f"{len(handled)} large update norm(s) (at step(s) {steps_text(handled)}) were bounded by "
+        "update_clip and the loss did not jump after them: they are not counted as update spikes"
+    ]
 
 
 def _overflow_rows(log: GradLog) -> Tensor:

@@ -87,6 +87,19 @@ LOSS_SPIKE_Z = 6.0
 LOSS_SPIKE_RATIO = 1.5
 
 
+#: Update spikes: a gradient-norm spike this many rows before an update spike explains it (momentum
+#: carries a gradient into the next updates: Adam's 0.9 keeps a third of it after 10).
+UPDATE_ECHO_ROWS = 10
+
+
+#: UpdateClip(z=...) suggestion: at least this z (below 3 std a bound acts on ordinary updates).
+UPDATE_Z_MIN = 3.0
+
+
+#: UpdateClip(z=...) suggestion: the history UpdateClip keeps by default (its ``window``).
+UPDATE_Z_WINDOW = 128
+
+
 #: Vanishing: a layer's median grad_norm below this multiple of the median of all layers' medians.
 VANISH_RELATIVE = 1e-3
 

@@ -27,7 +27,7 @@ from .common import (
 )
 
 
-def _rolling(x: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
+def rolling(x: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
     """Mean, population std and count of the previous up to ``window`` values, for every index."""
     n = x.numel()
     shift = float(x.mean()) if n else 0.0
@@ -50,15 +50,15 @@ def norm_spikes(
     """Norm spikes before row ``end`` and the steps of the spikes clipping handled."""
     spikes: list[dict[str, Any]] = []
     handled: list[int] = []
-    for row, x, mean, z in _log_norm_outliers(norm[:end]):
-        if log.clipped[row] and _loss_calm_after(loss, row):
+    for row, x, mean, z in log_norm_outliers(norm[:end]):
+        if log.clipped[row] and loss_calm_after(loss, row):
             handled.append(log.steps[row])
             continue
         spikes.append({"row": row, "step": log.steps[row], "norm": x, "mean": mean, "z": z})
     return (_norm_spikes_finding(log, spikes) if spikes else None), handled
 
 
-def _log_norm_outliers(head: Tensor) -> list[tuple[int, float, float, float]]:
+def log_norm_outliers(head: Tensor) -> list[tuple[int, float, float, float]]:
     """The rows of ``head`` whose log-norm is a spike over the rolling window: ``(row, norm, mean, z)``.
 
     A spike has at least SPIKE_MIN_HISTORY finite norms before it, a z-score of
@@ -69,9 +69,9 @@ def _log_norm_outliers(head: Tensor) -> list[tuple[int, float, float, float]]:
     if x.numel() <= SPIKE_MIN_HISTORY:
         return []
     logs = x.log()
-    mean_log, std_log, count = _rolling(logs, SPIKE_WINDOW)
+    mean_log, std_log, count = rolling(logs, SPIKE_WINDOW)
     scale = float(x.max())
-    mean_raw = _rolling(x / scale, SPIKE_WINDOW)[0] * scale
+    mean_raw = rolling(x / scale, SPIKE_WINDOW)[0] * scale
     excess = logs - mean_log
     z = torch.where(std_log > 0, excess / std_log.clamp(min=1e-300), torch.where(excess > 0, math.inf, 0.0))
     hit = (count >= SPIKE_MIN_HISTORY) & (z > SPIKE_Z) & (x >= SPIKE_MIN_RATIO * mean_raw)
@@ -108,7 +108,7 @@ def _norm_spikes_finding(log: GradLog, spikes: list[dict[str, Any]]) -> dict[str
     }
 
 
-def _loss_calm_after(loss: Tensor, row: int) -> bool:
+def loss_calm_after(loss: Tensor, row: int) -> bool:
     """The loss of the next rows stays below LOSS_SPIKE_RATIO x the median before (False without a loss)."""
     if bool(torch.isnan(loss).all()):
         return False
@@ -131,7 +131,7 @@ def loss_spikes(log: GradLog, loss: Tensor, end: int) -> dict[str, Any] | None:
     x = head[idx]
     if x.numel() <= SPIKE_MIN_HISTORY:
         return None
-    mean, std, count = _rolling(x, LOSS_WINDOW)
+    mean, std, count = rolling(x, LOSS_WINDOW)
     hit = (count >= SPIKE_MIN_HISTORY) & (x - mean > LOSS_SPIKE_Z * std) & (x > LOSS_SPIKE_RATIO * mean)
     hit &= mean > 0
     pos = hit.nonzero().flatten().tolist()

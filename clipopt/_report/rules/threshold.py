@@ -28,7 +28,7 @@ from .common import (
 )
 
 
-def _healthy_stretch(norm: Tensor, end: int, spike_rows: set[int]) -> Tensor:
+def healthy_stretch(norm: Tensor, end: int, spike_rows: set[int]) -> Tensor:
     """The finite positive norms before row ``end``, spikes left out (none: the first START_ROWS ones)."""
     head = norm[:end]
     keep = torch.isfinite(head) & (head > 0)
@@ -55,7 +55,7 @@ def stretch_for(
         if start.numel():
             above = (norm[:end] > GROWTH_ONSET_RATIO * median_of(start)).nonzero().flatten()
             end = min(_early_onset(norm, finite, end), int(above[0]) if above.numel() else end)
-    return _healthy_stretch(norm, end, spike_rows), end
+    return healthy_stretch(norm, end, spike_rows), end
 
 
 def _early_onset(norm: Tensor, finite: Tensor, end: int) -> int:
