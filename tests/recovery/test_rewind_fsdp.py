@@ -24,7 +24,17 @@ pytestmark = needs_gloo
 #: rewind, 16 and 17 dropped by skip_batches=2); 11 and 13, applied after the copy, are undone
 KEPT = [*range(11), *range(18, jobs.WINDOWS)]
 #: the rewind: in the close of window 16 (batch 15), back to the copy of window 11
-EVENT = {"step": 16, "restored": 11, "first_spike": 13, "spikes": 2, "undone": 2}
+#: The rewind every rank logs (no lr_cut, no reset_state: the escalation's fields at their "off" values).
+EVENT = {
+    "step": 16,
+    "restored": 11,
+    "first_spike": 13,
+    "spikes": 2,
+    "undone": 2,
+    "lr_factor": 1.0,
+    "lr_updates": 0,
+    "state_reset": False,
+}
 
 
 @pytest.fixture(scope="module")
