@@ -28,10 +28,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
-#: The tests marked ``slow``, by why: a test file of tests/, or one test of it (``file::name``, all its
-#: parametrisations). ``python -m pytest -m "not slow"`` (the quick edit-test loop) leaves them out;
-#: ``python -m pytest`` (CI) and a file named on the command line run them. Measured on a busy 2-core
-#: machine (``--durations``), every other test takes under 2.5 s, its parametrisations together under 3 s.
+#: The tests marked ``slow``, by why: a test file of tests/, one test of it (``file::name``, all its
+#: parametrisations) or one parametrisation (``file::name[id]``). ``python -m pytest -m "not slow"``
+#: (the quick edit-test loop) leaves them out; ``python -m pytest`` (CI) and a file named on the
+#: command line run them. Measured on a busy 2-core machine (``--durations``), every other test takes
+#: under 2.5 s, its parametrisations together under 3 s.
 SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
     "spawns gloo process groups": (
         "distributed/test_distributed.py",
@@ -40,6 +41,13 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "recovery/test_rewind_fsdp.py",
         "replay/test_replay.py::test_ddp_rank_files_replay_without_a_process_group",
         "window/test_window_guard.py::test_ddp_gradients_and_bucket_views_are_not_mistaken_for_clearing",
+        "window/test_update_clip.py::test_ddp_and_fsdp2_bound_the_update_as_one_process_does",
+        "window/test_update_clip.py::test_fsdp2_puts_back_a_nonfinite_update_on_every_rank",
+        "window/test_update_clip.py::test_ranks_with_another_update_clip_are_refused_on_every_rank",
+        "window/test_update_clip.py::test_pipeline_stages_bound_and_put_back_their_update_as_one",
+        "window/test_reasons.py::test_every_reason_reads_back_as_itself_through_every_logger[divergence]",
+        "policies/test_policy_fsdp.py",
+        "optimizer/test_multi_optimizer.py::test_ddp_and_fsdp2_over_several_inner_optimizers_equal_one_process",
     ),
     "real Lightning, Hugging Face Trainer and Accelerate runs": (
         "integrations/test_integrations_accelerate.py",
@@ -50,6 +58,8 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "report/test_report_formats.py::test_lightning_metrics_csv",
         "report/test_report_formats.py::test_lightning_nonfinite_gradient_names_its_layer",
         "report/test_report_formats.py::test_lightning_tensorboard_logger",
+        "recovery/test_rewind_escalation.py::test_lr_cut_under_lightning_keeps_the_schedulers_values",
+        "recovery/test_rewind_escalation.py::test_lr_cut_under_the_hf_trainer_keeps_the_schedulers_values",
     ),
     "trains the demo's and the report's corpus of runs (minutes)": (
         "report/test_demo.py",
@@ -104,12 +114,17 @@ _HERE = Path(__file__).parent
 
 
 def _defined(entry: str) -> bool:
-    """Whether a :data:`SLOW` entry names an existing test file (and a test function in it)."""
+    """Whether a :data:`SLOW` entry names an existing test file (and a test function in it, and the
+    id of one of its parametrisations written in it)."""
     name, _, test = entry.partition("::")
+    test, _, param = test.partition("[")
     path = _HERE / name
     if not path.is_file():
         return False
-    return not test or re.search(rf"^def {re.escape(test)}\(", path.read_text(), re.MULTILINE) is not None
+    text = path.read_text()
+    if test and re.search(rf"^def {re.escape(test)}\(", text, re.MULTILINE) is None:
+        return False
+    return not param or f'"{param.removesuffix("]")}"' in text
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
@@ -122,7 +137,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         file = item.path.relative_to(_HERE).as_posix() if item.path.is_relative_to(_HERE) else ""
         name = getattr(item, "originalname", item.name)
-        if file in SLOW or f"{file}::{name}" in SLOW:
+        if file in SLOW or f"{file}::{name}" in SLOW or f"{file}::{item.name}" in SLOW:
             item.add_marker(pytest.mark.slow)
 
 
