@@ -7,10 +7,11 @@ same random draws in the same order), so the values the tests check are unchange
 
 from __future__ import annotations
 
+import contextlib
 import math
 import socket
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +196,20 @@ def task_run(model: TwoHeads, opt: torch.optim.Optimizer, plan: list[tuple[str, 
         model.loss(task, x).backward()
         opt.step()
         opt.zero_grad()
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one intra-op thread inside, the count restored after: for the long runs of a tiny
+    model, whose tensors are far too small to be split, where a second thread only adds hand-offs
+    (the 300-update runs of tests/policy_runs.py took 5 times as long with two on a busy 2-core
+    machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def free_port() -> int:
