@@ -28,10 +28,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
-#: The tests marked ``slow``, by why: a test file of tests/, or one test of it (``file::name``, all its
-#: parametrisations). ``python -m pytest -m "not slow"`` (the quick edit-test loop) leaves them out;
-#: ``python -m pytest`` (CI) and a file named on the command line run them. Measured on a busy 2-core
-#: machine (``--durations``), every other test takes under 2.5 s, its parametrisations together under 3 s.
+#: The tests marked ``slow``, by why: a test file of tests/, one test of it (``file::name``, all its
+#: parametrisations) or one parametrisation (``file::name[id]``). ``python -m pytest -m "not slow"``
+#: (the quick edit-test loop) leaves them out; ``python -m pytest`` (CI) and a file named on the
+#: command line run them. Measured on a busy 2-core machine (``--durations``), every other test takes
+#: under 2.5 s, its parametrisations together under 3 s.
 SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
     "spawns gloo process groups": (
         "distributed/test_distributed.py",
@@ -40,6 +41,13 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "recovery/test_rewind_fsdp.py",
         "replay/test_replay.py::test_ddp_rank_files_replay_without_a_process_group",
         "window/test_window_guard.py::test_ddp_gradients_and_bucket_views_are_not_mistaken_for_clearing",
+        "window/test_update_clip.py::test_ddp_and_fsdp2_bound_the_update_as_one_process_does",
+        "window/test_update_clip.py::test_fsdp2_puts_back_a_nonfinite_update_on_every_rank",
+        "window/test_update_clip.py::test_ranks_with_another_update_clip_are_refused_on_every_rank",
+        "window/test_update_clip.py::test_pipeline_stages_bound_and_put_back_their_update_as_one",
+        "window/test_reasons.py::test_every_reason_reads_back_as_itself_through_every_logger[divergence]",
+        "policies/test_policy_fsdp.py",
+        "optimizer/test_multi_optimizer.py::test_ddp_and_fsdp2_over_several_inner_optimizers_equal_one_process",
     ),
     "real Lightning, Hugging Face Trainer and Accelerate runs": (
         "integrations/test_integrations_accelerate.py",
@@ -50,6 +58,8 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "report/test_report_formats.py::test_lightning_metrics_csv",
         "report/test_report_formats.py::test_lightning_nonfinite_gradient_names_its_layer",
         "report/test_report_formats.py::test_lightning_tensorboard_logger",
+        "recovery/test_rewind_escalation.py::test_lr_cut_under_lightning_keeps_the_schedulers_values",
+        "recovery/test_rewind_escalation.py::test_lr_cut_under_the_hf_trainer_keeps_the_schedulers_values",
     ),
     "trains the demo's and the report's corpus of runs (minutes)": (
         "report/test_demo.py",
@@ -78,12 +88,6 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "diagnostics/test_diagnostics.py::test_kernels_are_accurate_on_long_tensors",
         "report/test_report_formats.py::test_tensorboard_gradscaler_overflows_are_not_nonfinite",
         "report/test_report_hostile.py::test_huge_file_is_streamed",
-        "report/test_report_names.py::test_tutorial_names_blowup_is_exploding_and_names_the_tags",
-        "report/test_report_names.py::test_csv_with_tutorial_names_is_read",
-        "report/test_report_names.py::test_loss_and_norm_options_choose_other_names",
-        "report/test_report_names.py::test_two_runs_are_reported_one_by_one",
-        "report/test_report_names.py::test_two_runs_as_json_and_run_picks_one",
-        "report/test_report_names.py::test_several_runs_refused_where_one_is_needed",
         "recovery/test_spike_recovery.py::test_rewind_restores_module_buffers_bit_identically",
         "recovery/test_spike_recovery.py::test_rewind_restores_module_buffers_under_accumulation",
         "recovery/test_spike_recovery.py::test_checkpoint_between_a_close_and_its_check_resumes_exactly",
@@ -93,8 +97,6 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "recovery/test_rewind.py::test_capture_restore_is_bit_identical",
         "recovery/test_rewind.py::test_spikes_back_soon_after_a_rewind_go_to_an_older_copy",
         "window/test_accumulation.py::test_mean_accumulation_equals_large_batch",
-        "report/test_report_names.py::test_common_names_are_read_alike_by_csv_and_tensorboard",
-        "report/test_report_names.py::test_healthy_without_a_loss_says_so_first",
         "window/test_skip.py::test_skipped_first_update_then_training_matches_reference",
     ),
 }
@@ -104,12 +106,17 @@ _HERE = Path(__file__).parent
 
 
 def _defined(entry: str) -> bool:
-    """Whether a :data:`SLOW` entry names an existing test file (and a test function in it)."""
+    """Whether a :data:`SLOW` entry names an existing test file (and a test function in it, and the
+    id of one of its parametrisations written in it)."""
     name, _, test = entry.partition("::")
+    test, _, param = test.partition("[")
     path = _HERE / name
     if not path.is_file():
         return False
-    return not test or re.search(rf"^def {re.escape(test)}\(", path.read_text(), re.MULTILINE) is not None
+    text = path.read_text()
+    if test and re.search(rf"^def {re.escape(test)}\(", text, re.MULTILINE) is None:
+        return False
+    return not param or f'"{param.removesuffix("]")}"' in text
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
@@ -122,7 +129,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         file = item.path.relative_to(_HERE).as_posix() if item.path.is_relative_to(_HERE) else ""
         name = getattr(item, "originalname", item.name)
-        if file in SLOW or f"{file}::{name}" in SLOW:
+        if file in SLOW or f"{file}::{name}" in SLOW or f"{file}::{item.name}" in SLOW:
             item.add_marker(pytest.mark.slow)
 
 

@@ -7,10 +7,11 @@ same random draws in the same order), so the values the tests check are unchange
 
 from __future__ import annotations
 
+import contextlib
 import math
 import socket
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -197,11 +198,51 @@ def task_run(model: TwoHeads, opt: torch.optim.Optimizer, plan: list[tuple[str, 
         opt.zero_grad()
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one intra-op thread inside, the count restored after: for the long runs of a tiny
+    model, whose tensors are far too small to be split, where a second thread only adds hand-offs
+    (the 300-update runs of tests/policy_runs.py took 5 times as long with two on a busy 2-core
+    machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now (for a process group's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+#: The modules the fork server of :func:`start_ranks` imports once per test run: torch alone takes
+#: seconds to import (more on a busy machine), and every spawned rank imported it again.
+RANK_PRELOAD = (
+    "torch",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "clipopt",
+    "tests.distributed_jobs",
+)
+
+
+def start_ranks(job: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> Any:
+    """``torch.multiprocessing.spawn(job, args=args, nprocs=nprocs, join=False)``, the processes
+    forked from one fork server per test run that has imported :data:`RANK_PRELOAD` (each rank
+    still a fresh process: no state of the test process, no process group, no threads), where
+    the platform has one; spawned otherwise.  Wait for them with :func:`join_spawned`."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    if method == "forkserver":
+        multiprocessing.set_forkserver_preload(list(RANK_PRELOAD))  # read when the server starts
+    return mp.start_processes(job, args=args, nprocs=nprocs, join=False, start_method=method)
 
 
 def spawn_job(
@@ -216,16 +257,14 @@ def spawn_job(
 ) -> list[dict[str, Any]]:
     """Run ``job(rank, port, out[, world])`` in ``world`` processes and load what each rank saved
     (``out/<name><rank>.pt``); fail, killing them, if they have not finished after ``timeout_s``."""
-    import torch.multiprocessing as mp
-
     args = (free_port(), str(out), world) if pass_world else (free_port(), str(out))
-    join_spawned(mp.spawn(job, args=args, nprocs=world, join=False), name, timeout_s)
+    join_spawned(start_ranks(job, args, world), name, timeout_s)
     return [torch.load(out / f"{name}{rank}.pt", weights_only=weights_only) for rank in range(world)]
 
 
 def join_spawned(ctx: Any, name: str, timeout_s: float = 240) -> None:
-    """Wait for the processes of ``torch.multiprocessing.spawn(..., join=False)``; fail, killing
-    them, if they have not finished after ``timeout_s`` (a rank waiting for another never hangs CI)."""
+    """Wait for the processes of :func:`start_ranks`; fail, killing them, if they have not finished
+    after ``timeout_s`` (a rank waiting for another never hangs CI)."""
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
         if time.monotonic() > deadline:

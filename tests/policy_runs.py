@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from .helpers import mlp, mse, pairs
+from .helpers import mlp, mse, one_thread, pairs
 
 #: update -> factor on that update's loss (every gradient x1e3)
 SPIKES = {40: 1e3, 41: 1e3, 150: 1e3, 220: 1e3}
@@ -62,17 +62,18 @@ def train_spiked(
     """``accumulation`` micro-batches per update (``opt.step()`` after each, for a wrapper; with
     ``mean_grads`` one ``opt.step()`` per update on the mean gradient, for a reference optimizer)."""
     data = _data(accumulation, seed)
-    for update in updates:
-        for k in range(accumulation):
-            spiked_backward(model, update, data[update * accumulation + k])
-            if not mean_grads:
+    with one_thread():
+        for update in updates:
+            for k in range(accumulation):
+                spiked_backward(model, update, data[update * accumulation + k])
+                if not mean_grads:
+                    opt.step()
+            if mean_grads:
+                if accumulation != 1:
+                    for p in model.parameters():
+                        p.grad.mul_(1.0 / accumulation)  # type: ignore[union-attr]
                 opt.step()
-        if mean_grads:
-            if accumulation != 1:
-                for p in model.parameters():
-                    p.grad.mul_(1.0 / accumulation)  # type: ignore[union-attr]
-            opt.step()
-        opt.zero_grad()
+            opt.zero_grad()
 
 
 def trajectory(make: MakeOpt, *, accumulation: int = 1, mean_grads: bool = False) -> list[torch.Tensor]:
@@ -80,9 +81,10 @@ def trajectory(make: MakeOpt, *, accumulation: int = 1, mean_grads: bool = False
     model = spiked_model()
     opt = make(model)
     out = []
-    for update in range(UPDATES):
-        train_spiked(model, opt, [update], accumulation=accumulation, mean_grads=mean_grads)
-        out.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
+    with one_thread():
+        for update in range(UPDATES):
+            train_spiked(model, opt, [update], accumulation=accumulation, mean_grads=mean_grads)
+            out.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
     return out
 
 

@@ -15,11 +15,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import pytorch_optimizer
 import torch
-import transformers
 from torch import nn, optim
 from torch.optim import lr_scheduler as lrs
 from torch.utils.data import DataLoader, TensorDataset
@@ -411,41 +409,50 @@ def test_lr_cut_and_reset_state_are_settings_the_ranks_compare() -> None:
     assert settings(lr_cut=(0.5, 10)) != settings(lr_cut=(0.5, 11)) != settings(lr_cut=(0.25, 11))
 
 
-class _SpikyRegressor(L.LightningModule):
-    """A tiny MLP under Lightning; the batches in SPIKES have targets 1000 times larger. OneCycleLR at
-    interval "step": Lightning calls its step() after every optimizer step."""
+def _spiky_regressor(lr_cut: tuple[float, int] | None) -> Any:
+    """A ``_SpikyRegressor`` (Lightning imported here, not with the module: it takes seconds of the
+    quick loop, which leaves this test out)."""
+    import lightning as L
 
-    def __init__(self, lr_cut: tuple[float, int] | None) -> None:
-        super().__init__()
-        self.net = model_for()
-        self.lr_cut = lr_cut
-        self.step_lrs: dict[int, float] = {}  # window -> the lr its inner step saw
-        self.sched_lrs: list[float] = []  # the group's lr after every batch: the scheduler's
+    class _SpikyRegressor(L.LightningModule):
+        """A tiny MLP under Lightning; the batches in SPIKES have targets 1000 times larger. OneCycleLR at
+        interval "step": Lightning calls its step() after every optimizer step."""
 
-    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return ((self.net(x) - (y * 1000 if batch_idx in SPIKES else y)) ** 2).mean()
+        def __init__(self, lr_cut: tuple[float, int] | None) -> None:
+            super().__init__()
+            self.net = model_for()
+            self.lr_cut = lr_cut
+            self.step_lrs: dict[int, float] = {}  # window -> the lr its inner step saw
+            self.sched_lrs: list[float] = []  # the group's lr after every batch: the scheduler's
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.sched_lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+        def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return ((self.net(x) - (y * 1000 if batch_idx in SPIKES else y)) ** 2).mean()
 
-    def configure_optimizers(self) -> dict[str, Any]:
-        inner = optim.SGD(self.parameters(), lr=0.1)
-        rewind = _rewind(lr_cut=self.lr_cut)
-        opt = ClippedOptimizer(inner, max_norm=None, spike_guard=_guard(), rewind=rewind)
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.sched_lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
 
-        def seen(o: optim.Optimizer, args: Any, kwargs: Any) -> None:
-            self.step_lrs[opt.num_windows] = o.param_groups[0]["lr"]
+        def configure_optimizers(self) -> dict[str, Any]:
+            inner = optim.SGD(self.parameters(), lr=0.1)
+            rewind = _rewind(lr_cut=self.lr_cut)
+            opt = ClippedOptimizer(inner, max_norm=None, spike_guard=_guard(), rewind=rewind)
 
-        inner.register_step_pre_hook(seen)
-        sched = lrs.OneCycleLR(opt, max_lr=0.5, total_steps=40)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+            def seen(o: optim.Optimizer, args: Any, kwargs: Any) -> None:
+                self.step_lrs[opt.num_windows] = o.param_groups[0]["lr"]
+
+            inner.register_step_pre_hook(seen)
+            sched = lrs.OneCycleLR(opt, max_lr=0.5, total_steps=40)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    return _SpikyRegressor(lr_cut)
 
 
-def _fit(lr_cut: tuple[float, int] | None, tmp_path: Path) -> tuple[_SpikyRegressor, ClippedOptimizer]:
+def _fit(lr_cut: tuple[float, int] | None, tmp_path: Path) -> tuple[Any, ClippedOptimizer]:
+    import lightning as L
+
     x, y = zip(*batches_for(26, seed=5), strict=True)
     data = TensorDataset(torch.cat(x), torch.cat(y))
-    model = _SpikyRegressor(lr_cut)
+    model = _spiky_regressor(lr_cut)
     trainer = L.Trainer(
         max_epochs=1,
         logger=False,
@@ -499,6 +506,8 @@ def _hf_fit(
 ) -> tuple[dict[int, float], list[float], ClippedOptimizer]:
     """A Hugging Face Trainer run over ``_batches()`` (8 rows per step, in order), OneCycleLR stepped by
     the Trainer after every optimizer step; the lr each inner step saw (by window) and the scheduler's."""
+    import transformers
+
     model = _HFRegressor()
     inner = optim.SGD(model.parameters(), lr=0.1)
     guard = SpikeGuard(z_thresh=50.0, window=8, warmup=4, signals=("grad_norm",))  # the Trainer gives no loss

@@ -7,10 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from .. import spike_jobs as jobs
-from ..helpers import free_port, join_spawned
+from ..helpers import free_port, join_spawned, start_ranks
 from ..markers import needs_gloo
 
 pytestmark = needs_gloo
@@ -19,7 +18,7 @@ pytestmark = needs_gloo
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out: Path = tmp_path_factory.mktemp("spike")
-    ctx = mp.spawn(jobs.spike_job, args=(free_port(), str(out)), nprocs=jobs.WORLD, join=False)
+    ctx = start_ranks(jobs.spike_job, (free_port(), str(out)), jobs.WORLD)
     join_spawned(ctx, "spike")
     return [
         {kind: torch.load(out / f"{kind}{r}.pt", weights_only=True) for kind in ("ddp", "fsdp")}

@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -28,7 +27,7 @@ from clipopt._replay.replay import ReplayInputError
 from clipopt._report.text import json_safe
 
 from .. import replay_jobs
-from ..helpers import free_port, join_spawned
+from ..helpers import free_port, join_spawned, start_ranks
 from ..markers import GLOO
 from ..replay_models import (
     BAD_ROW,
@@ -522,9 +521,7 @@ def ddp_files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     if not GLOO:
         pytest.fail("this torch build has no torch.distributed with the gloo backend")
     out = tmp_path_factory.mktemp("ddp")
-    ctx = mp.spawn(
-        replay_jobs.ddp_snapshot_job, args=(free_port(), str(out)), nprocs=replay_jobs.WORLD, join=False
-    )
+    ctx = start_ranks(replay_jobs.ddp_snapshot_job, (free_port(), str(out)), replay_jobs.WORLD)
     join_spawned(ctx, "DDP snapshot")
     return snapshots(out)
 

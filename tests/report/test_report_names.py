@@ -10,6 +10,7 @@ EventAccumulator, or against the values the run computed.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import re
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from clipopt._report.read import Names, tensorboard_runs
 from clipopt._report.report import analyze, read_log
 
-from ..helpers import run_cli
+from ..helpers import one_thread, run_cli
 
 #: The updates after which the learning rate of :func:`_train` is raised.
 SWITCH = 50
@@ -30,7 +31,18 @@ def _train(steps: int, lr: float) -> list[tuple[float, float]]:
     """A real run: Linear(8, 32), Tanh, Linear(32, 1) on y = sum(x), MSE, Adam at lr 0.01, raised to ``lr``
     after :data:`SWITCH` updates (3.0 blows the loss up ~600x over its trained level, and some 8x over its
     start, while the norm grows ~6x). Returns (loss, pre-clip total norm) per update; the norm is what
-    ``clip_grad_norm_`` returns."""
+    ``clip_grad_norm_`` returns. Each run is trained once per test run (a new list each call)."""
+    return list(_trained(steps, lr))
+
+
+@functools.cache
+def _trained(steps: int, lr: float) -> tuple[tuple[float, float], ...]:
+    """The rows of :func:`_train` (seeded, so the same for the same arguments), on one thread."""
+    with one_thread():
+        return tuple(_train_once(steps, lr))
+
+
+def _train_once(steps: int, lr: float) -> list[tuple[float, float]]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     g = torch.Generator().manual_seed(0)

@@ -153,11 +153,9 @@ def divergence_job(rank: int, port: int, out_dir: str) -> None:
 
 def _diverged(out: Path) -> list[str | None]:
     """The divergence job's reasons (rank 0's, the same on rank 1); its logs are in ``out``."""
-    import torch.multiprocessing as mp
+    from ..helpers import free_port, join_spawned, start_ranks
 
-    from ..helpers import free_port, join_spawned
-
-    join_spawned(mp.spawn(divergence_job, args=(free_port(), str(out)), nprocs=2, join=False), "divergence")
+    join_spawned(start_ranks(divergence_job, (free_port(), str(out)), 2), "divergence")
     reasons = [torch.load(out / f"reasons{rank}.pt") for rank in range(2)]
     assert reasons[0] == reasons[1]
     return reasons[0]

@@ -320,11 +320,9 @@ def test_ddp_gradients_and_bucket_views_are_not_mistaken_for_clearing(tmp_path) 
     """DDP writes gradients during backward (and, with gradient_as_bucket_view, keeps them as views of
     a bucket whose version counter other parameters bump): no false alarm in any combination, and
     model.zero_grad() inside a window is still caught on every rank."""
-    import torch.multiprocessing as mp
+    from ..helpers import free_port, join_spawned, start_ranks
 
-    from ..helpers import free_port
-
-    mp.spawn(_ddp_job, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    join_spawned(start_ranks(_ddp_job, (free_port(), str(tmp_path)), 2), "DDP guard")
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         keys = ("False-sync", "False-no_sync", "True-sync", "True-no_sync")
