@@ -171,15 +171,20 @@ def _spike_circles(ax: Any, log: GradLog, report: Mapping[str, Any]) -> None:
     if spike is None:
         return
     rows = [r for r in spike["values"]["rows"] if math.isfinite(log.total_norm[r])]
+    _circles(ax, log, rows, log.total_norm, f"spike ({spike['values']['count']})")
+
+
+def _circles(ax: Any, log: GradLog, rows: list[int], values: Any, label: str) -> None:
+    """Open purple circles around ``values`` at the spike ``rows`` of ``log``."""
     ax.scatter(
         [log.steps[r] for r in rows],
-        [log.total_norm[r] for r in rows],
+        [values[r] for r in rows],
         s=60,
         facecolors="none",
         edgecolors="tab:purple",
         lw=1.5,
         zorder=4,
-        label=f"spike ({spike['values']['count']})",
+        label=label,
     )
 
 
@@ -234,17 +239,8 @@ def _update_panel(ax: Any, log: GradLog, report: Mapping[str, Any]) -> None:
     ax.plot(xs, ys, lw=0.9, color="tab:olive", label="update norm (before update_clip)")
     found = next((f for f in report["findings"] if f["kind"] == "update_spikes"), None)
     if found is not None:
-        rows = found["values"]["rows"]
-        ax.scatter(
-            [log.steps[r] for r in rows],
-            [log.update_norm[r] for r in rows],
-            s=60,
-            facecolors="none",
-            edgecolors="tab:purple",
-            lw=1.5,
-            zorder=4,
-            label=f"update spike, no gradient spike ({found['values']['count']})",
-        )
+        label = f"update spike, no gradient spike ({found['values']['count']})"
+        _circles(ax, log, found["values"]["rows"], log.update_norm, label)
     suggested = report["update"]["suggested"]
     if suggested is not None and suggested["max_norm"] > 0:
         bound = suggested["max_norm"]

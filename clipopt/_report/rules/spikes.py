@@ -92,8 +92,17 @@ def _norm_spikes_finding(log: GradLog, spikes: list[dict[str, Any]]) -> dict[str
         f"largest at step {big['step']}: norm {_num(big['norm'])}, {_num(big['norm'] / big['mean'])}x the "
         f"rolling mean {_num(big['mean'])}, z = {_num(big['z'])}{at_layer}"
     )
+    return spike_finding("spikes", spikes, top, layer, evidence)
+
+
+def spike_finding(
+    kind: str, spikes: list[dict[str, Any]], top: list[dict[str, Any]], layer: str | None, evidence: str
+) -> dict[str, Any]:
+    """A spike finding of ``kind`` (verdict ``spikes``): its first step, every step (the first
+    MAX_LISTED_STEPS) and row, the ``top`` spikes, the layer named and the evidence."""
+    steps = [s["step"] for s in spikes]
     return {
-        "kind": "spikes",
+        "kind": kind,
         "verdict": "spikes",
         "step": steps[0],
         "layer": layer,

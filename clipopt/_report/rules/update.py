@@ -16,7 +16,6 @@ from torch import Tensor
 from ..read import GradLog
 from ..text import fmt_num as _num
 from .common import (
-    MAX_LISTED_STEPS,
     SPIKE_MIN_RATIO,
     SPIKE_TOP,
     SPIKE_WINDOW,
@@ -28,7 +27,7 @@ from .common import (
     median_of,
     steps_text,
 )
-from .spikes import log_norm_outliers, loss_calm_after, rolling
+from .spikes import log_norm_outliers, loss_calm_after, rolling, spike_finding
 from .threshold import healthy_stretch
 
 #: What the update-spike finding advises (its evidence ends with it).
@@ -113,20 +112,7 @@ def _finding(log: GradLog, spikes: list[dict[str, Any]]) -> dict[str, Any]:
         f"z = {_num(big['z'])}, while the gradient norm was {_num(float(grad[big['row']]))}, "
         f"{_num(_grad_ratio(grad, big['row']))}x its rolling mean: {UPDATE_ADVICE}"
     )
-    return {
-        "kind": "update_spikes",
-        "verdict": "spikes",
-        "step": steps[0],
-        "layer": None,
-        "evidence": evidence,
-        "values": {
-            "count": len(spikes),
-            "steps": steps[:MAX_LISTED_STEPS],
-            "rows": [s["row"] for s in spikes],
-            "steps_truncated": len(steps) > MAX_LISTED_STEPS,
-            "top": top,
-        },
-    }
+    return spike_finding("update_spikes", spikes, top, None, evidence)
 
 
 def _grad_ratio(grad: Tensor, row: int) -> float:
