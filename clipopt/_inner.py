@@ -21,7 +21,14 @@ from torch.optim import Optimizer
 
 from ._state import StateDictError
 
-__all__ = ["InnerOptimizers", "flat_state_dict", "inner_optimizers", "inner_state_dicts", "reevaluates"]
+__all__ = [
+    "InnerOptimizers",
+    "flat_state_dict",
+    "inner_optimizers",
+    "inner_state_dicts",
+    "is_fused",
+    "reevaluates",
+]
 
 
 #: Inner optimizers whose ``step(closure)`` re-evaluates the closure after changing the parameters.
@@ -36,6 +43,24 @@ def reevaluates(optimizer: Optimizer) -> bool:
 def inner_optimizers(inner: Optimizer) -> list[Optimizer]:
     """The optimizers ``inner`` steps: its list for :class:`InnerOptimizers`, else ``[inner]``."""
     return list(inner.optimizers) if isinstance(inner, InnerOptimizers) else [inner]
+
+
+#: torch optimizers whose fused implementation takes ``grad_scale`` and ``found_inf``.
+_FUSED_CAPABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
+def is_fused(inner: Optimizer) -> bool:
+    """True when ``inner.step()`` takes ``grad_scale``/``found_inf`` (fused Adam, AdamW, SGD, Adagrad).
+
+    ``_step_supports_amp_scaling`` marks them (and third-party fused optimizers),
+    but pickling drops that instance attribute, so the type counts as well.
+    Several inner optimizers (:class:`~clipopt._inner.InnerOptimizers`) are fused when all are.
+    """
+    if isinstance(inner, InnerOptimizers):
+        return all(is_fused(o) for o in inner.optimizers)
+    if not (getattr(inner, "_step_supports_amp_scaling", False) or isinstance(inner, _FUSED_CAPABLE)):
+        return False
+    return all(bool(g.get("fused")) for g in inner.param_groups)
 
 
 def _describe(optimizers: Sequence[Optimizer]) -> str:

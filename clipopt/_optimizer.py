@@ -49,6 +49,7 @@ from ._window.diagnose import Diagnostics, layer_names
 from ._window.grads import ParamIndex, WindowGrads
 from ._window.guard import WindowGuard
 from ._window.loss import LossSum, check_loss, loss_of_closure
+from ._window.plain import close_plain
 from ._window.plan import PLANNED, WindowPlan
 from ._window.rollback import UndoPoint, note_discarded
 from ._window.settings import WindowSettings
@@ -403,24 +404,27 @@ class ClippedOptimizer(InnerOptimizerView):
             check_closure(closure, self.scaler)
             with torch.enable_grad():
                 out = closure()
-        if self.accumulation_steps > 1 and not self._index.has_dtensor and not is_compiling():
+            k = self.accumulation_steps  # (as the closure left it)
+        c, window_loss = self._counters, self._loss
+        if k > 1 and not self._index.has_dtensor and not is_compiling():
             # host bookkeeping only (see _window.guard); FSDP2 writes .grad outside autograd
             guard, allowed = self._window_guard, self.backward_passes_per_step
-            guard.step(self._counters.micro_batches, self.accumulation_steps, allowed, self._params)
-        loss_before = self._loss.total, self._loss.count  # add() replaces, never writes into, the sum
+            guard.step(c.micro_batches, k, allowed, self._params)
+        loss_before = window_loss.total, window_loss.count  # add() replaces, never writes into, the sum
         if given is not None or out is not None:  # a plain micro-batch has no loss to add
-            self._loss.add(given if given is not None else loss_of_closure(out))
-        self._counters.micro_batches += 1
-        if self._counters.micro_batches < self.accumulation_steps:
+            window_loss.add(given if given is not None else loss_of_closure(out))
+        c.micro_batches += 1
+        if c.micro_batches < k:
             if self._update_applied is not False:  # set once per window (__setattr__ is a Python call)
                 self._update_applied = False
             return out
         try:
             return self._close_window(out, closure)
         except BaseException:
-            if self._counters.micro_batches > 0:  # rolled back: this call's micro-batch is not counted
-                self._counters.micro_batches -= 1
-                self._loss.total, self._loss.count = loss_before
+            c, window_loss = self._counters, self._loss  # (a failed close may have put back copies)
+            if c.micro_batches > 0:  # rolled back: this call's micro-batch is not counted
+                c.micro_batches -= 1
+                window_loss.total, window_loss.count = loss_before
             raise
 
     _profiled_step = Optimizer.profile_hook_step(_step)
@@ -532,12 +536,16 @@ class ClippedOptimizer(InnerOptimizerView):
         recording or logging it, or :class:`NonFiniteGradientError`, comes after
         an update that cannot be taken back, and the window is counted.
         """
+        n = self._counters.micro_batches
+        s = self._plan.settings(self, n)  # group options checked (when changed) before any change
+        if closure is None and self._is_plain(s):
+            return self._close_plain(s, n, loss)
         fields = {name: getattr(self, name) for name in _UNDO_FIELDS}
-        for name in ("_counters", "_diagnostics"):  # changed in place: copies
-            fields[name] = dataclasses.replace(fields[name])
+        fields["_counters"] = self._counters.copy()  # changed in place: copies
+        fields["_diagnostics"] = dataclasses.replace(self._diagnostics)
         undo = UndoPoint(self, fields, self._policy, self.stats)
         try:
-            return self._finish_window(loss, closure, undo)
+            return self._finish_window(s, loss, closure, undo)
         except BaseException as exc:
             if not undo.committed:
                 undo.restore()
@@ -547,6 +555,7 @@ class ClippedOptimizer(InnerOptimizerView):
 
     def _discard_window(self, exc: BaseException) -> None:
         """Drop the open window whose gradients a failed close already changed; say so on ``exc``."""
+        self._window_guard.reset()
         for p in self._params():
             p.grad = None
         self._counters.micro_batches = 0
@@ -554,11 +563,39 @@ class ClippedOptimizer(InnerOptimizerView):
         self._diagnostics.attached.clear()
         note_discarded(exc)
 
-    def _finish_window(self, loss: Any, closure: Callable[[], Any] | None, undo: UndoPoint) -> Any:
+    def _is_plain(self, s: WindowSettings) -> bool:
+        """Whether this window closes as a plain one (:mod:`clipopt._window.plain`): its settings
+        need a norm bound at most, and none of the wrapper's other features is on."""
+        r, features = self._recovery, self.loggers or self.update_stats or self._skip_sources
+        off = r.guard is None and r.rewind is None and self.update_clip is None and not features
+        off = off and self._diagnostics.writer is None and self._unsynced is None
+        return s.plain and off and not (self._index.has_dtensor or self._replicas.active or is_compiling())
+
+    def _close_plain(self, s: WindowSettings, n: int, loss: Any) -> Any:
+        """Close a plain window (:mod:`clipopt._window.plain`): the stages of :meth:`_finish_window`
+        for a norm bound alone."""
+        params = self._params()
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return self._close_empty(n, loss)
+        fused = s.fused and self._readiness.ready(self._inner, params)
+        window_loss = self._loss.combined(self.reduction)
+        d, skipped = close_plain(self._inner, s, grads, params, window_loss, fused, self._discard_window)
+        self._next_window()
+        self._window_guard.reset()
+        self._count(skipped, d.counted_nonfinite(skipped, s.skip_enabled))
+        if self._diagnostics.bad_row is not None:  # (no row in a plain window)
+            self._diagnostics.bad_row = None
+        self._record(d, n, None)
+        self._check_recorded(fused)
+        return loss
+
+    def _finish_window(
+        self, s: WindowSettings, loss: Any, closure: Callable[[], Any] | None, undo: UndoPoint
+    ) -> Any:
         """Stages 1-7 of docs/design.md, 'Order of operations': combine, measure, diagnose, clip,
         decide, apply, record (a due Rewind check first)."""
         n, params = self._counters.micro_batches, self._params()
-        s = self._plan.settings(self, n)  # group options checked (when changed) before any change
         if self._recovery.due(self._counters.windows):  # Rewind: a copy, or back to one
             hit = self._recovery.check(self._counters.windows, params, self._inner, self._wrapper_parts())
             if hit is not None:
@@ -575,9 +612,7 @@ class ClippedOptimizer(InnerOptimizerView):
                 undo.touched |= s.clips_in_place
                 clip_and_decide(s, d, g, self.param_groups, self._skip_sources)
             undo.touched = True  # scaling and the inner step change the gradients
-            self._counters.micro_batches = 0
-            self._counters.windows += 1
-            self._loss.clear()
+            self._next_window()
             loss, fused = self._apply(s, d, g, loss, closure)
             undo.committed = True
             if self._recovery.guard is not None or self._recovery.rewind is not None:
@@ -587,12 +622,14 @@ class ClippedOptimizer(InnerOptimizerView):
             if self.scaler is not None:
                 self.scaler.update()
         self._record(d, n, layers)
-        if self._replicas.active:  # may warn (divergence) or raise (out of step)
-            self._replicas.end_window(host_read=not fused)
-        if self.max_consecutive_nonfinite is not None:  # reads one counter
-            snapshot = self._diagnostics.last_nonfinite_snapshot
-            self._counters.check_consecutive(self.max_consecutive_nonfinite, snapshot)
+        self._check_recorded(fused)
         return loss
+
+    def _next_window(self) -> None:
+        """The window's micro-batches and loss are taken: the next window starts empty."""
+        self._counters.micro_batches = 0
+        self._counters.windows += 1
+        self._loss.clear()
 
     def _combine(self, s: WindowSettings, params: list[Tensor], undo: UndoPoint) -> WindowGrads | None:
         """Stage 1 (combine): the window's gradients, synchronised (``no_sync``) and unscaled
@@ -657,10 +694,16 @@ class ClippedOptimizer(InnerOptimizerView):
         run = partial(apply_window, self._inner, s, d, g, (loss, closure), self._reclip, self._readiness)
         out, skipped, fused = self._recovery.apply(self._inner, run) if self._recovery.rewind else run()
         skipped = skipped if upd is None else upd.finish(d, skipped)  # measured, bounded, or put back
-        self._last_skipped = skipped
-        self._update_applied = not skipped if isinstance(skipped, bool) else None
-        self._counters.record(skipped, d.counted_nonfinite(skipped, s.skip_enabled))
+        self._count(skipped, d.counted_nonfinite(skipped, s.skip_enabled))
         return out, fused
+
+    def _count(self, skipped: bool | Tensor, nonfinite: bool | Tensor) -> None:
+        """The outcome of the window just closed: ``skipped`` (a bool, or the device flag), and whether
+        it extends the run of non-finite skips; into the counters and ``step_was_skipped``."""
+        applied = not skipped if isinstance(skipped, bool) else None  # None: read _last_skipped
+        # the wrapper's own attributes, none of them a setting: no __setattr__ (a Python call each)
+        self.__dict__.update(_last_skipped=skipped, _update_applied=applied)
+        self._counters.record(skipped, nonfinite)
 
     def _reclip(self, max_norm: float | Tensor | None) -> tuple[Tensor, list[Tensor]]:
         """A closure's re-evaluation: measured and clipped with the window's bound ``max_norm``."""
@@ -694,8 +737,7 @@ class ClippedOptimizer(InnerOptimizerView):
         d.loss = self._loss.take(self.reduction)
         self._counters.micro_batches = 0
         self._counters.windows += 1
-        self._last_skipped, self._update_applied = True, False
-        self._counters.record(True, False)
+        self._count(True, False)
         self._recovery.closed(self._counters.windows)
         self._record(d, n, None)
         return loss
@@ -712,13 +754,22 @@ class ClippedOptimizer(InnerOptimizerView):
             bad_row=self._diagnostics.bad_row,
             recovery={} if self._recovery.rewind is None else self._recovery.record(),
         )
-        self.last_stats = stats
+        self.__dict__["last_stats"] = stats  # not a setting: no __setattr__ (a Python call)
         self.stats.append(stats)
         if self.loggers:
             log_window(self.loggers, stats, self)  # I/O failures warn; the window is complete either way
         self._diagnostics.attached.clear()
         self._skip_run.follow(stats)  # after the loggers, which may have read it
         return stats
+
+    def _check_recorded(self, fused: bool) -> None:
+        """The checks that may raise once a measured window is recorded: replicas out of step
+        (``fused``: whether the host-read-free path ran) and ``max_consecutive_nonfinite``."""
+        if self._replicas.active:  # may warn (divergence) or raise (out of step)
+            self._replicas.end_window(host_read=not fused)
+        if self.max_consecutive_nonfinite is not None:  # reads one counter
+            snapshot = self._diagnostics.last_nonfinite_snapshot
+            self._counters.check_consecutive(self.max_consecutive_nonfinite, snapshot)
 
     # ------------------------------------------------------------------ diagnostics
 

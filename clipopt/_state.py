@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from numbers import Real
 from typing import Any, cast
 
@@ -55,50 +54,142 @@ _PARAM_SHAPED = frozenset(
 )
 
 
-@dataclass
 class WrapperState:
     """Counters of a :class:`~clipopt.ClippedOptimizer`, all part of its state dict.
 
     ``skipped`` and ``consecutive`` become 0-d int64 device tensors once a skip
     is decided on the device (fused path); they are updated in place there and
-    become ints in :meth:`to_dict`.
+    become ints in :meth:`to_dict`.  A window whose only skip signal is its
+    non-finite flag (the plain window) leaves that flag here, uncounted, and
+    up to :data:`PENDING_LIMIT` of them are counted at once when a counter is
+    read: no kernel per window for the counters.
     """
 
-    micro_batches: int = 0
-    """Micro-batches accumulated in the open window (0 when none is open)."""
-    windows: int = 0
-    """Windows closed so far, applied or skipped: the ``step`` of the latest ``StepStats``."""
-    skipped: int | Tensor = 0
-    """Windows skipped, whatever the reason (docs/design.md, 'Reasons')."""
-    consecutive: int | Tensor = 0
-    """Skipped windows in a row, ending at the latest one."""
+    __slots__ = ("_consecutive", "_pending", "_skipped", "micro_batches", "windows")
+
+    def __init__(
+        self,
+        micro_batches: int = 0,
+        windows: int = 0,
+        skipped: int | Tensor = 0,
+        consecutive: int | Tensor = 0,
+    ) -> None:
+        #: Micro-batches accumulated in the open window (0 when none is open).
+        self.micro_batches = micro_batches
+        #: Windows closed so far, applied or skipped: the ``step`` of the latest ``StepStats``.
+        self.windows = windows
+        self._skipped = skipped
+        self._consecutive = consecutive
+        #: The 0/1 device skip flags of the latest windows, not yet in ``skipped``/``consecutive``.
+        self._pending: list[Tensor] = []
+
+    @property
+    def skipped(self) -> int | Tensor:
+        """Windows skipped, whatever the reason (docs/design.md, 'Reasons')."""
+        if self._pending:
+            self._count_pending()
+        return self._skipped
+
+    @skipped.setter
+    def skipped(self, value: int | Tensor) -> None:
+        if self._pending:
+            self._count_pending()
+        self._skipped = value
+
+    @property
+    def consecutive(self) -> int | Tensor:
+        """Skipped windows in a row, ending at the latest one."""
+        if self._pending:
+            self._count_pending()
+        return self._consecutive
+
+    @consecutive.setter
+    def consecutive(self, value: int | Tensor) -> None:
+        if self._pending:
+            self._count_pending()
+        self._consecutive = value
 
     @property
     def applied(self) -> int | Tensor:
         """Updates that reached the inner optimizer: ``windows - skipped``."""
         return self.windows - self.skipped
 
+    def copy(self) -> WrapperState:
+        """A copy to put back when a window's close fails (before it counts: the device counters are
+        the same tensors, which counting updates in place)."""
+        new = WrapperState(self.micro_batches, self.windows, self._skipped, self._consecutive)
+        new._pending = list(self._pending)
+        return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "micro_batches": self.micro_batches,
+            "windows": self.windows,
+            "skipped": self.skipped,
+            "consecutive": self.consecutive,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, WrapperState):
+            return NotImplemented
+        return self.__getstate__() == other.__getstate__()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.__getstate__().items())
+        return f"WrapperState({fields})"
+
     def record(self, skipped: bool | Tensor, nonfinite: bool | Tensor) -> None:
         """Count the outcome of the latest window (``windows`` already counts it).
 
         ``skipped`` is True/1.0 when it was skipped; ``nonfinite`` when it was skipped
-        for non-finite gradients (a spike skip does not extend ``consecutive``).
+        for non-finite gradients (a spike skip does not extend ``consecutive``).  One device flag
+        for both (the plain window's non-finite flag, exactly 0.0 or 1.0) waits in the pending list.
         """
+        if isinstance(skipped, Tensor) and nonfinite is skipped:
+            pending = self._pending
+            if pending and pending[0].device != skipped.device:
+                self._count_pending()
+            pending.append(skipped)
+            if len(pending) >= PENDING_LIMIT:
+                self._count_pending()
+            return
+        if self._pending:
+            self._count_pending()
         if isinstance(skipped, Tensor) or isinstance(nonfinite, Tensor):  # in place, on the device
             like = cast(Tensor, skipped if isinstance(skipped, Tensor) else nonfinite)
             one = torch.as_tensor(skipped, device=like.device).to(torch.int64)
-            # the same flag (a plain window: only the non-finite signal skips) is converted once
-            bad = (
-                one
-                if nonfinite is skipped
-                else torch.as_tensor(nonfinite, device=like.device).to(torch.int64)
-            )
-            self.skipped = _on_device(self.skipped, like).add_(one)
-            run = _on_device(self.consecutive, like)  # (run + bad) * bad, in one kernel: bad is 0 or 1
-            self.consecutive = torch.addcmul(bad, run, bad, out=run)
+            bad = torch.as_tensor(nonfinite, device=like.device).to(torch.int64)
+            self._add(one, bad, like)
         else:
-            self.skipped = self.skipped + int(skipped)
-            self.consecutive = self.consecutive + 1 if nonfinite else 0
+            self._skipped = self._skipped + int(skipped)
+            self._consecutive = self._consecutive + 1 if nonfinite else 0
+
+    def _add(self, one: Tensor, bad: Tensor, like: Tensor) -> None:
+        """Count one window on the device: ``one`` skipped, ``bad`` non-finite (int64, 0 or 1)."""
+        self._skipped = _on_device(self._skipped, like).add_(one)
+        run = _on_device(self._consecutive, like)  # (run + bad) * bad, in one kernel: bad is 0 or 1
+        self._consecutive = torch.addcmul(bad, run, bad, out=run)
+
+    def _count_pending(self) -> None:
+        """Count the pending flags (each both the skip and the non-finite flag of its window), on the
+        device: ``skipped`` grows by their sum; ``consecutive`` is the run of ones they end with,
+        plus the run before them when they are all ones."""
+        flags, self._pending = self._pending, []
+        like = flags[0]
+        if len(flags) == 1:  # one window: as record() counts it at once
+            one = like.to(torch.int64)
+            self._add(one, one, like)
+            return
+        f = torch.stack(flags).to(torch.int64)
+        self._skipped = _on_device(self._skipped, like) + f.sum()
+        tail = f.flip(0).cumprod(0).sum()  # the ones at the end, up to the latest 0
+        whole = tail == len(flags)  # all ones: the run before them goes on
+        self._consecutive = torch.addcmul(tail, _on_device(self._consecutive, like), whole)
 
     def check_consecutive(self, limit: int, snapshot: str | None) -> None:
         """Raise :class:`NonFiniteGradientError` once ``limit`` windows in a row were skipped as
@@ -118,6 +209,11 @@ class WrapperState:
             "pending_grads": pending_grads,
             "scaler": scaler,
         }
+
+
+#: At most this many windows' skip flags wait uncounted in a :class:`WrapperState` (their kernels
+#: then run once for all of them).
+PENDING_LIMIT = 64
 
 
 def _on_device(count: int | Tensor, like: Tensor) -> Tensor:

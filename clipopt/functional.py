@@ -122,7 +122,7 @@ def _total_norm(grads: Sequence[Tensor], p: float, foreach: bool | None) -> Tens
     """:func:`get_total_norm` (``p``: the norm type), with autograd off."""
     if len(grads) == 0:
         return torch.zeros((), dtype=torch.float32)
-    plain = _plain_norms(grads, p, foreach)
+    plain = foreach_norms(grads, p, foreach)
     if plain is not None:  # the common case, in one pass of host checks: the same kernels as below
         plain_total: Tensor = torch.linalg.vector_norm(torch.stack(plain), p)
         return plain_total
@@ -145,10 +145,11 @@ def _total_norm(grads: Sequence[Tensor], p: float, foreach: bool | None) -> Tens
     return total
 
 
-def _plain_norms(grads: Sequence[Tensor], p: float, foreach: bool | None) -> list[Tensor] | None:
+def foreach_norms(grads: Sequence[Tensor], p: float, foreach: bool | None) -> list[Tensor] | None:
     """Each gradient's norm from one ``torch._foreach_norm`` when they are all dense, real, of one
     device and dtype that the foreach kernels support, and none is large enough for
-    :func:`_direct_cpu_norms`; else None (the general path of :func:`get_total_norm` decides)."""
+    :func:`_direct_cpu_norms`; else None (the general path of :func:`get_total_norm` decides).
+    Used by clipopt's plain window; not part of the public API (not in ``__all__``)."""
     first = grads[0]
     dtype, device = first.dtype, first.device
     if foreach is False or dtype.is_complex or device.type not in _FOREACH_DEVICES:

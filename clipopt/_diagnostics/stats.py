@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from .._reasons import name_of
+from ..functional import clip_coef
 from .layers import LayerStats
 
 __all__ = ["DecisionRecord", "StepStats", "materialize"]
@@ -23,9 +24,9 @@ class DecisionRecord(Protocol):
     @property
     def total_norm(self) -> Tensor | float: ...
     @property
-    def coef(self) -> float | Tensor: ...
+    def coef(self) -> float | Tensor | None: ...
     @property
-    def clipped(self) -> bool | Tensor: ...
+    def clipped(self) -> bool | Tensor | None: ...
     @property
     def reason(self) -> int | Tensor: ...
     @property
@@ -170,18 +171,31 @@ class StepStats:
     @property
     def total_norm(self) -> float:
         if isinstance(self._total_norm, Tensor):
+            if self._clip_coef is None:
+                self.derive_coef()  # from the norm's tensor, before it becomes a float
             self._total_norm = _as_float(self._total_norm)
         return self._total_norm
 
+    def derive_coef(self) -> None:
+        """A window that did not compute its coefficient (``clip_coef`` None: a plain window on a
+        fused optimizer, which hands the kernel its reciprocal) gets it from its norm now, on the
+        device, as the window would have: ``min(1, max_norm / (total_norm + 1e-6))``."""
+        if self._clip_coef is None and isinstance(self._total_norm, Tensor) and self._max_norm is not None:
+            self._clip_coef = clip_coef(self._total_norm, self._max_norm)
+
     @property
     def clip_coef(self) -> float:
+        if self._clip_coef is None:
+            self.derive_coef()
         if isinstance(self._clip_coef, Tensor):
             self._clip_coef = _as_float(self._clip_coef)
-        return self._clip_coef
+        return 1.0 if self._clip_coef is None else self._clip_coef  # (None: no bound, never recorded)
 
     @property
     def clipped(self) -> bool:
-        if isinstance(self._clipped, Tensor):
+        if self._clipped is None:  # norm clipping alone: the window was clipped when its coef was < 1
+            self._clipped = self.clip_coef < 1.0
+        elif isinstance(self._clipped, Tensor):
             self._clipped = _as_bool(self._clipped)
         return self._clipped
 
@@ -304,6 +318,8 @@ _VECTORS = ("_group_norms", "_group_coefs")
 def materialize(stats: Sequence[StepStats]) -> None:
     """Turn the device values of many :class:`StepStats` (and their layer statistics) into
     Python values with one host read."""
+    for s in stats:
+        s.derive_coef()
     pending = [(s, name) for s in stats for name in _LAZY if isinstance(getattr(s, name), Tensor)]
     vectors = [(s, name) for s in stats for name in _VECTORS if isinstance(getattr(s, name), Tensor)]
     layers: list[tuple[LayerStats, Tensor]] = []

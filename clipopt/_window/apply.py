@@ -25,39 +25,30 @@ from torch.compiler import is_compiling
 from torch.optim import Optimizer
 
 from .. import functional as F
-from .._inner import InnerOptimizers, inner_optimizers, reevaluates
+from .._inner import inner_optimizers, is_fused, reevaluates
 from .._reasons import NONFINITE
 from .decision import WindowDecision
 from .grads import WindowGrads
 from .rollback import InnerBackup, nonfinite_loss
 from .settings import WindowSettings
 
-__all__ = ["StateReadiness", "apply_window", "is_fused", "reevaluating_closure", "step_fused", "step_host"]
-
-#: torch optimizers whose fused implementation takes ``grad_scale`` and ``found_inf``.
-_FUSED_CAPABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
-
-
-def is_fused(inner: Optimizer) -> bool:
-    """True when ``inner.step()`` takes ``grad_scale``/``found_inf`` (fused Adam, AdamW, SGD, Adagrad).
-
-    ``_step_supports_amp_scaling`` marks them (and third-party fused optimizers),
-    but pickling drops that instance attribute, so the type counts as well.
-    Several inner optimizers (:class:`~clipopt._inner.InnerOptimizers`) are fused when all are.
-    """
-    if isinstance(inner, InnerOptimizers):
-        return all(is_fused(o) for o in inner.optimizers)
-    if not (getattr(inner, "_step_supports_amp_scaling", False) or isinstance(inner, _FUSED_CAPABLE)):
-        return False
-    return all(bool(g.get("fused")) for g in inner.param_groups)
+__all__ = [
+    "StateReadiness",
+    "apply_window",
+    "fused_inner_step",
+    "is_fused",
+    "reevaluating_closure",
+    "step_fused",
+    "step_host",
+]
 
 
-def _fused_inner_step(
+def fused_inner_step(
     inner: Optimizer, closure: Callable[[], Any] | None, grad_scale: Tensor | None, found_inf: Tensor | None
 ) -> Any:
     """The fused inner ``step()`` with ``grad_scale``/``found_inf`` set on it, as GradScaler does.
 
-    Under ``torch.compile(opt.step)`` it runs eagerly (:data:`_fused_inner_step_eager`):
+    Under ``torch.compile(opt.step)`` it runs eagerly (:data:`fused_inner_step_eager`):
     torch never compiles its fused kernels either (``_fused_adamw`` is
     ``torch.compiler.disable``-d), and attributes set on the optimizer inside a
     traced frame do not reach them.
@@ -71,9 +62,9 @@ def _fused_inner_step(
         del inner.found_inf  # type: ignore[attr-defined]
 
 
-#: ``_fused_inner_step`` hidden from torch.compile; torch's lazy wrapper imports
+#: ``fused_inner_step`` hidden from torch.compile; torch's lazy wrapper imports
 #: ``torch._dynamo`` at the first call (while compiling), not when clipopt is imported.
-_fused_inner_step_eager = _disable_dynamo(_fused_inner_step)
+fused_inner_step_eager = _disable_dynamo(fused_inner_step)
 
 
 class StateReadiness:
@@ -97,6 +88,10 @@ class StateReadiness:
         self._state = None
 
     def ready(self, inner: Optimizer, params: Sequence[Tensor]) -> bool:
+        known = self._state  # one optimizer, as known (every window): no walk over its groups
+        single = known is not None and len(known) == 1 and known[0] is inner.__dict__.get("state")
+        if single and self._size == (len(known[0]), len(params)):
+            return True
         optimizers = inner_optimizers(inner)  # several: each one's own state
         states = tuple(o.state for o in optimizers)
         size = (sum(len(state) for state in states), len(params))
@@ -143,14 +138,16 @@ def step_fused(
         # only from a non-finite shared norm, a window that is skipped -- or not finite anyway)
         ratios = [scales[j] / d.scale if _scaled(d.scale) else scales[j] for j in d.unfolded]
         F.scale_groups_([grad_groups[j] for j in d.unfolded], ratios, foreach=foreach)
-    grad_scale: Tensor | None = None  # the kernel divides the gradients by grad_scale
-    if isinstance(d.scale, Tensor):
+    grad_scale = d.grad_scale  # the kernel divides the gradients by grad_scale
+    if grad_scale is not None:
+        pass  # computed directly (the plain window)
+    elif isinstance(d.scale, Tensor):
         scale = d.scale if d.scale.dtype == torch.float32 else d.scale.to(torch.float32)
         grad_scale = scale.reciprocal()
     elif d.scale != 1.0:
         # made on the device: torch.tensor(x, device=...) would be a blocking host-to-device copy
         grad_scale = torch.full((), 1.0 / d.scale, dtype=torch.float32, device=d.total_norm.device)
-    fused_step = _fused_inner_step_eager if is_compiling() else _fused_inner_step
+    fused_step = fused_inner_step_eager if is_compiling() else fused_inner_step
     out = fused_step(inner, inner_closure, grad_scale, d.skip)
     return out, d.skip if d.skip is not None else False
 

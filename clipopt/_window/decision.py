@@ -93,6 +93,7 @@ class WindowDecision:
         "coef",
         "divergence",
         "elements",
+        "grad_scale",
         "group_coefs",
         "group_norms",
         "group_scales",
@@ -119,23 +120,24 @@ class WindowDecision:
         #: 1.0 when data-parallel replicas disagreed (_distributed/replicas.py), None without agreement.
         self.divergence = divergence
         #: 1.0 when some gradient element is nan/inf, 0.0 when all are finite (the norm may still have
-        #: overflowed), from a look at the elements; None when they were not looked at (then
-        #: ``nonfinite`` stands for it).
+        #: overflowed); None when the elements were not looked at (``nonfinite`` stands for it).
         self.elements: Tensor | None = None
         #: :meth:`bad_elements` as already read on the host (with the skip flag), else None.
         self.host_bad: bool | None = None
         #: The norm bound of this window (a policy's threshold), or None when norm clipping is off.
         self.max_norm: float | Tensor | None = None
-        #: Norm-clipping coefficient ``min(1, max_norm / (norm + 1e-6))`` (1.0 when off).
-        self.coef: float | Tensor = 1.0
+        #: Norm-clipping coefficient ``min(1, max_norm / (norm + 1e-6))`` (1.0: off; None: when read).
+        self.coef: float | Tensor | None = 1.0
         #: What still multiplies the gradients: ``coef`` / micro-batches (``mean``) or ``coef``.
         self.scale: float | Tensor = 1.0
-        #: Whether clipping (value, norm or unit-wise) changed the gradient.
-        self.clipped: bool | Tensor = False
+        #: What a fused kernel divides the gradients by when set directly (plain window); None: 1 / scale.
+        self.grad_scale: Tensor | None = None
+        #: Whether clipping (value, norm or unit-wise) changed the gradient; None: ``coef < 1``, when read.
+        self.clipped: bool | Tensor | None = False
         #: 1.0 when the window is skipped; None: no skip signal is on (the host knows: never skipped).
         self.skip: Tensor | None = None
-        #: Why it is skipped: a reason code of :mod:`clipopt._reasons` (int64 tensor, or an int decided
-        #: on the host).
+        #: Why it is skipped: a code of :mod:`clipopt._reasons` (int64 tensor, or an int), NO_REASON where
+        #: not skipped; a plain window's (``_window.plain``) is its one signal's code, read where it skips.
         self.reason: int | Tensor = NO_REASON
         #: True when ``nonfinite`` is the only skip signal (a skip is then a non-finite one).
         self.nonfinite_only = True

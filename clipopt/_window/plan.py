@@ -57,39 +57,60 @@ class WindowPlan:
     groups a new one would make (``add_param_group``, before it adds anything).
     """
 
-    __slots__ = ("_by_n", "_key", "_values", "groups")
+    __slots__ = ("_by_n", "_values", "groups")
 
     def __init__(self) -> None:
         self._by_n: dict[int, WindowSettings] = {}  #: the settings per window size, since the last change
-        self._key: tuple[int, ...] | None = None  #: identities of what the groups' plan was made from
-        self._values: tuple[Any, ...] = ()  #: those objects, kept alive so no identity is reused
+        #: What the plan was made from (compared by identity; kept alive so no identity is reused):
+        #: the groups, which clipping options the defaults have, whether loggers are on, and each
+        #: group's values of ``_FOLLOWED``; ``()``: decide again.
+        self._values: tuple[Any, ...] = ()
         self.groups: GroupPlan | None = None  #: the groups' own options (None: no group has one)
 
     def reset(self) -> None:
         """A setting changed: the next window decides its settings and checks the groups again."""
         self._by_n.clear()
-        self._key = None
+        self._values = ()
 
     def settings(self, opt: Any, n: int) -> WindowSettings:
         """The settings of a window of ``n`` micro-batches of the wrapper ``opt``; the groups' options
         are checked again (before anything changes) when one was set since the last window."""
         groups, defaults = opt.param_groups, opt.defaults  # (over several inner optimizers a new dict)
-        values = (
-            groups,
-            "max_norm" in defaults,  # which of GROUP_KEYS are clipping options (group_keys)
-            "clip_value" in defaults,
-            bool(opt.loggers),
-            *[g.get(k, _ABSENT) for g in groups for k in _FOLLOWED],
-        )
-        key = tuple(map(id, values))
-        if key != self._key:
+        if self._changed(groups, defaults, opt.loggers):
+            values = (
+                groups,
+                "max_norm" in defaults,  # which of GROUP_KEYS are clipping options (group_keys)
+                "clip_value" in defaults,
+                bool(opt.loggers),
+                *[g.get(k, _ABSENT) for g in groups for k in _FOLLOWED],
+            )
             self.groups = self.check_groups(opt, groups)  # raises before the plan changes
             self._by_n.clear()
-            self._key, self._values = key, values
+            self._values = values
         s = self._by_n.get(n)
         if s is None:
             s = self._by_n[n] = WindowSettings.read(opt, n, self.groups)
         return s
+
+    def _changed(self, groups: list[dict[str, Any]], defaults: dict[str, Any], loggers: list[Any]) -> bool:
+        """Whether what the plan was made from changed (compared by identity, one by one: this runs
+        at every window)."""
+        v = self._values
+        if (
+            not v
+            or groups is not v[0]
+            or ("max_norm" in defaults) is not v[1]
+            or ("clip_value" in defaults) is not v[2]
+            or bool(loggers) is not v[3]
+        ):
+            return True
+        i = 4
+        for g in groups:
+            for k in _FOLLOWED:
+                if g.get(k, _ABSENT) is not v[i]:
+                    return True
+                i += 1
+        return i != len(v)
 
     @staticmethod
     def check_groups(opt: Any, groups: list[dict[str, Any]]) -> GroupPlan | None:

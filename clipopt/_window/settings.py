@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from .._inner import is_fused
 from .._policies.builtin import ClipPolicy
 from .groups import GroupPlan
 
@@ -33,6 +34,17 @@ class WindowSettings:
     plan: GroupPlan | None  #: the groups' own ``max_norm``/``clip_value`` (None: no group has one)
     layer_stats: int  #: per-layer statistics every ``layer_stats`` windows (0: never)
     rows: bool  #: a logger writes per-layer rows: the measure keeps each gradient's norm (a candidate row)
+    fused: bool = (
+        False  #: the inner step takes ``grad_scale``/``found_inf`` (fused Adam, AdamW, SGD, Adagrad)
+    )
+    #: Nothing but a norm bound (at most) clips: no per-group options, policy, value clipping, pipeline
+    #: norm group, per-layer statistics or GradScaler (a plain window, :mod:`clipopt._window.plain`).
+    plain: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        plain = self.plan is None and self.policy is None and self.clip_value is None
+        plain = plain and self.norm_group is None and not self.layer_stats and not self.scaled
+        object.__setattr__(self, "plain", plain)  # (frozen: set once, here)
 
     @classmethod
     def read(cls, opt: Any, n: int, plan: GroupPlan | None) -> WindowSettings:
@@ -53,6 +65,7 @@ class WindowSettings:
             plan=plan,
             layer_stats=opt.layer_stats,
             rows=bool(opt.layer_stats and opt.loggers),
+            fused=all(is_fused(o) for o in opt.optimizers),
         )
 
     @property

@@ -222,7 +222,8 @@ def _code_lines(node: ast.AST, source: list[str]) -> int:
 
 
 #: ARCHITECTURE.md's budgets: the optimizer class is orchestration, and functions stay short.
-MAX_OPTIMIZER_CODE_LINES = 440
+#: (440 until the plain window's close, issue #24: a second, short path through the stages.)
+MAX_OPTIMIZER_CODE_LINES = 470
 MAX_FUNCTION_LINES = 50
 
 

@@ -1,0 +1,214 @@
+"""The plain window: measure, clip by one norm bound, then step or skip, in the fewest operations.
+
+Most runs turn on nothing but a norm bound (and accumulation): no per-group options, no
+:class:`~clipopt.ClipPolicy`, no value clipping, no per-layer statistics, loggers or snapshots,
+no GradScaler, no recovery, no update clipping, no replicas to agree with, and ``step()`` gets
+no closure.  Such a window (``WindowSettings.plain``, and the wrapper's other features off)
+closes here: the same stages as the general close (docs/design.md, 'Order of operations') with
+the same outcome, record and counters (tests/window/test_plain_window.py runs both on the same
+windows and compares them), but none of the general close's bookkeeping for features that are off:
+
+* measure: each gradient's norm (one foreach kernel where it can), their norm (the total, divided
+  by the micro-batches with ``reduction="mean"``) and its non-finite flag;
+* clip: ``coef = min(1, max_norm / (total + 1e-6))``, computed as torch's ``clip_grad_norm_``
+  computes it, recorded, and folded into the step; ``clipped`` is left to be read as ``coef < 1``;
+* decide: the non-finite flag is the one skip signal (reason ``"nonfinite"`` when it skips);
+* apply: a fused optimizer gets ``1 / scale`` as ``grad_scale`` and the flag as ``found_inf`` (no
+  host read, :func:`~clipopt._window.apply.step_fused`); any other optimizer has its gradients
+  scaled after one read of the total norm, or, when that norm is not finite, discarded -- an
+  ``inf`` norm has its elements looked at on the device, as the general host step does, to tell
+  a non-finite gradient from a float32 norm that overflowed (reason ``"norm_overflow"``).
+
+Nothing changes before the inner step (:func:`~clipopt._window.apply.step_fused` or
+:func:`apply_host`): a failing decision leaves the window open, a failing step discards it (its
+gradients may have changed), as in the general close.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .. import functional as F
+from .._reasons import NONFINITE
+from .apply import step_fused
+from .decision import WindowDecision
+from .settings import WindowSettings
+
+__all__ = ["Constants", "apply_host", "close_plain", "constants", "decide_fused", "decide_host"]
+
+
+class Constants(NamedTuple):
+    """The numbers a plain window's kernels take, as 0-d tensors of the norm's dtype and device:
+    a Python number costs each kernel a tensor of its own (about a microsecond on CPU), these are
+    made once per dtype, device and settings, and never written."""
+
+    zero: Tensor  #: 0.0, float32 (the non-finite flag of a finite norm; what ``ne_`` compares with)
+    one: Tensor  #: 1.0
+    eps: Tensor  #: 1e-6, the ``+ 1e-6`` of torch's ``clip_grads_with_norm_``
+    max_norm: Tensor  #: the norm bound (1.0 when off)
+    divisor: Tensor  #: the micro-batches the summed gradients are divided by (``"mean"``), else 1.0
+    inv: Tensor  #: ``1 / divisor``
+
+    @classmethod
+    def make(cls, dtype: torch.dtype, device: torch.device, max_norm: float, divisor: float) -> Constants:
+        def full(value: float, kind: torch.dtype = dtype) -> Tensor:
+            return torch.full((), value, dtype=kind, device=device)
+
+        return cls(
+            full(0.0, torch.float32),
+            full(1.0),
+            full(F.EPS),
+            full(max_norm),
+            full(divisor),
+            full(1.0 / divisor),
+        )
+
+
+#: The constants by (dtype, device, max_norm, divisor); cleared when it grows past a few entries.
+_CONSTANTS: dict[tuple[torch.dtype, torch.device, float, float], Constants] = {}
+
+
+def constants(s: WindowSettings, like: Tensor) -> Constants:
+    """The :class:`Constants` of settings ``s`` for the norm ``like``."""
+    key = (like.dtype, like.device, 1.0 if s.max_norm is None else s.max_norm, s.divisor)
+    c = _CONSTANTS.get(key)
+    if c is None:
+        if len(_CONSTANTS) >= 16:
+            _CONSTANTS.clear()
+        c = _CONSTANTS[key] = Constants.make(*key)
+    return c
+
+
+def decide_fused(s: WindowSettings, grads: list[Tensor], loss: Tensor | float | None) -> WindowDecision:
+    """Stages 2-5 of a plain window on a fused optimizer, without a host read: the window's record
+    with the fused kernel's ``grad_scale`` and ``found_inf`` (``skip``).
+
+    The kernel divides the gradients by ``grad_scale = max(1, (total + 1e-6) / max_norm)``
+    (times the micro-batches with ``"mean"``), computed directly; the record's ``clip_coef``,
+    ``min(1, max_norm / (total + 1e-6))``, is left to be computed from the norm when it is read
+    (:meth:`~clipopt.StepStats.derive_coef`)."""
+    raw, _ = _norm(s, grads)
+    c = constants(s, raw)
+    total = raw.div(c.divisor) if s.divisor != 1.0 else raw
+    d = WindowDecision(total, _nonfinite(total, c))
+    d.loss = loss
+    grad_scale: Tensor | None = None
+    if s.max_norm is not None:
+        d.max_norm, d.coef, d.clipped = s.max_norm, None, None
+        grad_scale = total + c.eps
+        if s.max_norm != 1.0:  # (a division by 1 changes nothing: no kernel for it)
+            grad_scale.div_(c.max_norm)
+        grad_scale.clamp_min_(c.one)
+        if s.divisor != 1.0:
+            grad_scale.mul_(c.divisor)
+    elif s.divisor != 1.0:
+        grad_scale = c.divisor
+    if grad_scale is not None and grad_scale.dtype != torch.float32:
+        grad_scale = grad_scale.float()  # what the kernels take (float64 gradients)
+    d.grad_scale = grad_scale
+    if s.skip_enabled:  # the one signal: its reason is recorded where it skips (read only then)
+        d.skip, d.reason = d.nonfinite, NONFINITE
+    return d
+
+
+def decide_host(
+    s: WindowSettings, grads: list[Tensor], loss: Tensor | float | None
+) -> tuple[WindowDecision, bool]:
+    """Stages 2-5 of a plain window on any other optimizer, with one read of the norm: a finite
+    norm (or skipping off) is a window to apply, ``skip`` None; otherwise ``skip`` is its
+    non-finite flag, for :func:`apply_host`.  Also returns whether the gradients are uniform (dense,
+    of one dtype and device, measured by one foreach kernel: scaled by one too).  The coefficient is
+    torch's, bit for bit: ``clamp(max_norm / (total + 1e-6), max=1)``."""
+    raw, uniform = _norm(s, grads)
+    c = constants(s, raw)
+    total = raw.div(c.divisor) if s.divisor != 1.0 else raw
+    value = total.item() if s.skip_enabled else 0.0  # the one host read
+    finite = math.isfinite(value)
+    d = WindowDecision(total, c.zero if finite else _nonfinite(total, c))
+    d.loss = loss
+    if s.max_norm is not None:
+        coef = (total + c.eps).reciprocal_().mul_(c.max_norm).clamp_max_(c.one)
+        d.max_norm, d.coef, d.clipped = s.max_norm, coef, None  # clipped: read as coef < 1
+        d.scale = coef.mul(c.inv) if s.divisor != 1.0 else coef
+    elif s.divisor != 1.0:
+        d.scale = 1.0 / s.divisor
+    if not finite:
+        d.skip, d.reason = d.nonfinite, NONFINITE
+        if value == math.inf:  # every element may be finite and the norm overflowed: look (no read)
+            maxima = F.get_norms(grads, math.inf, foreach=s.foreach)
+            d.checked_elements(F.nonfinite_grads(grads, maxima, math.inf).amax())
+    return d, uniform
+
+
+def apply_host(
+    inner: Optimizer,
+    d: WindowDecision,
+    grads: list[Tensor],
+    params: list[Tensor],
+    foreach: bool | None,
+    uniform: bool,
+) -> bool:
+    """Stage 6 (apply) of a plain window that :func:`decide_host` decided: scale and step, or (a norm
+    that is not finite) the general host step; returns whether it skipped."""
+    if d.skip is not None:  # the norm is not finite: the window is discarded
+        for p in params:
+            p.grad = None
+        return True
+    if uniform and isinstance(d.scale, Tensor):
+        torch._foreach_mul_(grads, d.scale)  # as torch's clip_grads_with_norm_ scales them
+    elif isinstance(d.scale, Tensor) or d.scale != 1.0:
+        F.scale_grads_(grads, d.scale, foreach=foreach)
+    inner.step()
+    return False
+
+
+def close_plain(
+    inner: Optimizer,
+    s: WindowSettings,
+    grads: list[Tensor],
+    params: list[Tensor],
+    loss: Tensor | float | None,
+    fused: bool,
+    discard: Callable[[BaseException], None],
+) -> tuple[WindowDecision, bool | Tensor]:
+    """Stages 2-6 of a plain window (``fused``: the fused path, its state ready): its record and
+    outcome.  Nothing changes before the inner step; when the step fails, ``discard(exc)`` drops the
+    window (its gradients may have changed) before the error propagates."""
+    grad_mode = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # torch.no_grad() without its context object (~1 us)
+    try:
+        if fused:
+            d, uniform = decide_fused(s, grads, loss), True
+        else:
+            d, uniform = decide_host(s, grads, loss)
+        try:
+            if fused:
+                return d, step_fused(inner, d, None)[1]
+            return d, apply_host(inner, d, grads, params, s.foreach, uniform)
+        except BaseException as exc:
+            discard(exc)
+            raise
+    finally:
+        torch._C._set_grad_enabled(grad_mode)
+
+
+def _norm(s: WindowSettings, grads: list[Tensor]) -> tuple[Tensor, bool]:
+    """The norm of the summed gradients, and whether they are uniform: dense, of one dtype and
+    device that a foreach kernel takes (measured by one, and scaled by one)."""
+    norms = F.foreach_norms(grads, s.norm_type, s.foreach)
+    if norms is None:
+        return F.get_total_norm(grads, s.norm_type, foreach=s.foreach), False
+    return torch.linalg.vector_norm(torch.stack(norms), s.norm_type), True
+
+
+def _nonfinite(total: Tensor, c: Constants) -> Tensor:
+    """1.0 (float32) where ``total`` is nan or ±inf, else 0.0: :func:`clipopt.functional.nonfinite_flag`
+    with its zero as a tensor."""
+    diff = total - total
+    return (diff if diff.dtype == torch.float32 else diff.float()).ne_(c.zero)
