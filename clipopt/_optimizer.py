@@ -58,7 +58,7 @@ from ._window.stages import agree, check_clippable, clip_and_decide, measure, re
 from ._window.update_apply import check_update_options, start_update
 from ._window.update_clip import UpdateClip
 from ._window.update_copy import UpdateCopy
-from ._wrapping import InnerOptimizerView
+from ._wrapping import InnerOptimizerView, step_hooked
 
 __all__ = ["ClippedOptimizer"]
 
@@ -377,7 +377,8 @@ class ClippedOptimizer(InnerOptimizerView):
         gradients clipped the same way.  Step hooks registered on the wrapper
         (and global optimizer hooks) run around every call.
         """
-        if self._step_hooked(compiling := is_compiling()):
+        compiling = is_compiling()
+        if self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or step_hooked(compiling):
             return self._profiled_step(closure, loss=loss)
         c, k = self._counters, self.accumulation_steps
         # a plain micro-batch that leaves the window open only counts (and feeds the window guard)

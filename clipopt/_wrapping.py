@@ -21,10 +21,24 @@ from torch.optim import optimizer as _optim_module
 
 from ._inner import inner_optimizers
 
-__all__ = ["HOOK_DICTS", "NOT_PICKLED", "InnerOptimizerView"]
+__all__ = ["HOOK_DICTS", "NOT_PICKLED", "InnerOptimizerView", "step_hooked"]
 
 #: Whether a profiler is recording (``torch.autograd._profiler_enabled``, looked up once).
 _profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
+
+#: torch's global optimizer hooks (``register_optimizer_step_pre_hook`` and its post-hook twin fill them).
+_GLOBAL_PRE_HOOKS = _optim_module._global_optimizer_pre_hooks
+_GLOBAL_POST_HOOKS = _optim_module._global_optimizer_post_hooks
+
+
+def step_hooked(compiling: bool) -> bool:
+    """Whether ``step()`` must run inside torch's ``profile_hook_step`` although the optimizer has no
+    step hook of its own (its caller tests those first): a global optimizer hook is registered, or
+    a profiler records (``compiling``: torch.compile traces the call, which has no profiler hook and
+    cannot trace the query).  torch's wrapper costs ~12 us per call (``record_function``) even with
+    neither, so the wrapper takes it only then."""
+    return bool(_GLOBAL_PRE_HOOKS or _GLOBAL_POST_HOOKS) or (not compiling and _profiler_enabled())
+
 
 #: torch's per-optimizer hook dictionaries, created here since ``Optimizer.__init__`` is not called.
 HOOK_DICTS = (
@@ -151,21 +165,6 @@ class InnerOptimizerView(Optimizer):
     def _settings_changed(self) -> None:
         """One of :attr:`_planned` was assigned after the constructor (the subclass forgets what it
         decided from it)."""
-
-    def _step_hooked(self, compiling: bool) -> bool:
-        """Whether ``step()`` must run inside torch's ``profile_hook_step``: a step hook of this
-        optimizer or a global one is registered, or a profiler records (``compiling``: torch.compile
-        traces the call).  torch's wrapper costs ~12 us per call (``record_function``) even with
-        neither, so the wrapper takes it only then."""
-        if (
-            self._optimizer_step_pre_hooks
-            or self._optimizer_step_post_hooks
-            or _optim_module._global_optimizer_pre_hooks
-            or _optim_module._global_optimizer_post_hooks
-        ):
-            return True
-        # a host-only query torch.compile cannot trace (a graph break); compiled code has no profiler hook
-        return not compiling and _profiler_enabled()
 
     def __dir__(self) -> list[str]:
         """The wrapper's names and the inner optimizers' public ones (what ``__getattr__`` reads)."""

@@ -93,6 +93,17 @@ class WindowGuard:
     gradients are loaded.
     """
 
+    __slots__ = (
+        "__weakref__",
+        "_armed_window",
+        "_grad",
+        "_handle",
+        "_param",
+        "_version",
+        "backward_passes",
+        "cleared",
+    )
+
     def __init__(self) -> None:
         self._param: Tensor | None = None  # the optimizer holds it anyway
         self._handle: RemovableHandle | None = None
@@ -171,11 +182,8 @@ class WindowGuard:
         call leaves the window open, notes the sentinel's gradient.
         ``params`` returns the wrapper's parameters; it is only called to pick a sentinel.
         """
-        passes = self.backward_passes
-        if passes > allowed and self._handle is not None:  # the root cause when both happen (HF Trainer)
-            raise RuntimeError(stacked_message(passes, accumulation_steps, allowed))
-        if self.cleared and self._armed_window:
-            raise RuntimeError(cleared_message(micro_batches, accumulation_steps))
+        if self.backward_passes > allowed or self.cleared:  # (one test for both: every call runs it)
+            self._check(micro_batches, accumulation_steps, allowed)
         self.backward_passes = 0
         if micro_batches + 1 >= accumulation_steps:
             return  # this call closes the window: reset() follows
@@ -185,11 +193,19 @@ class WindowGuard:
             p = self._param
             if p is None:
                 return
-        grad = p.grad
-        self._grad = grad
+        grad = self._grad = p.grad
         if grad is not None:
             self._version = grad._version
         self._armed_window = True  # (cleared is False here: it was checked above)
+
+    def _check(self, micro_batches: int, accumulation_steps: int, allowed: int) -> None:
+        """Raise for stacked accumulation (the root cause when both happen: HF Trainer) or a cleared
+        window."""
+        passes = self.backward_passes
+        if passes > allowed and self._handle is not None:
+            raise RuntimeError(stacked_message(passes, accumulation_steps, allowed))
+        if self.cleared and self._armed_window:
+            raise RuntimeError(cleared_message(micro_batches, accumulation_steps))
 
     def reset(self) -> None:
         """The window closed (or its gradients were loaded): nothing to compare with until the next step()."""

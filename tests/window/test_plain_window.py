@@ -122,7 +122,7 @@ def test_a_plain_micro_batch_step_only_counts() -> None:
     _fill(params)
     assert _entered(opt.step) == [
         ("_optimizer.py", "step"),
-        ("_wrapping.py", "_step_hooked"),
+        ("_wrapping.py", "step_hooked"),
         ("_window/guard.py", "step"),
     ]
 
