@@ -122,9 +122,8 @@ def _total_norm(grads: Sequence[Tensor], p: float, foreach: bool | None) -> Tens
     """:func:`get_total_norm` (``p``: the norm type), with autograd off."""
     if len(grads) == 0:
         return torch.zeros((), dtype=torch.float32)
-    plain = foreach_norms(grads, p, foreach)
-    if plain is not None:  # the common case, in one pass of host checks: the same kernels as below
-        plain_total: Tensor = torch.linalg.vector_norm(torch.stack(plain), p)
+    plain_total = foreach_total_norm(grads, p, foreach)
+    if plain_total is not None:  # the common case, without host checks per gradient
         return plain_total
     first_device = grads[0].device
     out_dtype = torch.float32
@@ -145,29 +144,28 @@ def _total_norm(grads: Sequence[Tensor], p: float, foreach: bool | None) -> Tens
     return total
 
 
-def foreach_norms(grads: Sequence[Tensor], p: float, foreach: bool | None) -> list[Tensor] | None:
-    """Each gradient's norm from one ``torch._foreach_norm`` when they are all dense, real, of one
-    device and dtype that the foreach kernels support, and none is large enough for
-    :func:`_direct_cpu_norms`; else None (the general path of :func:`get_total_norm` decides).
-    Used by clipopt's plain window; not part of the public API (not in ``__all__``)."""
+def foreach_total_norm(grads: Sequence[Tensor], p: float, foreach: bool | None) -> Tensor | None:
+    """The ``p``-norm of ``grads`` from one ``torch._foreach_norm`` (and the norm of those norms) when
+    that kernel takes them all: dense, real, on one device, none large enough for
+    :func:`_direct_cpu_norms` (the one check made here per gradient, on CPU); else None, and the
+    general path of :func:`get_total_norm` decides.  What the kernel refuses (a sparse gradient, a
+    dtype it would narrow) it reports by raising, so no other check runs per gradient.  Used by
+    clipopt's plain window; not part of the public API (not in ``__all__``)."""
     first = grads[0]
-    dtype, device = first.dtype, first.device
-    if foreach is False or dtype.is_complex or device.type not in _FOREACH_DEVICES:
+    dtype = first.dtype
+    if foreach is False or dtype.is_complex or first.device.type not in _FOREACH_DEVICES:
         return None
     acc = _norm_dtype(dtype)
-    limit: float = math.inf
-    if foreach is None and device.type == "cpu":  # the sizes _direct_cpu_norms takes
-        limit = DOT_MIN_NUMEL if p == 2.0 and acc == dtype else AMINMAX_MIN_NUMEL if p == math.inf else limit
-    cpu = device.type == "cpu"  # is_cpu is a cheaper test than building each tensor's device
-    for g in grads:
-        if (
-            g.dtype is not dtype
-            or g.is_sparse
-            or g.numel() >= limit
-            or not (g.is_cpu if cpu else g.device == device)
-        ):
+    if foreach is None and first.is_cpu:  # the sizes _direct_cpu_norms takes
+        limit = DOT_MIN_NUMEL if p == 2.0 and acc == dtype else AMINMAX_MIN_NUMEL if p == math.inf else 0
+        if limit and max(map(Tensor.numel, grads)) >= limit:
             return None
-    return list(torch._foreach_norm(list(grads), p, dtype=acc))
+    try:
+        norms = torch._foreach_norm(list(grads), p, dtype=acc)
+        total: Tensor = torch.linalg.vector_norm(torch.stack(norms), p)  # (one device, or it raises)
+    except (RuntimeError, NotImplementedError):  # sparse, complex, narrowing, several devices
+        return None
+    return total
 
 
 def _same_kind_norms(

@@ -199,12 +199,12 @@ def close_plain(
 
 
 def _norm(s: WindowSettings, grads: list[Tensor]) -> tuple[Tensor, bool]:
-    """The norm of the summed gradients, and whether they are uniform: dense, of one dtype and
-    device that a foreach kernel takes (measured by one, and scaled by one)."""
-    norms = F.foreach_norms(grads, s.norm_type, s.foreach)
-    if norms is None:
+    """The norm of the summed gradients, and whether they are uniform: dense, on one device, of dtypes
+    a foreach kernel takes (measured by one, and scaled by one)."""
+    total = F.foreach_total_norm(grads, s.norm_type, s.foreach)
+    if total is None:
         return F.get_total_norm(grads, s.norm_type, foreach=s.foreach), False
-    return torch.linalg.vector_norm(torch.stack(norms), s.norm_type), True
+    return total, True
 
 
 def _nonfinite(total: Tensor, c: Constants) -> Tensor:
