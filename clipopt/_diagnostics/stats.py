@@ -172,11 +172,11 @@ class StepStats:
     def total_norm(self) -> float:
         if isinstance(self._total_norm, Tensor):
             if self._clip_coef is None:
-                self.derive_coef()  # from the norm's tensor, before it becomes a float
+                self._derive_coef()  # from the norm's tensor, before it becomes a float
             self._total_norm = _as_float(self._total_norm)
         return self._total_norm
 
-    def derive_coef(self) -> None:
+    def _derive_coef(self) -> None:
         """A window that did not compute its coefficient (``clip_coef`` None: a plain window on a
         fused optimizer, which hands the kernel its reciprocal) gets it from its norm now, on the
         device, as the window would have: ``min(1, max_norm / (total_norm + 1e-6))``."""
@@ -186,7 +186,7 @@ class StepStats:
     @property
     def clip_coef(self) -> float:
         if self._clip_coef is None:
-            self.derive_coef()
+            self._derive_coef()
         if isinstance(self._clip_coef, Tensor):
             self._clip_coef = _as_float(self._clip_coef)
         return 1.0 if self._clip_coef is None else self._clip_coef  # (None: no bound, never recorded)
@@ -319,7 +319,7 @@ def materialize(stats: Sequence[StepStats]) -> None:
     """Turn the device values of many :class:`StepStats` (and their layer statistics) into
     Python values with one host read."""
     for s in stats:
-        s.derive_coef()
+        s._derive_coef()
     pending = [(s, name) for s in stats for name in _LAZY if isinstance(getattr(s, name), Tensor)]
     vectors = [(s, name) for s in stats for name in _VECTORS if isinstance(getattr(s, name), Tensor)]
     layers: list[tuple[LayerStats, Tensor]] = []

@@ -92,7 +92,7 @@ def decide_fused(s: WindowSettings, grads: list[Tensor], loss: Tensor | float | 
     The kernel divides the gradients by ``grad_scale = max(1, (total + 1e-6) / max_norm)``
     (times the micro-batches with ``"mean"``), computed directly; the record's ``clip_coef``,
     ``min(1, max_norm / (total + 1e-6))``, is left to be computed from the norm when it is read
-    (:meth:`~clipopt.StepStats.derive_coef`)."""
+    (``StepStats.clip_coef``)."""
     raw, _ = _norm(s, grads)
     c = constants(s, raw)
     total = raw.div(c.divisor) if s.divisor != 1.0 else raw
