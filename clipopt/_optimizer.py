@@ -584,7 +584,10 @@ class ClippedOptimizer(InnerOptimizerView):
         d, skipped = close_plain(self._inner, s, grads, params, window_loss, fused, self._discard_window)
         self._next_window()
         self._window_guard.reset()
-        self._count(skipped, d.counted_nonfinite(skipped, s.skip_enabled))
+        applied = not skipped if isinstance(skipped, bool) else None  # None: read _last_skipped
+        # the wrapper's own attributes, none of them a setting: no __setattr__ (a Python call each)
+        self.__dict__.update(_last_skipped=skipped, _update_applied=applied)
+        self._counters.record(skipped, d.counted_nonfinite(skipped, s.skip_enabled))
         if self._diagnostics.bad_row is not None:  # (no row in a plain window)
             self._diagnostics.bad_row = None
         self._record(d, n, None)
@@ -695,16 +698,11 @@ class ClippedOptimizer(InnerOptimizerView):
         run = partial(apply_window, self._inner, s, d, g, (loss, closure), self._reclip, self._readiness)
         out, skipped, fused = self._recovery.apply(self._inner, run) if self._recovery.rewind else run()
         skipped = skipped if upd is None else upd.finish(d, skipped)  # measured, bounded, or put back
-        self._count(skipped, d.counted_nonfinite(skipped, s.skip_enabled))
+        # assigned here, not in a helper: torch.compile loses the helper's assignment to the wrapper
+        self._last_skipped = skipped
+        self._update_applied = not skipped if isinstance(skipped, bool) else None  # None: read _last_skipped
+        self._counters.record(skipped, d.counted_nonfinite(skipped, s.skip_enabled))
         return out, fused
-
-    def _count(self, skipped: bool | Tensor, nonfinite: bool | Tensor) -> None:
-        """The outcome of the window just closed: ``skipped`` (a bool, or the device flag), and whether
-        it extends the run of non-finite skips; into the counters and ``step_was_skipped``."""
-        applied = not skipped if isinstance(skipped, bool) else None  # None: read _last_skipped
-        # the wrapper's own attributes, none of them a setting: no __setattr__ (a Python call each)
-        self.__dict__.update(_last_skipped=skipped, _update_applied=applied)
-        self._counters.record(skipped, nonfinite)
 
     def _reclip(self, max_norm: float | Tensor | None) -> tuple[Tensor, list[Tensor]]:
         """A closure's re-evaluation: measured and clipped with the window's bound ``max_norm``."""
@@ -738,7 +736,8 @@ class ClippedOptimizer(InnerOptimizerView):
         d.loss = self._loss.take(self.reduction)
         self._counters.micro_batches = 0
         self._counters.windows += 1
-        self._count(True, False)
+        self._last_skipped, self._update_applied = True, False
+        self._counters.record(True, False)
         self._recovery.closed(self._counters.windows)
         self._record(d, n, None)
         return loss
@@ -755,7 +754,7 @@ class ClippedOptimizer(InnerOptimizerView):
             bad_row=self._diagnostics.bad_row,
             recovery={} if self._recovery.rewind is None else self._recovery.record(),
         )
-        self.__dict__["last_stats"] = stats  # not a setting: no __setattr__ (a Python call)
+        self.last_stats = stats
         self.stats.append(stats)
         if self.loggers:
             log_window(self.loggers, stats, self)  # I/O failures warn; the window is complete either way

@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling
 from torch.optim import Optimizer
 
 from ._errors import NonFiniteGradientError
@@ -150,7 +151,7 @@ class WrapperState:
         for non-finite gradients (a spike skip does not extend ``consecutive``).  One device flag
         for both (the plain window's non-finite flag, exactly 0.0 or 1.0) waits in the pending list.
         """
-        if isinstance(skipped, Tensor) and nonfinite is skipped:
+        if isinstance(skipped, Tensor) and nonfinite is skipped and not is_compiling():  # (kept eager)
             pending = self._pending
             if pending and pending[0].device != skipped.device:
                 self._count_pending()
