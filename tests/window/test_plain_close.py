@@ -308,3 +308,29 @@ def test_get_total_norm_matches_the_plain_norm() -> None:
         )
         norm, uniform = _norm(s, grads)
         assert uniform and torch.equal(norm, F.get_total_norm(grads, p))
+
+
+def test_pending_skip_flags_survive_a_copy_a_pickle_and_a_state_dict() -> None:
+    """Skip flags waiting uncounted after fused plain windows are counted in a deep copy, a pickled
+    copy and the state dict alike; the copies then go on counting on their own."""
+    import copy
+    import pickle
+
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    opt = ClippedOptimizer(torch.optim.AdamW(params, fused=True), max_norm=1.0)
+    for value in (1.0, 2.0, math.nan, math.inf, math.nan):  # the first update readies the state
+        params[0].grad = torch.full((4,), value)
+        opt.step()
+    assert opt._counters._pending  # the skips of the fused windows wait uncounted
+    copies = [copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))]
+    for other in copies:
+        assert (other.num_skipped, other.num_updates) == (3, 2)
+        other.optimizer.param_groups[0]["params"][0].grad = torch.full((4,), math.nan)
+        other.step()  # one more skip, in the copy only
+        assert other.num_skipped == 4
+    saved = opt.state_dict()["clipopt"]
+    assert (saved["skipped"], saved["consecutive"], saved["applied"]) == (3, 3, 2)
+    params[0].grad = torch.ones(4)
+    opt.step()
+    assert (opt.num_skipped, opt.num_updates) == (3, 3)
+    assert opt.state_dict()["clipopt"]["consecutive"] == 0
