@@ -91,24 +91,12 @@ class WrapperState:
             self._count_pending()
         return self._skipped
 
-    @skipped.setter
-    def skipped(self, value: int | Tensor) -> None:
-        if self._pending:
-            self._count_pending()
-        self._skipped = value
-
     @property
     def consecutive(self) -> int | Tensor:
         """Skipped windows in a row, ending at the latest one."""
         if self._pending:
             self._count_pending()
         return self._consecutive
-
-    @consecutive.setter
-    def consecutive(self, value: int | Tensor) -> None:
-        if self._pending:
-            self._count_pending()
-        self._consecutive = value
 
     @property
     def applied(self) -> int | Tensor:

@@ -138,35 +138,24 @@ def test_the_plain_close_agrees_with_the_general_close(info: OptimInfo, norm_typ
 
 @given(
     info=st.sampled_from(DENSE),
-    max_norm=st.sampled_from([None, 0.5, 1.0, 4.0]),
-    norm_type=st.sampled_from([1.0, 2.0, 3.0, math.inf]),
-    reduction=st.sampled_from(["mean", "sum"]),
-    accumulation_steps=st.integers(1, 3),
-    skip_nonfinite=st.booleans(),
     dtype=st.sampled_from([torch.float32, torch.float64]),
     kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=9),
     seed=st.integers(0, 2**16),
+    options=st.fixed_dictionaries(
+        {
+            "max_norm": st.sampled_from([None, 0.5, 1.0, 4.0]),
+            "norm_type": st.sampled_from([1.0, 2.0, 3.0, math.inf]),
+            "reduction": st.sampled_from(["mean", "sum"]),
+            "accumulation_steps": st.integers(1, 3),
+            "skip_nonfinite": st.booleans(),
+        }
+    ),
 )
 def test_the_plain_close_agrees_with_the_general_close_anywhere(
-    info: OptimInfo,
-    max_norm: float | None,
-    norm_type: float,
-    reduction: str,
-    accumulation_steps: int,
-    skip_nonfinite: bool,
-    dtype: torch.dtype,
-    kinds: list[str],
-    seed: int,
+    info: OptimInfo, dtype: torch.dtype, kinds: list[str], seed: int, options: dict[str, Any]
 ) -> None:
     """The same comparison over every dense optimizer of the table, float64 too, random settings and
     windows."""
-    options = dict(
-        max_norm=max_norm,
-        norm_type=norm_type,
-        reduction=reduction,
-        accumulation_steps=accumulation_steps,
-        skip_nonfinite=skip_nonfinite,
-    )
     _run_both(info, dtype, kinds, seed, **options)
 
 
