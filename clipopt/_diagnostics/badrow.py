@@ -9,10 +9,9 @@ from the per-parameter norms that the total-norm pass computes anyway
 (:func:`clipopt.functional.get_norms`, no host read), which the loggers write
 only when the window's total norm turned out non-finite (they read the norm
 anyway).  In that row ``nonfinite`` is 1 when the parameter's gradient holds a
-``nan`` or ``inf`` element (an indicator, not a count), from
-:func:`clipopt.functional.nonfinite_grads`: not from the norm, which overflows
-float32 for finite elements of 1e25 and would name such a parameter before the
-one holding the ``inf``.  ``grad_norm`` is its 2-norm (``nan`` when
+``nan`` or ``inf`` element (an indicator, not a count), from :func:`element_flags`:
+not from the norm alone, which overflows float32 for finite elements of 1e25 and
+would name such a parameter before the one holding the ``inf``.  ``grad_norm`` is its 2-norm (``nan`` when
 ``norm_type`` is not 2), and ``grad_max``, ``grad_min`` and ``param_norm`` are
 ``nan`` (not computed).
 """
@@ -20,6 +19,7 @@ one holding the ``inf``.  ``grad_norm`` is its 2-norm (``nan`` when
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -29,7 +29,7 @@ from torch.compiler import is_compiling
 from .. import functional as F
 from .layers import LAYER_FIELDS, LayerStats
 
-__all__ = ["any_nonfinite", "candidate_row", "norm_with_row", "row_of_norms"]
+__all__ = ["any_nonfinite", "candidate_row", "element_flags", "norm_with_row", "row_of_norms"]
 
 _NORM = LAYER_FIELDS.index("grad_norm")
 _NONFINITE = LAYER_FIELDS.index("nonfinite")
@@ -95,7 +95,7 @@ def norm_with_row(
     window's candidate bad row (see :mod:`clipopt._diagnostics.badrow`)."""
     norms = F.get_norms(grads, norm_type, foreach=foreach)
     raw_norm = torch.linalg.vector_norm(norms, norm_type)
-    return raw_norm, row_of_norms(norms, grads, params, names, norm_type=norm_type, foreach=foreach, inv=inv)
+    return raw_norm, row_of_norms(norms, grads, params, names, norm_type=norm_type, inv=inv)
 
 
 def row_of_norms(
@@ -105,12 +105,31 @@ def row_of_norms(
     names: list[str],
     *,
     norm_type: float,
-    foreach: bool | None,
     inv: float,
 ) -> LayerStats:
     """The window's candidate bad row from the per-gradient norms already computed (``norms[j]``:
     the ``j``-th parameter with a gradient, ``grads[j]``), with each gradient's non-finite flag
-    (:func:`clipopt.functional.nonfinite_grads`: its elements, not its norm)."""
+    (:func:`element_flags`: its elements, not its norm alone)."""
     with_grad = [i for i, p in enumerate(params) if p.grad is not None]
-    flags = F.nonfinite_grads(grads, norms, norm_type, foreach=foreach)
+    flags = element_flags(grads, norms, norm_type)
     return candidate_row(names, with_grad, norms, inv, norm_type == 2.0, flags)
+
+
+def element_flags(grads: list[Tensor], norms: Tensor, norm_type: float) -> Tensor:
+    """1.0 (float32) for each gradient holding a ``nan``/``inf`` element, else 0.0, from its
+    ``norm_type``-norm (``norms``) and, every window, one cheap pass: each gradient's sum.
+
+    A finite norm means finite elements, and a ``nan`` norm a ``nan`` element (for the inf-norm,
+    the largest ``|g|``, the norm says it all).  An infinite norm is an ``inf`` element, or finite
+    elements whose float32 norm overflowed (about 1e19 and more for p = 2); their sum tells them apart:
+    an ``inf`` or ``nan`` element makes it ``inf`` or ``nan``, finite elements keep it finite until
+    it passes 3.4e38 itself (a gradient of n elements near 3.4e38 / n, which then counts as
+    non-finite).
+    The exact test, :func:`clipopt.functional.nonfinite_grads`, reads the largest ``|g|`` instead:
+    on CPU about three times the time of a sum (24M parameters: 6.5 ms against 2.2), every window.
+    """
+    if float(norm_type) == math.inf or not grads:
+        return (~torch.isfinite(norms)).to(torch.float32)
+    device = norms.device
+    sums = torch.stack([(g.coalesce().values() if g.is_sparse else g).sum().to(device) for g in grads])
+    return (torch.isnan(norms) | (torch.isinf(norms) & ~torch.isfinite(sums))).to(torch.float32)

@@ -74,9 +74,7 @@ def measure(
         norms = g.norms(g.grads, s.norm_type, s.foreach)
         row = None
         if names is not None:
-            row = row_of_norms(
-                norms, g.grads, g.params, names, norm_type=s.norm_type, foreach=s.foreach, inv=inv
-            )
+            row = row_of_norms(norms, g.grads, g.params, names, norm_type=s.norm_type, inv=inv)
         sizes = [len(group) for group in g.by_group]
         d = measured_groups(norms, sizes, s.plan.shared, norm_type=s.norm_type, divisor=s.divisor)
         if row is not None:

@@ -1142,3 +1142,32 @@ def test_norm_overflow_round_trips_through_tensorboard(tmp_path: Path) -> None:
     opt.close()
     log = read_log(tmp_path)
     assert log.reason == {1: "norm_overflow", 3: "nonfinite"}
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, math.inf])
+def test_the_candidate_rows_flags_match_the_exact_element_test(norm_type: float) -> None:
+    """``element_flags`` (each gradient's norm and sum) flags the same gradients as
+    ``functional.nonfinite_grads`` (its largest ``|g|``): a ``nan``, a ``+inf``, a ``-inf``, ``+inf``
+    beside ``-inf``, finite elements of 1e25 and of 1e30 (the norm overflows, not the elements), an
+    ordinary gradient, a sparse one holding a ``nan``; and the documented limit: finite elements of
+    1e38, whose sum overflows too, count as non-finite."""
+    from clipopt._diagnostics.badrow import element_flags
+
+    grads = [
+        torch.tensor([1.0, math.nan, 2.0]),
+        torch.tensor([1.0, math.inf]),
+        torch.tensor([-math.inf, 3.0]),
+        torch.tensor([math.inf, -math.inf]),
+        torch.full((8,), 1e25),
+        torch.full((8,), -1e30),
+        torch.randn(5, 4),
+        torch.sparse_coo_tensor([[0, 2]], [math.nan, 1.0], (4,)),
+    ]
+    norms = F.get_norms(grads, norm_type)
+    want = F.nonfinite_grads(grads, norms, norm_type)
+    assert want.tolist() == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+    assert torch.equal(element_flags(grads, norms, norm_type), want)
+    huge = [torch.full((20,), 1e38)]  # finite, but the float32 sum is inf as well
+    huge_norms = F.get_norms(huge, norm_type)
+    assert F.nonfinite_grads(huge, huge_norms, norm_type).tolist() == [0.0]
+    assert element_flags(huge, huge_norms, norm_type).tolist() == ([0.0] if norm_type == math.inf else [1.0])
