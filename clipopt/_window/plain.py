@@ -5,19 +5,23 @@ Most runs turn on nothing but a norm bound (and accumulation): no per-group opti
 no GradScaler, no recovery, no update clipping, no replicas to agree with, and ``step()`` gets
 no closure.  Such a window (``WindowSettings.plain``, and the wrapper's other features off)
 closes here: the same stages as the general close (docs/design.md, 'Order of operations') with
-the same outcome, record and counters (tests/window/test_plain_window.py runs both on the same
+the same outcome, record and counters (tests/window/test_plain_close.py runs both on the same
 windows and compares them), but none of the general close's bookkeeping for features that are off:
 
 * measure: each gradient's norm (one foreach kernel where it can), their norm (the total, divided
   by the micro-batches with ``reduction="mean"``) and its non-finite flag;
-* clip: ``coef = min(1, max_norm / (total + 1e-6))``, computed as torch's ``clip_grad_norm_``
-  computes it, recorded, and folded into the step; ``clipped`` is left to be read as ``coef < 1``;
-* decide: the non-finite flag is the one skip signal (reason ``"nonfinite"`` when it skips);
-* apply: a fused optimizer gets ``1 / scale`` as ``grad_scale`` and the flag as ``found_inf`` (no
-  host read, :func:`~clipopt._window.apply.step_fused`); any other optimizer has its gradients
-  scaled after one read of the total norm, or, when that norm is not finite, discarded -- an
-  ``inf`` norm has its elements looked at on the device, as the general host step does, to tell
-  a non-finite gradient from a float32 norm that overflowed (reason ``"norm_overflow"``).
+* clip: on a fused optimizer the kernel's ``grad_scale = max(1, (total + 1e-6) / max_norm)``
+  (times the micro-batches with ``"mean"``), computed directly; the record's coefficient
+  ``min(1, max_norm / (total + 1e-6))`` and ``clipped`` (``coef < 1``) are computed from the
+  recorded norm when first read (``StepStats.clip_coef``).  On any other optimizer the
+  coefficient is computed as torch's ``clip_grad_norm_`` computes it, and scales the gradients;
+* decide: the non-finite flag is the one skip signal (reason ``"nonfinite"`` when it skips), and
+  the counters take it as it is (``WrapperState`` counts waiting flags when read);
+* apply: a fused optimizer gets the flag as ``found_inf`` (no host read,
+  :func:`~clipopt._window.apply.step_fused`); any other optimizer has its gradients scaled after
+  one read of the total norm, or, when that norm is not finite, discarded -- an ``inf`` norm has
+  its elements looked at on the device, as the general host step does, to tell a non-finite
+  gradient from a float32 norm that overflowed (reason ``"norm_overflow"``).
 
 Nothing changes before the inner step (:func:`~clipopt._window.apply.step_fused` or
 :func:`apply_host`): a failing decision leaves the window open, a failing step discards it (its
