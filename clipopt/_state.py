@@ -121,17 +121,6 @@ class WrapperState:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)  # type: ignore[misc]
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, WrapperState):
-            return NotImplemented
-        return self.__getstate__() == other.__getstate__()
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in self.__getstate__().items())
-        return f"WrapperState({fields})"
-
     def record(self, skipped: bool | Tensor, nonfinite: bool | Tensor) -> None:
         """Count the outcome of the latest window (``windows`` already counts it).
 

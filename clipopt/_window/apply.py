@@ -32,23 +32,15 @@ from .grads import WindowGrads
 from .rollback import InnerBackup, nonfinite_loss
 from .settings import WindowSettings
 
-__all__ = [
-    "StateReadiness",
-    "apply_window",
-    "fused_inner_step",
-    "is_fused",
-    "reevaluating_closure",
-    "step_fused",
-    "step_host",
-]
+__all__ = ["StateReadiness", "apply_window", "is_fused", "reevaluating_closure", "step_fused", "step_host"]
 
 
-def fused_inner_step(
+def _fused_inner_step(
     inner: Optimizer, closure: Callable[[], Any] | None, grad_scale: Tensor | None, found_inf: Tensor | None
 ) -> Any:
     """The fused inner ``step()`` with ``grad_scale``/``found_inf`` set on it, as GradScaler does.
 
-    Under ``torch.compile(opt.step)`` it runs eagerly (:data:`fused_inner_step_eager`):
+    Under ``torch.compile(opt.step)`` it runs eagerly (:data:`_fused_inner_step_eager`):
     torch never compiles its fused kernels either (``_fused_adamw`` is
     ``torch.compiler.disable``-d), and attributes set on the optimizer inside a
     traced frame do not reach them.
@@ -62,9 +54,9 @@ def fused_inner_step(
         del inner.found_inf  # type: ignore[attr-defined]
 
 
-#: ``fused_inner_step`` hidden from torch.compile; torch's lazy wrapper imports
+#: ``_fused_inner_step`` hidden from torch.compile; torch's lazy wrapper imports
 #: ``torch._dynamo`` at the first call (while compiling), not when clipopt is imported.
-fused_inner_step_eager = _disable_dynamo(fused_inner_step)
+_fused_inner_step_eager = _disable_dynamo(_fused_inner_step)
 
 
 class StateReadiness:
@@ -138,16 +130,15 @@ def step_fused(
         # only from a non-finite shared norm, a window that is skipped -- or not finite anyway)
         ratios = [scales[j] / d.scale if _scaled(d.scale) else scales[j] for j in d.unfolded]
         F.scale_groups_([grad_groups[j] for j in d.unfolded], ratios, foreach=foreach)
-    grad_scale = d.grad_scale  # the kernel divides the gradients by grad_scale
-    if grad_scale is not None:
-        pass  # computed directly (the plain window)
-    elif isinstance(d.scale, Tensor):
-        scale = d.scale if d.scale.dtype == torch.float32 else d.scale.to(torch.float32)
-        grad_scale = scale.reciprocal()
-    elif d.scale != 1.0:
-        # made on the device: torch.tensor(x, device=...) would be a blocking host-to-device copy
-        grad_scale = torch.full((), 1.0 / d.scale, dtype=torch.float32, device=d.total_norm.device)
-    fused_step = fused_inner_step_eager if is_compiling() else fused_inner_step
+    grad_scale = d.grad_scale  # the kernel divides the gradients by it; set directly by a plain window
+    if grad_scale is None:
+        if isinstance(d.scale, Tensor):
+            scale = d.scale if d.scale.dtype == torch.float32 else d.scale.to(torch.float32)
+            grad_scale = scale.reciprocal()
+        elif d.scale != 1.0:
+            # made on the device: torch.tensor(x, device=...) would be a blocking host-to-device copy
+            grad_scale = torch.full((), 1.0 / d.scale, dtype=torch.float32, device=d.total_norm.device)
+    fused_step = _fused_inner_step_eager if is_compiling() else _fused_inner_step
     out = fused_step(inner, inner_closure, grad_scale, d.skip)
     return out, d.skip if d.skip is not None else False
 

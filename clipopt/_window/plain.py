@@ -97,9 +97,7 @@ def decide_fused(s: WindowSettings, grads: list[Tensor], loss: Tensor | float | 
     (times the micro-batches with ``"mean"``), computed directly; the record's ``clip_coef``,
     ``min(1, max_norm / (total + 1e-6))``, is left to be computed from the norm when it is read
     (``StepStats.clip_coef``)."""
-    raw, _ = _norm(s, grads)
-    c = constants(s, raw)
-    total = raw.div(c.divisor) if s.divisor != 1.0 else raw
+    total, c, _ = _measure(s, grads)
     d = WindowDecision(total, _nonfinite(total, c))
     d.loss = loss
     grad_scale: Tensor | None = None
@@ -129,9 +127,7 @@ def decide_host(
     non-finite flag, for :func:`apply_host`.  Also returns whether the gradients are uniform (dense,
     of one dtype and device, measured by one foreach kernel: scaled by one too).  The coefficient is
     torch's, bit for bit: ``clamp(max_norm / (total + 1e-6), max=1)``."""
-    raw, uniform = _norm(s, grads)
-    c = constants(s, raw)
-    total = raw.div(c.divisor) if s.divisor != 1.0 else raw
+    total, c, uniform = _measure(s, grads)
     value = total.item() if s.skip_enabled else 0.0  # the one host read
     finite = math.isfinite(value)
     d = WindowDecision(total, c.zero if finite else _nonfinite(total, c))
@@ -202,13 +198,16 @@ def close_plain(
         torch._C._set_grad_enabled(grad_mode)
 
 
-def _norm(s: WindowSettings, grads: list[Tensor]) -> tuple[Tensor, bool]:
-    """The norm of the summed gradients, and whether they are uniform: dense, on one device, of dtypes
-    a foreach kernel takes (measured by one, and scaled by one)."""
-    total = F.foreach_total_norm(grads, s.norm_type, s.foreach)
-    if total is None:
-        return F.get_total_norm(grads, s.norm_type, foreach=s.foreach), False
-    return total, True
+def _measure(s: WindowSettings, grads: list[Tensor]) -> tuple[Tensor, Constants, bool]:
+    """Stage 2's norm of the summed gradients of ``s.divisor`` micro-batches (divided by them with
+    ``reduction="mean"``), the window's :class:`Constants`, and whether the gradients are uniform:
+    dense, on one device, of dtypes a foreach kernel takes (measured by one, and scaled by one)."""
+    raw = F.foreach_total_norm(grads, s.norm_type, s.foreach)
+    uniform = raw is not None
+    if raw is None:
+        raw = F.get_total_norm(grads, s.norm_type, foreach=s.foreach)
+    c = constants(s, raw)
+    return (raw.div(c.divisor) if s.divisor != 1.0 else raw), c, uniform
 
 
 def _nonfinite(total: Tensor, c: Constants) -> Tensor:
