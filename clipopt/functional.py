@@ -146,25 +146,29 @@ def _total_norm(grads: Sequence[Tensor], p: float, foreach: bool | None) -> Tens
 
 def foreach_total_norm(grads: Sequence[Tensor], p: float, foreach: bool | None) -> Tensor | None:
     """The ``p``-norm of ``grads`` from one ``torch._foreach_norm`` (and the norm of those norms) when
-    that kernel takes them all: dense, real, on one device, none large enough for
-    :func:`_direct_cpu_norms` (the one check made here per gradient, on CPU); else None, and the
-    general path of :func:`get_total_norm` decides.  What the kernel refuses (a sparse gradient, a
-    dtype it would narrow) it reports by raising, so no other check runs per gradient.  Used by
+    they are all dense, real, of one device and dtype that the foreach kernels support, and none is
+    large enough for :func:`_direct_cpu_norms`; else None (the general path of
+    :func:`get_total_norm` decides).  Checked before the kernel runs: a kernel that refused a
+    gradient part-way would have read the ones before it for nothing, every window.  Used by
     clipopt's plain window; not part of the public API (not in ``__all__``)."""
     first = grads[0]
-    dtype = first.dtype
-    if foreach is False or dtype.is_complex or first.device.type not in _FOREACH_DEVICES:
+    dtype, device = first.dtype, first.device
+    if foreach is False or dtype.is_complex or device.type not in _FOREACH_DEVICES:
         return None
     acc = _norm_dtype(dtype)
-    if foreach is None and first.is_cpu:  # the sizes _direct_cpu_norms takes
-        limit = DOT_MIN_NUMEL if p == 2.0 and acc == dtype else AMINMAX_MIN_NUMEL if p == math.inf else 0
-        if limit and max(map(Tensor.numel, grads)) >= limit:
+    limit: float = math.inf
+    if foreach is None and device.type == "cpu":  # the sizes _direct_cpu_norms takes
+        limit = DOT_MIN_NUMEL if p == 2.0 and acc == dtype else AMINMAX_MIN_NUMEL if p == math.inf else limit
+    cpu = device.type == "cpu"  # is_cpu is a cheaper test than building each tensor's device
+    for g in grads:
+        if (
+            g.dtype is not dtype
+            or g.is_sparse
+            or g.numel() >= limit
+            or not (g.is_cpu if cpu else g.device == device)
+        ):
             return None
-    try:
-        norms = torch._foreach_norm(list(grads), p, dtype=acc)
-        total: Tensor = torch.linalg.vector_norm(torch.stack(norms), p)  # (one device, or it raises)
-    except (RuntimeError, NotImplementedError):  # sparse, complex, narrowing, several devices
-        return None
+    total: Tensor = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(grads), p, dtype=acc)), p)
     return total
 
 
