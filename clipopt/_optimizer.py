@@ -733,9 +733,8 @@ class ClippedOptimizer(InnerOptimizerView):
         for p in params:
             p.grad = None
         d = WindowDecision.empty(params[0].device if params else None, self._bound, reason)
-        d.loss = self._loss.take(self.reduction)
-        self._counters.micro_batches = 0
-        self._counters.windows += 1
+        d.loss = self._loss.combined(self.reduction)
+        self._next_window()
         self._last_skipped, self._update_applied = True, False
         self._counters.record(True, False)
         self._recovery.closed(self._counters.windows)

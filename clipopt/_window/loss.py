@@ -88,12 +88,6 @@ class LossSum:
         """Start the next window's sum."""
         self.total, self.count = None, 0
 
-    def take(self, reduction: str) -> Tensor | float | None:
-        """:meth:`combined`, then :meth:`clear`."""
-        loss = self.combined(reduction)
-        self.clear()
-        return loss
-
     def to_dict(self) -> dict[str, Any]:
         total = self.total.detach().clone() if isinstance(self.total, Tensor) else self.total
         return {"loss_sum": total, "loss_count": self.count}
