@@ -298,6 +298,31 @@ def test_kernels_half_precision_long_tensor() -> None:
     np.testing.assert_allclose(_stats([p], 1.0, False, True), _float64_reference([p], 1.0, False), rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("count_nonfinite", [True, False])
+def test_kernels_extremes_of_signed_zeros_subnormals_and_the_largest_floats(
+    small_chunks: int, dtype: torch.dtype, count_nonfinite: bool
+) -> None:
+    """max |g| and min |g| of -0.0, subnormals and the dtype's largest values, taken on the float's
+    bits in the chunked path, equal NumPy's on the same values (and a gradient of -0.0 only has 0, 0)."""
+    info = torch.finfo(dtype)
+    special = [-0.0, 0.0, info.tiny / 4, -info.tiny / 4, -info.max, info.max / 2, -1.0, 3.0]
+    params = []
+    for i, values in enumerate([special, [-0.0] * 5, [-info.max] + [-info.tiny / 8] * 4, [-2.0, -0.5, -7.0]]):
+        p = _param((2 * small_chunks + 3,), dtype, seed=i)
+        assert p.grad is not None
+        p.grad[: len(values)] = torch.tensor(values, dtype=torch.float64).to(dtype)
+        if i == 1:
+            p.grad.fill_(-0.0)
+        if i == 3:
+            p.grad.abs_().neg_()  # every element negative
+        params.append(p)
+    got = _stats(params, 1.0, count_nonfinite, True)
+    expected = _float64_reference(params, 1.0, count_nonfinite)
+    assert np.array_equal(got[:, 1:3], expected[:, 1:3])
+    assert list(got[1, :3]) == [0.0, 0.0, 0.0]
+
+
 @pytest.mark.parametrize("cpu_kernels", [True, False])
 def test_kernels_missing_empty_sparse_and_float64(small_chunks: int, cpu_kernels: bool) -> None:
     """No gradient (nan fields), zero-element tensors (zeros), sparse and float64 gradients, in one call."""
