@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ._hooks import inner_step
 from ._state import StateDictError
 
 __all__ = [
@@ -275,7 +276,7 @@ class InnerOptimizers(Optimizer):
         for i, o in enumerate(self.optimizers):
             o.__dict__.update(fused)
             try:
-                o.step()
+                inner_step(o)
             except BaseException as exc:
                 if not _skipping(fused.get("found_inf")):
                     _note_partial(exc, self.optimizers, i)

@@ -37,6 +37,7 @@ from ._distributed.no_sync import (
     plan_no_sync,
 )
 from ._distributed.replicas import ReplicaDecision, settings_of
+from ._hooks import step_hooked
 from ._policies.builtin import ClipPolicy
 from ._reasons import NOGRAD, REWIND
 from ._recovery.part import SpikeRecovery, WrapperParts, check_recovery
@@ -58,7 +59,7 @@ from ._window.stages import agree, check_clippable, clip_and_decide, measure, re
 from ._window.update_apply import check_update_options, start_update
 from ._window.update_clip import UpdateClip
 from ._window.update_copy import UpdateCopy
-from ._wrapping import InnerOptimizerView, step_hooked
+from ._wrapping import InnerOptimizerView
 
 __all__ = ["ClippedOptimizer"]
 

@@ -14,31 +14,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.optim import optimizer as _optim_module
 
 from ._inner import inner_optimizers
 
-__all__ = ["HOOK_DICTS", "NOT_PICKLED", "InnerOptimizerView", "step_hooked"]
-
-#: Whether a profiler is recording (``torch.autograd._profiler_enabled``, looked up once).
-_profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
-
-#: torch's global optimizer hooks (``register_optimizer_step_pre_hook`` and its post-hook twin fill them).
-_GLOBAL_PRE_HOOKS = _optim_module._global_optimizer_pre_hooks
-_GLOBAL_POST_HOOKS = _optim_module._global_optimizer_post_hooks
-
-
-def step_hooked(compiling: bool) -> bool:
-    """Whether ``step()`` must run inside torch's ``profile_hook_step`` although the optimizer has no
-    step hook of its own (its caller tests those first): a global optimizer hook is registered, or
-    a profiler records (``compiling``: torch.compile traces the call, which has no profiler hook and
-    cannot trace the query).  torch's wrapper costs ~12 us per call (``record_function``) even with
-    neither, so the wrapper takes it only then."""
-    return bool(_GLOBAL_PRE_HOOKS or _GLOBAL_POST_HOOKS) or (not compiling and _profiler_enabled())
-
+__all__ = ["HOOK_DICTS", "NOT_PICKLED", "InnerOptimizerView"]
 
 #: torch's per-optimizer hook dictionaries, created here since ``Optimizer.__init__`` is not called.
 HOOK_DICTS = (

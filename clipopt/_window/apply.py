@@ -25,6 +25,7 @@ from torch.compiler import is_compiling
 from torch.optim import Optimizer
 
 from .. import functional as F
+from .._hooks import inner_step
 from .._inner import inner_optimizers, is_fused, reevaluates
 from .._reasons import NONFINITE
 from .decision import WindowDecision
@@ -48,7 +49,7 @@ def _fused_inner_step(
     inner.grad_scale = grad_scale  # type: ignore[attr-defined]
     inner.found_inf = found_inf  # type: ignore[attr-defined]
     try:
-        return inner.step(closure)
+        return inner_step(inner, closure)
     finally:
         del inner.grad_scale  # type: ignore[attr-defined]
         del inner.found_inf  # type: ignore[attr-defined]
@@ -174,7 +175,7 @@ def step_host(
         F.scale_grads_(grads, d.scale, foreach=foreach)
     guard = guard and make_closure is not None and reevaluates(inner)
     backup, bad = (InnerBackup(inner, params), [False]) if guard else (None, None)
-    out = inner.step(None if make_closure is None else make_closure(bad))
+    out = inner_step(inner, None if make_closure is None else make_closure(bad))
     if make_closure is None:
         out = loss
     if backup is not None and bad is not None and bad[0]:  # a non-finite re-evaluation: skip

@@ -39,6 +39,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .. import functional as F
+from .._hooks import inner_step
 from .._reasons import NONFINITE
 from .apply import step_fused
 from .decision import WindowDecision
@@ -164,7 +165,7 @@ def apply_host(
         torch._foreach_mul_(grads, d.scale)  # as torch's clip_grads_with_norm_ scales them
     elif isinstance(d.scale, Tensor) or d.scale != 1.0:
         F.scale_grads_(grads, d.scale, foreach=foreach)
-    inner.step()
+    inner_step(inner)
     return False
 
 

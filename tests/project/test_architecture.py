@@ -151,8 +151,10 @@ def test_decide_skip_takes_the_first_signal_that_is_on() -> None:
     assert decided((divergence, None), (nonfinite, None)) == (None, None)
 
 
-#: Private attributes of torch tensors the window guard reads (torch's, not another clipopt module's).
-_TORCH_PRIVATE = {"_base", "_version"}
+#: Private attributes of torch's objects that clipopt reads (torch's, not another clipopt module's):
+#: the window guard's tensor versions, and the profiler's empty hook point that torch's step wrapper
+#: calls after each step (``_hooks.inner_step`` calls it where it passes that wrapper by).
+_TORCH_PRIVATE = {"_base", "_version", "_optimizer_step_code"}
 
 
 def _private_reaches(path: Path) -> list[str]:
