@@ -12,7 +12,10 @@ max_norm=1.0 and:
 * ``csv``          ``loggers=[CSVLogger(...)]`` (one row per update, flushed every 100);
 * ``csv+layers@10`` both.
 
-Also the host reads per block of 10 windows.  Prints a markdown table.
+``x plain`` divides the medians; ``x plain, paired`` is the median over rounds of each
+round's ratio to that round's ``plain`` block (the order of the configurations rotates
+every round), steadier on a shared machine.  Also the host reads per block of 10
+windows.  Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -77,9 +80,10 @@ def main() -> None:
     for opt in configs.values():
         block(opt)  # warm-up: state, first-update path
     times: dict[str, list[float]] = {k: [] for k in configs}
-    for _ in range(args.rounds):
-        for name, opt in configs.items():
-            times[name].append(block(opt))
+    names = list(configs)
+    for r in range(args.rounds):  # the order rotates every round: no configuration always runs first
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(block(configs[name]))
     reads = {}
     for name, opt in configs.items():
         with count_host_reads() as r:
@@ -91,11 +95,12 @@ def main() -> None:
         f"torch {torch.__version__}, {args.threads} threads, median of {args.rounds} rounds of {BLOCK}"
     )
     print()
-    print("| diagnostics | ms / update | x plain | host reads / 10 updates |")
-    print("|---|---|---|---|")
+    print("| diagnostics | ms / update | x plain | x plain, paired | host reads / 10 updates |")
+    print("|---|---|---|---|---|")
     for name in configs:
         med = statistics.median(times[name])
-        print(f"| {name} | {med * 1e3:.2f} | {med / base:.3f} | {reads[name]} |")
+        paired = statistics.median(t / b for t, b in zip(times[name], times["plain"], strict=True))
+        print(f"| {name} | {med * 1e3:.2f} | {med / base:.3f} | {paired:.3f} | {reads[name]} |")
 
 
 if __name__ == "__main__":

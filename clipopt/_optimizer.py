@@ -571,7 +571,8 @@ class ClippedOptimizer(InnerOptimizerView):
         r, features = self._recovery, self.loggers or self.update_stats or self._skip_sources
         off = r.guard is None and r.rewind is None and self.update_clip is None and not features
         off = off and self._diagnostics.writer is None and self._unsynced is None
-        return s.plain and off and not (self._index.has_dtensor or self._replicas.active or is_compiling())
+        plain = s.plain or s.between_stats(self._counters.windows + 1)  # (no call in the common case)
+        return plain and off and not (self._index.has_dtensor or self._replicas.active or is_compiling())
 
     def _close_plain(self, s: WindowSettings, n: int, loss: Any) -> Any:
         """Close a plain window (:mod:`clipopt._window.plain`): the stages of :meth:`_finish_window`

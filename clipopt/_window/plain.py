@@ -1,12 +1,13 @@
 """The plain window: measure, clip by one norm bound, then step or skip, in the fewest operations.
 
 Most runs turn on nothing but a norm bound (and accumulation): no per-group options, no
-:class:`~clipopt.ClipPolicy`, no value clipping, no per-layer statistics, loggers or snapshots,
-no GradScaler, no recovery, no update clipping, no replicas to agree with, and ``step()`` gets
-no closure.  Such a window (``WindowSettings.plain``, and the wrapper's other features off)
-closes here: the same stages as the general close (docs/design.md, 'Order of operations') with
-the same outcome, record and counters (tests/window/test_plain_close.py runs both on the same
-windows and compares them), but none of the general close's bookkeeping for features that are off:
+:class:`~clipopt.ClipPolicy`, no value clipping, no per-layer statistics due at this window, no
+loggers or snapshots, no GradScaler, no recovery, no update clipping, no replicas to agree with,
+and ``step()`` gets no closure.  Such a window (``WindowSettings.plain`` or ``between_stats``,
+and the wrapper's other features off) closes here: the same stages as the general close
+(docs/design.md, 'Order of operations') with the same outcome, record and counters
+(tests/window/test_plain_close.py runs both on the same windows and compares them), but none of
+the general close's bookkeeping for features that are off:
 
 * measure: each gradient's norm (one foreach kernel where it can), their norm (the total, divided
   by the micro-batches with ``reduction="mean"``) and its non-finite flag;

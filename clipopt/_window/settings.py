@@ -40,11 +40,20 @@ class WindowSettings:
     #: Nothing but a norm bound (at most) clips: no per-group options, policy, value clipping, pipeline
     #: norm group, per-layer statistics or GradScaler (a plain window, :mod:`clipopt._window.plain`).
     plain: bool = field(init=False)
+    #: The same but with per-layer statistics every ``layer_stats`` windows: the windows between
+    #: two statistics windows are plain ones (:meth:`between_stats`).
+    plain_between_stats: bool = field(init=False)
 
     def __post_init__(self) -> None:
         plain = self.plan is None and self.policy is None and self.clip_value is None
-        plain = plain and self.norm_group is None and not self.layer_stats and not self.scaled
-        object.__setattr__(self, "plain", plain)  # (frozen: set once, here)
+        plain = plain and self.norm_group is None and not self.scaled
+        object.__setattr__(self, "plain", plain and not self.layer_stats)  # (frozen: set once, here)
+        object.__setattr__(self, "plain_between_stats", plain and bool(self.layer_stats))
+
+    def between_stats(self, window: int) -> bool:
+        """Whether window number ``window`` (counted from 1) has plain settings although
+        :attr:`plain` is false: plain but for per-layer statistics, which are not due at it."""
+        return self.plain_between_stats and window % self.layer_stats != 0
 
     @classmethod
     def read(cls, opt: Any, n: int, plan: GroupPlan | None) -> WindowSettings:

@@ -274,6 +274,33 @@ def test_no_feature_is_lost_on_the_plain_path() -> None:
     assert not plain(scaler=torch.amp.GradScaler("cpu"))
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_windows_between_statistics_windows_close_plain(fused: bool) -> None:
+    """With ``layer_stats=3`` windows 3 and 6 take the general close and record statistics; the others
+    close as plain windows, with the records and parameters of a run without statistics."""
+    torch.manual_seed(0)
+    grads = [[torch.randn(4, 3) * 5, torch.randn(3) * 5] for _ in range(6)]
+    runs = []
+    for layer_stats in (3, False):
+        params = [torch.nn.Parameter(torch.ones(4, 3)), torch.nn.Parameter(torch.ones(3))]
+        opt = ClippedOptimizer(torch.optim.AdamW(params, fused=fused), max_norm=1.0, layer_stats=layer_stats)
+        plain = []
+        for window in grads:
+            for p, g in zip(params, window, strict=True):
+                p.grad = g.clone()
+            plain.append(opt._is_plain(opt._plan.settings(opt, 1)))
+            opt.step()
+        runs.append((opt, params, plain))
+    (with_stats, params, plain), (without, ref_params, ref_plain) = runs
+    assert plain == [True, True, False, True, True, False] and all(ref_plain)
+    assert [s.layers is not None for s in with_stats.stats] == [False, False, True, False, False, True]
+    assert [s.total_norm for s in with_stats.stats] == [s.total_norm for s in without.stats]
+    for p, q in zip(
+        params, ref_params, strict=True
+    ):  # the statistics windows' general close: float32 rounding
+        torch.testing.assert_close(p, q, rtol=0 if not fused else 1e-6, atol=0 if not fused else 1e-7)
+
+
 def test_get_total_norm_matches_the_plain_norm() -> None:
     """The plain window's norm (one foreach kernel) is ``get_total_norm``'s, bit for bit."""
     from clipopt._window.plain import _measure
