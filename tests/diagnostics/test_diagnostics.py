@@ -1196,3 +1196,38 @@ def test_the_candidate_rows_flags_match_the_exact_element_test(norm_type: float)
     huge_norms = F.get_norms(huge, norm_type)
     assert F.nonfinite_grads(huge, huge_norms, norm_type).tolist() == [0.0]
     assert element_flags(huge, huge_norms, norm_type).tolist() == ([0.0] if norm_type == math.inf else [1.0])
+
+
+def test_the_candidate_rows_sums_taken_piece_by_piece_flag_the_same_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With gradients large enough for ``dot`` pieces (the sizes shrunk: pieces of 8 elements from 16
+    on), ``norms_and_sums`` gives ``get_norms``'s norms bit for bit and sums equal to each gradient's
+    sum (to rounding), and the candidate row flags what the exact element test flags: a ``nan`` or an
+    ``inf`` in the first, a middle or the last (partial) piece, ``+inf`` and ``-inf`` in different
+    pieces, finite 1e25 elements (the norm overflows), a small and a sparse gradient beside them."""
+    from clipopt._diagnostics.badrow import norm_with_row
+
+    monkeypatch.setattr(F, "DOT_MIN_NUMEL", 16)
+    monkeypatch.setattr(F, "DOT_PIECE_NUMEL", 8)
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(29, generator=gen) for _ in range(6)] + [torch.full((20,), 1e25), torch.randn(5)]
+    grads[1][0] = math.nan  # first piece
+    grads[2][12] = math.inf  # a middle piece
+    grads[3][-1] = -math.inf  # the last, partial piece
+    grads[4][2], grads[4][20] = math.inf, -math.inf  # the pieces' sums are +inf and -inf
+    grads.append(torch.sparse_coo_tensor([[1, 3]], [math.inf, 1.0], (40,)))
+    norms, sums = F.norms_and_sums(grads, 2.0, None)
+    torch.testing.assert_close(norms, F.get_norms(grads, 2.0), rtol=0, atol=0, equal_nan=True)  # bit for bit
+    for g, s in zip(grads, sums, strict=True):
+        dense = g.coalesce().values() if g.is_sparse else g
+        torch.testing.assert_close(s, dense.sum(), equal_nan=True)
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    _, row = norm_with_row(
+        grads, params, [str(i) for i in range(len(grads))], norm_type=2.0, foreach=None, inv=1.0
+    )
+    assert row is not None
+    flags = [r[3] for r in row.rows()]
+    assert flags == F.nonfinite_grads(grads, norms, 2.0).tolist() == [0, 1, 1, 1, 1, 0, 0, 0, 1]
