@@ -12,6 +12,8 @@ max_norm=1.0 and:
 * ``csv``          ``loggers=[CSVLogger(...)]`` (one row per update, flushed every 100);
 * ``csv+layers@10`` both.
 
+A last line times ``layers@10`` window by window: the windows between
+statistics windows, and what its statistics window costs over a plain one.
 ``x plain`` divides the medians; ``x plain, paired`` is the median over rounds of each
 round's ratio to that round's ``plain`` block (the order of the configurations rotates
 every round), steadier on a shared machine.  Also the host reads per block of 10
@@ -68,14 +70,18 @@ def main() -> None:
         "csv+layers@10": make(layer_stats=10, loggers=[CSVLogger(tmp / "b.csv")]),
     }
 
-    def block(opt: ClippedOptimizer) -> float:
-        total = 0.0
+    windows: dict[str, list[list[float]]] = {k: [] for k in configs}  # each round's window times
+
+    def block(opt: ClippedOptimizer, name: str | None = None) -> float:
+        each = []
         for _ in range(BLOCK):
             torch._foreach_copy_(grads, saved)  # type: ignore[arg-type]
             t0 = time.perf_counter()
             opt.step()
-            total += time.perf_counter() - t0
-        return total / BLOCK
+            each.append(time.perf_counter() - t0)
+        if name is not None:
+            windows[name].append(each)
+        return sum(each) / BLOCK
 
     for opt in configs.values():
         block(opt)  # warm-up: state, first-update path
@@ -83,7 +89,7 @@ def main() -> None:
     names = list(configs)
     for r in range(args.rounds):  # the order rotates every round: no configuration always runs first
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            times[name].append(block(configs[name]))
+            times[name].append(block(configs[name], name))
     reads = {}
     for name, opt in configs.items():
         with count_host_reads() as r:
@@ -101,6 +107,18 @@ def main() -> None:
         med = statistics.median(times[name])
         paired = statistics.median(t / b for t, b in zip(times[name], times["plain"], strict=True))
         print(f"| {name} | {med * 1e3:.2f} | {med / base:.3f} | {paired:.3f} | {reads[name]} |")
+    # window by window (the 10th of each block is layers@10's statistics window): steadier than a block
+    at = [statistics.median(w[i] for w in windows["plain"]) for i in range(BLOCK)]
+    stats_at = [statistics.median(w[i] for w in windows["layers@10"]) for i in range(BLOCK)]
+    plain_window, between = statistics.median(at), statistics.median(stats_at[: BLOCK - 1])
+    extra = stats_at[-1] - plain_window
+    print()
+    print(
+        f"Window by window (medians): plain {plain_window * 1e3:.2f} ms; layers@10 between statistics "
+        f"windows {between * 1e3:.2f} ms, its statistics window {stats_at[-1] * 1e3:.2f} ms "
+        f"(+{extra * 1e3:.2f} ms = {extra / plain_window:.2f} of a plain window: "
+        f"+{100 * extra / plain_window / BLOCK:.1f} % per update at k={BLOCK})."
+    )
 
 
 if __name__ == "__main__":
