@@ -14,13 +14,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd import profiler as _profiler_module
 from torch.compiler import is_compiling
 from torch.optim import Optimizer
 from torch.optim import optimizer as _optim_module
 
 __all__ = ["inner_step", "step_hooked"]
 
-#: Whether a profiler is recording (``torch.autograd._profiler_enabled``, looked up once).
+#: Whether a profiler records in this thread (``torch.autograd._profiler_enabled``, looked up once).
+#: A profiler of every thread (``profile_all_threads``) started in another thread is not seen by it:
+#: ``torch.autograd.profiler._is_profiler_enabled`` is the process-wide flag torch sets then.
 _profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
 
 #: torch's global optimizer hooks (``register_optimizer_step_pre_hook`` and its post-hook twin fill them).
@@ -33,7 +36,8 @@ def step_hooked(compiling: bool) -> bool:
     step hook of its own (its caller tests those first): a global optimizer hook is registered, or
     a profiler records (``compiling``: torch.compile traces the call, which has no profiler hook and
     cannot trace the query)."""
-    return bool(_GLOBAL_PRE_HOOKS or _GLOBAL_POST_HOOKS) or (not compiling and _profiler_enabled())
+    hooks = bool(_GLOBAL_PRE_HOOKS or _GLOBAL_POST_HOOKS)
+    return hooks or (not compiling and (_profiler_enabled() or _profiler_module._is_profiler_enabled))
 
 
 def _step_of(self: Optimizer) -> None:
@@ -59,6 +63,7 @@ def inner_step(inner: Optimizer, closure: Callable[[], Any] | None = None) -> An
         and not getattr(inner, "_optimizer_step_pre_hooks", True)
         and not getattr(inner, "_optimizer_step_post_hooks", True)
     )
+    # (while compiling: torch's wrapper, and no profiler query traced, as the wrapper's own step())
     if raw is None or not bypass or is_compiling() or step_hooked(False):
         return inner.step() if closure is None else inner.step(closure)
     out = raw(inner) if closure is None else raw(inner, closure)

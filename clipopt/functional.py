@@ -224,11 +224,12 @@ def norms_and_sums(
     grads: Sequence[Tensor], norm_type: float, foreach: bool | None
 ) -> tuple[Tensor, list[Tensor]]:
     """:func:`get_norms`, bit for bit, and each gradient's sum of elements (of its values when sparse;
-    its dtype, on its device).  A large CPU gradient measured by ``torch.dot`` pieces has each piece
-    summed right after its ``dot``, while the piece is still in the core's cache (its sum is the sum
-    of the pieces' sums: 24M parameters, 2 threads: 4.2 ms for both where they took 5.3 apart).
-    Used by the candidate per-layer row (``_diagnostics/badrow.py``), which only needs to know
-    whether each sum is finite; not part of the public API (not in ``__all__``)."""
+    of its real and imaginary parts, as one real sum, for a large complex CPU gradient; on its
+    device).  A large CPU gradient measured by ``torch.dot`` pieces has each piece summed right
+    after its ``dot``, while the piece is still in the core's cache (its sum is the sum of the
+    pieces' sums: 24M parameters, 2 threads: 4.2 ms for both where they took 5.3 apart).  Used by
+    the candidate per-layer row (``_diagnostics/badrow.py``), which only needs to know whether each
+    sum is finite; not part of the public API (not in ``__all__``)."""
     sums: dict[int, Tensor] = {}
     norms = _norms(grads, float(norm_type), foreach, sums)
     found = [sums.get(i) for i in range(len(grads))]

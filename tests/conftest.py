@@ -81,6 +81,7 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "project/test_docs.py::test_page_examples_run",
         "project/test_docs.py::test_quiet_run_prints_the_hypothesis_seed",
         "diagnostics/test_tensorboard.py::test_import_clipopt_without_tensorboard",
+        "diagnostics/test_diagnostics.py::test_layer_stats_after_clipopt_was_imported_under_another_default_device",
     ),
     "over 2.5 s a test (or its parametrisations together)": (
         "window/test_compile.py",

@@ -265,13 +265,14 @@ def _chunked_rows(grads: list[Tensor], out: Tensor, count_nonfinite: bool) -> No
         lengths = torch.tensor(counts, device="cpu")
         out[:, 1] = torch.segment_reduce(acc[0], "max", lengths=lengths, unsafe=True)
         out[:, 2] = torch.segment_reduce(acc[1], "min", lengths=lengths, unsafe=True)
-    out[:, 2].masked_fill_(out[:, 1].isnan(), math.nan)  # a nan: the minimum is nan too
+    # a nan: both extremes are the nan float amin/amax give (the bits' maximum is any nan's payload)
+    out[:, 1:3].masked_fill_(out[:, 1:2].isnan(), math.nan)
     if count_nonfinite:
         out[:, 3] = _segment_sum(acc[2].double(), counts)
 
 
 #: ``0x7fffffff``: and-ed with a float32's bits, clears the sign bit (``|x|``; a nan stays a nan).
-_MAGNITUDE_BITS = torch.tensor(0x7FFFFFFF, dtype=torch.int32)
+_MAGNITUDE_BITS = torch.tensor(0x7FFFFFFF, dtype=torch.int32, device="cpu")  # (whatever the default device)
 
 
 def _dot_pieces(numel: int) -> int:

@@ -1231,3 +1231,37 @@ def test_the_candidate_rows_sums_taken_piece_by_piece_flag_the_same_gradients(
     assert row is not None
     flags = [r[3] for r in row.rows()]
     assert flags == F.nonfinite_grads(grads, norms, 2.0).tolist() == [0, 1, 1, 1, 1, 0, 0, 0, 1]
+
+
+def test_layer_stats_after_clipopt_was_imported_under_another_default_device() -> None:
+    """clipopt imported inside ``with torch.device("meta")`` (a fresh interpreter) still computes the
+    statistics of a large CPU gradient: its constants are made on the CPU, whatever the default."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "with torch.device('meta'):\n"
+        "    import clipopt\n"
+        "p = torch.nn.Parameter(torch.zeros(1 << 15)); p.grad = torch.full((1 << 15,), -2.0)\n"
+        "opt = clipopt.ClippedOptimizer(torch.optim.SGD([p], lr=0.1), layer_stats=True, param_names=['p'])\n"
+        "opt.step()\n"
+        "row = opt.last_stats.layers['p']\n"
+        "print(row['grad_max'], row['grad_min'])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "2.0 2.0\n", "")
+
+
+def test_the_extremes_of_a_chunked_gradient_holding_a_nan_are_the_usual_nan(small_chunks: int) -> None:
+    """A nan with any payload (here the largest, 0x7fffffff, in the middle chunk) gives ``grad_max``
+    and ``grad_min`` torch's nan (0x7fc00000), not the payload that the bits' maximum would carry."""
+    g = torch.randn(3 * small_chunks)
+    g.view(torch.int32)[small_chunks + 5] = 0x7FFFFFFF
+    p = torch.nn.Parameter(torch.zeros_like(g))
+    p.grad = g
+    for count_nonfinite in (True, False):
+        values = clipopt_layers._layer_stats([p], 1.0, count_nonfinite)
+        assert values[0, 1:3].view(torch.int32).tolist() == [0x7FC00000, 0x7FC00000]

@@ -3,6 +3,7 @@ wrapper by only when it would do nothing but cost time."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -203,3 +204,38 @@ def test_a_profiler_sees_the_inner_step_of_a_fused_plain_window() -> None:
         opt.step()
     names = [e.name for e in prof.events()]
     assert names.count("Optimizer.step#AdamW.step") == 1
+
+
+def test_a_profiler_of_every_thread_started_elsewhere_sees_both_steps() -> None:
+    """A profiler recording every thread (``profile_all_threads``), started in another thread than the
+    one that trains, keeps the wrapper's and the inner optimizer's ``Optimizer.step#`` labels: that
+    thread's own profiler flag is off, the process-wide one is on."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    model = torch.nn.Linear(3, 2)
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), max_norm=1.0)
+    start, done = threading.Event(), threading.Event()
+    own_flag: list[bool] = []
+
+    def train() -> None:
+        start.wait()
+        own_flag.append(torch.autograd._profiler_enabled())  # type: ignore[attr-defined]
+        for _ in range(2):
+            model(torch.ones(2, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        done.set()
+
+    worker = threading.Thread(target=train)
+    worker.start()
+    config = _ExperimentalConfig(profile_all_threads=True)
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], experimental_config=config
+    ) as prof:
+        start.set()
+        done.wait(timeout=60)
+    worker.join()
+    names = [e.name for e in prof.events()]
+    assert own_flag == [False]
+    assert names.count("Optimizer.step#ClippedOptimizer.step") == 2
+    assert names.count("Optimizer.step#SGD.step") == 2
