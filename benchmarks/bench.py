@@ -202,6 +202,18 @@ class _AllocTracker(TorchDispatchMode):
         return out
 
 
+def rotated(names: list[str], r: int) -> list[str]:
+    """``names`` in round ``r``'s order: rotated by one every round, so that none always runs first."""
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
+def paired_ratio(times: list[float], base: list[float]) -> float:
+    """The median over rounds of each round's time over the same round's ``base`` time: steadier than
+    a ratio of medians when the machine's load drifts between rounds."""
+    return statistics.median(t / b for t, b in zip(times, base, strict=True))
+
+
 def resident_bytes(model: ParamModel, opts: list[torch.optim.Optimizer]) -> int:
     total = sum(p.numel() * p.element_size() * 2 for p in model.parameters())  # params + grads
     for opt in opts:

@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench import OPTIMIZERS, ParamModel, transformer_shapes  # noqa: E402
+from benchmarks.bench import OPTIMIZERS, ParamModel, paired_ratio, rotated, transformer_shapes  # noqa: E402
 from clipopt import ClippedOptimizer, CSVLogger  # noqa: E402
 from tests.hostreads import count_host_reads  # noqa: E402
 
@@ -88,7 +88,7 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in configs}
     names = list(configs)
     for r in range(args.rounds):  # the order rotates every round: no configuration always runs first
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in rotated(names, r):
             times[name].append(block(configs[name], name))
     reads = {}
     for name, opt in configs.items():
@@ -105,7 +105,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name in configs:
         med = statistics.median(times[name])
-        paired = statistics.median(t / b for t, b in zip(times[name], times["plain"], strict=True))
+        paired = paired_ratio(times[name], times["plain"])
         print(f"| {name} | {med * 1e3:.2f} | {med / base:.3f} | {paired:.3f} | {reads[name]} |")
     # window by window (the 10th of each block is layers@10's statistics window): steadier than a block
     at = [statistics.median(w[i] for w in windows["plain"]) for i in range(BLOCK)]

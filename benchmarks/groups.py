@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench import MODELS, ParamModel  # noqa: E402
+from bench import MODELS, ParamModel, paired_ratio, rotated  # noqa: E402
 
 from clipopt import ClippedOptimizer  # noqa: E402
 from tests.hostreads import count_host_reads  # noqa: E402
@@ -83,7 +83,7 @@ def measure(model: ParamModel, methods: dict[str, Callable[[], None]], rounds: i
     times: dict[str, list[float]] = {name: [] for name in methods}
     names = list(methods)
     for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotated: no position bias
+        for name in rotated(names, r):
             update = methods[name]
             restore()
             gc.disable()
@@ -100,10 +100,7 @@ def measure(model: ParamModel, methods: dict[str, Callable[[], None]], rounds: i
     base = out["shared"]["update_s"]
     for name, row in out.items():
         row["vs_shared"] = row["update_s"] / base
-        # the same round's pair: robust to the machine's load drifting between rounds
-        row["paired_vs_shared"] = statistics.median(
-            t / b for t, b in zip(times[name], times["shared"], strict=True)
-        )
+        row["paired_vs_shared"] = paired_ratio(times[name], times["shared"])
     return out
 
 

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench import OPTIMIZERS, ParamModel, _AllocTracker, transformer_shapes  # noqa: E402
+from bench import OPTIMIZERS, ParamModel, _AllocTracker, paired_ratio, rotated, transformer_shapes  # noqa: E402
 
 from clipopt import AdaGC, ClippedOptimizer, StableSPAM, UpdateClip  # noqa: E402
 from tests.hostreads import count_host_reads  # noqa: E402
@@ -132,7 +132,7 @@ def measure(model: ParamModel, methods: dict[str, Callable[[], None]], rounds: i
     times: dict[str, list[float]] = {name: [] for name in methods}
     names = list(methods)
     for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in rotated(names, r):
             restore()
             gc.disable()
             t0 = time.perf_counter()
@@ -153,9 +153,7 @@ def measure(model: ParamModel, methods: dict[str, Callable[[], None]], rounds: i
             update()
         out[name] = {
             "update_s": statistics.median(times[name]),
-            "paired_vs_clip": statistics.median(
-                t / b for t, b in zip(times[name], times["clip"], strict=True)
-            ),
+            "paired_vs_clip": paired_ratio(times[name], times["clip"]),
             "host_reads": len(reads),
             "transient_bytes": tracker.peak,
             "held_bytes": _held(update),
