@@ -256,7 +256,10 @@ def _norms(grads: Sequence[Tensor], p: float, foreach: bool | None, sums: dict[i
         for i in index:
             t = _dense(grads[i])
             cpu = foreach is None and device.type == "cpu"
-            direct = _direct_cpu_norm(t, p, acc, None if sums is None else (sums, i)) if cpu else None
+            piece_sums: list[Tensor] | None = None if sums is None else []
+            direct = _direct_cpu_norm(t, p, acc, piece_sums) if cpu else None
+            if sums is not None and piece_sums:  # measured by dot pieces: their sums make the sum
+                sums[i] = torch.stack(piece_sums).sum()
             if direct is None:
                 rest.append(i)
             else:
@@ -274,28 +277,26 @@ def _norms(grads: Sequence[Tensor], p: float, foreach: bool | None, sums: dict[i
 
 
 def _direct_cpu_norm(
-    t: Tensor, p: float, acc: torch.dtype, sum_into: tuple[dict[int, Tensor], int] | None = None
+    t: Tensor, p: float, acc: torch.dtype, piece_sums: list[Tensor] | None = None
 ) -> Tensor | None:
     """One large CPU tensor's norm by the kernels of :func:`_direct_cpu_norms`, else None
-    (``sum_into=(sums, i)``: ``sums[i]`` gets the tensor's sum, when taken by ``dot`` pieces)."""
+    (``piece_sums``: gets the sums of the ``dot`` pieces, when the norm is taken by them)."""
     if p == 2.0 and acc == t.dtype and t.numel() >= DOT_MIN_NUMEL:
-        if sum_into is None:
-            return torch.stack(_piece_squares(t)).sum().sqrt()
-        squares, piece_sums = [], []
-        for x in torch.split(_flat(t), DOT_PIECE_NUMEL):  # as _piece_squares, each piece summed in cache
-            squares.append(torch.dot(x, x))
-            piece_sums.append(x.sum())
-        sums, i = sum_into
-        sums[i] = torch.stack(piece_sums).sum()
-        return torch.stack(squares).sum().sqrt()
+        return torch.stack(_piece_squares(t, piece_sums)).sum().sqrt()
     if p == math.inf and t.numel() >= AMINMAX_MIN_NUMEL:
         return _abs_max(t).to(acc)
     return None
 
 
-def _piece_squares(t: Tensor) -> list[Tensor]:
-    """``sum(t**2)`` as ``torch.dot`` over pieces of ``DOT_PIECE_NUMEL`` elements (see there)."""
-    return [torch.dot(x, x) for x in torch.split(_flat(t), DOT_PIECE_NUMEL)]
+def _piece_squares(t: Tensor, piece_sums: list[Tensor] | None = None) -> list[Tensor]:
+    """``sum(t**2)`` as ``torch.dot`` over pieces of ``DOT_PIECE_NUMEL`` elements (see there);
+    ``piece_sums`` gets each piece's sum, taken right after its ``dot``, while it is in cache."""
+    squares = []
+    for x in torch.split(_flat(t), DOT_PIECE_NUMEL):
+        squares.append(torch.dot(x, x))
+        if piece_sums is not None:
+            piece_sums.append(x.sum())
+    return squares
 
 
 def _abs_max(t: Tensor) -> Tensor:
