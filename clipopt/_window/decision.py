@@ -89,6 +89,7 @@ class WindowDecision:
     """What was measured and decided for one window; filled by the stages in order, read by all."""
 
     __slots__ = (
+        "bounded",
         "clipped",
         "coef",
         "divergence",
@@ -130,8 +131,13 @@ class WindowDecision:
         self.coef: float | Tensor | None = 1.0
         #: What still multiplies the gradients: ``coef`` / micro-batches (``mean``) or ``coef``.
         self.scale: float | Tensor = 1.0
-        #: What a fused kernel divides the gradients by when set directly (plain window); None: 1 / scale.
+        #: What a fused kernel divides the gradients by when set directly (plain window); None: from
+        #: ``bounded``, else ``1 / scale``.
         self.grad_scale: Tensor | None = None
+        #: The norm the bound was applied to, the bound (None: off) and the micro-batches divided by, set
+        #: by :func:`clip_`: a fused kernel's ``grad_scale`` is computed from them by the one formula of
+        #: every fused path (:func:`clipopt._window.coefficient.fused_grad_scale`); None: not clipped so.
+        self.bounded: tuple[Tensor, float | Tensor | None, float] | None = None
         #: Whether clipping (value, norm or unit-wise) changed the gradient; None: ``coef < 1``, when read.
         self.clipped: bool | Tensor | None = False
         #: 1.0 when the window is skipped; None: no skip signal is on (the host knows: never skipped).
@@ -322,6 +328,7 @@ def clip_(
         clipped = (coef < 1.0) | clipped if isinstance(clipped, Tensor) else coef < 1.0
     d.max_norm, d.coef, d.clipped = max_norm, coef, clipped
     d.scale = coef * inv if divisor != 1.0 else coef
+    d.bounded = (norm, max_norm, divisor)  # a fused kernel's grad_scale is computed from these
 
 
 def measured_groups(
