@@ -23,7 +23,15 @@ from torch.compiler import is_compiling
 from torch.optim import Optimizer
 
 from ._checkpoint import read_checkpoint, wrapper_entry
-from ._config import DTENSOR_DIAGNOSTICS, check_closure, check_max_norm, configure, describe
+from ._config import (
+    ASSIGNABLE,
+    ASSIGNED_WITH,
+    DTENSOR_DIAGNOSTICS,
+    check_assignment,
+    check_closure,
+    configure,
+    describe,
+)
 from ._diagnostics.layers import LayerStats
 from ._diagnostics.loggers import Logger, log_window
 from ._diagnostics.snapshot import SnapshotWriter
@@ -293,7 +301,18 @@ class ClippedOptimizer(InnerOptimizerView):
 
     @max_norm.setter
     def max_norm(self, value: float | ClipPolicy | None) -> None:
-        self._policy, self._bound = check_max_norm(value)
+        self._policy, self._bound = self._assigning("max_norm", value)
+
+    _assignable = ASSIGNABLE  # assigned after the constructor: checked as it checks them (_assigning)
+
+    def _assigning(self, name: str, value: Any) -> Any:
+        """A setting assigned mid-run, checked as the constructor checks it, before anything changes."""
+        value = check_assignment(name, value, {n: getattr(self, n) for n in ASSIGNED_WITH}, self._inner)
+        if name == "stats_history":  # the newest statistics that fit stay
+            self.stats = collections.deque(self.stats, maxlen=value)
+        if name == "max_snapshots" and self._diagnostics.writer is not None:
+            self._diagnostics.writer.max_snapshots = value
+        return value
 
     def add_param_group(self, param_group: dict[str, Any], optimizer: int | None = None) -> None:
         """Add a parameter group to the inner optimizer; its ``max_norm`` and ``clip_value``

@@ -131,12 +131,9 @@ class WindowDecision:
         self.coef: float | Tensor | None = 1.0
         #: What still multiplies the gradients: ``coef`` / micro-batches (``mean``) or ``coef``.
         self.scale: float | Tensor = 1.0
-        #: What a fused kernel divides the gradients by when set directly (plain window); None: from
-        #: ``bounded``, else ``1 / scale``.
+        #: What a fused kernel divides the gradients by, set directly (plain window), else None.
         self.grad_scale: Tensor | None = None
-        #: The norm the bound was applied to, the bound (None: off) and the micro-batches divided by, set
-        #: by :func:`clip_`: a fused kernel's ``grad_scale`` is computed from them by the one formula of
-        #: every fused path (:func:`clipopt._window.coefficient.fused_grad_scale`); None: not clipped so.
+        #: (norm, bound, micro-batches) of :func:`clip_`: the fused ``grad_scale`` (_window/coefficient.py).
         self.bounded: tuple[Tensor, float | Tensor | None, float] | None = None
         #: Whether clipping (value, norm or unit-wise) changed the gradient; None: ``coef < 1``, when read.
         self.clipped: bool | Tensor | None = False
@@ -304,10 +301,9 @@ def clip_(
 ) -> None:
     """Stage 4 (clip), on the device: value clipping, then the norm bound (``max_norm``, or the policy's).
 
-    ``grads`` are the window's summed gradients (``divisor`` micro-batches);
-    ``norm_of`` measures them (sharded / pipeline norms included).  A policy that clips in
-    place (unit-wise or per-tensor) clips them itself from ``window``, the ``1/divisor`` included.
-    """
+    ``grads``: the window's summed gradients (``divisor`` micro-batches), measured by ``norm_of``
+    (sharded / pipeline norms included).  A policy that clips in place (unit-wise or per-tensor)
+    clips them itself from ``window``, the ``1/divisor`` included."""
     inv = 1.0 / divisor
     norm = d.total_norm
     clipped: bool | Tensor = False
@@ -327,8 +323,7 @@ def clip_(
         coef = F.clip_coef(norm, max_norm)
         clipped = (coef < 1.0) | clipped if isinstance(clipped, Tensor) else coef < 1.0
     d.max_norm, d.coef, d.clipped = max_norm, coef, clipped
-    d.scale = coef * inv if divisor != 1.0 else coef
-    d.bounded = (norm, max_norm, divisor)  # a fused kernel's grad_scale is computed from these
+    d.scale, d.bounded = (coef * inv if divisor != 1.0 else coef), (norm, max_norm, divisor)
 
 
 def measured_groups(
