@@ -700,6 +700,8 @@ class ClippedOptimizer(InnerOptimizerView):
         run = partial(apply_window, self._inner, s, d, g, (loss, closure), self._reclip, self._readiness)
         out, skipped, fused = self._recovery.apply(self._inner, run) if self._recovery.rewind else run()
         skipped = skipped if upd is None else upd.finish(d, skipped)  # measured, bounded, or put back
+        if self._recovery.rewind is not None:  # an active lr_cut counts applied updates only
+            self._recovery.counted(skipped)
         # assigned here, not in a helper: torch.compile loses the helper's assignment to the wrapper
         self._last_skipped = skipped
         self._update_applied = not skipped if isinstance(skipped, bool) else None  # None: read _last_skipped

@@ -163,16 +163,21 @@ class SpikeRecovery:
         """Stage 6 through ``run(host=...)`` (``apply_window``), with the Rewind's learning-rate cut
         when one is active: every group of ``inner`` gets its lr multiplied by the factor around the
         inner step only (:func:`~clipopt._recovery.lr_cut.cut_applied`), on the host path, so that
-        the outcome (read there) counts an applied update against the cut."""
+        the outcome is read there; :meth:`counted` counts it once it is final."""
         factor = None if self.rewind is None else self.rewind.lr_factor()
         self._window = (factor, False)
         if factor is None:
             return run()
         with cut_applied(factor, inner.param_groups):
-            out = run(host=True)
-        if self.rewind is not None and isinstance(out[1], bool):
-            self.rewind.lr_counted(out[1])
-        return out
+            return run(host=True)
+
+    def counted(self, skipped: bool | Tensor) -> None:
+        """The window's final outcome (after an update put back: ``"nonfinite_update"``): an applied
+        update counts against an active learning-rate cut, a skipped or rejected one does not.  Reads
+        ``skipped`` (a device flag only when the update was checked after the step) on a cut window
+        only."""
+        if self.rewind is not None and self._window[0] is not None:
+            self.rewind.lr_counted(bool(skipped))
 
     def record(self) -> dict[str, float | None]:
         """The closed window's cells for the log (``StepStats.recovery``); ``{}`` without a Rewind."""
