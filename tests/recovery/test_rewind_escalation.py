@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import clipopt
 from clipopt import ClippedOptimizer, CSVLogger, Rewind, SpikeGuard, TensorBoardLogger
-from clipopt._distributed.replicas import settings_of
 from clipopt._report.report import analyze, format_report, read_log
 
 from ..helpers import ZeroDivideSGD, batches_for, model_for
@@ -437,21 +436,17 @@ def test_lr_cut_reads_the_host_once_per_cut_window_only() -> None:
 
 
 def test_lr_cut_and_reset_state_are_settings_the_ranks_compare() -> None:
-    """lr_cut and reset_state are among the settings every data-parallel rank checks it shares:
-    optimizers that differ only in them give different settings."""
-
-    def settings(**kw: Any) -> list[tuple[str, float]]:
-        model = model_for()
-        return settings_of(
-            ClippedOptimizer(
-                optim.SGD(model.parameters(), lr=0.1), spike_guard=_guard(), rewind=_rewind(**kw)
-            )
-        )
-
-    base = settings()
+    """lr_cut and reset_state are in the Rewind's settings record, which every data-parallel rank
+    compares (clipopt._distributed.agreement): Rewinds that differ only in them give different
+    records, each naming the setting."""
+    base = _rewind().settings()
+    assert base["rewind.lr_cut"] is None and base["rewind.reset_state"] is False
     for kw in ({"lr_cut": (0.5, 10)}, {"lr_cut": (0.5, 11)}, {"lr_cut": (0.25, 10)}, {"reset_state": True}):
-        assert settings(**kw) != base, kw
-    assert settings(lr_cut=(0.5, 10)) != settings(lr_cut=(0.5, 11)) != settings(lr_cut=(0.25, 11))
+        got = _rewind(**kw).settings()
+        name = "rewind." + next(iter(kw))
+        assert got[name] == kw[next(iter(kw))] and {k: v for k, v in got.items() if k != name} == {
+            k: v for k, v in base.items() if k != name
+        }, kw
 
 
 def _spiky_regressor(lr_cut: tuple[float, int] | None) -> Any:
