@@ -524,10 +524,14 @@ class ClippedOptimizer(InnerOptimizerView):
 
     def _check_replicas(self) -> None:
         """At the first step() or no_sync() (under FSDP2 also after accumulation_steps changed): the
-        ranks' window settings must agree (collective)."""
-        params = self._params()
-        if params:
-            self._replicas.check_settings(settings_of(self), params[0].device, self._index.has_dtensor)
+        ranks' settings must agree (collective)."""
+        self._replicas.check_settings(self._agreed_settings(), self._params(), self._index.has_dtensor)
+
+    def _agreed_settings(self) -> list[tuple[str, object]]:
+        """What the data-parallel ranks compare: the window settings, then each part's own
+        ``settings()`` record under its keyword (a new part: one more pair here)."""
+        parts = (("policy", self._policy), ("spike_guard", self.spike_guard), ("rewind", self.rewind))
+        return settings_of(self, (*parts, ("update_clip", self.update_clip)))
 
     def _sync_unsynced(self) -> None:
         """Before closing a window whose latest micro-batch skipped its sync: do that sync now."""
@@ -680,7 +684,7 @@ class ClippedOptimizer(InnerOptimizerView):
         loss = self._loss.combined(self.reduction)  # kept in the sum until the close commits
         rows = s.rows and g.shards is None  # the candidate bad row: plain tensors only
         if self._replicas.active:  # the ranks' check (data parallelism only)
-            self._replicas.prepare(self, g.shards, n, self._counters.windows + 1)
+            self._replicas.prepare(self, self._agreed_settings(), g.shards, n, self._counters.windows + 1)
         d, self._diagnostics.bad_row = measure(s, g, self.layer_names() if rows else None)
         watch, sharded = self._recovery.watches_loss(), self._index.has_dtensor
         d, self._recovery.shared_loss = agree(
