@@ -147,6 +147,22 @@ def test_api_reference_lists_every_public_name() -> None:
     assert sorted(set(clipopt.__all__) - {"__version__"} - entries) == []
 
 
+def summary_table_names(text: str, module: str) -> list[str]:
+    """The names in the first column of docs/api.md's summary table for ``module`` (``### `module` ``)."""
+    start = text.index(f"\n### `{module}`\n")
+    end = min(i for i in (text.find("\n## ", start), text.find("\n### ", start + 1), len(text)) if i >= 0)
+    return re.findall(r"^\| `([\w.]+)` \|", text[start:end], re.M)
+
+
+@pytest.mark.parametrize("module", ["clipopt", "clipopt.functional", "clipopt.integrations"])
+def test_api_reference_has_a_readable_summary_of_every_public_name(module: str) -> None:
+    """docs/api.md reads without the site: a table per module lists each name of its ``__all__`` once,
+    and no name it lacks (before: only ``::: clipopt.X`` lines, empty unless the site is built)."""
+    text = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
+    names = summary_table_names(text, module)
+    assert sorted(names) == sorted(importlib.import_module(module).__all__)
+
+
 # ---------------------------------------------------------------- the contract lives in the repository
 
 #: What the code and the contributors' pages cite: none of them may cite a file the repository lacks.
