@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import re
 import subprocess
 import sys
@@ -161,6 +162,53 @@ def test_api_reference_has_a_readable_summary_of_every_public_name(module: str) 
     text = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
     names = summary_table_names(text, module)
     assert sorted(names) == sorted(importlib.import_module(module).__all__)
+
+
+def docstring_sections(doc: str) -> dict[str, list[str]]:
+    """The parameters each Google-style section (``Args:``, ``Other Parameters:``) of ``doc`` documents."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in inspect.cleandoc(doc).splitlines():
+        if re.fullmatch(r"[A-Z][A-Za-z ]*:", line):
+            current = sections.setdefault(line[:-1], [])
+        elif current is not None and (match := re.match(r"    (\w+): ", line)):
+            current.append(match[1])
+        elif line and not line.startswith(" "):
+            current = None
+    return sections
+
+
+def _entry(doc: str, name: str) -> str:
+    """The text of one parameter's entry in a Google-style docstring."""
+    text = inspect.cleandoc(doc)
+    start = text.index(f"\n    {name}: ")
+    end = re.compile(r"\n(    \w+: |\S)").search(text, start + 1)
+    return text[start : end.start() if end else len(text)]
+
+
+def test_the_constructors_options_come_day_to_day_first() -> None:
+    """ClippedOptimizer's docstring documents every argument once: the six a loop needs day to day
+    under ``Args`` (the inner optimizer and max_norm first), every other under ``Other Parameters``."""
+    sections = docstring_sections(ClippedOptimizer.__doc__ or "")
+    day_to_day, other = sections.get("Args", []), sections.get("Other Parameters", [])
+    assert day_to_day[:2] == ["optimizer", "max_norm"] and len(day_to_day) <= 6
+    signature = [p for p in inspect.signature(ClippedOptimizer.__init__).parameters if p != "self"]
+    assert sorted(day_to_day + other) == sorted(signature)
+
+
+def test_the_max_norm_docstrings_name_every_policy_and_no_private_module() -> None:
+    """The max_norm entry of the constructor and the max_norm property name every ClipPolicy of the
+    package (AdaGC and StableSPAM too); the class docstring cites pages, not private module paths."""
+    import clipopt
+
+    policies = [n for n in clipopt.__all__ if isinstance(getattr(clipopt, n), type)]
+    policies = [n for n in policies if issubclass(getattr(clipopt, n), clipopt.ClipPolicy)]
+    policies.remove("ClipPolicy")
+    assert {"AdaGC", "StableSPAM", "ZClip"} <= set(policies)
+    doc = ClippedOptimizer.__doc__ or ""
+    for text in (_entry(doc, "max_norm"), ClippedOptimizer.max_norm.__doc__ or ""):
+        assert [p for p in policies if f":class:`{p}`" not in text] == []
+    assert re.findall(r"clipopt/_\w+|\b_\w+\.py\b", doc) == []
 
 
 # ---------------------------------------------------------------- the contract lives in the repository
