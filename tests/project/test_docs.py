@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import json
 import re
 import subprocess
 import sys
@@ -209,6 +210,159 @@ def test_the_max_norm_docstrings_name_every_policy_and_no_private_module() -> No
     for text in (_entry(doc, "max_norm"), ClippedOptimizer.max_norm.__doc__ or ""):
         assert [p for p in policies if f":class:`{p}`" not in text] == []
     assert re.findall(r"clipopt/_\w+|\b_\w+\.py\b", doc) == []
+
+
+# ---------------------------------------------------------------- figures come from the scripts' results
+
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def flat(text: str) -> str:
+    """``text`` with every run of white space one space (a page wraps its lines where it likes)."""
+    return " ".join(text.split())
+
+
+def _read(page: str) -> str:
+    return (REPO / page).read_text(encoding="utf-8")
+
+
+def page_section(page: Path, heading: str) -> str:
+    """The ``## heading`` section of a page."""
+    return section(page.read_text(encoding="utf-8"), heading)
+
+
+def demo_record() -> tuple[str, str, list[str]]:
+    """What benchmarks/demo.py recorded: the measured line, the table block, the other kernels' clauses."""
+    text = (RESULTS / "demo.md").read_text(encoding="utf-8")
+    measured, rest = text.split("\n\n```text\n", 1)
+    block, rest = rest.split("```\n", 1)
+    kernels = rest.strip().splitlines()[0].removeprefix("On the same machine ").rstrip(".")
+    return measured, block, [c.removeprefix("with ") for c in kernels.split("; ")]
+
+
+def test_the_demo_record_agrees_with_its_json() -> None:
+    """demo.md is what benchmarks/demo.py writes from demo.json (so the pages below quote the run)."""
+    record = json.loads((RESULTS / "demo.json").read_text(encoding="utf-8"))
+    native = record["runs"][0]
+    measured, block, clauses = demo_record()
+    plain, clipped = native["summary"]["runs"]["plain SGD"], native["summary"]["runs"]["clipopt"]
+    assert f"{plain['heldout_loss']:.3f}" in block and f"{clipped['heldout_loss']:.3f}" in block
+    assert f"{plain['max_grad_norm']:.1f}" in block and f"600 / {clipped['clipped']} / 0" in block
+    assert native["machine"]["cpu"] in measured and native["machine"]["torch"] in measured
+    assert len(clauses) == len(record["runs"]) - 1 >= 1
+
+
+@pytest.mark.parametrize(
+    ("page", "heading"), [("README.md", "The demo"), ("docs/getting-started.md", "The demo")]
+)
+def test_the_demo_table_and_its_machine_are_the_recorded_run(page: str, heading: str) -> None:
+    """The README and the getting-started page show the table benchmarks/demo.py recorded and say where it
+    was measured (the plain run's figures change with the CPU's kernels: 9.050 here, 2.820 under avx2;
+    before: 5.901 from another machine, with no machine named)."""
+    measured, block, clauses = demo_record()
+    text = page_section(REPO / page, "The demo")
+    assert f"```text\n{block}```" in text
+    assert flat(measured).lower().removeprefix("measured ") in flat(text).lower()
+    if page == "README.md":
+        assert [c for c in clauses if flat(c) not in flat(text)] == []
+
+
+def spike_rows() -> dict[str, dict[str, Any]]:
+    """benchmarks/results/spikes.json's rows by configuration."""
+    rows = json.loads((RESULTS / "spikes.json").read_text(encoding="utf-8"))["rows"]
+    return {row["config"]: row for row in rows}
+
+
+def table_after(text: str, header_start: str) -> list[list[str]]:
+    """The body rows (cells stripped of ``**``) of the Markdown table whose header starts ``header_start``."""
+    lines = [line.strip() for line in text[text.index(header_start) :].splitlines()[2:]]
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip().strip("*") for cell in line.strip("|").split(" | ")])
+    return rows
+
+
+def test_the_readmes_spikeguard_claim_is_the_benchmarks() -> None:
+    """The README's SpikeGuard sentence quotes benchmarks/spikes.py's medians (before: 1.530 -> 1.428,
+    from a run the table no longer shows)."""
+    rows = spike_rows()
+    claim = flat((REPO / "README.md").read_text(encoding="utf-8"))
+    expected = (
+        f"SpikeGuard cut the held-out loss from {rows['clip']['heldout_median']:.3f} (clipping alone) to "
+        f"{rows['spikeguard']['heldout_median']:.3f}; adding Rewind gave "
+        f"{rows['spikeguard+rewind']['heldout_median']:.3f}"
+    )
+    assert expected in claim
+
+
+def test_the_spike_tables_are_the_benchmarks() -> None:
+    """docs/beyond-clipping.md's table (every configuration, in the script's order) and
+    docs/spike-recovery.md's (four of them) quote benchmarks/results/spikes.json."""
+    rows = spike_rows()
+    beyond = table_after(
+        (REPO / "docs" / "beyond-clipping.md").read_text(encoding="utf-8"), "| configuration |"
+    )
+    assert len(beyond) == len(rows)
+    for cells, row in zip(beyond, rows.values(), strict=True):
+        per_seed = ", ".join(f"{x:.3f}" for x in row["heldout_per_seed"])
+        lost = f"{row['lost']} ({row['skipped']} + {row['undone']})" if row["lost"] else "0"
+        assert cells[1:6] == [
+            f"{row['heldout_mean']:.3f} ± {row['heldout_sd']:.3f}",
+            per_seed,
+            f"{row['loss_spikes']} ({row['recovered']})",
+            str(row["shard_recovery_median"]),
+            lost,
+        ], cells[0]
+    recovery = table_after(
+        (REPO / "docs" / "spike-recovery.md").read_text(encoding="utf-8"), "| configuration |"
+    )
+    for cells, name in zip(recovery, ["clip", "zclip", "spikeguard", "spikeguard+rewind"], strict=True):
+        row = rows[name]
+        assert cells[1:3] == [
+            f"{row['heldout_median']:.3f}",
+            ", ".join(f"{x:.3f}" for x in row["heldout_per_seed"]),
+        ], cells[0]
+
+
+def test_the_integrations_page_names_each_frameworks_own_clip() -> None:
+    """docs/integrations.md says, for each framework that clips before clipopt, the setting and how to
+    turn it off (TRL's SFTConfig and torchtitan's training.max_norm too)."""
+    text = flat(page_section(REPO / "docs" / "integrations.md", "Turn the framework's own clipping off"))
+    for needed in [
+        "`TrainingArguments(max_grad_norm=...)` (1.0) | `max_grad_norm=0.0`",
+        "`SFTConfig(max_grad_norm=...)`",
+        "`Trainer(gradient_clip_val=...)`",
+        "`[training] max_norm` (1.0)",
+        "`--training.max_norm inf`",
+        "StackedClipWarning",
+    ]:
+        assert needed in text
+
+
+def test_the_limitations_page_says_what_an_extra_step_or_flush_does() -> None:
+    """docs/limitations.md says, per backend, what one extra step() or flush() on one rank does and the
+    flags that find it (before: only "gloo aborts" for flush(), which under FSDP2 waits instead)."""
+    rows = table_after(page_section(REPO / "docs" / "limitations.md", "Distributed training"), "| setting |")
+    found = {cells[0]: (cells[1], cells[2]) for cells in rows}
+    assert set(found) == {"DDP, gloo", "FSDP2, gloo", "NCCL (DDP or FSDP2)"}
+    assert "abort" in found["DDP, gloo"][0] and "PYTHONFAULTHANDLER=1" in found["DDP, gloo"][1]
+    assert (
+        "timeout" in found["FSDP2, gloo"][0] and "TORCH_DISTRIBUTED_DEBUG=DETAIL" in found["FSDP2, gloo"][1]
+    )
+    assert "hang" in found["NCCL (DDP or FSDP2)"][0]
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" in found["NCCL (DDP or FSDP2)"][1]
+
+
+def test_the_readme_says_which_torch_the_docs_newer_features_need() -> None:
+    """The README's floor is pyproject's, and it says that torch.optim.Muon needs torch 2.9."""
+    pyproject = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    floor = re.search(r'"torch>=([\d.]+)"', pyproject)
+    assert floor is not None
+    readme = flat(section((REPO / "README.md").read_text(encoding="utf-8"), "Two commands"))
+    assert f"Any `torch>={floor[1]}` works" in readme
+    assert "`torch.optim.Muon` (in the examples with several inner optimizers) came with torch 2.9" in readme
 
 
 # ---------------------------------------------------------------- the contract lives in the repository
