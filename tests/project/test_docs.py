@@ -326,6 +326,38 @@ def test_the_spike_tables_are_the_benchmarks() -> None:
         ], cells[0]
 
 
+_UPDATE_ROWS = ("update_stats", "update-rms", "update-norm", "update-z")
+
+
+def update_cost(optimizer: str, base: bool = False) -> tuple[list[float], list[float], float]:
+    """benchmarks/update_cost.py's UpdateClip rows (``update_stats`` and the three rules) for
+    ``AdamW-<optimizer>``: their ms per update, their paired ratios to the clipped update, and the
+    clipped update's ms."""
+    path = RESULTS / f"update_cost_AdamW-{optimizer}.json"
+    rows = json.loads(path.read_text(encoding="utf-8"))["rows"]
+    chosen = [rows[name + ("@base" if base else "")] for name in _UPDATE_ROWS]
+    clip_ms = rows["clip"]["update_s"] * 1e3
+    return [r["update_s"] * 1e3 for r in chosen], [r["paired_vs_clip"] for r in chosen], clip_ms
+
+
+def _span(values: list[float], digits: int) -> str:
+    return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
+
+
+def test_beyond_clippings_update_clip_cost_is_the_benchmarks() -> None:
+    """docs/beyond-clipping.md's UpdateClip time (ms, and the paired ratios to the clipped update, with and
+    without the buffers) is benchmarks/results/update_cost_AdamW-{fused,foreach}.json's."""
+    text = flat(_read("docs/beyond-clipping.md"))
+    fused_ms, fused_ratio, fused_clip = update_cost("fused")
+    foreach_ms, foreach_ratio, foreach_clip = update_cost("foreach")
+    assert f"about {round(sum(fused_ratio) / len(fused_ratio))}x the clipped update with fused AdamW" in text
+    assert f"{_span(foreach_ratio, 1)}x with foreach AdamW" in text
+    assert f"({_span(fused_ms, 0)} ms against {fused_clip:.0f} ms with fused AdamW" in text
+    assert f"{_span(foreach_ms, 0)} ms against {foreach_clip:.0f} ms with foreach)" in text
+    base_fused, base_foreach = update_cost("fused", base=True)[1], update_cost("foreach", base=True)[1]
+    assert f"against {_span(base_fused, 1)}x and {_span(base_foreach, 1)}x for the same methods" in text
+
+
 def test_the_integrations_page_names_each_frameworks_own_clip() -> None:
     """docs/integrations.md says, for each framework that clips before clipopt, the setting and how to
     turn it off (TRL's SFTConfig and torchtitan's training.max_norm too)."""
