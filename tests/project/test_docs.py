@@ -387,6 +387,35 @@ def test_the_limitations_page_says_what_an_extra_step_or_flush_does() -> None:
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" in found["NCCL (DDP or FSDP2)"][1]
 
 
+def test_the_limitations_table_is_what_rank_mismatch_recorded() -> None:
+    """What docs/limitations.md says of an extra step()/flush() is what benchmarks/rank_mismatch.py saw:
+    under DDP one rank aborts (SIGABRT) and the other loses its peer; under FSDP2 both time out, and
+    with TORCH_DISTRIBUTED_DEBUG=DETAIL both name the mismatched collectives; DDP with DETAIL crashes."""
+    record = json.loads((RESULTS / "rank_mismatch.json").read_text(encoding="utf-8"))
+    cases = {case["case"]: case["ranks"] for case in record["cases"]}
+    timeout = record["timeout"]
+    for name in ("ddp-step", "ddp-flush"):
+        aborted, other = cases[name]
+        assert aborted["ended"] == "signal SIGABRT" and "collective mismatch" in aborted["error"]
+        assert "Connection reset by peer" in other["error"]
+        assert aborted["seconds_after_the_extra_call"] < timeout  # at once, not after the timeout
+    for name in ("fsdp-step", "fsdp-flush"):
+        assert any("Timed out waiting" in rank["error"] for rank in cases[name])
+        assert all(rank["seconds_after_the_extra_call"] >= timeout for rank in cases[name])
+    assert all("Detected mismatch between collectives" in r["error"] for r in cases["fsdp-flush-detail"])
+    assert all(r["ended"] == "signal SIGSEGV" for r in cases["ddp-no-extra-call-detail"])
+    text = flat(page_section(REPO / "docs" / "limitations.md", "Distributed training"))
+    for quoted in [
+        "dies with `SIGABRT` (`gloo::EnforceNotMet ... Is there a distributed collective mismatch in your "
+        "code?`)",
+        "`RuntimeError: ... Connection reset by peer`",
+        "`RuntimeError: ... Timed out waiting ...ms for recv operation` (or `send`)",
+        "`Detected mismatch between collectives on ranks`",
+        "`TORCH_DISTRIBUTED_DEBUG=DETAIL` crashed DDP's constructor with a segmentation fault",
+    ]:
+        assert quoted in text
+
+
 def test_the_readme_says_which_torch_the_docs_newer_features_need() -> None:
     """The README's floor is pyproject's, and it says that torch.optim.Muon needs torch 2.9."""
     pyproject = (REPO / "pyproject.toml").read_text(encoding="utf-8")
