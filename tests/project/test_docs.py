@@ -358,6 +358,35 @@ def test_beyond_clippings_update_clip_cost_is_the_benchmarks() -> None:
     assert f"against {_span(base_fused, 1)}x and {_span(base_foreach, 1)}x for the same methods" in text
 
 
+def _within(cell: str, value: float) -> bool:
+    """Whether ``value``, rounded to the cell's decimals, is the cell's figure or inside its range
+    (``1.74x-1.81x``: the page gives the spread over runs, one of which is the recorded one)."""
+    figures = [x.rstrip("x") for x in cell.split("-")]
+    rounded = round(value, len(figures[0].split(".")[1]))
+    return float(figures[0]) <= rounded <= float(figures[-1])
+
+
+@pytest.mark.parametrize("page", ["docs/benchmarks.md", "benchmarks/README.md"])
+def test_the_clipped_update_table_is_bench_pys_record(page: str) -> None:
+    """The fused-AdamW table of docs/benchmarks.md and benchmarks/README.md quotes
+    benchmarks/results/results.json (bench.py's record): each row's figure, or a range holding it."""
+    rows = json.loads((RESULTS / "results.json").read_text(encoding="utf-8"))["rows"]
+    recorded = {
+        (r["model"], r["method"]): r
+        for r in rows
+        if r.get("optimizer") == "AdamW-fused" and r.get("accumulation") == 1
+    }
+    table = table_after(_read(page), "| model | `clip_grad_norm_` + step |")
+    assert [cells[0].split(" ")[0] for cells in table] == ["tiny", "medium", "large"]
+    for cells in table:
+        model = cells[0].split(" ")[0]
+        torch_row, ours = recorded[(model, "clip_grad_norm_")], recorded[(model, "clipopt")]
+        assert _within(cells[1], torch_row["vs_bare"]), cells
+        assert _within(cells[2], ours["vs_bare"]), cells
+        assert _within(cells[3], ours["vs_clip_grad_norm_"]), cells
+        assert cells[4] == f"{ours['host_reads']:g}", cells
+
+
 def test_the_integrations_page_names_each_frameworks_own_clip() -> None:
     """docs/integrations.md says, for each framework that clips before clipopt, the setting and how to
     turn it off (TRL's SFTConfig and torchtitan's training.max_norm too)."""
