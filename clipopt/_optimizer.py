@@ -122,38 +122,48 @@ class ClippedOptimizer(InnerOptimizerView):
     Like torch's optimizers, a ``ClippedOptimizer`` is not thread-safe: call
     :meth:`step` from one thread at a time (concurrent calls miscount windows).
 
+    The options a loop needs day to day are the first six (``Args``); the others
+    (``Other Parameters``) come in groups: how the norm is taken, non-finite
+    updates, what is recorded, several processes, the window's checks, and
+    recovery beyond clipping.
+
     Args:
         optimizer: any ``torch.optim.Optimizer`` (also third-party subclasses), or a list of
             optimizers over disjoint parameters (``[Muon(matrices), AdamW(others)]``): one decision
             for all (one norm, coefficient and skip); :attr:`optimizers` lists them, and
             ``param_groups`` is their groups in order (docs/concepts.md, "Several inner optimizers").
-        max_norm: global norm bound, a :class:`ClipPolicy` (:class:`AutoClip`,
-            :class:`ZClip`, :class:`AGC`) that sets it per window on the device, or
-            None to turn norm clipping off.  A parameter group of the inner
+        max_norm: global norm bound (a float), None to turn norm clipping off, or a
+            :class:`ClipPolicy` that sets the bound on the device at every window: a
+            threshold on the total norm (:class:`AutoClip`, :class:`ZClip`), unit-wise
+            (:class:`AGC`), or per gradient tensor (:class:`AdaGC`, :class:`StableSPAM`)
+            (docs/choosing-max-norm.md).  A parameter group of the inner
             optimizer with its own ``"max_norm"`` key (a float, or None to leave
             it out of norm clipping) is clipped by its own norm instead; the
             groups without the key share this bound (per-group clipping).
-        norm_type: ``p > 0`` or ``float("inf")``, as in ``clip_grad_norm_``.
+        accumulation_steps: micro-batches per optimizer update (1 under a framework
+            that accumulates itself: docs/integrations.md).
         clip_value: element-wise bound applied before the norm bound, or None;
             a group's own ``"clip_value"`` key replaces it for that group.
-        accumulation_steps: micro-batches per optimizer update.
+        scaler: a ``torch.amp.GradScaler`` whose ``scale(loss)`` you backward;
+            the wrapper unscales, steps and updates it at each window's end.
+        loggers: objects with ``log(stats, optimizer)`` and ``close()`` called at
+            every window's end (:class:`CSVLogger`, :class:`TensorBoardLogger`).
+
+    Other Parameters:
+        norm_type: ``p > 0`` or ``float("inf")``, as in ``clip_grad_norm_``.
         reduction: ``"mean"`` or ``"sum"`` of the micro-batch gradients.
+        foreach: passed to the foreach kernels (None: where supported).
         skip_nonfinite: skip (and zero) an update whose gradients are not finite.
         max_consecutive_nonfinite: raise :class:`NonFiniteGradientError` after
             this many skipped updates in a row (None: never).  Checking it reads
             one flag from the device per update.
-        scaler: a ``torch.amp.GradScaler`` whose ``scale(loss)`` you backward;
-            the wrapper unscales, steps and updates it at each window's end.
         stats_history: how many :class:`StepStats` :attr:`stats` keeps.
-        foreach: passed to the foreach kernels (None: where supported).
         param_names: names for per-parameter output: ``model.named_parameters()``,
             a ``{name: param}`` dict or names in parameter order (default: the
             inner optimizer's ``param_names``, else ``group<g>.<i>``).
         layer_stats: per-parameter statistics (:class:`LayerStats`) every
             ``k`` windows (True: every window; False: never).  A window with
             statistics reads one flag from the device.
-        loggers: objects with ``log(stats, optimizer)`` and ``close()`` called at
-            every window's end (:class:`CSVLogger`, :class:`TensorBoardLogger`).
         snapshot_dir: folder for anomaly snapshots: on a non-finite window the
             parameters, pre-clip gradients, optimizer state, statistics and
             :meth:`attach`-ed tensors are saved (see :func:`load_snapshot`);
@@ -172,7 +182,7 @@ class ClippedOptimizer(InnerOptimizerView):
             (decisions stay rank-local: ranks training independent models).
             Costs one scalar collective per window with plain-tensor parameters
             (none added for DTensor ones) and one settings check at the first
-            ``step()``; see ``clipopt/_distributed/replicas.py``.
+            ``step()``; see docs/distributed.md.
         backward_passes_per_step: backward passes expected per :meth:`step` call
             while accumulating (``accumulation_steps > 1``).  More is reported as
             an accumulation stacked on the wrapper's (``RuntimeError``); raise it
@@ -181,10 +191,10 @@ class ClippedOptimizer(InnerOptimizerView):
             outside (``model.zero_grad()``) raise ``RuntimeError`` as well.
         spike_guard: a :class:`SpikeGuard`: skip (reason ``"spike"``) a window whose
             loss or pre-clip norm is a z-score outlier against the previous applied
-            updates; decided on the device (see ``clipopt/_recovery/spike_guard.py``).
+            updates; decided on the device (docs/spike-recovery.md).
         rewind: a :class:`Rewind`: copies of the training state in host memory, restored
             after repeated spike skips (reason ``"rewind"``); ``opt.rewind.batches(loader)``
-            drops the batches that follow a rewind (see ``clipopt/_recovery/rewind.py``).
+            drops the batches that follow a rewind (docs/spike-recovery.md).
         update_clip: an :class:`UpdateClip`: bound the update the inner step made
             (``p_after - p_before``: ``max_rms`` per tensor, ``max_norm`` over all, or ``z``
             adaptive), on the device; costs a copy of the parameters and of the inner state per
@@ -296,7 +306,8 @@ class ClippedOptimizer(InnerOptimizerView):
 
     @property
     def max_norm(self) -> float | ClipPolicy | None:
-        """The norm bound: a float, a :class:`ClipPolicy`, or None (off); may be changed between windows."""
+        """The norm bound: a float, None (off), or a :class:`ClipPolicy` (:class:`AutoClip`, :class:`ZClip`,
+        :class:`AGC`, :class:`AdaGC`, :class:`StableSPAM`); may be changed between windows."""
         return self._policy if self._policy is not None else self._bound
 
     @max_norm.setter
