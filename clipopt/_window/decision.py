@@ -146,8 +146,7 @@ class WindowDecision:
         self.nonfinite_only = True
         #: The window's combined loss (0-d tensor), a float, or None when no loss was given.
         self.loss: Tensor | float | None = None
-        # Per-group clipping (some parameter group has its own 'max_norm' or 'clip_value'); all None
-        # without it, when one bound clips every group (``coef``, ``scale``).
+        # Per-group clipping (a group's own 'max_norm'/'clip_value'); all None when one bound clips all.
         #: Each group's pre-clip norm (1-d, one entry per parameter group, like ``total_norm``).
         self.group_norms: Tensor | None = None
         #: Each group's norm-clipping coefficient: the common ``coef`` for the groups sharing the
@@ -161,8 +160,7 @@ class WindowDecision:
         #: The common pre-clip norm of the groups sharing the wrapper's bound (``nan`` when the window
         #: is not finite): what a policy sees.  None without per-group clipping (it sees ``total_norm``).
         self.shared_norm: Tensor | None = None
-        #: With ``update_clip``/``update_stats`` (set after the inner step, ``_window.update_apply``):
-        #: the norm of the update before clipping and the coefficient applied; None without.
+        #: The update's norm before clipping and the coefficient applied (``update_clip``/``update_stats``).
         self.update_norm: Tensor | None = None
         self.update_coef: Tensor | None = None
 
