@@ -103,10 +103,15 @@ class Checkpoint(NamedTuple):
         scaler: torch.amp.GradScaler | None,
         policy: ClipPolicy | None,
         recovery: SpikeRecovery,
+        open_window: bool = False,
     ) -> WrapperState:
         """Load the checked state: the inner optimizer's (the groups' current clipping options
         kept; a failure leaves it as it was), the open window's gradients into ``params``, the
-        scaler's, the policy's and the recovery's; return the counters to take over."""
+        scaler's, the policy's and the recovery's; return the counters to take over.
+
+        ``open_window``: the wrapper is mid-window now.  A state dict without an open window then
+        drops that window's gradients (``params``' ``grad`` become None), as a fresh wrapper has none:
+        they would otherwise be added to the next window."""
         optimizers = inner_optimizers(inner)
         own = self.own_layout or (False,) * len(optimizers)
         with ExitStack() as stack:  # several inner optimizers: all as they were if one fails
@@ -128,6 +133,9 @@ class Checkpoint(NamedTuple):
         if self.pending_grads is not None:
             for p, g in zip(params, self.pending_grads, strict=True):
                 p.grad = None if g is None else g.detach().to(p.device, p.dtype, copy=True)
+        elif open_window:
+            for p in params:
+                p.grad = None
         if self.counters is not None and self.scaler_state is not None and scaler is not None:
             scaler.load_state_dict(self.scaler_state)
         if self.counters is not None and self.policy_state is not None and policy is not None:

@@ -844,7 +844,12 @@ class ClippedOptimizer(InnerOptimizerView):
             update_clip=self.update_clip,
         )
         self._counters = ckpt.take_over(
-            self._inner, params, scaler=self.scaler, policy=self._policy, recovery=self._recovery
+            self._inner,
+            params,
+            scaler=self.scaler,
+            policy=self._policy,
+            recovery=self._recovery,
+            open_window=self._counters.micro_batches > 0,
         )
         self._readiness.reset()
         self._plan.reset()  # the groups' options came from the checkpoint
