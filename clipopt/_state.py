@@ -539,7 +539,7 @@ def own_group_keys(inner: Optimizer) -> list[set[str]] | None:
 def keep_group_keys(inner: Optimizer) -> Iterator[None]:
     """After loading, every group must still hold every hyper-parameter it held before, except those
     the inner optimizer's own ``state_dict()`` leaves out (:func:`own_group_keys`): it cannot need
-    them from a state dict (heavyball sets its ``_orig_shapes`` again at every step).
+    them from a state dict (heavyball sets its private keys again at every step).
 
     Checked after loading, because optimizers fill in options added in later
     torch releases in their ``__setstate__``; a key still missing then would
