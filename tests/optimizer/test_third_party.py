@@ -609,8 +609,10 @@ def _own_layout(name: str, params: Any) -> torch.optim.Optimizer:
         return LayerNovoGrad(params)
     if name == "PrivateGroupKeys":
         return PrivateGroupKeys(params)
-    if name == "timm.NvNovoGrad":  # timm needs a torchvision that imports beside this torch
-        timm_optim = pytest.importorskip("timm.optim", reason="timm (and a torchvision it can import)")
+    if name == "timm.NvNovoGrad":  # not in the test extra: timm imports torchvision, and PyPI's
+        # torchvision for torch 2.13 fails to import beside the CPU build ("torchvision::nms does not exist")
+        reason = "needs timm and a torchvision that imports beside this torch (not in the test extra)"
+        timm_optim = pytest.importorskip("timm.optim", reason=reason)
         return timm_optim.NvNovoGrad(params, lr=0.01)
     import heavyball
 
