@@ -876,7 +876,7 @@ class ClippedOptimizer(InnerOptimizerView):
             recovery=self._recovery,
             norm_group=self.norm_group,
             update_clip=self.update_clip,
-        )
+        ).with_open_window(self._counters.micro_batches > 0)  # (its gradients go, unless saved)
         self._counters = ckpt.take_over(
             self._inner, params, scaler=self.scaler, policy=self._policy, recovery=self._recovery
         )

@@ -61,6 +61,11 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "recovery/test_rewind_escalation.py::test_lr_cut_under_lightning_keeps_the_schedulers_values",
         "recovery/test_rewind_escalation.py::test_lr_cut_under_the_hf_trainer_keeps_the_schedulers_values",
     ),
+    "imports heavyball (5-12 s: it loads torch's compiler)": (
+        "optimizer/test_third_party.py::test_heavyball_optimizers_resume_bit_identically",
+        "optimizer/test_third_party.py::test_corrupt_heavyball_state_dicts_are_still_refused_untouched",
+        "optimizer/test_third_party.py::test_heavyball_under_accelerate_prepares_and_trains_as_without_it",
+    ),
     "trains the demo's and the report's corpus of runs (minutes)": (
         "report/test_demo.py",
         "report/test_report_corpus.py",
