@@ -188,7 +188,9 @@ class ClippedOptimizer(InnerOptimizerView):
 
     _policy: ClipPolicy | None
     _bound: float | None
-    _planned = PLANNED  # assigning one of these settings resets the window plan (_settings_changed)
+    # assigning one of these settings resets the window plan (_settings_changed); turning the update
+    # options off frees the update's copy
+    _planned = PLANNED | {"update_clip", "update_stats"}
 
     def __init__(
         self,
@@ -305,6 +307,8 @@ class ClippedOptimizer(InnerOptimizerView):
 
     def _settings_changed(self) -> None:
         self._plan.reset()
+        if self.update_clip is None and self.update_stats is False:  # nothing copies the update now
+            self._update_copy.release()
 
     # ------------------------------------------------------------------ signals
 
