@@ -172,10 +172,11 @@ class WindowUpdate:
         return bad
 
     @torch.no_grad()
-    def finish(self, d: WindowDecision, skipped: bool | Tensor) -> Tensor:
+    def finish(self, d: WindowDecision, skipped: bool | Tensor) -> bool | Tensor:
         """Measure, reject or bound the update the inner step made; returns the window's outcome
-        (a 0/1 device flag: skipped before, or now for a non-finite update) and sets
-        ``d.update_norm``, ``d.update_coef`` and, for a rejected update, ``d.reason``."""
+        (skipped before, or now for a non-finite update: a bool where both are known on the host,
+        else a 0/1 device flag) and sets ``d.update_norm``, ``d.update_coef`` and, for a rejected
+        update, ``d.reason``."""
         now = [local_view(p) for p in self._params]
         before = [local_view(v) for v in self._backup.values]
         norms = self._norms(now, before)
@@ -189,8 +190,9 @@ class WindowUpdate:
             coef = self._clip.coefficients(norms, [p.numel() for p in self._params], total)
             # 1 - coef; none for a norm that is nan (gradients applied on request): nothing to scale by
             shrink = torch.nan_to_num(1.0 - coef, nan=0.0)
+        rejected: bool | None = None  # known on the host
         if total.device.type in HOST_DECIDED:
-            self._apply_on_host(bad, shrink, now, before)
+            rejected = self._apply_on_host(bad, shrink, now, before)
         else:
             self._apply_on_device(bad, shrink, now, before)
         on = bad > 0
@@ -207,25 +209,29 @@ class WindowUpdate:
         d.update_coef = torch.where(on, 0.0, coef.min())
         if self._clip is not None:  # a non-finite norm (skip_nonfinite=False) never enters the history
             self._clip.commit(total, (1.0 - outcome) * torch.isfinite(total))
+        if rejected is not None and isinstance(skipped, bool):  # the host knows it: no read later
+            return skipped or rejected
         return outcome
 
     def _apply_on_host(
         self, bad: Tensor, shrink: Tensor | None, now: list[Tensor], before: list[Tensor]
-    ) -> None:
+    ) -> bool:
         """CPU: the flag and the coefficients read on the host (no device to wait for); a rejected
-        update copied back, every tensor whose coefficient is below 1 bounded, the others left."""
+        update copied back, every tensor whose coefficient is below 1 bounded, the others left.
+        Returns whether the update was rejected."""
         values = cpu_values(bad if shrink is None else torch.cat([bad.reshape(1), shrink.reshape(-1)]))
         if values[0] > 0:
             self._backup.put_back()
-            return
+            return True
         if shrink is None:
-            return
+            return False
         weights = values[1:] * len(now) if len(values) == 2 else values[1:]  # one for all, or each its own
         picked = [i for i, w in enumerate(weights) if w > 0.0]
         if picked:
             torch._foreach_lerp_(
                 [now[i] for i in picked], [before[i] for i in picked], [weights[i] for i in picked]
             )
+        return False
 
     def _apply_on_device(
         self, bad: Tensor, shrink: Tensor | None, now: list[Tensor], before: list[Tensor]

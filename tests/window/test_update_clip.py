@@ -13,6 +13,7 @@ import csv
 import io
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +239,44 @@ def test_after_a_put_back_update_training_goes_on_as_if_it_never_happened() -> N
             inner.zero_grad()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), bare.parameters(), strict=True))
     assert all(torch.equal(a, b) for a, b in zip(_state(opt), _state(inner), strict=True))
+
+
+class _NanStateSGD(ZeroDivideSGD):
+    """ZeroDivideSGD whose momentum becomes nan in its third step (finite gradients): from then on
+    every update it makes is nan, unless its state is put back."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        if self.calls + 1 == 3:
+            for state in self.state.values():
+                state["momentum"].fill_(math.nan)
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("restore_state", [False, True])
+def test_a_nonfinite_inner_state_is_never_left_silent(restore_state: bool) -> None:
+    """The inner optimizer's state turns nan in the third step.  Without restore_state the state
+    keeps it, every later update is rejected, and after 10 in a row a RuntimeWarning names
+    "nonfinite_update" and restore_state=True; with it the state is put back and the fourth update
+    is applied (no warning)."""
+    model = model_for()
+    opt = ClippedOptimizer(
+        _NanStateSGD(model.parameters()), update_clip=UpdateClip(max_norm=1e6, restore_state=restore_state)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in batches_for(13, seed=10):
+            _backward(model, batch)
+            opt.step()
+            opt.zero_grad()
+    reasons = [s.reason for s in opt.stats]
+    found = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    if restore_state:
+        assert reasons == [None, None, "nonfinite_update", *[None] * 10] and not found
+        return
+    assert reasons == [None, None, *["nonfinite_update"] * 11]
+    assert len(found) == 1 and "'nonfinite_update' x10" in found[0] and "restore_state=True" in found[0]
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 def _reads_per_window(opt: ClippedOptimizer, model: torch.nn.Module, pattern: str) -> list[int]:
