@@ -178,12 +178,13 @@ class ClippedOptimizer(InnerOptimizerView):
             after repeated spike skips (reason ``"rewind"``); ``opt.rewind.batches(loader)``
             drops the batches that follow a rewind (see ``clipopt/_recovery/rewind.py``).
         update_clip: an :class:`UpdateClip`: bound the update the inner step made
-            (``p_after - p_before``: ``max_rms`` per tensor, ``max_norm`` over all, or ``z``
-            adaptive), on the device; costs a copy of the parameters and of the inner state per
-            window (docs/update-clipping.md).
+            (``p_after - p_before``, after the learning rate: ``max_rms`` per tensor, ``max_norm``
+            over all, or ``z`` adaptive), on the device; costs a copy of the parameters per window
+            (docs/update-clipping.md).
         update_stats: record ``StepStats.update_norm`` without bounding the update (the same copy).
-            With either, a non-finite update from finite gradients is not applied: parameters and
-            inner state are put back and the window is skipped with reason ``"nonfinite_update"``.
+            With either, a non-finite update from finite gradients is not applied: the parameters
+            are put back (the inner state too with ``UpdateClip(..., restore_state=True)``) and
+            the window is skipped with reason ``"nonfinite_update"``.
     """
 
     _policy: ClipPolicy | None
