@@ -225,7 +225,7 @@ class WindowUpdate:
             return True
         if shrink is None:
             return False
-        weights = values[1:] * len(now) if len(values) == 2 else values[1:]  # one for all, or each its own
+        weights = values[1:] * len(now) if shrink.dim() == 0 else values[1:]  # one for all, or each its own
         picked = [i for i, w in enumerate(weights) if w > 0.0]
         if picked:
             torch._foreach_lerp_(

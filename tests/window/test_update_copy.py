@@ -235,3 +235,24 @@ def test_a_copy_of_the_optimizer_carries_no_buffers_and_goes_on_alike(clone: Cal
         window(opt, model, x)
         window(twin, twin_model, x)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_update_norms_taken_piece_by_piece_are_the_norms_of_the_differences(dtype: torch.dtype) -> None:
+    """update_norms of tensors above, at and below the piece size, one of them transposed (not
+    contiguous: taken whole): each the norm of ``now - before`` (the difference in the tensors'
+    dtype, as the update is; the norm in float64 here), within float32 summation error."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(300, 300), (update_apply.PIECE_NUMEL,), (1000,), (7,)]
+    before = [torch.randn(s, generator=gen).to(dtype) for s in shapes] + [torch.randn(400, 200).to(dtype).t()]
+    now = [b + 1e-3 * torch.randn(b.shape, generator=gen).to(dtype) for b in before]
+    kept: dict[torch.dtype, torch.Tensor] = {}
+
+    def scratch(dt: torch.dtype, numel: int) -> torch.Tensor:
+        return kept.setdefault(dt, torch.empty(numel, dtype=dt))
+
+    got = update_apply.update_norms(now, before, scratch)
+    want = [float(torch.linalg.vector_norm((a - b).double())) for a, b in zip(now, before, strict=True)]
+    assert got.dtype == torch.float32
+    assert got.tolist() == pytest.approx(want, rel=1e-5)
+    assert kept and all(t.numel() == update_apply.PIECE_NUMEL for t in kept.values())  # the pieces ran
