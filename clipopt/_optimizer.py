@@ -189,9 +189,7 @@ class ClippedOptimizer(InnerOptimizerView):
 
     _policy: ClipPolicy | None
     _bound: float | None
-    # assigning one of these settings resets the window plan (_settings_changed); turning the update
-    # options off frees the update's copy
-    _planned = PLANNED | {"update_clip", "update_stats"}
+    _planned = PLANNED | {"update_clip", "update_stats"}  # assigning one: _settings_changed
 
     def __init__(
         self,
@@ -308,8 +306,7 @@ class ClippedOptimizer(InnerOptimizerView):
 
     def _settings_changed(self) -> None:
         self._plan.reset()
-        if self.update_clip is None and self.update_stats is False:  # nothing copies the update now
-            self._update_copy.release()
+        self._update_copy.keep(self.update_clip is not None or self.update_stats is not False)
 
     # ------------------------------------------------------------------ signals
 
@@ -700,8 +697,7 @@ class ClippedOptimizer(InnerOptimizerView):
         """Stage 6 (apply): the inner step or the skip (see :mod:`clipopt._window.apply`; with a Rewind,
         through its lr_cut), then the counters; returns ``step()``'s result and whether the fused
         (host-read-free) path ran."""
-        on = self.update_clip is not None or self.update_stats
-        upd = start_update(self, self._params(), self._inner, self._update_copy) if on else None
+        upd = start_update(self, self._params(), self._inner, (self._update_copy, self._replicas))
         run = partial(apply_window, self._inner, s, d, g, (loss, closure), self._reclip, self._readiness)
         out, skipped, fused = self._recovery.apply(self._inner, run) if self._recovery.rewind else run()
         skipped = skipped if upd is None else upd.finish(d, skipped)  # measured, bounded, or put back

@@ -45,6 +45,7 @@ from torch.optim import Optimizer
 from .. import functional as F
 from .._checks import check_flag
 from .._distributed.collectives import ShardedGrads, has_dtensor, reduce_norm_over
+from .._distributed.replicas import ReplicaDecision
 from .._inner import inner_optimizers, reevaluates
 from .._policies.builtin import ClipPolicy
 from .._reasons import NONFINITE_UPDATE
@@ -84,18 +85,24 @@ def check_update_options(update_clip: Any, update_stats: Any, optimizer: Optimiz
     return update_clip, update_stats
 
 
-def start_update(owner: Any, params: list[Tensor], optimizer: Optimizer, buffers: UpdateCopy) -> WindowUpdate:
-    """Copy ``params`` (and, with ``restore_state=True``, their inner state) just before the inner
-    step of ``optimizer``, into ``buffers`` (the owner's, reused from window to window).
+def start_update(
+    owner: Any, params: list[Tensor], optimizer: Optimizer, parts: tuple[UpdateCopy, ReplicaDecision]
+) -> WindowUpdate | None:
+    """None when neither ``update_clip`` nor ``update_stats`` is on; else copy ``params`` (and, with
+    ``restore_state=True``, their inner state) just before the inner step of ``optimizer``, into
+    the buffers of ``parts`` (the owner's :class:`UpdateCopy`, reused from window to window, and
+    its :class:`ReplicaDecision`: DDP ranks agree on a rejected update).
 
     ``owner`` is the :class:`~clipopt.ClippedOptimizer`: its public ``update_clip``,
     ``update_stats``, ``norm_group`` and ``max_norm`` (a policy takes back a window put back) are
     read (and the first two checked: they may have been reassigned since the constructor checked
-    them), and its replica group (DDP: the ranks agree on a rejected update)."""
+    them)."""
+    if owner.update_clip is None and not owner.update_stats:
+        return None
+    buffers, replicas = parts
     clip, _ = check_update_options(owner.update_clip, owner.update_stats, optimizer)
     policy = owner.max_norm if isinstance(owner.max_norm, ClipPolicy) else None
     backup = buffers.take(optimizer, params, clip is not None and clip.restore_state)
-    replicas = owner._replicas
     agree = (replicas.group,) if replicas.active and not has_dtensor(params) else None
     return WindowUpdate(clip, params, backup, (owner.norm_group, policy, agree), buffers.scratch)
 

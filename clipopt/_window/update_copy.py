@@ -82,6 +82,11 @@ class UpdateCopy:
         self._state: dict[Tensor, dict[str, Any]] = {}
         self._scratch: dict[torch.dtype, Tensor] = {}
 
+    def keep(self, on: bool) -> None:
+        """:meth:`release` unless ``on`` (whether ``update_clip`` or ``update_stats`` is on)."""
+        if not on:
+            self.release()
+
     def release(self) -> None:
         """Hold nothing (the next :meth:`take` allocates anew)."""
         self._layout, self._values, self._state_layout, self._state = None, [], None, {}

@@ -149,7 +149,7 @@ def test_turning_the_update_options_off_frees_the_copy(turned_off: str) -> None:
     assert before - after >= pbytes, (before, after, pbytes)
     model(torch.randn(8, 1024)).pow(2).mean().backward()
     opt.step()  # a window without the update options: nothing is copied again
-    assert _held_bytes(opt, model) == after
+    assert _held_bytes(opt, model) < after + pbytes / 10  # (the window's statistics: a few bytes)
 
 
 class _NewKeySGD(ZeroDivideSGD):
