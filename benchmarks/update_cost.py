@@ -1,7 +1,9 @@
-"""The cost of going beyond the gradient: UpdateClip, AdaGC and StableSPAM against the plain clipped update.
+"""The cost of going beyond the gradient: UpdateClip, AdaGC and StableSPAM against the plain clipped update,
+and UpdateClip against the recipe a careful user would write.
 
     python benchmarks/update_cost.py                    # 25M model, fused AdamW, 1 thread, 15 rounds
     python benchmarks/update_cost.py --optimizer AdamW-foreach --rounds 5
+    python benchmarks/update_cost.py --methods clip,recipe-norm,update-norm   # a subset
 
 On the 25M-parameter transformer-shaped parameter set of ``benchmarks/diagnostics.py`` (3 layers of
 d=768 and one of d=512, synthetic gradients of norm well above 1), one update (``step()`` with
@@ -14,7 +16,18 @@ d=768 and one of d=512, synthetic gradients of norm well above 1), one update (`
 * ``update-z``      ``max_norm=1.0, update_clip=UpdateClip(z=3.0, window=4)`` (its history full);
 * ``adagc``         ``max_norm=AdaGC(warmup=0)`` (past its warm-up);
 * ``stablespam``    ``max_norm=StableSPAM()``;
+* ``update-norm-restore`` ``UpdateClip(max_norm=1e-3, restore_state=True)`` (the inner state copied too);
+* ``recipe-norm``   what a careful user writes around ``ClippedOptimizer(max_norm=1.0)`` for a global
+  bound: copy the parameters into a kept buffer (``_foreach_copy_``), ``step()``, subtract into a kept
+  update buffer, per-tensor norms (``torch.linalg.vector_norm``), one ``_foreach_lerp_`` by
+  ``1 - coef`` (no put-back of a non-finite update: it is the floor, not a replacement);
+* ``recipe-rms``    the same with one coefficient per tensor (``max_rms``);
+* ``recipe-stats``  the same without the bound: copy, subtract, norm (``update_stats``' recipe);
 * ``bare``          the inner optimizer's ``step()`` alone, for scale.
+
+``vs recipe (paired)``: each UpdateClip mode against its recipe (``update-rms`` against
+``recipe-rms``, ``update-norm``/``-z``/``-restore`` against ``recipe-norm``, ``update_stats`` against
+``recipe-stats``), the median of the rounds' own ratios.
 
 The bounds are small enough that every update is scaled (lr 1e-4: AdamW's update RMS is about 1e-4).
 Methods run interleaved with the order rotating every round (A B C ..., then B C ... A), medians over
@@ -67,6 +80,13 @@ METHODS: dict[str, tuple[str, Callable[[], dict[str, Any]] | None]] = {
         "max_norm=1.0, update_clip=UpdateClip(z=3.0, window=4)",
         lambda: {"max_norm": 1.0, "update_clip": UpdateClip(z=3.0, window=4)},
     ),
+    "update-norm-restore": (
+        "max_norm=1.0, update_clip=UpdateClip(max_norm=1e-3, restore_state=True)",
+        lambda: {"max_norm": 1.0, "update_clip": UpdateClip(max_norm=1e-3, restore_state=True)},
+    ),
+    "recipe-norm": ("max_norm=1.0, by hand: copy, step, subtract, norms, lerp (global)", None),
+    "recipe-rms": ("max_norm=1.0, by hand: copy, step, subtract, norms, lerp (per tensor)", None),
+    "recipe-stats": ("max_norm=1.0, by hand: copy, step, subtract, norms", None),
     "adagc": ("max_norm=AdaGC(warmup=0)", lambda: {"max_norm": AdaGC(warmup=0)}),
     "stablespam": ("max_norm=StableSPAM()", lambda: {"max_norm": StableSPAM()}),
     "bare": ("inner.step()", None),
@@ -76,14 +96,57 @@ METHODS: dict[str, tuple[str, Callable[[], dict[str, Any]] | None]] = {
 #: The methods also run with the baseline package (``--baseline``).
 UPDATE_METHODS = ("update_stats", "update-rms", "update-norm", "update-z")
 
+#: Each UpdateClip method's recipe (``vs recipe``).
+RECIPE_OF = {
+    "update_stats": "recipe-stats",
+    "update-rms": "recipe-rms",
+    "update-norm": "recipe-norm",
+    "update-z": "recipe-norm",
+    "update-norm-restore": "recipe-norm",
+}
+
+
+class Recipe:
+    """The update bounded by hand around ``ClippedOptimizer(inner, max_norm=1.0)``, with two kept
+    buffers (the copy and the update): ``bound`` ``"norm"`` (global, 1e-3), ``"rms"`` (per tensor,
+    1e-5) or None (measured only)."""
+
+    def __init__(self, opt: ClippedOptimizer, params: list[torch.nn.Parameter], bound: str | None) -> None:
+        self.opt, self.bound = opt, bound
+        self.params = [p.detach() for p in params]
+        self.copy = [p.clone() for p in self.params]
+        self.update = [torch.empty_like(p) for p in self.params]
+        self.roots = [float(p.numel()) ** 0.5 for p in self.params]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        torch._foreach_copy_(self.copy, self.params)
+        self.opt.step()
+        for u, p, b in zip(self.update, self.params, self.copy, strict=True):
+            torch.sub(p, b, out=u)
+        norms = torch.stack([torch.linalg.vector_norm(u) for u in self.update])
+        if self.bound == "norm":
+            coef = torch.clamp(torch.linalg.vector_norm(norms) / 1e-3, min=1.0).reciprocal()
+            torch._foreach_lerp_(self.params, self.copy, [1.0 - coef] * len(self.params))
+        elif self.bound == "rms":
+            rms = norms / torch.tensor(self.roots)
+            shrink = 1.0 - torch.clamp(rms / 1e-5, min=1.0).reciprocal()
+            torch._foreach_lerp_(self.params, self.copy, list(shrink.unbind()))
+
 
 def make_methods(
-    params: list[torch.nn.Parameter], inner: str, base: Any = None
+    params: list[torch.nn.Parameter], inner: str, base: Any = None, only: list[str] | None = None
 ) -> dict[str, Callable[[], None]]:
     new = OPTIMIZERS[inner]
     out: dict[str, Callable[[], None]] = {}
     for name, (_, kwargs) in METHODS.items():
+        if only is not None and name not in only:
+            continue
         opt = new(params)
+        if name.startswith("recipe-"):
+            bound = {"recipe-norm": "norm", "recipe-rms": "rms"}.get(name)
+            out[name] = Recipe(ClippedOptimizer(opt, max_norm=1.0), params, bound).step
+            continue
         out[name] = opt.step if kwargs is None else ClippedOptimizer(opt, **kwargs()).step
     if base is not None:  # the same settings, the baseline package's classes
         for name in UPDATE_METHODS:
@@ -112,8 +175,12 @@ class _OpCount(TorchDispatchMode):
 
 
 def _held(update: Callable[[], None]) -> int:
-    """The bytes the wrapper behind ``update`` holds between updates for the copy before the inner step."""
-    copy = getattr(getattr(update, "__self__", None), "_update_copy", None)
+    """The bytes held between updates for the update: the wrapper's copy before the inner step
+    (``UpdateCopy.held_bytes``), or a recipe's two buffers."""
+    owner = getattr(update, "__self__", None)
+    if isinstance(owner, Recipe):
+        return sum(t.numel() * t.element_size() for t in [*owner.copy, *owner.update])
+    copy = getattr(owner, "_update_copy", None)
     return int(getattr(copy, "held_bytes", 0))
 
 
@@ -159,30 +226,45 @@ def measure(model: ParamModel, methods: dict[str, Callable[[], None]], rounds: i
             "held_bytes": _held(update),
             "aten_ops": ops.count,
         }
-    for row in out.values():
+    for name, row in out.items():
         row["vs_clip"] = row["update_s"] / out["clip"]["update_s"]
+        recipe = RECIPE_OF.get(name)
+        if recipe in times:
+            row["vs_recipe"] = paired_ratio(times[name], times[recipe])
     return out
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (Linux), else the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def render(rows: dict[str, Any], meta: dict[str, Any]) -> str:
     pbytes = meta["param_bytes"]
     lines = [
         f"{meta['params'] / 1e6:.1f}M parameters ({pbytes / 2**20:.0f} MB), {meta['optimizer']}, "
-        f"torch {meta['torch']}, {meta['threads']} thread(s), "
+        f"torch {meta['torch']}, {meta['cpu']}, {meta['threads']} thread(s), "
         f"{meta['rounds']} interleaved rounds (rotating).",
         "",
         "| method | setting | ms / update (median) | vs clip (medians) | vs clip (paired) "
-        "| memory during the update (MB) | added to clip (x parameters) | held between updates "
-        "(x parameters) | host reads | ATen ops |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| vs recipe (paired) | memory during the update (MB) | added to clip (x parameters) "
+        "| held between updates (x parameters) | host reads | ATen ops |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = rows["clip"]["transient_bytes"]
     for name, r in rows.items():
         added = (r["transient_bytes"] - base) / pbytes
         setting = METHODS[name.removesuffix("@base")][0]
+        recipe = f"{r['vs_recipe']:.3f}" if "vs_recipe" in r else ""
         lines.append(
             f"| {name} | `{setting}` | {1e3 * r['update_s']:.1f} | {r['vs_clip']:.3f} "
-            f"| {r['paired_vs_clip']:.3f} | {r['transient_bytes'] / 2**20:.0f} | {added:+.2f} "
+            f"| {r['paired_vs_clip']:.3f} | {recipe} | {r['transient_bytes'] / 2**20:.0f} | {added:+.2f} "
             f"| {r['held_bytes'] / pbytes:.2f} | {r['host_reads']} | {r['aten_ops']} |"
         )
     return "\n".join(lines) + "\n"
@@ -196,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true", help="a 1-layer d=256 model instead (smoke run)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--baseline", default=None, help="a folder holding another clipopt as clipopt_base")
+    ap.add_argument("--methods", default=None, help="a comma-separated subset of the methods (clip always)")
     args = ap.parse_args(argv)
     base = None
     if args.baseline is not None:
@@ -210,12 +293,14 @@ def main(argv: list[str] | None = None) -> int:
     params = list(model.parameters())
     for p in params:
         p.grad = torch.randn_like(p) * 0.05  # norm well above 1: gradient clipping is active
-    rows = measure(model, make_methods(params, args.optimizer, base), args.rounds)
+    only = None if args.methods is None else ["clip", *args.methods.split(",")]
+    rows = measure(model, make_methods(params, args.optimizer, base, only), args.rounds)
     meta = {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
         "threads": args.threads,
+        "cpu": _cpu_name(),
         "rounds": args.rounds,
         "optimizer": args.optimizer,
         "baseline": args.baseline,

@@ -196,17 +196,18 @@ class ClippedOptimizer(InnerOptimizerView):
             after repeated spike skips (reason ``"rewind"``); ``opt.rewind.batches(loader)``
             drops the batches that follow a rewind (docs/spike-recovery.md).
         update_clip: an :class:`UpdateClip`: bound the update the inner step made
-            (``p_after - p_before``: ``max_rms`` per tensor, ``max_norm`` over all, or ``z``
-            adaptive), on the device; costs a copy of the parameters and of the inner state per
-            window (docs/update-clipping.md).
+            (``p_after - p_before``, after the learning rate: ``max_rms`` per tensor, ``max_norm``
+            over all, or ``z`` adaptive), on the device; costs a copy of the parameters per window
+            (docs/update-clipping.md).
         update_stats: record ``StepStats.update_norm`` without bounding the update (the same copy).
-            With either, a non-finite update from finite gradients is not applied: parameters and
-            inner state are put back and the window is skipped with reason ``"nonfinite_update"``.
+            With either, a non-finite update from finite gradients is not applied: the parameters
+            are put back (the inner state too with ``UpdateClip(..., restore_state=True)``) and
+            the window is skipped with reason ``"nonfinite_update"``.
     """
 
     _policy: ClipPolicy | None
     _bound: float | None
-    _planned = PLANNED  # assigning one of these settings resets the window plan (_settings_changed)
+    _planned = PLANNED | {"update_clip", "update_stats"}  # assigning one: _settings_changed
 
     def __init__(
         self,
@@ -335,6 +336,7 @@ class ClippedOptimizer(InnerOptimizerView):
 
     def _settings_changed(self) -> None:
         self._plan.reset()
+        self._update_copy.keep(self.update_clip is not None or self.update_stats is not False)
 
     # ------------------------------------------------------------------ signals
 
@@ -729,8 +731,7 @@ class ClippedOptimizer(InnerOptimizerView):
         """Stage 6 (apply): the inner step or the skip (see :mod:`clipopt._window.apply`; with a Rewind,
         through its lr_cut), then the counters; returns ``step()``'s result and whether the fused
         (host-read-free) path ran."""
-        on = self.update_clip is not None or self.update_stats
-        upd = start_update(self, self._params(), self._inner, self._update_copy) if on else None
+        upd = start_update(self, self._params(), self._inner, (self._update_copy, self._replicas))
         run = partial(apply_window, self._inner, s, d, g, (loss, closure), self._reclip, self._readiness)
         out, skipped, fused = self._recovery.apply(self._inner, run) if self._recovery.rewind else run()
         skipped = skipped if upd is None else upd.finish(d, skipped)  # measured, bounded, or put back

@@ -122,9 +122,11 @@ REASONS: tuple[Reason, ...] = (
         "nonfinite_update",
         False,
         "the gradients are finite but the inner optimizer's update is nan/inf (update_clip or "
-        "update_stats: parameters and optimizer state were put back)",
+        "update_stats: the parameters were put back, the optimizer state too with "
+        "UpdateClip(restore_state=True))",
         "the inner optimizer makes a non-finite update from finite gradients: check its eps "
-        "(a division by zero) and its state, or lower the learning rate",
+        "(a division by zero) and its state, or lower the learning rate; its state is not put back "
+        "unless UpdateClip(..., restore_state=True): once it holds nan/inf, every update is rejected",
     ),
 )
 

@@ -1,11 +1,24 @@
-"""Small tensor helpers shared by the norm kernels (:mod:`clipopt.functional`) and the
-per-layer statistics (:mod:`clipopt._diagnostics.layers`)."""
+"""Small tensor helpers shared by the norm kernels (:mod:`clipopt.functional`), the
+per-layer statistics (:mod:`clipopt._diagnostics.layers`) and the update's put-back
+(:mod:`clipopt._window.update_apply`)."""
 
 from __future__ import annotations
 
 from torch import Tensor
 
-__all__ = ["flat"]
+__all__ = ["cpu_values", "flat"]
+
+
+def cpu_values(t: Tensor) -> list[float]:
+    """The values of the CPU tensor ``t`` (a vector), read on the host.
+
+    On the CPU this waits for nothing: it is the one kind of host read clipopt
+    makes where an accelerator would need a synchronisation (the code that calls
+    it takes a device path elsewhere); ``tests/hostreads.py`` counts it apart.
+    """
+    if t.device.type != "cpu":
+        raise ValueError(f"cpu_values reads CPU tensors only, got one on {t.device}")
+    return [float(v) for v in t.reshape(-1).tolist()]
 
 
 def flat(t: Tensor) -> Tensor:

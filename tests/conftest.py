@@ -43,6 +43,7 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "window/test_window_guard.py::test_ddp_gradients_and_bucket_views_are_not_mistaken_for_clearing",
         "window/test_update_clip.py::test_ddp_and_fsdp2_bound_the_update_as_one_process_does",
         "window/test_update_clip.py::test_fsdp2_puts_back_a_nonfinite_update_on_every_rank",
+        "window/test_update_clip.py::test_an_update_rejected_on_one_rank_is_rejected_on_every_rank",
         "window/test_update_clip.py::test_ranks_with_another_update_clip_are_refused_on_every_rank",
         "window/test_update_clip.py::test_pipeline_stages_bound_and_put_back_their_update_as_one",
         "window/test_reasons.py::test_every_reason_reads_back_as_itself_through_every_logger[divergence]",

@@ -10,7 +10,9 @@ patched here.
 Reads made by the inner optimizer's own implementation (``torch/optim/*.py``,
 e.g. single-tensor Adam reading its CPU ``step`` tensor, which is no device
 sync on CUDA) are recorded separately as ``inner``: clipopt's promise is about
-the reads *it* adds.
+the reads *it* adds.  So are reads through ``clipopt._tensors.cpu_values``, as
+``cpu``: it reads CPU tensors only, on a path that an accelerator does not take
+(the update's put-back on the CPU, ``_window/update_apply.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ _READ_OPS = {
 }
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+_CPU_READER = os.path.join("clipopt", "_tensors.py")
 _OPTIM_DIR = os.path.join(_TORCH_DIR, "optim")
 
 
@@ -46,27 +49,34 @@ class HostReads:
     """Reads not made by torch.optim internals: 'file:line op' of the reading frame."""
     inner: list[str] = field(default_factory=list)
     """Reads made inside torch/optim/<algorithm>.py (the inner optimizer's own)."""
+    cpu: list[str] = field(default_factory=list)
+    """Reads made through ``clipopt._tensors.cpu_values`` (CPU tensors only: no sync anywhere)."""
 
     def __len__(self) -> int:
         return len(self.ours)
 
 
-def _caller() -> tuple[str, bool]:
-    """Where the read came from, and whether it is the inner optimizer's own.
+def _caller() -> tuple[str, str]:
+    """Where the read came from, and whose it is: ``"inner"``, ``"cpu"`` or ``"ours"``.
 
     Walks outwards from the read: the first frame inside ``torch/optim/<algorithm>.py``
-    marks the inner optimizer's read; the first frame outside torch is the reader.
+    marks the inner optimizer's read, a frame of ``clipopt._tensors.cpu_values`` a CPU
+    read; the first frame outside torch is the reader.
     """
     frame = sys._getframe(2)
     while frame is not None:
         fname = frame.f_code.co_filename
         if fname.startswith(_TORCH_DIR):
             if fname.startswith(_OPTIM_DIR) and not fname.endswith(("optimizer.py", "lr_scheduler.py")):
-                return f"{os.path.relpath(fname, _TORCH_DIR)}:{frame.f_lineno}", True
+                return f"{os.path.relpath(fname, _TORCH_DIR)}:{frame.f_lineno}", "inner"
+        elif fname.endswith(_CPU_READER) and frame.f_code.co_name == "cpu_values":
+            back = frame.f_back
+            where = "?" if back is None else f"{os.path.basename(back.f_code.co_filename)}:{back.f_lineno}"
+            return where, "cpu"
         elif fname != __file__:
-            return f"{os.path.basename(fname)}:{frame.f_lineno}", False
+            return f"{os.path.basename(fname)}:{frame.f_lineno}", "ours"
         frame = frame.f_back  # type: ignore[assignment]
-    return "?", False
+    return "?", "ours"
 
 
 class _Recorder(TorchDispatchMode):
@@ -81,8 +91,8 @@ class _Recorder(TorchDispatchMode):
             indices = args[1] if len(args) > 1 else []
             is_read = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
         if is_read:
-            where, inner = _caller()
-            (self.reads.inner if inner else self.reads.ours).append(f"{where} {func}")
+            where, whose = _caller()
+            getattr(self.reads, whose).append(f"{where} {func}")
         return func(*args, **kwargs)
 
 
@@ -96,8 +106,8 @@ def count_host_reads() -> Iterator[HostReads]:
         original = originals[name]
 
         def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            where, inner = _caller()
-            (reads.inner if inner else reads.ours).append(f"{where} Tensor.{name}")
+            where, whose = _caller()
+            getattr(reads, whose).append(f"{where} Tensor.{name}")
             return original(self, *args, **kwargs)
 
         return read

@@ -159,6 +159,12 @@ def update_clip_job(rank: int, port: int, out_dir: str) -> None:
     sharded = _fsdp(mlp((6, 8, 3)))
     inner = ZeroDivideSGD(sharded.parameters(), lr=LR, bad_calls={2})
     res["fsdp-nonfinite"] = _run(sharded, ClippedOptimizer(inner, None, update_stats=True), rank, windows=3)
+    for kind in ("ddp", "fsdp"):  # rank 1's optimizer alone divides by zero in its second step
+        plain = mlp((6, 8, 3))
+        model = nn.parallel.DistributedDataParallel(plain) if kind == "ddp" else _fsdp(plain)
+        inner = ZeroDivideSGD(model.parameters(), lr=LR, bad_calls={2} if rank == 1 else set())
+        opt = ClippedOptimizer(inner, None, update_clip=UpdateClip(max_norm=1.0))
+        res[f"{kind}-nonfinite-one-rank"] = _run(model, opt, rank, windows=3)
     res["stages"] = _stages(rank)
     res["settings"] = _settings_error(rank)
     torch.save(res, f"{out_dir}/update_clip{rank}.pt")

@@ -175,6 +175,11 @@ class ReplicaDecision:
                 self.active = _group_world(self._group) > 1
         return self.active
 
+    @property
+    def group(self) -> Any:
+        """The replicas' process group once resolved (None: the default group)."""
+        return self._group
+
     # ------------------------------------------------------------------ settings: once, and per change
 
     def due(self, accumulation_steps: int) -> bool:

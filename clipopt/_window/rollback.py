@@ -6,10 +6,12 @@
 * :class:`InnerBackup` copies parameters and inner state before the inner step
   of an optimizer that re-evaluates its closure (LBFGS): a re-evaluation whose
   gradients or loss are not finite happens after the parameters moved, so the
-  window can only be skipped by restoring that copy.  ``UpdateClip`` takes the
-  same copy before every inner step, into buffers it keeps from window to window
-  (:class:`~clipopt._window.update_copy.UpdateCopy`), and restores it on the device
-  (:meth:`InnerBackup.restore_where`) when the update is not finite.
+  window can only be skipped by restoring that copy.  ``UpdateClip`` copies the
+  parameters (and, with ``restore_state=True``, the state) before every inner
+  step, into buffers it keeps from window to window
+  (:class:`~clipopt._window.update_copy.UpdateCopy`), and puts them back when the
+  update is not finite: on the device (:meth:`InnerBackup.restore_where`), or by
+  copies when the decision is read on the host anyway (:meth:`InnerBackup.put_back`).
 """
 
 from __future__ import annotations
@@ -118,42 +120,56 @@ def _copy_entry(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 class InnerBackup:
-    """A copy of the parameters and their inner state, taken before an inner step.
+    """A copy of the parameters and, unless told otherwise, their inner state, taken before an
+    inner step.
 
-    ``copies``: the copy already taken (the parameters' values and each parameter's state entry, in
-    buffers the caller keeps and fills again for the next window: :meth:`restore` then puts fresh
-    clones of them into the state, never the buffers); without it the copy is made here."""
+    ``copies``: the copy already taken: the parameters' values, and each parameter's state entry
+    (None: the state is not copied, and a restore puts back the parameters alone); without it both
+    are copied here.  ``kept``: the state's copies are buffers the caller keeps and fills again for
+    the next window, so that a restore that replaces state entries puts fresh clones of them into
+    the state, never the buffers."""
 
-    __slots__ = ("_optimizer", "_owned", "_params", "_state", "_values")
+    __slots__ = ("_kept", "_optimizer", "_params", "_state", "_values")
 
     def __init__(
         self,
         optimizer: Optimizer,
         params: Sequence[Tensor],
-        copies: tuple[list[Tensor], dict[Tensor, dict[str, Any]]] | None = None,
+        copies: tuple[list[Tensor], dict[Tensor, dict[str, Any]] | None] | None = None,
+        kept: bool = False,
     ) -> None:
         self._optimizer = optimizer
         self._params = list(params)
-        self._owned = copies is None
+        self._kept = kept
         if copies is not None:
             self._values, self._state = copies
             return
         with torch.no_grad():
             self._values = [p.detach().clone() for p in self._params]
+        self._state = self.copy_state(optimizer, self._params)
+
+    @staticmethod
+    def copy_state(optimizer: Optimizer, params: Sequence[Tensor]) -> dict[Tensor, dict[str, Any]]:
+        """A copy of the state entries of ``params`` that the inner step cannot reach."""
         state = optimizer.state
-        self._state = {p: _copy_entry(state[p]) for p in self._params if p in state}
+        return {p: _copy_entry(state[p]) for p in params if p in state}
 
     @property
     def values(self) -> list[Tensor]:
         """The copies of the parameters, in the order given."""
         return self._values
 
-    def _restorable_on(self, device: torch.device) -> bool:
+    @property
+    def has_state(self) -> bool:
+        """Whether the inner state was copied (and is put back with the parameters)."""
+        return self._state is not None
+
+    def _same_layout(self, device: torch.device) -> bool:
         """Whether the inner step left the state's layout as copied (the same entries, every saved
-        value a tensor of the same shape on ``device``): then a device flag can select it back."""
-        state = self._optimizer.state
+        value a tensor of the same shape on ``device``): then it can be written back in place."""
+        state, saved_state = self._optimizer.state, self._state or {}
         for p in self._params:
-            saved, now = self._state.get(p), state.get(p)
+            saved, now = saved_state.get(p), state.get(p)
             if saved is None or now is None:
                 if saved is not now:
                     return False
@@ -168,36 +184,58 @@ class InnerBackup:
                     return False
         return True
 
+    def _pairs(self) -> list[tuple[Tensor, Tensor]]:
+        """``(tensor, its copy)`` local shards: the parameters, then the state's tensors (same layout)."""
+        pairs = [(local_view(p), local_view(v)) for p, v in zip(self._params, self._values, strict=True)]
+        state = self._optimizer.state
+        for p, saved in (self._state or {}).items():
+            pairs.extend((local_view(state[p][key]), local_view(value)) for key, value in saved.items())
+        return pairs
+
     @torch.no_grad()
     def restore_where(self, flag: Tensor) -> None:
-        """The parameters and inner state back to the copy where ``flag`` (a 0/1 device tensor) is 1,
-        without a host read when the step kept the state's layout (every value a tensor on
-        ``flag``'s device, as with the fused and foreach optimizers once they have state): a select
-        written into each tensor (no new tensor); else ``flag`` is read once and :meth:`restore`
-        runs when it is 1 (nothing else happens when it is 0)."""
-        if not self._restorable_on(flag.device):
+        """What was copied back where ``flag`` (a 0/1 device tensor) is 1, without a host read when
+        the step kept the state's layout (every value a tensor on ``flag``'s device, as with the
+        fused and foreach optimizers once they have state; always, when the state was not copied):
+        a select written into each tensor (no new tensor); else ``flag`` is read once and
+        :meth:`restore` runs when it is 1 (nothing else happens when it is 0)."""
+        if self._state is not None and not self._same_layout(flag.device):
             if bool(flag.item()):
                 self.restore()
             return
         on = flag > 0
-        for p, value in zip(self._params, self._values, strict=True):
-            current = local_view(p)
-            torch.where(on, local_view(value), current, out=current)
-        state = self._optimizer.state
-        for p, saved in self._state.items():
-            now = state[p]
-            for key, value in saved.items():
-                current = local_view(now[key])
-                torch.where(on, local_view(value), current, out=current)
+        for current, value in self._pairs():
+            torch.where(on, value, current, out=current)
 
     @torch.no_grad()
-    def restore(self) -> None:
-        """Parameters and inner state back to the copy, bit for bit; the gradients are discarded."""
+    def put_back(self) -> None:
+        """What was copied back, bit for bit, written into the tensors (one ``_foreach_copy_`` per
+        device and dtype; :meth:`restore` where the step changed the state's layout); the gradients
+        stay.  For a decision already known on the host."""
+        device = local_view(self._params[0]).device if self._params else torch.device("cpu")
+        if self._state is not None and not self._same_layout(device):
+            self.restore(discard_grads=False)
+            return
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
+        for current, value in self._pairs():
+            dsts, srcs = groups.setdefault((current.device, current.dtype), ([], []))
+            dsts.append(current)
+            srcs.append(value)
+        for dsts, srcs in groups.values():
+            torch._foreach_copy_(dsts, srcs)
+
+    @torch.no_grad()
+    def restore(self, discard_grads: bool = True) -> None:
+        """Parameters (and the inner state, when it was copied) back to the copy, bit for bit; the
+        gradients are discarded unless told otherwise."""
         state = self._optimizer.state
         for p, value in zip(self._params, self._values, strict=True):
-            p.copy_(value)
-            p.grad = None
+            local_view(p).copy_(local_view(value))
+            if discard_grads:
+                p.grad = None
+            if self._state is None:
+                continue
             if p in self._state:  # the caller's buffers are refilled: the state gets its own copies
-                state[p] = self._state[p] if self._owned else _copy_entry(self._state[p])
+                state[p] = _copy_entry(self._state[p]) if self._kept else self._state[p]
             else:
                 state.pop(p, None)

@@ -1,31 +1,41 @@
 """The update of one window: copied before the inner step, measured, bounded and applied after it.
 
 For ``update_clip=`` and ``update_stats=``, :func:`start_update` copies the
-parameters and the inner state (an :class:`~clipopt._window.rollback.InnerBackup`, into the
-buffers of an :class:`~clipopt._window.update_copy.UpdateCopy` kept from window to window)
-just before the inner step; :meth:`WindowUpdate.finish`, just after it, forms ``u = p_after - p_before``
-on the device and
+parameters (with ``UpdateClip(..., restore_state=True)`` also the inner state: an
+:class:`~clipopt._window.rollback.InnerBackup`, into the buffers of an
+:class:`~clipopt._window.update_copy.UpdateCopy` kept from window to window) just
+before the inner step; :meth:`WindowUpdate.finish`, just after it, takes the update
+``u = p_after - p_before`` on the device and
 
-1. measures it: each tensor's L2 norm (a DTensor's over its shards, as the
-   gradient norm is: :class:`~clipopt._distributed.collectives.ShardedGrads`), the norm of all
-   (over pipeline stages with ``norm_group``): ``StepStats.update_norm``;
-2. rejects a non-finite update from finite gradients: parameters and inner
-   state are put back (a device select written into each tensor, no host read), the window is skipped
-   with reason ``"nonfinite_update"`` and adds nothing to the ``z`` history, nor to a
-   per-tensor policy's statistics (``ClipPolicy.take_back``);
-3. bounds it (``UpdateClip``): ``p = p_after - (1 - coef) * u``, which is
-   ``p_before + coef * u`` and leaves ``p_after`` bit for bit when ``coef`` is 1;
-   the coefficient (the smallest with ``max_rms``; 0 for a rejected update) is
+1. measures it: each tensor's L2 norm, piece by piece on the CPU (each piece's
+   difference in a scratch buffer that stays in the core's cache: the update is never
+   written to memory), tensor by tensor elsewhere (a DTensor's over its shards, as the
+   gradient norm is: :class:`~clipopt._distributed.collectives.ShardedGrads`), and the
+   norm of all (over pipeline stages with ``norm_group``): ``StepStats.update_norm``;
+2. rejects a non-finite update from finite gradients, alike on every rank (under DDP an
+   ``all_reduce(MAX)`` of the flag, on the device; FSDP2 and pipeline stages share the
+   norm already): the parameters are put back (the inner state too with
+   ``restore_state=True``), the window is skipped with reason ``"nonfinite_update"`` and
+   adds nothing to the ``z`` history, nor to a per-tensor policy's statistics
+   (``ClipPolicy.take_back``);
+3. bounds it (``UpdateClip``): ``p = lerp(p_after, p_before, 1 - coef)``, which is
+   ``p_before + coef * u`` and leaves ``p_after`` as it is when ``coef`` is 1; the
+   coefficient (the smallest with ``max_rms``; 0 for a rejected update) is
    ``StepStats.update_coef``.
 
-No host read once the inner optimizer has state on the parameters' device
-(fused and foreach optimizers after their first step): see
-:meth:`~clipopt._window.rollback.InnerBackup.restore_where`.
+The bound and the put-back are one pass over the parameters.  On the CPU the
+decision is read on the host (:func:`~clipopt._tensors.cpu_values`: there is no
+device to wait for): a rejected update is copied back, a tensor whose coefficient
+is 1 is not touched.  On an accelerator nothing is read: the bound is a ``lerp`` with
+the coefficient on the device, then a select (``torch.where``) puts the parameters
+back where the update was rejected (:meth:`~clipopt._window.rollback.InnerBackup.restore_where`;
+with ``restore_state=True`` the first update of a parameter, which creates its state,
+reads the flag once: putting it back means removing that state).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,15 +45,24 @@ from torch.optim import Optimizer
 from .. import functional as F
 from .._checks import check_flag
 from .._distributed.collectives import ShardedGrads, has_dtensor, reduce_norm_over
+from .._distributed.replicas import ReplicaDecision
 from .._inner import inner_optimizers, reevaluates
 from .._policies.builtin import ClipPolicy
 from .._reasons import NONFINITE_UPDATE
+from .._tensors import cpu_values
 from .decision import WindowDecision
 from .rollback import InnerBackup, local_view
 from .update_clip import UpdateClip
 from .update_copy import UpdateCopy
 
-__all__ = ["WindowUpdate", "check_update_options", "start_update"]
+__all__ = ["HOST_DECIDED", "PIECE_NUMEL", "WindowUpdate", "check_update_options", "start_update"]
+
+#: Device types whose update is decided on the host (reading a flag there waits for nothing).
+HOST_DECIDED = frozenset({"cpu"})
+
+#: On the CPU, a tensor's update norm is taken over pieces of this many elements: each piece's
+#: difference goes into a scratch buffer small enough to stay in the core's cache.
+PIECE_NUMEL = 1 << 16
 
 
 def check_update_options(update_clip: Any, update_stats: Any, optimizer: Optimizer) -> tuple[Any, bool]:
@@ -52,7 +71,8 @@ def check_update_options(update_clip: Any, update_stats: Any, optimizer: Optimiz
     if update_clip is not None and not isinstance(update_clip, UpdateClip):
         raise TypeError(
             f"update_clip must be an UpdateClip or None, got {type(update_clip).__name__}; "
-            "pass e.g. update_clip=UpdateClip(max_rms=1.0)"
+            "pass e.g. update_clip=UpdateClip(max_rms=1e-3) (a bound on the update, after the "
+            "learning rate)"
         )
     check_flag("update_stats", update_stats)
     lbfgs = [type(o).__name__ for o in inner_optimizers(optimizer) if reevaluates(o)]
@@ -65,72 +85,123 @@ def check_update_options(update_clip: Any, update_stats: Any, optimizer: Optimiz
     return update_clip, update_stats
 
 
-def start_update(owner: Any, params: list[Tensor], optimizer: Optimizer, buffers: UpdateCopy) -> WindowUpdate:
-    """Copy ``params`` and their inner state just before the inner step of ``optimizer``, into
-    ``buffers`` (the owner's, reused from window to window).
+def start_update(
+    owner: Any, params: list[Tensor], optimizer: Optimizer, parts: tuple[UpdateCopy, ReplicaDecision]
+) -> WindowUpdate | None:
+    """None when neither ``update_clip`` nor ``update_stats`` is on; else copy ``params`` (and, with
+    ``restore_state=True``, their inner state) just before the inner step of ``optimizer``, into
+    the buffers of ``parts`` (the owner's :class:`UpdateCopy`, reused from window to window, and
+    its :class:`ReplicaDecision`: DDP ranks agree on a rejected update).
 
     ``owner`` is the :class:`~clipopt.ClippedOptimizer`: its public ``update_clip``,
     ``update_stats``, ``norm_group`` and ``max_norm`` (a policy takes back a window put back) are
     read (and the first two checked: they may have been reassigned since the constructor checked
     them)."""
+    if owner.update_clip is None and not owner.update_stats:
+        return None
+    buffers, replicas = parts
     clip, _ = check_update_options(owner.update_clip, owner.update_stats, optimizer)
     policy = owner.max_norm if isinstance(owner.max_norm, ClipPolicy) else None
-    backup = buffers.take(optimizer, params)
-    return WindowUpdate(clip, params, backup, (owner.norm_group, policy), buffers.updates)
+    backup = buffers.take(optimizer, params, clip is not None and clip.restore_state)
+    agree = (replicas.group,) if replicas.active and not has_dtensor(params) else None
+    return WindowUpdate(clip, params, backup, (owner.norm_group, policy, agree), buffers.scratch)
+
+
+def _piece_norm(a: Tensor, b: Tensor, scratch: Tensor) -> Tensor:
+    """``||a - b||`` of two contiguous CPU tensors, piece by piece through ``scratch`` (float32, or
+    float64 for float64 tensors)."""
+    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+    pieces = zip(torch.split(a.view(-1), PIECE_NUMEL), torch.split(b.view(-1), PIECE_NUMEL), strict=True)
+    norms = [
+        torch.linalg.vector_norm(torch.sub(x, y, out=scratch[: x.numel()]), dtype=acc) for x, y in pieces
+    ]
+    total: Tensor = torch.linalg.vector_norm(torch.stack(norms))
+    return total
+
+
+def update_norms(
+    now: Sequence[Tensor], before: Sequence[Tensor], scratch: Callable[[torch.dtype, int], Tensor]
+) -> Tensor:
+    """Each tensor's ``||now - before||`` (float32), without holding the whole update: large real
+    CPU tensors piece by piece (:data:`PIECE_NUMEL`, through ``scratch(dtype, numel)``, a kept
+    buffer), other large tensors one at a time, the small ones together (``_foreach_sub``,
+    :func:`clipopt.functional.get_norms`)."""
+    found: list[Tensor | None] = [None] * len(now)
+    small: list[int] = []
+    for i, (a, b) in enumerate(zip(now, before, strict=True)):
+        if a.numel() <= PIECE_NUMEL or a.is_complex() or not (a.is_contiguous() and b.is_contiguous()):
+            small.append(i)
+        elif a.device.type == "cpu" and a.dtype.is_floating_point:
+            found[i] = _piece_norm(a, b, scratch(a.dtype, PIECE_NUMEL))
+        else:
+            found[i] = F.get_norms([a - b])[0]
+    if small:
+        diffs = torch._foreach_sub([now[i] for i in small], [before[i] for i in small])
+        for i, n in zip(small, F.get_norms(diffs), strict=True):
+            found[i] = n
+    device = now[0].device
+    return torch.stack([n.to(device, torch.float32) for n in found if n is not None])
 
 
 class WindowUpdate:
     """One window's update: the copy taken before the inner step, finished after it."""
 
-    __slots__ = ("_backup", "_clip", "_norm_group", "_params", "_policy", "_updates")
+    __slots__ = ("_agree", "_backup", "_clip", "_norm_group", "_params", "_policy", "_scratch")
 
     def __init__(
         self,
         clip: UpdateClip | None,
         params: list[Tensor],
         backup: InnerBackup,
-        context: tuple[Any, Any],
-        updates: list[Tensor] | None = None,
+        context: tuple[Any, Any, tuple[Any] | None],
+        scratch: Callable[[torch.dtype, int], Tensor],
     ) -> None:
-        """``context``: the ``norm_group`` (pipeline stages) and the clipping policy (or None)."""
+        """``context``: the ``norm_group`` (pipeline stages), the clipping policy (or None), and
+        ``(group,)`` for DDP replicas that agree on a rejected update (None: no agreement needed);
+        ``scratch(dtype, numel)``: a kept CPU buffer for the update's pieces."""
         self._clip, self._params, self._backup = clip, params, backup
-        self._norm_group, self._policy = context
-        self._updates = updates  # buffers to write the update into (else it is made anew)
+        self._norm_group, self._policy, self._agree = context
+        self._scratch = scratch
 
-    def _update(self, now: list[Tensor], before: list[Tensor]) -> list[Tensor]:
-        """``u = now - before``, written into the buffers when there are (one pass, no new tensor)."""
-        if self._updates is None:
-            return list(torch._foreach_sub(now, before))
-        for u, a, b in zip(self._updates, now, before, strict=True):
-            torch.sub(a, b, out=u)
-        return self._updates
-
-    def _norms(self, updates: Sequence[Tensor]) -> Tensor:
+    def _norms(self, now: list[Tensor], before: list[Tensor]) -> Tensor:
         """Each tensor's update norm (float32, a DTensor's over its shards)."""
-        if has_dtensor(self._params):
+        if has_dtensor(self._params):  # the shards' updates, one at a time would not do: reduced together
+            updates = torch._foreach_sub(now, before)
             return ShardedGrads(self._params).norms(updates, 2.0, None).to(torch.float32)
-        return F.get_norms(updates, 2.0).to(torch.float32)
+        return update_norms(now, before, self._scratch)
+
+    def _agreed(self, bad: Tensor) -> Tensor:
+        """``bad``, the largest over the DDP replicas (one collective on the device, no host read)."""
+        if self._agree is None:
+            return bad
+        dist = torch.distributed
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._agree[0])
+        return bad
 
     @torch.no_grad()
-    def finish(self, d: WindowDecision, skipped: bool | Tensor) -> Tensor:
+    def finish(self, d: WindowDecision, skipped: bool | Tensor) -> bool | Tensor:
         """Measure, reject or bound the update the inner step made; returns the window's outcome
-        (a 0/1 device flag: skipped before, or now for a non-finite update) and sets
-        ``d.update_norm``, ``d.update_coef`` and, for a rejected update, ``d.reason``."""
+        (skipped before, or now for a non-finite update: a bool where both are known on the host,
+        else a 0/1 device flag) and sets ``d.update_norm``, ``d.update_coef`` and, for a rejected
+        update, ``d.reason``."""
         now = [local_view(p) for p in self._params]
         before = [local_view(v) for v in self._backup.values]
-        updates = self._update(now, before)
-        norms = self._norms(updates)
+        norms = self._norms(now, before)
         total = torch.linalg.vector_norm(norms)
         if self._norm_group is not None:  # pipeline stages: every stage decides alike
             total = reduce_norm_over(total, 2.0, self._norm_group)
-        bad = (~torch.isfinite(total) & (d.nonfinite == 0)).to(torch.float32)  # finite gradients only
+        bad = self._agreed((~torch.isfinite(total) & (d.nonfinite == 0)).to(torch.float32))
         coef = torch.ones((), dtype=torch.float32, device=total.device)
+        shrink: Tensor | None = None
         if self._clip is not None:
             coef = self._clip.coefficients(norms, [p.numel() for p in self._params], total)
-            shrink = 1.0 - coef  # float32: a 0-d tensor scales every dtype as a scalar would
-            torch._foreach_mul_(updates, list(shrink.unbind()) if self._clip.per_tensor else shrink)
-            torch._foreach_sub_(now, updates)
-        self._backup.restore_where(bad)  # parameters and state, where the update is rejected
+            # 1 - coef; none for a norm that is nan (gradients applied on request): nothing to scale by
+            shrink = torch.nan_to_num(1.0 - coef, nan=0.0)
+        rejected: bool | None = None  # known on the host
+        if total.device.type in HOST_DECIDED:
+            rejected = self._apply_on_host(bad, shrink, now, before)
+        else:
+            self._apply_on_device(bad, shrink, now, before)
         on = bad > 0
         if self._policy is not None:  # its statistics as they were before the window, too
             self._policy.take_back(bad)
@@ -145,7 +216,39 @@ class WindowUpdate:
         d.update_coef = torch.where(on, 0.0, coef.min())
         if self._clip is not None:  # a non-finite norm (skip_nonfinite=False) never enters the history
             self._clip.commit(total, (1.0 - outcome) * torch.isfinite(total))
+        if rejected is not None and isinstance(skipped, bool):  # the host knows it: no read later
+            return skipped or rejected
         return outcome
+
+    def _apply_on_host(
+        self, bad: Tensor, shrink: Tensor | None, now: list[Tensor], before: list[Tensor]
+    ) -> bool:
+        """CPU: the flag and the coefficients read on the host (no device to wait for); a rejected
+        update copied back, every tensor whose coefficient is below 1 bounded, the others left.
+        Returns whether the update was rejected."""
+        values = cpu_values(bad if shrink is None else torch.cat([bad.reshape(1), shrink.reshape(-1)]))
+        if values[0] > 0:
+            self._backup.put_back()
+            return True
+        if shrink is None:
+            return False
+        weights = values[1:] * len(now) if shrink.dim() == 0 else values[1:]  # one for all, or each its own
+        picked = [i for i, w in enumerate(weights) if w > 0.0]
+        if picked:
+            torch._foreach_lerp_(
+                [now[i] for i in picked], [before[i] for i in picked], [weights[i] for i in picked]
+            )
+        return False
+
+    def _apply_on_device(
+        self, bad: Tensor, shrink: Tensor | None, now: list[Tensor], before: list[Tensor]
+    ) -> None:
+        """An accelerator: nothing read; the bound a ``lerp`` by the device coefficients, then the
+        put-back a select where the update is rejected."""
+        if shrink is not None:
+            weights = list(shrink.unbind()) if shrink.dim() else [shrink] * len(now)
+            torch._foreach_lerp_(now, before, weights)
+        self._backup.restore_where(bad)
 
 
 def _as_flag(skipped: bool | Tensor, device: torch.device) -> Tensor:

@@ -1,7 +1,9 @@
 """``UpdateClip``: a bound on the *update* the inner optimizer made, and its pure rules.
 
 The update of a window is ``u = p_after - p_before`` for every parameter: what
-the inner optimizer's step changed (learning rate and weight decay included).
+the inner optimizer's step changed (learning rate and weight decay included), so
+the bounds are in the units of the parameters, *after* the learning rate: with
+AdamW each element of the update is at most about the learning rate, not 1.
 :class:`UpdateClip` decides, on the device, one coefficient per parameter
 tensor (``max_rms``) or one for all of them (``max_norm``, ``z``);
 :mod:`clipopt._window.update_apply` forms the update and applies the coefficients.
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._checks import check_int_at_least, check_optional_positive_float
+from .._checks import check_flag, check_int_at_least, check_optional_positive_float
 
 __all__ = [
     "MODES",
@@ -50,6 +52,10 @@ MODES = ("max_rms", "max_norm", "z")
 
 #: Levanter's floor for the ring's standard deviation and for the norm it divides by.
 _EPS = 1e-6
+
+#: Realistic examples for the error messages: the bound is on the update after the learning rate
+#: (with AdamW at lr=1e-3 its elements are at most about 1e-3), so 1.0 would bound nothing.
+_EXAMPLES = {"max_rms": "1e-3", "max_norm": "0.5", "z": "3.0"}
 
 
 def rms_coefs(norms: Tensor, numels: Sequence[int], max_rms: float) -> Tensor:
@@ -85,7 +91,11 @@ def z_coef(norm: Tensor, bound: Tensor) -> Tensor:
 class UpdateClip:
     """Bound the update the inner optimizer makes (``ClippedOptimizer(..., update_clip=UpdateClip(...))``).
 
-    Give exactly one of:
+    Give exactly one of ``max_rms``, ``max_norm`` or ``z``.  The bound is on the
+    *update*, after the learning rate (and weight decay): in the parameters' units, not the
+    gradient's.  With AdamW at ``lr=1e-3`` each element of the update is at most about ``1e-3``
+    (its RMS less), so ``max_rms=1e-3`` bounds only unusually large updates, and ``max_rms=1.0``
+    bounds nothing.
 
     Args:
         max_rms: per parameter tensor, ``u / max(1, rms(u) / max_rms)`` (optax
@@ -96,6 +106,12 @@ class UpdateClip:
             (before clipping, of the windows that were applied), once the
             history holds ``max(2, window // 2)`` of them; no bound before.
         window: the history's length for ``z`` (default 128).
+        restore_state: also put the inner optimizer's state back when an update is rejected (not
+            finite although the gradients were): a copy of the state is then taken before every
+            inner step and held between windows (for AdamW twice the parameters' bytes, and about
+            as much time again as the default).  By default only the parameters are put back and
+            the state keeps what the rejected step made of the window's gradient (see
+            docs/update-clipping.md, "A non-finite update is never applied").
 
     The update is ``p_after - p_before`` (learning rate and weight decay
     included); the coefficient applied is ``StepStats.update_coef`` (with
@@ -110,18 +126,22 @@ class UpdateClip:
         max_norm: float | None = None,
         z: float | None = None,
         window: int = 128,
+        restore_state: bool = False,
     ) -> None:
+        restore = check_flag("restore_state", restore_state)
         given = {
-            "max_rms": check_optional_positive_float("max_rms", max_rms, "1.0"),
-            "max_norm": check_optional_positive_float("max_norm", max_norm, "1.0"),
-            "z": check_optional_positive_float("z", z, "3.0"),
+            "max_rms": check_optional_positive_float("max_rms", max_rms, _EXAMPLES["max_rms"]),
+            "max_norm": check_optional_positive_float("max_norm", max_norm, _EXAMPLES["max_norm"]),
+            "z": check_optional_positive_float("z", z, _EXAMPLES["z"]),
         }
         chosen = [name for name, value in given.items() if value is not None]
         if len(chosen) != 1:
             got = ", ".join(f"{name}={given[name]!r}" for name in chosen) or "none of them"
             raise ValueError(
                 f"UpdateClip takes exactly one of max_rms, max_norm or z, got {got}; "
-                "pass e.g. UpdateClip(max_rms=1.0), UpdateClip(max_norm=1.0) or UpdateClip(z=3.0, window=128)"
+                "the bound is on the update after the learning rate (with AdamW at lr=1e-3 its "
+                "elements are at most about 1e-3): pass e.g. UpdateClip(max_rms=1e-3), "
+                "UpdateClip(max_norm=0.5) or UpdateClip(z=3.0, window=128)"
             )
         self.window = check_int_at_least("window", window, 2, 128)
         if self.window != 128 and chosen[0] != "z":
@@ -133,6 +153,8 @@ class UpdateClip:
         self.mode: str = chosen[0]
         #: The value of that argument.
         self.limit: float = float(given[self.mode])  # type: ignore[arg-type]
+        #: Whether a rejected update also puts the inner optimizer's state back (a copy per window).
+        self.restore_state: bool = restore
         self._history = torch.zeros(self.window, dtype=torch.float32)  # the ring (z only)
         self._count = torch.zeros((), dtype=torch.int64)  # valid entries, at most window
         self._next = torch.zeros((), dtype=torch.int64)  # the slot the next norm goes to
@@ -190,9 +212,14 @@ class UpdateClip:
         return {"history": self._history.clone(), "count": self._count.clone(), "next": self._next.clone()}
 
     def load_state_dict(self, state: Any) -> None:
-        """Load :meth:`state_dict` of an ``UpdateClip`` with the same mode and window (``ValueError``
-        before anything changes otherwise, or when the ring's values cannot be a saved history)."""
+        """Load :meth:`state_dict` of an ``UpdateClip``: a ``z`` history of the same window, or the
+        empty state of ``max_rms``/``max_norm`` (which leaves ``z``'s history empty: the modes load
+        each other's checkpoints).  ``ValueError`` before anything changes for a history of another
+        window, or one whose values cannot be a saved history."""
         if self.mode != "z":
+            return
+        if isinstance(state, dict) and not state:  # saved by max_rms/max_norm: no history
+            self._reset()
             return
         history, count, nxt = _checked_ring(state, self.window)
         device = self._history.device
@@ -201,17 +228,26 @@ class UpdateClip:
         self._next = nxt.to(device, torch.int64, copy=True)
         self._fresh = False
 
+    def _reset(self) -> None:
+        """An empty history (made anew on the device of the first update norms, as a fresh one)."""
+        self._history = torch.zeros(self.window, dtype=torch.float32)
+        self._count = torch.zeros((), dtype=torch.int64)
+        self._next = torch.zeros((), dtype=torch.int64)
+        self._fresh = True
+
     def settings(self) -> list[tuple[str, float]]:
-        """What data-parallel ranks must share (the mode as a code, the limit, the window)."""
+        """What data-parallel ranks must share: the mode as a code (plus 3 with ``restore_state``:
+        ranks that put the state back differently would drift), the limit, the window."""
         return [
-            ("update_clip.mode", float(MODES.index(self.mode))),
+            ("update_clip.mode", float(MODES.index(self.mode) + 3 * self.restore_state)),
             ("update_clip.limit", self.limit),
             ("update_clip.window", float(self.window)),
         ]
 
     def __repr__(self) -> str:
         window = f", window={self.window}" if self.mode == "z" else ""
-        return f"UpdateClip({self.mode}={self.limit:g}{window})"
+        restore = ", restore_state=True" if self.restore_state else ""
+        return f"UpdateClip({self.mode}={self.limit:g}{window}{restore})"
 
 
 def _checked_ring(state: Any, window: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,20 +1,21 @@
 """The copy ``UpdateClip`` takes before every inner step, into buffers kept from window to window.
 
-``update_clip=`` and ``update_stats=`` copy the parameters and their inner
-state just before each inner step (see :mod:`clipopt._window.update_apply`).
-:class:`UpdateCopy` allocates that copy once and fills it again in every window
-with one ``torch._foreach_copy_`` per device and dtype, instead of a new clone of
-every tensor per window; it allocates anew only when the layout changes (a
-parameter or state entry added, removed, reshaped, or moved to another dtype or
-device: the first steps, a ``load_state_dict`` onto another device).  It also
-holds the buffers the update ``u = p_after - p_before`` is written into.  The
-memory it holds between windows is two copies of the parameters (their values
-and the update) and one of their tensor state: for AdamW 4x the parameters'
-bytes, what the copy and the update used to allocate anew in every window.
+``update_clip=`` and ``update_stats=`` copy the parameters just before each
+inner step (see :mod:`clipopt._window.update_apply`): one buffer per parameter,
+allocated once and filled again in every window with one ``torch._foreach_copy_``
+per device and dtype, allocated anew only when the layout changes (a parameter
+added, removed, reshaped, or moved to another dtype or device).  That is the
+memory held between windows: one copy of the parameters (and, on the CPU, a
+scratch buffer of :data:`~clipopt._window.update_apply.PIECE_NUMEL` elements per
+dtype).  The update ``u = p_after - p_before`` is never held: its norms are taken
+piece by piece through that scratch buffer (:mod:`clipopt._window.update_apply`).
 
-An inner state that holds something other than tensors (LBFGS's history lists)
-is copied as :class:`~clipopt._window.rollback.InnerBackup` copies it, anew each
-window, and the buffers are freed.
+``UpdateClip(..., restore_state=True)`` also copies the inner optimizer's state
+tensors (for AdamW twice the parameters' bytes more), into buffers kept the same
+way; an inner state that holds something other than tensors (a custom optimizer's
+numbers or lists) is copied as :class:`~clipopt._window.rollback.InnerBackup`
+copies it, anew each window.  :meth:`UpdateCopy.release` frees everything (the
+wrapper calls it when ``update_clip`` and ``update_stats`` are turned off).
 """
 
 from __future__ import annotations
@@ -31,17 +32,16 @@ from .rollback import InnerBackup, local_view
 __all__ = ["UpdateCopy"]
 
 
-def _layout(params: Sequence[Tensor], entries: dict[Tensor, dict[str, Any]]) -> Hashable:
-    """What the buffers depend on: each parameter's and state tensor's kind, shape, dtype and
-    device (of its local shard), and the state's keys."""
+def _one(t: Tensor) -> Hashable:
+    """What a buffer for ``t`` depends on: its kind, and its local shard's shape, dtype and device."""
+    local = local_view(t)
+    return type(t), local.shape, local.dtype, local.device
 
-    def one(t: Tensor) -> Hashable:
-        local = local_view(t)
-        return type(t), local.shape, local.dtype, local.device
 
+def _state_layout(params: Sequence[Tensor], entries: dict[Tensor, dict[str, Any]]) -> Hashable:
+    """What the state buffers depend on: each state tensor's :func:`_one` and the state's keys."""
     return tuple(
-        (one(p), tuple((key, one(v)) for key, v in entries[p].items()) if p in entries else None)
-        for p in params
+        tuple((key, _one(v)) for key, v in entries[p].items()) if p in entries else None for p in params
     )
 
 
@@ -60,28 +60,44 @@ def _grouped(pairs: list[tuple[Tensor, Tensor]]) -> list[tuple[list[Tensor], lis
     return list(groups.values())
 
 
+def _copy_into(pairs: list[tuple[Tensor, Tensor]]) -> None:
+    """Each destination (a local shard) filled from its source: one ``_foreach_copy_`` per group."""
+    for dsts, srcs in _grouped(pairs):
+        torch._foreach_copy_(dsts, srcs)
+
+
 class UpdateCopy:
-    """Buffers for the copy of the parameters and inner state taken before each inner step.
+    """Buffers for the copy of the parameters (and, on request, of the inner state) taken before
+    each inner step.
 
     Copying the owner (``copy.deepcopy``, pickling) copies no buffer: the copy starts empty.
     """
 
-    __slots__ = ("_layout", "_state", "_updates", "_values")
+    __slots__ = ("_layout", "_scratch", "_state", "_state_layout", "_values")
 
     def __init__(self) -> None:
         self._layout: Hashable = None
         self._values: list[Tensor] = []
+        self._state_layout: Hashable = None
         self._state: dict[Tensor, dict[str, Any]] = {}
-        self._updates: list[Tensor] | None = None
+        self._scratch: dict[torch.dtype, Tensor] = {}
 
-    def _drop(self) -> None:
+    def keep(self, on: bool) -> None:
+        """:meth:`release` unless ``on`` (whether ``update_clip`` or ``update_stats`` is on)."""
+        if not on:
+            self.release()
+
+    def release(self) -> None:
         """Hold nothing (the next :meth:`take` allocates anew)."""
-        self._layout, self._values, self._state, self._updates = None, [], {}, None
+        self._layout, self._values, self._state_layout, self._state = None, [], None, {}
+        self._scratch = {}
 
-    @property
-    def updates(self) -> list[Tensor] | None:
-        """Buffers for the update, one per parameter (its local shard), or None without buffers."""
-        return self._updates
+    def scratch(self, dtype: torch.dtype, numel: int) -> Tensor:
+        """A CPU buffer of at least ``numel`` elements of ``dtype``, kept (the update's pieces)."""
+        buf = self._scratch.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = self._scratch[dtype] = torch.empty(numel, dtype=dtype)
+        return buf
 
     def __reduce__(self) -> tuple[type[UpdateCopy], tuple[()]]:
         return UpdateCopy, ()
@@ -90,27 +106,33 @@ class UpdateCopy:
     def held_bytes(self) -> int:
         """The bytes the buffers hold between windows (local shards)."""
         state = [v for e in self._state.values() for v in e.values()]
-        tensors = [*self._values, *(self._updates or []), *state]
+        tensors = [*self._values, *state, *self._scratch.values()]
         return sum(local_view(t).numel() * local_view(t).element_size() for t in tensors)
 
     @torch.no_grad()
-    def take(self, optimizer: Optimizer, params: Sequence[Tensor]) -> InnerBackup:
-        """The copy of ``params`` and their state in ``optimizer``, now (before its step)."""
+    def take(self, optimizer: Optimizer, params: Sequence[Tensor], with_state: bool) -> InnerBackup:
+        """The copy of ``params`` (and, ``with_state``, of their state in ``optimizer``), now,
+        before the inner step."""
+        layout: Hashable = tuple(_one(p) for p in params)
+        if layout != self._layout:
+            self._values, self._layout = [p.detach().clone() for p in params], layout
+        else:
+            _copy_into([(local_view(b), local_view(p)) for b, p in zip(self._values, params, strict=True)])
+        if not with_state:
+            self._state_layout, self._state = None, {}
+            return InnerBackup(optimizer, params, (self._values, None))
         state = optimizer.state
         entries = {p: state[p] for p in params if p in state}
         if not _tensor_state(entries):
-            self._drop()  # nothing held for a layout the buffers cannot hold
-            return InnerBackup(optimizer, params)
-        layout = _layout(params, entries)
-        if layout != self._layout:
-            self._values = [p.detach().clone() for p in params]
-            self._updates = [torch.empty_like(local_view(p)) for p in params]
+            self._state_layout, self._state = None, {}  # nothing held for a layout the buffers cannot hold
+            return InnerBackup(optimizer, params, (self._values, InnerBackup.copy_state(optimizer, params)))
+        layout = _state_layout(params, entries)
+        if layout != self._state_layout:
             self._state = {p: {k: v.detach().clone() for k, v in e.items()} for p, e in entries.items()}
-            self._layout = layout
-            return InnerBackup(optimizer, params, (self._values, self._state))
-        pairs = [(local_view(b), local_view(p)) for b, p in zip(self._values, params, strict=True)]
+            self._state_layout = layout
+            return InnerBackup(optimizer, params, (self._values, self._state), kept=True)
+        pairs: list[tuple[Tensor, Tensor]] = []
         for p, saved in self._state.items():
             pairs.extend((local_view(b), local_view(entries[p][k])) for k, b in saved.items())
-        for dsts, srcs in _grouped(pairs):
-            torch._foreach_copy_(dsts, srcs)
-        return InnerBackup(optimizer, params, (self._values, self._state))
+        _copy_into(pairs)
+        return InnerBackup(optimizer, params, (self._values, self._state), kept=True)

@@ -13,6 +13,7 @@ import csv
 import io
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from clipopt import ClippedOptimizer, CSVLogger, UpdateClip
+from clipopt._window import update_apply
 from clipopt._window.update_clip import rms_coefs, z_bound
 
 from ..helpers import ZeroDivideSGD, assert_tensors_close, batches_for, model_for, mse, spawn_job
@@ -162,42 +164,70 @@ def _state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
-@pytest.mark.parametrize(
-    "options",
-    [{"update_stats": True}, *({"update_clip": UpdateClip(**limits)} for limits in MODES.values())],
-    ids=["update_stats", *MODES],
-)
-def test_a_nonfinite_update_from_finite_gradients_is_put_back(options: dict) -> None:
-    """An inner optimizer dividing by zero in its third step (finite gradients): the parameters and
-    its state (momentum, step count) are those after the second window, bit for bit; the window is
-    skipped with reason "nonfinite_update", its coefficient 0 and its update norm not finite; it
-    is not in z's history; the gradient norm stays finite."""
+#: Each update option, the inner state put back or not: (options, whether the state is put back).
+PUT_BACK: dict[str, tuple[dict[str, Any], bool]] = {
+    "update_stats": ({"update_stats": True}, False),
+    **{mode: ({"update_clip": UpdateClip(**limits)}, False) for mode, limits in MODES.items()},
+    **{
+        f"{mode}-restore_state": ({"update_clip": UpdateClip(**limits, restore_state=True)}, True)
+        for mode, limits in MODES.items()
+    },
+}
+
+
+def _zero_divide_run(options: dict, bad_calls: set[int], windows: int = 4) -> tuple[Any, ...]:
+    """The dividing optimizer (max_norm=1.0) with ``options``: the parameters and inner state after
+    each window, and the wrapper."""
     model = model_for()
-    inner = ZeroDivideSGD(model.parameters(), lr=0.01, bad_calls={3})
+    inner = ZeroDivideSGD(model.parameters(), lr=0.01, bad_calls=bad_calls)
     opt = ClippedOptimizer(inner, max_norm=1.0, **options)
     params_after, state_after = [], []
-    for batch in batches_for(4, seed=5):
+    for batch in batches_for(windows, seed=5):
         _backward(model, batch)
         opt.step()
         opt.zero_grad()
         params_after.append([p.detach().clone() for p in model.parameters()])
         state_after.append(_state(inner))
+    return params_after, state_after, opt
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize(("options", "restores"), list(PUT_BACK.values()), ids=list(PUT_BACK))
+def test_a_nonfinite_update_from_finite_gradients_is_put_back(
+    options: dict, restores: bool, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An inner optimizer dividing by zero in its third step (finite gradients): the parameters are
+    those after the second window, bit for bit; the window is skipped with reason
+    "nonfinite_update", its coefficient 0 and its update norm not finite; it is not in z's history;
+    the gradient norm stays finite.  The inner state (momentum, step count): with
+    restore_state=True that after the second window, bit for bit; without, what the third step made
+    of the window's gradient (that of the same wrapper around an optimizer that does not divide by
+    zero and has no update option, after three windows).  Both the CPU's path (the decision read on
+    the host) and the accelerators' (``path="device"``: a device select) are run."""
+    if path == "device":
+        monkeypatch.setattr(update_apply, "HOST_DECIDED", frozenset())
+    params_after, state_after, opt = _zero_divide_run(copy.deepcopy(options), {3})
     stats = list(opt.stats)
     assert [s.reason for s in stats] == [None, None, "nonfinite_update", None]
     assert stats[2].skipped and math.isfinite(stats[2].total_norm) and not math.isfinite(stats[2].update_norm)
     assert stats[2].update_coef == 0.0
     assert all(torch.equal(a, b) for a, b in zip(params_after[2], params_after[1], strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(state_after[2], state_after[1], strict=True))
+    want = state_after[1] if restores else _zero_divide_run({}, set(), windows=3)[1][2]
+    assert all(torch.equal(a, b) for a, b in zip(state_after[2], want, strict=True))
+    if not restores:  # the rejected step did change the state
+        assert not all(torch.equal(a, b) for a, b in zip(state_after[2], state_after[1], strict=True))
     assert opt.num_skipped == 1 and opt.num_updates == 3
     if opt.update_clip is not None and opt.update_clip.mode == "z":
         assert int(opt.update_clip.state_dict()["count"]) == 3
 
 
 def test_after_a_put_back_update_training_goes_on_as_if_it_never_happened() -> None:
-    """update_stats=True around the dividing optimizer: after the rejected third window the run is,
-    bit for bit, the run of the same optimizer that never saw that window's batch."""
+    """UpdateClip(restore_state=True), never bounding, around the dividing optimizer: after the
+    rejected third window the run is, bit for bit, the run of the same optimizer that never saw
+    that window's batch."""
     model, bare = model_for(), model_for()
-    opt = ClippedOptimizer(ZeroDivideSGD(model.parameters(), bad_calls={3}), max_norm=None, update_stats=True)
+    bound = UpdateClip(max_norm=1e6, restore_state=True)
+    opt = ClippedOptimizer(ZeroDivideSGD(model.parameters(), bad_calls={3}), max_norm=None, update_clip=bound)
     inner = ZeroDivideSGD(bare.parameters())
     for i, batch in enumerate(batches_for(6, seed=6)):
         _backward(model, batch)
@@ -209,6 +239,44 @@ def test_after_a_put_back_update_training_goes_on_as_if_it_never_happened() -> N
             inner.zero_grad()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), bare.parameters(), strict=True))
     assert all(torch.equal(a, b) for a, b in zip(_state(opt), _state(inner), strict=True))
+
+
+class _NanStateSGD(ZeroDivideSGD):
+    """ZeroDivideSGD whose momentum becomes nan in its third step (finite gradients): from then on
+    every update it makes is nan, unless its state is put back."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        if self.calls + 1 == 3:
+            for state in self.state.values():
+                state["momentum"].fill_(math.nan)
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("restore_state", [False, True])
+def test_a_nonfinite_inner_state_is_never_left_silent(restore_state: bool) -> None:
+    """The inner optimizer's state turns nan in the third step.  Without restore_state the state
+    keeps it, every later update is rejected, and after 10 in a row a RuntimeWarning names
+    "nonfinite_update" and restore_state=True; with it the state is put back and the fourth update
+    is applied (no warning)."""
+    model = model_for()
+    opt = ClippedOptimizer(
+        _NanStateSGD(model.parameters()), update_clip=UpdateClip(max_norm=1e6, restore_state=restore_state)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in batches_for(13, seed=10):
+            _backward(model, batch)
+            opt.step()
+            opt.zero_grad()
+    reasons = [s.reason for s in opt.stats]
+    found = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    if restore_state:
+        assert reasons == [None, None, "nonfinite_update", *[None] * 10] and not found
+        return
+    assert reasons == [None, None, *["nonfinite_update"] * 11]
+    assert len(found) == 1 and "'nonfinite_update' x10" in found[0] and "restore_state=True" in found[0]
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 def _reads_per_window(opt: ClippedOptimizer, model: torch.nn.Module, pattern: str) -> list[int]:
@@ -230,27 +298,47 @@ def _reads_per_window(opt: ClippedOptimizer, model: torch.nn.Module, pattern: st
     [{"update_stats": True}, *({"update_clip": UpdateClip(**limits)} for limits in MODES.values())],
     ids=["update_stats", *MODES],
 )
-def test_fused_adamw_with_update_clipping_reads_nothing(options: dict) -> None:
-    """Fused AdamW with each mode (and update_stats): after the first update (no state yet), an
-    update, applied or skipped, makes no host read."""
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_fused_adamw_with_update_clipping_reads_nothing(
+    options: dict, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fused AdamW with each mode (and update_stats), on the CPU's path and on the accelerators'
+    (a device select): after the first update (no state yet), an update, applied or skipped, makes
+    no host read."""
+    if path == "device":
+        monkeypatch.setattr(update_apply, "HOST_DECIDED", frozenset())
     model = model_for()
     opt = ClippedOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=0.01, fused=True), max_norm=0.1, **options
+        torch.optim.AdamW(model.parameters(), lr=0.01, fused=True), max_norm=0.1, **copy.deepcopy(options)
     )
     counts = _reads_per_window(opt, model, "ggbggbgg")
     assert counts[1:] == [0] * 7
 
 
-def test_putting_back_a_nonfinite_update_reads_nothing() -> None:
+@pytest.mark.parametrize("restore_state", [False, True])
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_putting_back_a_nonfinite_update_reads_nothing(
+    path: str, restore_state: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The dividing optimizer (state on the parameters' device) with skip_nonfinite=False, so that
-    clipopt's host path reads nothing: the rejected third update is put back without a host read;
-    only the first update, which creates the optimizer's state, reads the flag once (its state
-    could only be put back by removing it)."""
+    clipopt's host path reads nothing: the rejected third update is put back without a host read.
+    On the accelerators' path (a device select) with restore_state=True, the first update, which
+    creates the optimizer's state, reads the flag once (its state could only be put back by
+    removing it); without restore_state nothing is read at all.  On the CPU's path the decision is
+    read through cpu_values only (no sync: tests/hostreads.py counts it apart), once per window."""
+    if path == "device":
+        monkeypatch.setattr(update_apply, "HOST_DECIDED", frozenset())
     model = model_for()
     inner = ZeroDivideSGD(model.parameters(), bad_calls={3})
-    opt = ClippedOptimizer(inner, max_norm=0.1, skip_nonfinite=False, update_clip=UpdateClip(max_rms=1.0))
-    assert _reads_per_window(opt, model, "ggggg") == [1, 0, 0, 0, 0]
+    bound = UpdateClip(max_rms=1.0, restore_state=restore_state)
+    opt = ClippedOptimizer(inner, max_norm=0.1, skip_nonfinite=False, update_clip=bound)
+    want = [1 if restore_state and path == "device" else 0] + [0] * 4
+    assert _reads_per_window(opt, model, "ggggg") == want
     assert [s.reason for s in opt.stats] == [None, None, "nonfinite_update", None, None]
+    with count_host_reads() as reads:
+        _backward(model, batches_for(1, seed=8)[0])
+        opt.step()
+    assert len(reads.cpu) == (1 if path == "host" else 0)
 
 
 def test_update_columns_and_tags_read_back_as_recorded(tmp_path: Path) -> None:
@@ -332,6 +420,36 @@ def test_the_z_history_resumes_from_a_checkpoint_bit_for_bit(tmp_path: Path) -> 
     tail = [(s.update_norm, s.update_coef) for s in list(opt.stats)[5:]]  # windows 6 to 10
     assert tail == [(s.update_norm, s.update_coef) for s in resumed.stats]
     assert any(c < 1.0 for _, c in tail)
+
+
+@pytest.mark.parametrize("saved_with", [{"max_rms": 0.008}, {"max_norm": 0.045}, None])
+def test_a_checkpoint_loads_across_update_clip_modes_with_an_empty_history(saved_with: dict | None) -> None:
+    """A state dict saved with UpdateClip(max_rms=...), UpdateClip(max_norm=...) or no update_clip
+    (3 windows) loads into an optimizer with UpdateClip(z=..., window=4) that had a history (before,
+    the first two were refused as "invalid UpdateClip state"): the windows are those of the
+    checkpoint and the z history starts empty.  And a z history loads into UpdateClip(max_rms=...)
+    (which keeps none)."""
+    model = model_for()
+    options = {} if saved_with is None else {"update_clip": UpdateClip(**saved_with)}
+    source = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), max_norm=None, **options)
+    for batch in batches_for(3, seed=9):
+        _backward(model, batch)
+        source.step()
+        source.zero_grad()
+    saved = source.state_dict()
+    z_saved, z_opt = _z_run(6, 6)
+    assert int(z_opt.update_clip.state_dict()["count"]) > 0
+    z_opt.load_state_dict(saved)
+    if saved_with is None:  # no history saved at all: an older checkpoint's rule (kept as it is)
+        return
+    assert z_opt.num_windows == 3 and int(z_opt.update_clip.state_dict()["count"]) == 0
+    rms = ClippedOptimizer(
+        torch.optim.SGD(model_for().parameters(), lr=0.05, momentum=0.9),
+        accumulation_steps=2,
+        update_clip=UpdateClip(max_rms=0.01),
+    )
+    rms.load_state_dict(z_saved["opt"])
+    assert rms.num_windows == 3
 
 
 def test_a_z_history_of_another_window_is_refused_before_anything_changes() -> None:
@@ -453,27 +571,35 @@ def test_the_repr_names_the_update_clip() -> None:
         (
             {},
             ValueError,
-            "UpdateClip takes exactly one of max_rms, max_norm or z, got none of them; pass e.g. "
-            "UpdateClip(max_rms=1.0), UpdateClip(max_norm=1.0) or UpdateClip(z=3.0, window=128)",
+            "UpdateClip takes exactly one of max_rms, max_norm or z, got none of them; the bound is "
+            "on the update after the learning rate (with AdamW at lr=1e-3 its elements are at most "
+            "about 1e-3): pass e.g. UpdateClip(max_rms=1e-3), UpdateClip(max_norm=0.5) or "
+            "UpdateClip(z=3.0, window=128)",
         ),
         (
             {"max_rms": 1.0, "z": 3.0},
             ValueError,
-            "UpdateClip takes exactly one of max_rms, max_norm or z, got max_rms=1.0, z=3.0; pass e.g.",
+            "UpdateClip takes exactly one of max_rms, max_norm or z, got max_rms=1.0, z=3.0; the bound",
         ),
         (
             {"max_rms": -1.0},
             ValueError,
-            "max_rms must be a positive finite number or None, got -1.0; pass e.g. max_rms=1.0, "
+            "max_rms must be a positive finite number or None, got -1.0; pass e.g. max_rms=1e-3, "
             "or max_rms=None to turn it off",
         ),
         (
             {"max_norm": "1"},
             TypeError,
-            "max_norm must be a float or None, got '1' (str); pass e.g. max_norm=1.0, "
+            "max_norm must be a float or None, got '1' (str); pass e.g. max_norm=0.5, "
             "or max_norm=None to turn it off",
         ),
         ({"z": 3.0, "window": 1}, ValueError, "window must be an int >= 2, got 1; pass e.g. window=128"),
+        (
+            {"z": 3.0, "restore_state": 1},
+            TypeError,
+            "restore_state must be True or False, got 1 (int); pass restore_state=True or "
+            "restore_state=False",
+        ),
         (
             {"z": 3.0, "window": 8.0},
             TypeError,
@@ -525,7 +651,8 @@ def test_bad_optimizer_arguments_are_refused() -> None:
         TypeError,
         match=re.escape(
             "update_clip must be an UpdateClip or None, got float; "
-            "pass e.g. update_clip=UpdateClip(max_rms=1.0)"
+            "pass e.g. update_clip=UpdateClip(max_rms=1e-3) (a bound on the update, after the "
+            "learning rate)"
         ),
     ):
         ClippedOptimizer(torch.optim.SGD(model.parameters()), update_clip=1.0)  # type: ignore[arg-type]
@@ -637,11 +764,13 @@ def test_a_grad_scaler_overflow_makes_no_update_and_no_history_entry(fused: bool
 def test_several_inner_optimizers_are_bounded_and_put_back_as_one() -> None:
     """ClippedOptimizer([ZeroDivideSGD(first layer), AdamW(rest)], update_clip=max_norm): one
     coefficient for all parameters (the test's own global norm of the change), and a non-finite
-    update of the first optimizer puts back both optimizers' parameters and state."""
+    update of the first optimizer puts back both optimizers' parameters and (restore_state=True)
+    state."""
     model = model_for()
     params = list(model.parameters())
     first, rest = ZeroDivideSGD(params[:2], lr=0.01, bad_calls={3}), torch.optim.AdamW(params[2:], lr=LR)
-    opt = ClippedOptimizer([first, rest], max_norm=None, update_clip=UpdateClip(max_norm=0.02))
+    bound = UpdateClip(max_norm=0.02, restore_state=True)
+    opt = ClippedOptimizer([first, rest], max_norm=None, update_clip=bound)
     snapshots = []
     for batch in batches_for(4, seed=14):
         _backward(model, batch)
@@ -702,6 +831,23 @@ def test_fsdp2_puts_back_a_nonfinite_update_on_every_rank(gloo: list[dict[str, A
         assert got["reasons"] == [None, "nonfinite_update", None]
         assert all(torch.equal(a, b) for a, b in zip(got["after"][1], got["after"][0], strict=True))
         assert not all(torch.equal(a, b) for a, b in zip(got["after"][2], got["after"][1], strict=True))
+
+
+@needs_gloo
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_an_update_rejected_on_one_rank_is_rejected_on_every_rank(
+    gloo: list[dict[str, Any]], kind: str
+) -> None:
+    """DDP and FSDP2, rank 1's inner optimizer alone dividing by zero in its second step: both ranks
+    skip that window with reason "nonfinite_update" and keep the parameters of the first window
+    (before, under DDP rank 0 applied it: the replicas ended 0.0275 apart, silently); the replicas
+    stay equal, bit for bit, in every window."""
+    first, second = (rank[f"{kind}-nonfinite-one-rank"] for rank in gloo)
+    assert first["reasons"] == second["reasons"] == [None, "nonfinite_update", None]
+    for got in (first, second):
+        assert all(torch.equal(a, b) for a, b in zip(got["after"][1], got["after"][0], strict=True))
+    for mine, theirs in zip(first["after"], second["after"], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
 
 
 @needs_gloo

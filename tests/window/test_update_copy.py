@@ -6,6 +6,7 @@ The references are the bare inner optimizer's runs (bit for bit) and the bytes o
 
 from __future__ import annotations
 
+import collections
 import copy
 import pickle
 from collections.abc import Callable, Iterable
@@ -17,13 +18,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from clipopt import ClippedOptimizer, UpdateClip
+from clipopt._window import update_apply
 
 from ..helpers import ZeroDivideSGD, batches_for, model_for, mse
 
 
 class _NewBytes(TorchDispatchMode):
-    """The bytes of the tensors that operators return as new tensors (not written in place or
-    into an ``out=`` argument)."""
+    """The bytes of the storages that operators return anew (not an input's storage: neither
+    written in place, into an ``out=`` argument, nor a view of an input)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -32,9 +34,11 @@ class _NewBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and id(t) not in inputs and t._base is None:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
                 self.bytes += t.numel() * t.element_size()
         return out
 
@@ -45,25 +49,107 @@ def _window(opt: ClippedOptimizer, model: torch.nn.Module, batch: Any) -> None:
     opt.zero_grad()
 
 
-@pytest.mark.parametrize("options", [{"update_stats": True}, {"update_clip": UpdateClip(max_rms=1e-3)}])
-def test_the_copy_allocates_nothing_once_the_state_exists(options: dict) -> None:
-    """Fused AdamW: from the third window on (the first creates the state, the second the
-    buffers), a step() allocates less than a tenth of the parameters' bytes: the copy of the
-    parameters and of the state and the update go into the same buffers every window (before,
-    each window cloned 3x the parameters and made the update anew: 4x)."""
+def _held_bytes(opt: ClippedOptimizer, model: torch.nn.Module) -> int:
+    """The bytes of the tensor storages reachable from ``opt`` (attributes, slots, containers; a
+    walk written here, not clipopt's own accounting), less the parameters, their gradients and
+    the inner optimizer's state: what the wrapper holds beside the training state."""
+    training = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    training |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    for entry in opt.optimizer.state.values():
+        training |= {v.untyped_storage().data_ptr() for v in entry.values() if isinstance(v, torch.Tensor)}
+    seen: set[int] = set()
+    found: dict[int, int] = {}
+    todo: list[Any] = [opt]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in training:
+                found[storage.data_ptr()] = storage.nbytes()
+            continue
+        if isinstance(obj, dict):
+            todo.extend(obj.keys())
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+            todo.extend(obj)
+        elif type(obj).__module__.startswith("clipopt"):
+            todo.extend(vars(obj).values() if hasattr(obj, "__dict__") else [])
+            for cls in type(obj).__mro__:
+                for name in getattr(cls, "__slots__", ()):
+                    if hasattr(obj, name):
+                        todo.append(getattr(obj, name))
+    return sum(found.values())
+
+
+#: The update's pieces on the CPU go through a kept scratch buffer of this many bytes (float32).
+SCRATCH = update_apply.PIECE_NUMEL * 4
+
+
+@pytest.mark.parametrize(
+    ("options", "held"),
+    [
+        ({"update_stats": True}, 1),
+        ({"update_clip": UpdateClip(max_rms=1e-3)}, 1),
+        ({"update_clip": UpdateClip(max_rms=1e-3, restore_state=True)}, 3),
+    ],
+    ids=["update_stats", "max_rms", "max_rms-restore_state"],
+)
+def test_the_copy_allocates_nothing_once_the_state_exists(options: dict, held: int) -> None:
+    """Fused AdamW, a layer of 262k weights: from the third window on (the first creates the state,
+    the second the buffers), a step() allocates less than a tenth of the parameters' bytes (the
+    update is never written whole: its norms are taken piece by piece); between windows the wrapper
+    holds one copy of the parameters (plus the pieces' scratch buffer) beyond a wrapper without
+    update options, three with restore_state=True (the parameters and AdamW's two state tensors).
+    Before, it held four (the update and the state's copy) in every case."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(128, 64)  # 33 KB of parameters: the statistics' scalars are far below a tenth
+    model = torch.nn.Linear(1024, 256)  # 1 MB of parameters: the statistics' scalars are far below a tenth
+    plain_model = copy.deepcopy(model)
     opt = ClippedOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=0.01, fused=True), max_norm=1.0, **options
+        torch.optim.AdamW(model.parameters(), lr=0.01, fused=True), max_norm=1.0, **copy.deepcopy(options)
     )
+    plain = ClippedOptimizer(torch.optim.AdamW(plain_model.parameters(), lr=0.01, fused=True), max_norm=1.0)
     pbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     for i in range(5):
-        model(torch.randn(8, 128)).pow(2).mean().backward()
+        x = torch.randn(8, 1024)
+        plain_model(x).pow(2).mean().backward()
+        plain.step()
+        model(x).pow(2).mean().backward()
         with _NewBytes() as mode:
             opt.step()
         opt.zero_grad()
         if i >= 2:
             assert mode.bytes < pbytes / 10, (i, mode.bytes, pbytes)
+    added = _held_bytes(opt, model) - _held_bytes(plain, plain_model)
+    # (beside the buffers: the recorded update norms and coefficients, a few bytes per window)
+    assert held * pbytes <= added <= held * pbytes + SCRATCH + 4096, (added, pbytes)
+
+
+@pytest.mark.parametrize("turned_off", ["update_clip", "update_stats"])
+def test_turning_the_update_options_off_frees_the_copy(turned_off: str) -> None:
+    """After opt.update_clip = None (or update_stats = False), with the other one off, the copy's
+    buffers are freed: the wrapper holds what one built without them holds; turning it on again
+    makes a new copy that bounds as before."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 256)
+    options = (
+        {"update_clip": UpdateClip(max_rms=1e-3)} if turned_off == "update_clip" else {"update_stats": True}
+    )
+    opt = ClippedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), max_norm=1.0, **options)
+    pbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for _ in range(2):
+        model(torch.randn(8, 1024)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    before = _held_bytes(opt, model)
+    setattr(opt, turned_off, None if turned_off == "update_clip" else False)
+    after = _held_bytes(opt, model)
+    assert before - after >= pbytes, (before, after, pbytes)
+    model(torch.randn(8, 1024)).pow(2).mean().backward()
+    opt.step()  # a window without the update options: nothing is copied again
+    assert _held_bytes(opt, model) < after + pbytes / 10  # (the window's statistics: a few bytes)
 
 
 class _NewKeySGD(ZeroDivideSGD):
@@ -90,13 +176,20 @@ def _state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     ]
 
 
-def test_a_state_put_back_by_replacement_is_not_the_kept_copy() -> None:
-    """The third update is rejected after the step added a state entry (the state is put back by
-    replacing it), the fourth is rejected too (put back by a device select from the copy): the run
-    is, bit for bit, that of the bare optimizer that never saw those two batches; the state put
-    back in the third window is the optimizer's own, not the copy refilled in the fourth."""
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_a_state_put_back_by_replacement_is_not_the_kept_copy(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """UpdateClip(restore_state=True): the third update is rejected after the step added a state
+    entry (the state is put back by replacing it), the fourth is rejected too (put back in place
+    from the copy: by copies on the CPU's path, a device select on the accelerators'): the run is,
+    bit for bit, that of the bare optimizer that never saw those two batches; the state put back in
+    the third window is the optimizer's own, not the copy refilled in the fourth."""
+    if path == "device":
+        monkeypatch.setattr(update_apply, "HOST_DECIDED", frozenset())
     model, bare = model_for(), model_for()
-    opt = ClippedOptimizer(_NewKeySGD(model.parameters(), {3, 4}, {3}), max_norm=None, update_stats=True)
+    bound = UpdateClip(max_norm=1e6, restore_state=True)
+    opt = ClippedOptimizer(_NewKeySGD(model.parameters(), {3, 4}, {3}), max_norm=None, update_clip=bound)
     inner = ZeroDivideSGD(bare.parameters())
     for i, batch in enumerate(batches_for(6, seed=6)):
         _window(opt, model, batch)
@@ -114,7 +207,7 @@ def test_a_state_put_back_by_replacement_is_not_the_kept_copy() -> None:
 )
 def test_a_copy_of_the_optimizer_carries_no_buffers_and_goes_on_alike(clone: Callable[[Any], Any]) -> None:
     """After a few windows the wrapper pickles to about the size of one without update_clip (the
-    kept copy, 4x the parameters' bytes, does not travel); a deep copy or pickle of it gives the
+    kept copy of the parameters does not travel); a deep copy or pickle of it gives the
     original's parameters bit for bit in the next windows."""
     torch.manual_seed(0)
     model = torch.nn.Linear(128, 64)  # 33 KB of parameters: far above the pickles' other differences
@@ -142,3 +235,24 @@ def test_a_copy_of_the_optimizer_carries_no_buffers_and_goes_on_alike(clone: Cal
         window(opt, model, x)
         window(twin, twin_model, x)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_update_norms_taken_piece_by_piece_are_the_norms_of_the_differences(dtype: torch.dtype) -> None:
+    """update_norms of tensors above, at and below the piece size, one of them transposed (not
+    contiguous: taken whole): each the norm of ``now - before`` (the difference in the tensors'
+    dtype, as the update is; the norm in float64 here), within float32 summation error."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(300, 300), (update_apply.PIECE_NUMEL,), (1000,), (7,)]
+    before = [torch.randn(s, generator=gen).to(dtype) for s in shapes] + [torch.randn(400, 200).to(dtype).t()]
+    now = [b + 1e-3 * torch.randn(b.shape, generator=gen).to(dtype) for b in before]
+    kept: dict[torch.dtype, torch.Tensor] = {}
+
+    def scratch(dt: torch.dtype, numel: int) -> torch.Tensor:
+        return kept.setdefault(dt, torch.empty(numel, dtype=dt))
+
+    got = update_apply.update_norms(now, before, scratch)
+    want = [float(torch.linalg.vector_norm((a - b).double())) for a, b in zip(now, before, strict=True)]
+    assert got.dtype == torch.float32
+    assert got.tolist() == pytest.approx(want, rel=1e-5)
+    assert kept and all(t.numel() == update_apply.PIECE_NUMEL for t in kept.values())  # the pieces ran
