@@ -37,14 +37,11 @@ def analyze(log: GradLog) -> dict[str, Any]:
     """The verdict, its findings, the suggested ``max_norm``, the clipping assessment and a summary.
 
     Keys: ``file``, ``source``, ``run`` (the TensorBoard run, or None), ``columns`` (the names read as
-    ``norm`` and ``loss``, and those ``ignored``), ``verdict`` (one of :data:`VERDICTS`),
-    ``findings`` (most severe first; each ``kind`` -- ``blowup``, ``growth``,
-    ``nonfinite``, ``spikes``, ``loss_spikes``, ``update_spikes`` or ``vanishing`` --,
-    ``verdict``, ``step``, ``layer``, ``evidence``, ``values``),
-    ``suggested_max_norm``, ``clipping``, ``suggestions``, ``summary``,
-    ``notes``, ``update`` (None: the log has no update norm), ``spike_score`` and ``throttle`` (the
-    rates of :mod:`clipopt._report.rules.rates`; None where the log cannot give them).  See the module
-    docstring for the rules.
+    ``norm`` and ``loss``, and those ``ignored``), ``verdict`` (one of :data:`VERDICTS`), ``findings``
+    (most severe first; each ``kind`` -- ``blowup``, ``growth``, ``nonfinite``, ``spikes``,
+    ``loss_spikes``, ``update_spikes`` or ``vanishing`` --, ``verdict``, ``step``, ``layer``,
+    ``evidence``, ``values``), ``suggested_max_norm``, ``clipping``, ``suggestions``, ``summary``,
+    ``notes``, ``update`` (None: no update norm), ``spike_score`` and ``throttle`` (:mod:`.rates`).
     """
     n = len(log)
     norm, loss = as_tensor(log.total_norm), as_tensor(log.loss)
@@ -66,8 +63,6 @@ def analyze(log: GradLog) -> dict[str, Any]:
     grad_verdict = _verdict([f for f in findings if f["kind"] != "update_spikes"])  # max_norm's advice
     n_overflow = int(overflow.sum())
     notes += _run_notes(log, n_overflow, handled) + _update_notes(update.handled if update else [])
-    throttle = clip_throttle(log, norm)
-    notes += throttle_note(throttle)
     end = min(onset, first_bad) if explosions else n
     spike_rows = set(spikes["values"]["rows"]) if spikes is not None else set()
     stretch, stretch_end = stretch_for(norm, finite, end, spike_rows, verdict)
@@ -86,9 +81,15 @@ def analyze(log: GradLog) -> dict[str, Any]:
         "summary": _summary(log, norm, loss, finite, n_overflow, len(handled)),
         "notes": notes,
         "update": update_summary(log, update, stretch_end),
-        "spike_score": spike_score(log, loss),
-        "throttle": throttle,
+        **_rates(log, norm, loss, notes),
     }
+
+
+def _rates(log: GradLog, norm: Tensor, loss: Tensor, notes: list[str]) -> dict[str, Any]:
+    """The run's rates (:mod:`clipopt._report.rules.rates`); a throttling bound's note joins ``notes``."""
+    throttle = clip_throttle(log, norm)
+    notes += throttle_note(throttle)
+    return {"spike_score": spike_score(log, loss), "throttle": throttle}
 
 
 def _verdict(findings: list[dict[str, Any]]) -> str:
