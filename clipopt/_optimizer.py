@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.compiler import is_compiling
 from torch.optim import Optimizer
 
-from ._checkpoint import read_checkpoint, wrapper_entry
+from ._checkpoint import add_entry_slot, entry_at_top, read_checkpoint, with_entry, wrapper_entry
 from ._config import DTENSOR_DIAGNOSTICS, check_closure, check_max_norm, configure, describe
 from ._diagnostics.layers import LayerStats
 from ._diagnostics.loggers import Logger, log_window
@@ -232,6 +232,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self.backward_passes_per_step = cfg.backward_passes_per_step
         self._names = cfg.names
         self._inner = cfg.inner  # the optimizer, or an _inner.InnerOptimizers over a list of several
+        add_entry_slot(self._inner)  # where the checkpoint entry rides through savers (_checkpoint)
         self.scaler, self.foreach = scaler, foreach
         self._init_hooks()
         self._init_state(snapshot_dir)
@@ -803,14 +804,17 @@ class ClippedOptimizer(InnerOptimizerView):
         optimizer can load it; over several inner optimizers, ``"optimizers"``: a
         list of their state dicts) and only tensors, numbers, strings, lists and
         dicts, so ``torch.load(..., weights_only=True)`` reads it.  Taken
-        mid-window it holds a copy of the gradients accumulated so far.
+        mid-window it holds a copy of the gradients accumulated so far.  The
+        same entry is also under ``"clipopt"`` in the first parameter group, so
+        that savers which keep only ``"state"`` and ``"param_groups"`` (torch's
+        ``get_optimizer_state_dict``, Composer, torchtitan) keep it too.
         """
         return self._hooked_state_dict(self._state_dict)
 
     def _state_dict(self) -> dict[str, Any]:
         self._check_checkpointable()
-        sd = dict(self._inner.state_dict())
-        sd["clipopt"] = wrapper_entry(
+        inner = self._inner.state_dict()
+        entry = wrapper_entry(
             self._counters,
             self._params(),
             scaler=self.scaler,
@@ -820,7 +824,7 @@ class ClippedOptimizer(InnerOptimizerView):
             recovery=self._recovery,
             update_clip=self.update_clip,
         )
-        return sd
+        return with_entry(inner, entry)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict` or from a plain optimizer.
@@ -831,6 +835,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self._hooked_load(state_dict, self._load_state_dict)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = entry_at_top(state_dict, self._inner)  # a saver may have kept only the group's copy
         params = self._params()
         ckpt = read_checkpoint(
             state_dict,
