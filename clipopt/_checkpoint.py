@@ -17,7 +17,7 @@ optimizer has: :func:`add_entry_slot` gives its first group the key, holding Non
 from __future__ import annotations
 
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -56,20 +56,23 @@ __all__ = [
     "wrapper_entry",
 ]
 
+OptimizerT = TypeVar("OptimizerT", bound=Optimizer)
+
 #: The key of the wrapper's entry, at the top level of its state dict and in its first parameter group.
 ENTRY = "clipopt"
 
 
-def add_entry_slot(inner: Optimizer) -> None:
-    """Give the first group of a single inner optimizer whose state dict is torch's (it keeps
-    ``Optimizer.state_dict`` or is torch's own) the key that carries the entry, holding None: a
-    flattening saver restores a group key only where the live group has it."""
+def add_entry_slot(inner: OptimizerT) -> OptimizerT:
+    """``inner``, the first group of which -- for a single inner optimizer whose state dict is torch's
+    (it keeps ``Optimizer.state_dict`` or is torch's own) -- now has the key that carries the entry,
+    holding None: a flattening saver restores a group key only where the live group has it."""
     if isinstance(inner, InnerOptimizers) or not inner.param_groups:
-        return
+        return inner
     kind = type(inner)
     torch_class = kind.__module__ == "torch" or kind.__module__.startswith("torch.")
     if torch_class or kind.state_dict is Optimizer.state_dict:
         inner.param_groups[0].setdefault(ENTRY, None)
+    return inner
 
 
 def with_entry(state_dict: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:

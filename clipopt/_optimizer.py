@@ -231,8 +231,8 @@ class ClippedOptimizer(InnerOptimizerView):
         self._replicas = ReplicaDecision(cfg.replica_group)
         self.backward_passes_per_step = cfg.backward_passes_per_step
         self._names = cfg.names
-        self._inner = cfg.inner  # the optimizer, or an _inner.InnerOptimizers over a list of several
-        add_entry_slot(self._inner)  # where the checkpoint entry rides through savers (_checkpoint)
+        # the optimizer, or an _inner.InnerOptimizers over several; with a slot for the entry (_checkpoint)
+        self._inner = add_entry_slot(cfg.inner)
         self.scaler, self.foreach = scaler, foreach
         self._init_hooks()
         self._init_state(snapshot_dir)
@@ -813,7 +813,6 @@ class ClippedOptimizer(InnerOptimizerView):
 
     def _state_dict(self) -> dict[str, Any]:
         self._check_checkpointable()
-        inner = self._inner.state_dict()
         entry = wrapper_entry(
             self._counters,
             self._params(),
@@ -824,7 +823,7 @@ class ClippedOptimizer(InnerOptimizerView):
             recovery=self._recovery,
             update_clip=self.update_clip,
         )
-        return with_entry(inner, entry)
+        return with_entry(self._inner.state_dict(), entry)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict` or from a plain optimizer.
