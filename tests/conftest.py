@@ -61,6 +61,9 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "recovery/test_rewind_escalation.py::test_lr_cut_under_lightning_keeps_the_schedulers_values",
         "recovery/test_rewind_escalation.py::test_lr_cut_under_the_hf_trainer_keeps_the_schedulers_values",
     ),
+    "real Composer Trainer runs, each in a process of its own (importing Composer alone takes 20 s)": (
+        "optimizer/test_savers.py::test_composer_trainer_resumes_bit_identically",
+    ),
     "trains the demo's and the report's corpus of runs (minutes)": (
         "report/test_demo.py",
         "report/test_report_corpus.py",
