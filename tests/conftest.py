@@ -48,6 +48,7 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "window/test_reasons.py::test_every_reason_reads_back_as_itself_through_every_logger[divergence]",
         "policies/test_policy_fsdp.py",
         "optimizer/test_multi_optimizer.py::test_ddp_and_fsdp2_over_several_inner_optimizers_equal_one_process",
+        "optimizer/test_savers.py::test_fsdp2_resume_through_the_helpers_keeps_each_ranks_rewind_copies",
     ),
     "real Lightning, Hugging Face Trainer and Accelerate runs": (
         "integrations/test_integrations_accelerate.py",

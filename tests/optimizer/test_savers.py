@@ -31,8 +31,14 @@ from torch.distributed.checkpoint.state_dict import (
 
 from clipopt import ClippedOptimizer, ZClip
 
+from .. import saver_jobs
+from ..helpers import spawn_job
+from ..markers import needs_gloo
+
 REPO = Path(__file__).resolve().parents[2]
 N_BATCHES = 12
+#: How .ci/run installs torchtitan (its own requirements are a data and logging stack the tests do not use).
+TORCHTITAN = "pip install --no-deps torchtitan==0.3.0, then pip install tyro spmd_types==0.2.3"
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -93,6 +99,10 @@ def _assert_tree_equal(a: Any, b: Any, path: str) -> None:
         assert isinstance(b, dict) and a.keys() == b.keys(), path
         for k in a:
             _assert_tree_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_tree_equal(x, y, f"{path}[{i}]")
     else:
         assert a == b, path
 
@@ -319,7 +329,7 @@ def test_torchtitan_container_resumes_bit_identically(medium: str, tmp_path: Pat
     """torchtitan's ``OptimizersContainer`` flattens the state dict per parameter name and restores only
     the group keys the live optimizer has; in memory and through ``dcp.save``/``dcp.load`` (as its
     checkpointer does, the container as a ``Stateful``) the resume equals the uninterrupted run."""
-    pytest.importorskip("torchtitan", reason="torchtitan is in the test extra")
+    pytest.importorskip("torchtitan", reason=TORCHTITAN)
     batches = make_batches(N_BATCHES)
     model = make_model(0)
     container = _titan_container(model, 1)
@@ -362,3 +372,20 @@ def test_composer_trainer_resumes_bit_identically(acc: int, tmp_path: Path) -> N
     runs = torch.load(tmp_path / "outcome.pt", weights_only=True)
     assert runs["resumed"]["counters"] == (6 // acc, 0, 6 // acc, 6 % acc)
     assert_same(runs["resumed"], runs["uninterrupted"])
+
+
+# ----------------------------------------------------------------------------- FSDP2 through the helpers
+
+
+@needs_gloo
+def test_fsdp2_resume_through_the_helpers_keeps_each_ranks_rewind_copies(tmp_path: Path) -> None:
+    """FSDP2, 2 ranks, SpikeGuard and Rewind (``fsdp_jobs``): stopped between two spikes, saved by
+    ``get_optimizer_state_dict`` (each rank its own shards of the copies), loaded by
+    ``set_optimizer_state_dict``: the rewind after the resume and the end of the run equal the run that
+    never stopped, bit for bit, on every rank."""
+    for run in spawn_job(saver_jobs.fsdp_saver_job, "savers", tmp_path, 2, pass_world=True):
+        assert not run["top_level_kept"]
+        full, resumed = run["full"], run["resumed"]
+        assert resumed["used"] == full["used"]
+        assert full["log"] and resumed["log"] == full["log"]  # the same rewind, to the same copy
+        _assert_tree_equal(resumed["last"], full["last"], "last")
