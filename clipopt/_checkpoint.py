@@ -156,6 +156,13 @@ class Checkpoint(NamedTuple):
     norm_group: Any = None
     #: The checked ``"update_clip"`` entry and the UpdateClip that loads it (None: nothing to load).
     update: tuple[Any, UpdateClip | None] = (None, None)
+    #: Whether the wrapper loading it is mid-window (:meth:`with_open_window`): its window's
+    #: gradients go unless the state dict has some (:func:`_take_grads`).
+    open_window: bool = False
+
+    def with_open_window(self, open_window: bool) -> Checkpoint:
+        """This checkpoint, to be loaded into a wrapper that is mid-window (``open_window``) or not."""
+        return self._replace(open_window=open_window)
 
     def take_over(
         self,
@@ -167,8 +174,9 @@ class Checkpoint(NamedTuple):
         recovery: SpikeRecovery,
     ) -> WrapperState:
         """Load the checked state: the inner optimizer's (the groups' current clipping options
-        kept; a failure leaves it as it was), the open window's gradients into ``params``, the
-        scaler's, the policy's and the recovery's; return the counters to take over."""
+        kept; a failure leaves it as it was), the open window's gradients into ``params`` (or none:
+        :func:`_take_grads`), the scaler's, the policy's and the recovery's; return the counters to
+        take over."""
         optimizers = inner_optimizers(inner)
         own = self.own_layout or (False,) * len(optimizers)
         with ExitStack() as stack:  # several inner optimizers: all as they were if one fails
@@ -187,9 +195,7 @@ class Checkpoint(NamedTuple):
             for group, extra in zip(inner.param_groups, kept, strict=False):
                 group.update(extra)  # per-group clipping set now, absent from the checkpoint
         counters = self.counters if self.counters is not None else WrapperState()
-        if self.pending_grads is not None:
-            for p, g in zip(params, self.pending_grads, strict=True):
-                p.grad = None if g is None else g.detach().to(p.device, p.dtype, copy=True)
+        _take_grads(params, self.pending_grads, self.open_window)
         if self.counters is not None and self.scaler_state is not None and scaler is not None:
             scaler.load_state_dict(self.scaler_state)
         if self.counters is not None and self.policy_state is not None and policy is not None:
@@ -200,6 +206,17 @@ class Checkpoint(NamedTuple):
         if saved is not None and update_clip is not None:
             update_clip.load_state_dict(saved)
         return counters
+
+
+def _take_grads(params: list[Tensor], pending: list[Tensor | None] | None, open_window: bool) -> None:
+    """The saved open window's gradients into ``params``; without one, a window open now (``open_window``)
+    drops its gradients (``grad`` None), as a fresh wrapper has none: they would be added to the next."""
+    if pending is not None:
+        for p, g in zip(params, pending, strict=True):
+            p.grad = None if g is None else g.detach().to(p.device, p.dtype, copy=True)
+    elif open_window:
+        for p in params:
+            p.grad = None
 
 
 def read_checkpoint(

@@ -33,11 +33,16 @@ from ._distributed.collectives import has_dtensor
 from ._distributed.replicas import check_norm_group, check_replica_group
 from ._inner import InnerOptimizers
 from ._policies.builtin import ClipPolicy
+from ._recovery.part import check_recovery
 from ._window.groups import check_groups
+from ._window.update_apply import check_update_options
 
 __all__ = [
+    "ASSIGNABLE",
+    "ASSIGNED_WITH",
     "DTENSOR_DIAGNOSTICS",
     "WrapperConfig",
+    "check_assignment",
     "check_closure",
     "check_max_norm",
     "configure",
@@ -195,11 +200,7 @@ def _check_names(
 ) -> dict[Tensor, str]:
     """The parameter names, and what they rule out (complex with clip_value, DTensor with snapshots)."""
     names = resolve_param_names(optimizer, param_names)
-    if clip_value is not None and any(p.is_complex() for p in names):
-        raise ValueError(
-            f"clip_value={clip_value!r} cannot clip complex parameters (a complex number has no order "
-            "to clamp by); pass clip_value=None and bound complex gradients with max_norm"
-        )
+    _check_complex(optimizer, clip_value)
     if snapshot_dir is not None and has_dtensor(list(names)):
         raise ValueError(DTENSOR_DIAGNOSTICS)
     if (
@@ -258,6 +259,115 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
         names,
         inner,
     )
+
+
+#: The settings that may be assigned on a wrapper after its construction (``opt.clip_value = 0.5``):
+#: each is checked by :func:`check_assignment` as the constructor checks it, before anything changes.
+#: (``max_norm`` is a property whose setter runs the same check.)
+ASSIGNABLE = frozenset(
+    {
+        "norm_type",
+        "clip_value",
+        "accumulation_steps",
+        "reduction",
+        "skip_nonfinite",
+        "max_consecutive_nonfinite",
+        "scaler",
+        "stats_history",
+        "foreach",
+        "layer_stats",
+        "loggers",
+        "max_snapshots",
+        "norm_group",
+        "backward_passes_per_step",
+        "update_clip",
+        "update_stats",
+    }
+)
+
+
+#: The settings :func:`check_assignment` checks an assignment with (cross-checks: a policy against the
+#: groups' options and the Rewind, ``skip_nonfinite`` against ``max_consecutive_nonfinite`` ...).
+ASSIGNED_WITH = (
+    "max_norm",
+    "clip_value",
+    "norm_group",
+    "skip_nonfinite",
+    "max_consecutive_nonfinite",
+    "update_clip",
+    "update_stats",
+    "spike_guard",
+    "rewind",
+)
+
+
+def check_assignment(name: str, value: Any, current: dict[str, Any], inner: Optimizer) -> Any:
+    """The value to store when the setting ``name`` (``max_norm`` or one of :data:`ASSIGNABLE`) is
+    assigned ``value`` after construction: checked exactly as :func:`configure` checks it, with the
+    other settings as they are (``current``: the wrapper's settings by name, ``max_norm`` included)
+    and the inner optimizer's groups.  Raises the constructor's error, before anything changes.
+    ``max_norm`` returns ``(policy, bound)``."""
+    c = current
+    if name in ("max_norm", "clip_value", "norm_group"):
+        new = {**c, name: value}
+        if name == "max_norm":
+            checked: Any = check_max_norm(value)
+            policy = checked[0]
+            check_recovery(c["spike_guard"], c["rewind"], policy)
+        else:
+            policy = c["max_norm"] if isinstance(c["max_norm"], ClipPolicy) else None
+            if name == "clip_value":
+                checked = check_optional_positive_float("clip_value", value, "0.5")
+                _check_complex(inner, checked)
+            else:
+                checked = check_norm_group(value)
+        clip_value = checked if name == "clip_value" else new["clip_value"]
+        norm_group = checked if name == "norm_group" else new["norm_group"]
+        check_groups(
+            inner.param_groups, inner.defaults, policy=policy, norm_group=norm_group, clip_value=clip_value
+        )
+        return checked
+    if name in ("skip_nonfinite", "max_consecutive_nonfinite"):
+        new = {**c, name: value}
+        skip, limit = _check_skipping(new["skip_nonfinite"], new["max_consecutive_nonfinite"])
+        return skip if name == "skip_nonfinite" else limit
+    if name in ("update_clip", "update_stats"):
+        new = {**c, name: value}
+        return check_update_options(new["update_clip"], new["update_stats"], inner)[name == "update_stats"]
+    return _SIMPLE_CHECKS[name](value)
+
+
+def _check_complex(optimizer: Optimizer, clip_value: float | None) -> None:
+    if clip_value is not None and any(p.is_complex() for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(
+            f"clip_value={clip_value!r} cannot clip complex parameters (a complex number has no order "
+            "to clamp by); pass clip_value=None and bound complex gradients with max_norm"
+        )
+
+
+def _check_scaler(value: Any) -> Any:
+    _check_scaler_and_foreach(value, None)
+    return value
+
+
+def _check_foreach(value: Any) -> Any:
+    _check_scaler_and_foreach(None, value)
+    return value
+
+
+#: The settings whose check needs no other setting: name -> the check, which returns what to store.
+_SIMPLE_CHECKS: dict[str, Any] = {
+    "norm_type": check_norm_type,
+    "accumulation_steps": lambda v: check_positive_int("accumulation_steps", v),
+    "reduction": lambda v: check_choice("reduction", v, ("mean", "sum")),
+    "scaler": _check_scaler,
+    "stats_history": lambda v: check_positive_int("stats_history", v),
+    "foreach": _check_foreach,
+    "layer_stats": check_layer_stats,
+    "loggers": check_loggers,
+    "max_snapshots": lambda v: check_positive_int("max_snapshots", v),
+    "backward_passes_per_step": lambda v: check_positive_int("backward_passes_per_step", v),
+}
 
 
 def describe(opt: Any, inner: Any) -> str:

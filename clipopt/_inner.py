@@ -80,9 +80,18 @@ def _param_label(optimizer: Optimizer, p: Tensor) -> str:
     return f"of shape {tuple(p.shape)}"
 
 
-def _check_disjoint(optimizers: Sequence[Optimizer], new: Sequence[Tensor] = (), into: int = 0) -> None:
+#: What a parameter held twice after the wrapper was made says: how it came to be.
+_ADDED_HINT = (
+    "; a group added to an inner optimizer (opt.optimizers[i].add_param_group(...)) must hold parameters "
+    "no other optimizer holds: remove it (opt.optimizers[i].param_groups.pop()) or add new parameters"
+)
+
+
+def _check_disjoint(
+    optimizers: Sequence[Optimizer], new: Sequence[Tensor] = (), into: int = 0, hint: str = ""
+) -> None:
     """Every parameter in one optimizer only (``new``: parameters to add to ``optimizers[into]``):
-    ``ValueError`` naming the first one held twice."""
+    ``ValueError`` naming the first one held twice (and ``hint``)."""
     owner: dict[Tensor, int] = {}
     entries = [(k, p) for k, o in enumerate(optimizers) for g in o.param_groups for p in g["params"]]
     for k, p in [*entries, *((into, p) for p in new)]:
@@ -92,7 +101,7 @@ def _check_disjoint(optimizers: Sequence[Optimizer], new: Sequence[Tensor] = (),
             raise ValueError(
                 f"optimizer[{first}] ({type(optimizers[first]).__name__}) and optimizer[{k}] "
                 f"({type(optimizers[k]).__name__}) both hold parameter {label}; the optimizers "
-                "must hold disjoint parameters: give each parameter to one of them"
+                f"must hold disjoint parameters: give each parameter to one of them{hint}"
             )
 
 
@@ -209,11 +218,17 @@ class InnerOptimizers(Optimizer):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """Every inner optimizer's group dicts, in order (the same list until one of them changes)."""
+        """Every inner optimizer's group dicts, in order (the same list until one of them changes).
+
+        When one changed (``opt.optimizers[1].add_param_group(...)``, a loaded state dict), the
+        parameters must still be disjoint: ``ValueError`` otherwise, at the first read after the change
+        (the next ``step()`` or window), before anything changes; a parameter held twice would be
+        stepped twice."""
         groups = [g for o in self.optimizers for g in o.param_groups]
         if len(groups) != len(self._groups) or any(
             a is not b for a, b in zip(groups, self._groups, strict=True)
         ):
+            _check_disjoint(self.optimizers, hint=_ADDED_HINT)
             self._groups = groups  # a list of theirs changed (load_state_dict, add_param_group, a new dict)
         return self._groups
 

@@ -23,7 +23,15 @@ from torch.compiler import is_compiling
 from torch.optim import Optimizer
 
 from ._checkpoint import add_entry_slot, entry_at_top, read_checkpoint, with_entry, wrapper_entry
-from ._config import DTENSOR_DIAGNOSTICS, check_closure, check_max_norm, configure, describe
+from ._config import (
+    ASSIGNABLE,
+    ASSIGNED_WITH,
+    DTENSOR_DIAGNOSTICS,
+    check_assignment,
+    check_closure,
+    configure,
+    describe,
+)
 from ._diagnostics.layers import LayerStats
 from ._diagnostics.loggers import Logger, log_window
 from ._diagnostics.snapshot import SnapshotWriter
@@ -114,38 +122,48 @@ class ClippedOptimizer(InnerOptimizerView):
     Like torch's optimizers, a ``ClippedOptimizer`` is not thread-safe: call
     :meth:`step` from one thread at a time (concurrent calls miscount windows).
 
+    The options a loop needs day to day are the first six (``Args``); the others
+    (``Other Parameters``) come in groups: how the norm is taken, non-finite
+    updates, what is recorded, several processes, the window's checks, and
+    recovery beyond clipping.
+
     Args:
         optimizer: any ``torch.optim.Optimizer`` (also third-party subclasses), or a list of
             optimizers over disjoint parameters (``[Muon(matrices), AdamW(others)]``): one decision
             for all (one norm, coefficient and skip); :attr:`optimizers` lists them, and
             ``param_groups`` is their groups in order (docs/concepts.md, "Several inner optimizers").
-        max_norm: global norm bound, a :class:`ClipPolicy` (:class:`AutoClip`,
-            :class:`ZClip`, :class:`AGC`) that sets it per window on the device, or
-            None to turn norm clipping off.  A parameter group of the inner
+        max_norm: global norm bound (a float), None to turn norm clipping off, or a
+            :class:`ClipPolicy` that sets the bound on the device at every window: a
+            threshold on the total norm (:class:`AutoClip`, :class:`ZClip`), unit-wise
+            (:class:`AGC`), or per gradient tensor (:class:`AdaGC`, :class:`StableSPAM`)
+            (docs/choosing-max-norm.md).  A parameter group of the inner
             optimizer with its own ``"max_norm"`` key (a float, or None to leave
             it out of norm clipping) is clipped by its own norm instead; the
             groups without the key share this bound (per-group clipping).
-        norm_type: ``p > 0`` or ``float("inf")``, as in ``clip_grad_norm_``.
+        accumulation_steps: micro-batches per optimizer update (1 under a framework
+            that accumulates itself: docs/integrations.md).
         clip_value: element-wise bound applied before the norm bound, or None;
             a group's own ``"clip_value"`` key replaces it for that group.
-        accumulation_steps: micro-batches per optimizer update.
+        scaler: a ``torch.amp.GradScaler`` whose ``scale(loss)`` you backward;
+            the wrapper unscales, steps and updates it at each window's end.
+        loggers: objects with ``log(stats, optimizer)`` and ``close()`` called at
+            every window's end (:class:`CSVLogger`, :class:`TensorBoardLogger`).
+
+    Other Parameters:
+        norm_type: ``p > 0`` or ``float("inf")``, as in ``clip_grad_norm_``.
         reduction: ``"mean"`` or ``"sum"`` of the micro-batch gradients.
+        foreach: passed to the foreach kernels (None: where supported).
         skip_nonfinite: skip (and zero) an update whose gradients are not finite.
         max_consecutive_nonfinite: raise :class:`NonFiniteGradientError` after
             this many skipped updates in a row (None: never).  Checking it reads
             one flag from the device per update.
-        scaler: a ``torch.amp.GradScaler`` whose ``scale(loss)`` you backward;
-            the wrapper unscales, steps and updates it at each window's end.
         stats_history: how many :class:`StepStats` :attr:`stats` keeps.
-        foreach: passed to the foreach kernels (None: where supported).
         param_names: names for per-parameter output: ``model.named_parameters()``,
             a ``{name: param}`` dict or names in parameter order (default: the
             inner optimizer's ``param_names``, else ``group<g>.<i>``).
         layer_stats: per-parameter statistics (:class:`LayerStats`) every
             ``k`` windows (True: every window; False: never).  A window with
             statistics reads one flag from the device.
-        loggers: objects with ``log(stats, optimizer)`` and ``close()`` called at
-            every window's end (:class:`CSVLogger`, :class:`TensorBoardLogger`).
         snapshot_dir: folder for anomaly snapshots: on a non-finite window the
             parameters, pre-clip gradients, optimizer state, statistics and
             :meth:`attach`-ed tensors are saved (see :func:`load_snapshot`);
@@ -164,7 +182,7 @@ class ClippedOptimizer(InnerOptimizerView):
             (decisions stay rank-local: ranks training independent models).
             Costs one scalar collective per window with plain-tensor parameters
             (none added for DTensor ones) and one settings check at the first
-            ``step()``; see ``clipopt/_distributed/replicas.py``.
+            ``step()``; see docs/distributed.md.
         backward_passes_per_step: backward passes expected per :meth:`step` call
             while accumulating (``accumulation_steps > 1``).  More is reported as
             an accumulation stacked on the wrapper's (``RuntimeError``); raise it
@@ -173,10 +191,10 @@ class ClippedOptimizer(InnerOptimizerView):
             outside (``model.zero_grad()``) raise ``RuntimeError`` as well.
         spike_guard: a :class:`SpikeGuard`: skip (reason ``"spike"``) a window whose
             loss or pre-clip norm is a z-score outlier against the previous applied
-            updates; decided on the device (see ``clipopt/_recovery/spike_guard.py``).
+            updates; decided on the device (docs/spike-recovery.md).
         rewind: a :class:`Rewind`: copies of the training state in host memory, restored
             after repeated spike skips (reason ``"rewind"``); ``opt.rewind.batches(loader)``
-            drops the batches that follow a rewind (see ``clipopt/_recovery/rewind.py``).
+            drops the batches that follow a rewind (docs/spike-recovery.md).
         update_clip: an :class:`UpdateClip`: bound the update the inner step made
             (``p_after - p_before``: ``max_rms`` per tensor, ``max_norm`` over all, or ``z``
             adaptive), on the device; costs a copy of the parameters and of the inner state per
@@ -289,12 +307,24 @@ class ClippedOptimizer(InnerOptimizerView):
 
     @property
     def max_norm(self) -> float | ClipPolicy | None:
-        """The norm bound: a float, a :class:`ClipPolicy`, or None (off); may be changed between windows."""
+        """The norm bound: a float, None (off), or a :class:`ClipPolicy` (:class:`AutoClip`, :class:`ZClip`,
+        :class:`AGC`, :class:`AdaGC`, :class:`StableSPAM`); may be changed between windows."""
         return self._policy if self._policy is not None else self._bound
 
     @max_norm.setter
     def max_norm(self, value: float | ClipPolicy | None) -> None:
-        self._policy, self._bound = check_max_norm(value)
+        self._policy, self._bound = self._assigning("max_norm", value)
+
+    _assignable = ASSIGNABLE  # assigned after the constructor: checked as it checks them (_assigning)
+
+    def _assigning(self, name: str, value: Any) -> Any:
+        """A setting assigned mid-run, checked as the constructor checks it, before anything changes."""
+        value = check_assignment(name, value, {n: getattr(self, n) for n in ASSIGNED_WITH}, self._inner)
+        if name == "stats_history":  # the newest statistics that fit stay
+            self.stats = collections.deque(self.stats, maxlen=value)
+        if name == "max_snapshots" and self._diagnostics.writer is not None:
+            self._diagnostics.writer.max_snapshots = value
+        return value
 
     def add_param_group(self, param_group: dict[str, Any], optimizer: int | None = None) -> None:
         """Add a parameter group to the inner optimizer; its ``max_norm`` and ``clip_value``
@@ -506,10 +536,14 @@ class ClippedOptimizer(InnerOptimizerView):
 
     def _check_replicas(self) -> None:
         """At the first step() or no_sync() (under FSDP2 also after accumulation_steps changed): the
-        ranks' window settings must agree (collective)."""
-        params = self._params()
-        if params:
-            self._replicas.check_settings(settings_of(self), params[0].device, self._index.has_dtensor)
+        ranks' settings must agree (collective)."""
+        self._replicas.check_settings(self._agreed_settings(), self._params(), self._index.has_dtensor)
+
+    def _agreed_settings(self) -> list[tuple[str, object]]:
+        """What the data-parallel ranks compare: the window settings, then each part's own
+        ``settings()`` record under its keyword (a new part: one more pair here)."""
+        parts = (("policy", self._policy), ("spike_guard", self.spike_guard), ("rewind", self.rewind))
+        return settings_of(self, (*parts, ("update_clip", self.update_clip)))
 
     def _sync_unsynced(self) -> None:
         """Before closing a window whose latest micro-batch skipped its sync: do that sync now."""
@@ -662,7 +696,7 @@ class ClippedOptimizer(InnerOptimizerView):
         loss = self._loss.combined(self.reduction)  # kept in the sum until the close commits
         rows = s.rows and g.shards is None  # the candidate bad row: plain tensors only
         if self._replicas.active:  # the ranks' check (data parallelism only)
-            self._replicas.prepare(self, g.shards, n, self._counters.windows + 1)
+            self._replicas.prepare(self, self._agreed_settings(), g.shards, n, self._counters.windows + 1)
         d, self._diagnostics.bad_row = measure(s, g, self.layer_names() if rows else None)
         watch, sharded = self._recovery.watches_loss(), self._index.has_dtensor
         d, self._recovery.shared_loss = agree(
@@ -846,7 +880,7 @@ class ClippedOptimizer(InnerOptimizerView):
             recovery=self._recovery,
             norm_group=self.norm_group,
             update_clip=self.update_clip,
-        )
+        ).with_open_window(self._counters.micro_batches > 0)  # (its gradients go, unless saved)
         self._counters = ckpt.take_over(
             self._inner, params, scaler=self.scaler, policy=self._policy, recovery=self._recovery
         )

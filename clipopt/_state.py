@@ -28,6 +28,7 @@ __all__ = [
     "has_own_layout",
     "int_field",
     "keep_group_keys",
+    "own_group_keys",
     "read_wrapper_state",
     "restore_on_failure",
     "validate_inner_state",
@@ -36,7 +37,8 @@ __all__ = [
 #: Version of the ``"clipopt"`` entry of a state dict.
 FORMAT_VERSION = 1
 
-#: Inner-state entries that torch.optim keeps with the parameter's shape.
+#: Inner-state entries that torch.optim keeps with the parameter's shape (other optimizers may use
+#: these names for state of another shape: the rule is torch's own optimizers').
 _PARAM_SHAPED = frozenset(
     {
         "exp_avg",
@@ -491,35 +493,65 @@ def _fits(shape: tuple[int, ...], param: tuple[int, ...]) -> bool:
 def _check_state_tensor(
     key: Any, name: str, value: Tensor, p: Tensor, current: Any, flat: int, builtin: bool
 ) -> None:
-    """A state tensor must fit its parameter: the shape the optimizer holds now, else the parameter's
-    (moments), a scalar (counters), a reduction of it, or a flat vector (LBFGS keeps flat vectors of
-    all its parameters, ``flat`` elements, under the first one).  Other entries of a third-party
-    optimizer (``builtin`` False) may have any shape: Shampoo's ``(d, d)`` factors, 8-bit blocks."""
+    """A state tensor must fit its parameter: the shape the optimizer holds now, else for torch's own
+    optimizers (``builtin``) the parameter's (moments), a scalar (counters), a reduction of it, or a
+    flat vector (LBFGS keeps flat vectors of all its parameters, ``flat`` elements, under the first
+    one).  A third-party optimizer's entries may have any shape, whatever their names: its layout is
+    its own (timm's ``NvNovoGrad`` keeps ``exp_avg_sq`` as one number per tensor, Shampoo ``(d, d)``
+    factors, 8-bit optimizers blocks)."""
     shape, pshape = tuple(value.shape), tuple(p.shape)
     if isinstance(current, Tensor):  # the optimizer already holds this entry: the same shape
         ok = tuple(current.shape) == shape
-    elif name in _PARAM_SHAPED:
-        ok = shape == pshape
     elif not builtin:
         ok = True
+    elif name in _PARAM_SHAPED:
+        ok = shape == pshape
     else:
         ok = _fits(shape, pshape) or value.numel() == 1 or shape in ((p.numel(),), (flat,))
     if not ok:
         raise bad(f"state[{key!r}][{name!r}] has shape {shape}, parameter has {pshape}")
 
 
+def own_group_keys(inner: Optimizer) -> list[set[str]] | None:
+    """The keys of each group that the inner optimizer's own ``state_dict()`` keeps, where it may leave
+    some out (a third-party class with its own ``state_dict`` or state-dict hooks: heavyball drops the
+    keys that start with ``_``, ``__class__`` among them); None where it keeps every key (torch's own
+    optimizers, and classes with torch's ``state_dict`` and no hook), or does not say (its state dict
+    raises, or is not in torch's layout)."""
+    kind = type(inner)
+    if kind.__module__ == "torch" or kind.__module__.startswith("torch."):
+        return None
+    hooks = getattr(inner, "_optimizer_state_dict_pre_hooks", None) or getattr(
+        inner, "_optimizer_state_dict_post_hooks", None
+    )
+    if kind.state_dict is Optimizer.state_dict and not hooks:
+        return None
+    try:
+        groups = inner.state_dict().get("param_groups")
+    except Exception:  # it cannot say now (e.g. a sharded optimizer before consolidating): all kept
+        return None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        return None
+    return [set(g) for g in groups]
+
+
 @contextmanager
 def keep_group_keys(inner: Optimizer) -> Iterator[None]:
-    """After loading, every group must still hold every hyper-parameter it held before.
+    """After loading, every group must still hold every hyper-parameter it held before, except those
+    the inner optimizer's own ``state_dict()`` leaves out (:func:`own_group_keys`): it cannot need
+    them from a state dict (heavyball sets its private keys again at every step).
 
     Checked after loading, because optimizers fill in options added in later
     torch releases in their ``__setstate__``; a key still missing then would
     only fail at the next ``step()``.
     """
     before = [set(group) for group in inner.param_groups]
+    saved = own_group_keys(inner)
     yield
     for i, (keys, group) in enumerate(zip(before, inner.param_groups, strict=True)):
         missing = sorted(keys - set(group))
+        if saved is not None and i < len(saved):
+            missing = [k for k in missing if k in saved[i]]
         if missing:
             raise bad(f"parameter group {i} lacks {', '.join(map(repr, missing))}")
 

@@ -127,6 +127,8 @@ class InnerOptimizerView(Optimizer):
             return _read_inner(self, inner_optimizers(inner), name)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._assignable and self._forwarding:  # a setting: checked before anything changes
+            value = self._assigning(name, value)
         # cheapest test first: the step path only reassigns the wrapper's own instance attributes
         if self._forwarding and name not in self.__dict__ and forwardable(type(self), name):
             inner = self.__dict__.get("_inner")
@@ -142,6 +144,14 @@ class InnerOptimizerView(Optimizer):
         super().__setattr__(name, value)
         if name in self._planned and self._forwarding:
             self._settings_changed()
+
+    #: Settings whose assignment after the constructor is checked first (:meth:`_assigning`).
+    _assignable: frozenset[str] = frozenset()
+
+    def _assigning(self, name: str, value: Any) -> Any:
+        """The value to store for the setting ``name`` (one of :attr:`_assignable`), checked as the
+        subclass's constructor checks it; raises before anything changes."""
+        return value
 
     def _settings_changed(self) -> None:
         """One of :attr:`_planned` was assigned after the constructor (the subclass forgets what it

@@ -65,9 +65,15 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
     "real Composer Trainer runs, each in a process of its own (importing Composer alone takes 20 s)": (
         "optimizer/test_savers.py::test_composer_trainer_resumes_bit_identically",
     ),
+    "imports heavyball (5-12 s: it loads torch's compiler)": (
+        "optimizer/test_third_party.py::test_heavyball_optimizers_resume_bit_identically",
+        "optimizer/test_third_party.py::test_corrupt_heavyball_state_dicts_are_still_refused_untouched",
+        "optimizer/test_third_party.py::test_heavyball_under_accelerate_prepares_and_trains_as_without_it",
+    ),
     "trains the demo's and the report's corpus of runs (minutes)": (
         "report/test_demo.py",
         "report/test_report_corpus.py",
+        "report/test_report_rates.py",
     ),
     "runs a Python process (demo, CLI, logger at exit, pytest) or the documentation's examples": (
         "diagnostics/test_hostile_files.py::test_writer_killed_at_random_moments_leaves_every_file_usable",

@@ -1093,7 +1093,7 @@ def _changed_k_case(rank: int) -> dict[str, Any]:
 def _settings_case(rank: int, case: str) -> dict[str, Any]:
     """Replicas kept identical without DDP (every rank sees the same data): "clip_value" sets
     opt.clip_value on rank 1 only after the first window; "zclip" builds ZClip with z_thresh 2.5 on
-    rank 0 and 3.5 on rank 1 (the first step's check compares the policy's type only)."""
+    rank 0 and 3.5 on rank 1 (the policy's settings: compared by the first step's check)."""
     from clipopt import ZClip
 
     model = _model()

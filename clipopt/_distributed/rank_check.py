@@ -7,7 +7,8 @@ for the inf-norm: :mod:`clipopt._distributed.collectives`).  :class:`CheckValues
 as a few more float64 entries:
 
 * the index of the window being closed and its micro-batch count;
-* a key of the window settings (crc32 of their values, the clip policy's ``repr`` included);
+* a key of the window settings (crc32 of their values: every part's settings record, the clip
+  policy's included, :mod:`clipopt._distributed.agreement`);
 * at the first window after ``load_state_dict``, a checksum of the loaded state
   (:func:`state_checksum`, :func:`tensor_checksum`);
 * the window whose close failed on this rank after the ranks had agreed on it (0: none).
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .agreement import shown
 from .collectives import has_dtensor
 
 __all__ = [
@@ -167,14 +169,11 @@ def _num(v: float) -> str:
     return f"{v + 0.0:.12g}"  # no "-0"
 
 
-def settings_key(settings: Iterable[tuple[str, float]], policy: Any) -> int:
-    """crc32 of the settings' names and values and of the clip policy's own settings: the ``repr`` of
-    clipopt's policies (their settings only); of any other class only its name (``object``'s repr
-    holds the address, a repr of one's own may hold a tensor's device: each rank's own)."""
-    kind = type(policy)
-    own = kind.__module__.startswith("clipopt.") or policy is None or isinstance(policy, (int, float))
-    shown = repr(policy) if own else f"{kind.__module__}.{kind.__qualname__}"
-    text = ";".join(f"{name}={value!r}" for name, value in settings) + ";" + shown
+def settings_key(settings: Iterable[tuple[str, object]], policy: Any = None) -> int:
+    """crc32 of the settings' names and values (the record of every part's settings,
+    :mod:`clipopt._distributed.agreement`) and of ``policy`` as the record shows it
+    (:func:`~clipopt._distributed.agreement.shown`)."""
+    text = ";".join(f"{name}={value!r}" for name, value in settings) + ";" + shown(policy)
     return zlib.crc32(text.encode())
 
 

@@ -24,9 +24,14 @@ drift apart.  :class:`ReplicaDecision` makes the decision common:
   the next window's close (from an accelerator: :data:`LAG` windows later, the
   same window on every rank, so no rank is left waiting in a collective).
 * **once, at the first** ``step()`` **or** ``no_sync()``: an ``all_reduce(MAX)``
-  of the window settings and their negations (accumulation_steps, reduction,
-  norm_type, max_norm, clip_value, ...), read to the host once; ranks built
-  differently raise on every rank instead of hanging in a later collective.
+  of the key of the settings record (:func:`settings_of`: the window settings,
+  accumulation_steps, reduction, norm_type, ..., and every part's own
+  ``settings()``: the policy, SpikeGuard, Rewind with its skip list, UpdateClip;
+  :mod:`clipopt._distributed.agreement`), read to the host once; when the keys
+  differ, every rank's record is gathered and every rank raises, naming each
+  setting that differs, instead of drifting or hanging in a later collective.
+  The key also rides in every window's check (below): a setting changed later
+  on some ranks (a skip list given to ``rewind.batches()``) is named there.
 * **per** ``flush()`` **call, one collective** (also when nothing is pending):
   the same packet with kind "flush", read to the host; ranks with different
   partial windows (uneven data at the end of an epoch) raise on every rank.
@@ -50,12 +55,14 @@ from __future__ import annotations
 import collections
 import math
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .._caller import user_stacklevel
+from .agreement import Setting, compare, settings_record
 from .rank_check import (
     MAX_SLOTS,
     MODULUS,
@@ -134,7 +141,7 @@ class ReplicaDecision:
         self._pending: collections.deque[tuple[Tensor, Any, int, str, CheckValues]] = collections.deque()
         self._sent = 0  # checks sent so far (the sequence number of the next)
         self._values: CheckValues | None = None  # this window's check values (prepare)
-        self._settings: list[tuple[str, float]] = []  # this window's settings, to name one that differs
+        self._settings: list[Setting] = []  # this window's settings, to name one that differs
         self._device: torch.device | None = None
         self._loaded: int | None = None  # checksum of the state dict loaded last, until a window carried it
         self._open = 0  # the window whose check went out and whose close has not ended (0: none)
@@ -176,25 +183,19 @@ class ReplicaDecision:
         pair up before the next window's check; DDP's agreement packet finds it)."""
         return self.checked_k is None or (self._sharded and accumulation_steps != self.checked_k)
 
-    def check_settings(self, settings: list[tuple[str, float]], device: torch.device, sharded: bool) -> None:
-        """Raise on every rank when the ranks' window settings differ (one collective, one read)."""
-        self.checked_k = int(dict(settings)["accumulation_steps"])  # also without replicas
+    def check_settings(self, settings: list[Setting], params: list[Tensor], sharded: bool) -> None:
+        """Raise on every rank when the ranks' settings records differ (:func:`settings_of`),
+        naming each setting that differs: one small collective, two more only then (on the
+        device of ``params``; none: nothing to compare yet)."""
+        if not params:
+            return
+        self.checked_k = int(dict(settings)["accumulation_steps"])  # type: ignore[call-overload]
         self._sharded = sharded
         if self.resolve():
-            self._compare_settings(settings, device)
+            self._compare_settings(settings, params[0].device)
 
-    def _compare_settings(self, settings: list[tuple[str, float]], device: torch.device) -> None:
-        dist = torch.distributed
-        values = torch.tensor([v for _, v in settings], dtype=torch.float64)
-        packet = torch.cat([values, -values, torch.ones(1, dtype=torch.float64)]).to(device)
-        dist.all_reduce(packet, op=dist.ReduceOp.MAX, group=self._group)
-        k = len(settings)
-        high, low = packet[:k].tolist(), (-packet[k : 2 * k]).tolist()
-        bad = [
-            f"{name} (from {_fmt(lo)} to {_fmt(hi)}; this rank: {_fmt(v)})"
-            for (name, v), hi, lo in zip(settings, high, low, strict=True)
-            if hi != lo
-        ]
+    def _compare_settings(self, settings: list[Setting], device: torch.device) -> None:
+        bad = compare(settings, settings_key(settings), device, self._group)
         if bad:
             raise RuntimeError(
                 "ClippedOptimizer settings differ across the ranks of the replica group: "
@@ -218,21 +219,20 @@ class ReplicaDecision:
 
     # ------------------------------------------------------------------ per window
 
-    def prepare(self, opt: Any, shards: Any, n: int, window: int) -> None:
+    def prepare(self, opt: Any, settings: list[Setting], shards: Any, n: int, window: int) -> None:
         """Before a window's norm: read the checks due, then this rank's values for this window's
-        check; under FSDP2 (``shards``) they ride in the norm's own reduction (``shards.carry``).
-        Called only when :attr:`active`."""
+        check (``settings``: :func:`settings_of`, compared as one key); under FSDP2 (``shards``)
+        they ride in the norm's own reduction (``shards.carry``).  Called only when :attr:`active`."""
         self.settle(self._sent)
-        self._device = next(p for group in opt.param_groups for p in group["params"]).device
+        params = [p for group in opt.param_groups for p in group["params"]]
+        self._device = params[0].device
         # pipeline stages (norm_group) hold different parameters and state: counters and settings only
         state: int | Tensor | None = self._loaded if opt.norm_group is None else None
         if state is not None:  # the parameters as they are now (a model loaded after us included)
-            params = [p for group in opt.param_groups for p in group["params"]]
             found = tensor_checksum(params, self._device)
             state = state if found is None else (found + state).remainder(MODULUS)
-        self._settings = settings_of(opt)
-        key = settings_key(self._settings, opt.max_norm)
-        self._values = CheckValues(window, n, key, state, failed=self._open)
+        self._settings = settings
+        self._values = CheckValues(window, n, settings_key(settings), state, failed=self._open)
         self._open = window
         if shards is not None:
             shards.carry = self
@@ -328,8 +328,8 @@ class ReplicaDecision:
             raise RuntimeError(_out_of_step(values, names, failed, kind == "sum"))
         if "settings" in names:
             if self._device is not None:
-                self._compare_settings(self._settings, self._device)  # names the setting: raises
-            raise RuntimeError(_SETTINGS_CHANGED.format(window=values.window))
+                self._compare_settings(self._settings, self._device)  # names the settings: raises
+            raise RuntimeError(_SETTINGS_CHANGED.format(window=values.window))  # none named
         if "state" in names:
             state = names["state"]
             raise RuntimeError(
@@ -393,10 +393,9 @@ _FLUSH_ON_SOME = (
 )
 
 _SETTINGS_CHANGED = (
-    "ClippedOptimizer settings differ across the ranks of the replica group at window {window}: a "
-    "setting the first step's check does not compare (a clip policy's own settings, e.g. ZClip's "
-    "z_thresh) differs; build the optimizer and change its settings alike on every rank; the window "
-    "was skipped on every rank"
+    "ClippedOptimizer settings differ across the ranks of the replica group at window {window}: the "
+    "keys of the ranks' settings differ but no setting could be named; build the optimizer and change "
+    "its settings alike on every rank; the window was skipped on every rank"
 )
 
 _STATE_DIFFERS = (
@@ -458,16 +457,14 @@ def _fmt(v: float) -> str:
     return f"{v + 0.0:g}"  # no "-0"
 
 
-def settings_of(opt: Any) -> list[tuple[str, float]]:
-    """The window settings every replica must share, as numbers (``-1``: off/None)."""
+def settings_of(opt: Any, parts: Iterable[tuple[str, object]]) -> list[Setting]:
+    """What every replica must share: the optimizer's own window settings (numbers, ``-1``:
+    off/None; ``max_norm`` ``-2``: a policy) and the counters, then each of ``parts`` (``(keyword,
+    part)``, the optimizer's) with its own ``settings()`` record (:mod:`clipopt._distributed.agreement`)."""
     bound = opt.max_norm  # a float, a ClipPolicy or None
-    if bound is None:
-        max_norm = -1.0
-    elif isinstance(bound, (int, float)):
-        max_norm = float(bound)
-    else:  # a policy: a code per policy type
-        max_norm = -2.0 - float(sum(map(ord, type(bound).__name__)))
-    return [
+    max_norm = -1.0 if bound is None else float(bound) if isinstance(bound, (int, float)) else -2.0
+    update_stats = opt.update_stats
+    core: list[Setting] = [
         ("accumulation_steps", float(opt.accumulation_steps)),
         ("reduction", 0.0 if opt.reduction == "mean" else 1.0),
         ("norm_type", float(opt.norm_type)),
@@ -478,12 +475,14 @@ def settings_of(opt: Any) -> list[tuple[str, float]]:
         ("windows closed", float(opt.num_windows)),
         ("micro_batches pending", float(opt.micro_batches)),
         *_group_settings(opt.param_groups),
-        *_recovery_settings(opt.spike_guard, opt.rewind),
-        *_update_settings(opt.update_clip, opt.update_stats),
+        # a value of another type (reassigned since the constructor checked it) reads -4: the
+        # window's own check refuses it with its message
+        ("update_stats", float(update_stats) if isinstance(update_stats, bool) else -4.0),
     ]
+    return settings_record(core, parts)
 
 
-def _group_settings(groups: list[dict[str, Any]]) -> list[tuple[str, float]]:
+def _group_settings(groups: list[dict[str, Any]]) -> list[Setting]:
     """The per-group ``max_norm``/``clip_value`` of every group as two checksums (a fixed count of
     settings, whatever the number of groups): absent -3, None -1, else the value, weighted by index."""
 
@@ -496,45 +495,4 @@ def _group_settings(groups: list[dict[str, Any]]) -> list[tuple[str, float]]:
     return [
         (f"per-group {key}", sum((g + 1) * code(group, key) for g, group in enumerate(groups)))
         for key in ("max_norm", "clip_value")
-    ]
-
-
-def _update_settings(update_clip: Any, update_stats: Any) -> list[tuple[str, float]]:
-    """UpdateClip's settings (its own ``settings()``: mode, limit, window) and ``update_stats``
-    (``-1``: off): replicas that bound their updates differently would drift.  A value of another
-    type (reassigned since the constructor checked it) reads -4: the window's own check refuses it
-    with its message."""
-    names = ("update_clip.mode", "update_clip.limit", "update_clip.window")
-    if update_clip is None or not callable(getattr(update_clip, "settings", None)):
-        clip = [(name, -1.0 if update_clip is None else -4.0) for name in names]
-    else:
-        clip = update_clip.settings()
-    return [*clip, ("update_stats", float(update_stats) if isinstance(update_stats, bool) else -4.0)]
-
-
-def _recovery_settings(guard: Any, rewind: Any) -> list[tuple[str, float]]:
-    """SpikeGuard and Rewind settings (``-1``: off): replicas that decide differently would drift."""
-    signals = -1.0 if guard is None else float(("loss" in guard.signals) + 2 * ("grad_norm" in guard.signals))
-    return [
-        ("spike_guard.z_thresh", -1.0 if guard is None else float(guard.z_thresh)),
-        ("spike_guard.window", -1.0 if guard is None else float(guard.window)),
-        ("spike_guard.warmup", -1.0 if guard is None else float(guard.warmup)),
-        ("spike_guard.signals", signals),
-        ("rewind.every", -1.0 if rewind is None else float(rewind.every)),
-        ("rewind.spikes", -1.0 if rewind is None else float(rewind.spikes)),
-        ("rewind.within", -1.0 if rewind is None else float(rewind.within)),
-        ("rewind.check_every", -1.0 if rewind is None else float(rewind.check_every)),
-        ("rewind.rewinds", -1.0 if rewind is None else float(rewind.rewinds)),
-        *_escalation_settings(rewind),
-    ]
-
-
-def _escalation_settings(rewind: Any) -> list[tuple[str, float]]:
-    """A Rewind's ``lr_cut`` and ``reset_state`` (``-1``: no Rewind or no cut): replicas that cut or
-    reset differently after the same rewind would drift."""
-    cut = None if rewind is None else rewind.lr_cut
-    return [
-        ("rewind.lr_cut factor", -1.0 if cut is None else float(cut[0])),
-        ("rewind.lr_cut updates", -1.0 if cut is None else float(cut[1])),
-        ("rewind.reset_state", -1.0 if rewind is None else float(rewind.reset_state)),
     ]

@@ -17,6 +17,10 @@ same value bit for bit.
 
 While a cut is active the window takes the host path (one host read, like a
 non-fused optimizer): whether its update was applied must be known to count it.
+An update put back after the step (reason ``"nonfinite_update"``, with
+``UpdateClip`` or ``update_stats``) is not applied and does not count: the cut
+window then reads that outcome too (:meth:`LrCut.counted` runs once the
+window's outcome is final).
 """
 
 from __future__ import annotations
@@ -88,22 +92,25 @@ def cut_applied(factor: float | None, groups: Sequence[dict[str, Any]]) -> Itera
     """Every group's ``"lr"`` multiplied by ``factor`` inside the block, its own value put back after.
 
     A float is put back as the object it was; a tensor is multiplied in place and copied back
-    from a clone taken before (bit-identical, the same tensor).  ``factor`` None: nothing changes.
+    from a clone taken before (bit-identical, the same tensor).  A tensor several groups share
+    (torch gives every group the one tensor of ``AdamW(params, lr=torch.tensor(...))``) is
+    multiplied once.  ``factor`` None: nothing changes.
     """
     if factor is None:
         yield
         return
-    saved = [g["lr"].clone() if isinstance(g["lr"], Tensor) else g["lr"] for g in groups]
+    saved = [g["lr"] for g in groups]  # the objects, put back (floats) or written back into (tensors)
+    tensors = {id(lr): (lr, lr.clone()) for lr in saved if isinstance(lr, Tensor)}  # each tensor once
     try:
-        for g in groups:
-            if isinstance(g["lr"], Tensor):
-                g["lr"].mul_(factor)
-            else:
-                g["lr"] = g["lr"] * factor
+        for lr, _ in tensors.values():
+            lr.mul_(factor)
+        for g, lr in zip(groups, saved, strict=True):
+            if not isinstance(lr, Tensor):
+                g["lr"] = lr * factor
         yield
     finally:
+        for lr, value in tensors.values():
+            lr.copy_(value)
         for g, lr in zip(groups, saved, strict=True):
-            if isinstance(lr, Tensor):
-                g["lr"].copy_(lr)
-            else:
+            if not isinstance(lr, Tensor):
                 g["lr"] = lr

@@ -5,7 +5,8 @@
 * :meth:`SpikeRecovery.signal`: the guard's spike flag for a window's skip
   decision (on the device);
 * :meth:`SpikeRecovery.commit`: once the window is decided, its values enter
-  the guard's history unless it was skipped, and the Rewind sees its flags;
+  the guard's history unless it was skipped, and the Rewind sees its flags
+  (and counts an applied update against an active lr_cut);
 * :meth:`SpikeRecovery.check`: at the start of a window's close, every
   ``check_every`` windows: the Rewind reads its flags (one host read), takes a
   copy or rewinds; a rewound window is discarded (reason ``"rewind"``);
@@ -115,7 +116,9 @@ class SpikeRecovery:
 
     def commit(self, d: WindowDecision, step: int, skipped: bool | Tensor) -> None:
         """The decided window ``step`` (``skipped``: its outcome, a bool or a 0/1 device flag): its
-        values enter the history unless skipped; the Rewind sees its flags.  No host read."""
+        values enter the history unless skipped; the Rewind sees its flags.  No host read, but on a
+        window with an active lr_cut: its final outcome (an update put back after the step is not
+        applied: reason ``"nonfinite_update"``) counts against the cut."""
         device = d.total_norm.device
         if isinstance(skipped, Tensor):
             skip = skipped.to(device, torch.float32)
@@ -123,6 +126,8 @@ class SpikeRecovery:
             skip = torch.full((), float(skipped), dtype=torch.float32, device=device)
         if self.guard is not None:
             self.guard.commit(skip)
+        if self.rewind is not None and self._window[0] is not None:  # a cut: applied updates count
+            self.rewind.lr_counted(bool(skipped))  # read on a cut window only (put back: a device flag)
         if self.rewind is not None:
             if isinstance(d.reason, Tensor):
                 spike = (d.reason == SPIKE).to(torch.float32)
@@ -163,16 +168,13 @@ class SpikeRecovery:
         """Stage 6 through ``run(host=...)`` (``apply_window``), with the Rewind's learning-rate cut
         when one is active: every group of ``inner`` gets its lr multiplied by the factor around the
         inner step only (:func:`~clipopt._recovery.lr_cut.cut_applied`), on the host path, so that
-        the outcome (read there) counts an applied update against the cut."""
+        the outcome is read there; :meth:`commit` counts it once it is final."""
         factor = None if self.rewind is None else self.rewind.lr_factor()
         self._window = (factor, False)
         if factor is None:
             return run()
         with cut_applied(factor, inner.param_groups):
-            out = run(host=True)
-        if self.rewind is not None and isinstance(out[1], bool):
-            self.rewind.lr_counted(out[1])
-        return out
+            return run(host=True)
 
     def record(self) -> dict[str, float | None]:
         """The closed window's cells for the log (``StepStats.recovery``); ``{}`` without a Rewind."""

@@ -158,6 +158,7 @@ class Rewind:
         self.reset_state = check_flag("reset_state", reset_state)
         self._cut = None if self.lr_cut is None else LrCut(*self.lr_cut)
         self._count = BatchCount()
+        self._listed = check_skip(())  # the skip list of the latest batches() call
         self.rewinds = 0  #: rewinds so far
         self.pending_skip = 0  #: batches :meth:`batches` still drops
         self.batches_dropped = 0  #: batches dropped so far
@@ -318,6 +319,7 @@ class Rewind:
         and restarts (:attr:`batch_count` is in the state dict).  Checked here, before anything is drawn.
         """
         listed = check_skip(skip)
+        self._listed = listed  # compared across data-parallel ranks from the next window on
         return self._batches(iterable, listed.__contains__)
 
     def _batches(self, iterable: Iterable[T], listed: Callable[[int], bool]) -> Iterator[T]:
@@ -345,6 +347,25 @@ class Rewind:
     def batches_listed(self) -> int:
         """Batches dropped because :meth:`batches`'s ``skip`` listed them."""
         return self._count.listed
+
+    def settings(self) -> dict[str, object]:
+        """What data-parallel ranks must share (:mod:`clipopt._distributed.agreement`): every
+        setting, the skip list of the latest :meth:`batches` call (its merged ranges) and the
+        rewinds so far.  Ranks that differ in any of them would copy, restore, cut or drop batches
+        differently, and their replicas (under FSDP2: their shards) drift apart."""
+        return {
+            "rewind.every": self.every,
+            "rewind.keep": self.keep,
+            "rewind.spikes": self.spikes,
+            "rewind.within": self.within,
+            "rewind.skip_batches": self.skip_batches,
+            "rewind.module": self.module is not None,
+            "rewind.check_every": self.check_every,
+            "rewind.lr_cut": self.lr_cut,
+            "rewind.reset_state": self.reset_state,
+            "rewind.skip": list(self._listed.ranges),
+            "rewind.rewinds": self.rewinds,
+        }
 
     # ------------------------------------------------------------------ the optimizer's window
 

@@ -255,6 +255,17 @@ class SpikeGuard:
         self._values = None
         self.last_z = None
 
+    def settings(self) -> dict[str, object]:
+        """What data-parallel ranks must share (:mod:`clipopt._distributed.agreement`): ranks that
+        score the same values differently would skip different windows."""
+        return {
+            "spike_guard.z_thresh": self.z_thresh,
+            "spike_guard.window": self.window,
+            "spike_guard.warmup": self.warmup,
+            "spike_guard.signals": self.signals,
+            "spike_guard.eps": self.eps,
+        }
+
     def __repr__(self) -> str:
         return (
             f"SpikeGuard(z_thresh={self.z_thresh:g}, window={self.window}, signals={self.signals!r}, "

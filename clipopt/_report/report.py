@@ -88,11 +88,22 @@ def format_report(report: Mapping[str, Any]) -> str:
         *_threshold_lines(report),
         "",
         *_summary_lines(report["summary"], _every_update(report), report.get("update")),
+        *_score_lines(report.get("spike_score")),
     ]
     if report["notes"]:
         lines += ["", "Notes:"]
         lines += [f"  - {note}" for note in report["notes"]]
     return "\n".join(lines)
+
+
+def _score_lines(score: Mapping[str, Any] | None) -> list[str]:
+    """The loss's spike score (OLMo-core's SpikeScore), comparable across runs; nothing without one."""
+    if score is None:
+        return []
+    return [
+        f"  spike score: {score['score']:.2f}% ({score['spikes']} of {score['scored']} updates with a loss "
+        f"more than {score['sigmas']:g} standard deviations above the mean of the {score['window']} before)"
+    ]
 
 
 def _header_lines(report: Mapping[str, Any]) -> list[str]:

@@ -28,6 +28,7 @@ from .. import functional as F
 from .._hooks import inner_step
 from .._inner import inner_optimizers, is_fused, reevaluates
 from .._reasons import NONFINITE
+from .coefficient import fused_grad_scale
 from .decision import WindowDecision
 from .grads import WindowGrads
 from .rollback import InnerBackup, nonfinite_loss
@@ -132,7 +133,9 @@ def step_fused(
         ratios = [scales[j] / d.scale if _scaled(d.scale) else scales[j] for j in d.unfolded]
         F.scale_groups_([grad_groups[j] for j in d.unfolded], ratios, foreach=foreach)
     grad_scale = d.grad_scale  # the kernel divides the gradients by it; set directly by a plain window
-    if grad_scale is None:
+    if grad_scale is None and d.bounded is not None and d.group_scales is None:
+        grad_scale = fused_grad_scale(*d.bounded)  # the formula of every fused path, the plain one's
+    elif grad_scale is None:
         if isinstance(d.scale, Tensor):
             scale = d.scale if d.scale.dtype == torch.float32 else d.scale.to(torch.float32)
             grad_scale = scale.reciprocal()

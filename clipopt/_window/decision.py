@@ -89,6 +89,7 @@ class WindowDecision:
     """What was measured and decided for one window; filled by the stages in order, read by all."""
 
     __slots__ = (
+        "bounded",
         "clipped",
         "coef",
         "divergence",
@@ -130,8 +131,10 @@ class WindowDecision:
         self.coef: float | Tensor | None = 1.0
         #: What still multiplies the gradients: ``coef`` / micro-batches (``mean``) or ``coef``.
         self.scale: float | Tensor = 1.0
-        #: What a fused kernel divides the gradients by when set directly (plain window); None: 1 / scale.
+        #: What a fused kernel divides the gradients by, set directly (plain window), else None.
         self.grad_scale: Tensor | None = None
+        #: (norm, bound, micro-batches) of :func:`clip_`: the fused ``grad_scale`` (_window/coefficient.py).
+        self.bounded: tuple[Tensor, float | Tensor | None, float] | None = None
         #: Whether clipping (value, norm or unit-wise) changed the gradient; None: ``coef < 1``, when read.
         self.clipped: bool | Tensor | None = False
         #: 1.0 when the window is skipped; None: no skip signal is on (the host knows: never skipped).
@@ -143,8 +146,7 @@ class WindowDecision:
         self.nonfinite_only = True
         #: The window's combined loss (0-d tensor), a float, or None when no loss was given.
         self.loss: Tensor | float | None = None
-        # Per-group clipping (some parameter group has its own 'max_norm' or 'clip_value'); all None
-        # without it, when one bound clips every group (``coef``, ``scale``).
+        # Per-group clipping (a group's own 'max_norm'/'clip_value'); all None when one bound clips all.
         #: Each group's pre-clip norm (1-d, one entry per parameter group, like ``total_norm``).
         self.group_norms: Tensor | None = None
         #: Each group's norm-clipping coefficient: the common ``coef`` for the groups sharing the
@@ -158,8 +160,7 @@ class WindowDecision:
         #: The common pre-clip norm of the groups sharing the wrapper's bound (``nan`` when the window
         #: is not finite): what a policy sees.  None without per-group clipping (it sees ``total_norm``).
         self.shared_norm: Tensor | None = None
-        #: With ``update_clip``/``update_stats`` (set after the inner step, ``_window.update_apply``):
-        #: the norm of the update before clipping and the coefficient applied; None without.
+        #: The update's norm before clipping and the coefficient applied (``update_clip``/``update_stats``).
         self.update_norm: Tensor | None = None
         self.update_coef: Tensor | None = None
 
@@ -298,10 +299,9 @@ def clip_(
 ) -> None:
     """Stage 4 (clip), on the device: value clipping, then the norm bound (``max_norm``, or the policy's).
 
-    ``grads`` are the window's summed gradients (``divisor`` micro-batches);
-    ``norm_of`` measures them (sharded / pipeline norms included).  A policy that clips in
-    place (unit-wise or per-tensor) clips them itself from ``window``, the ``1/divisor`` included.
-    """
+    ``grads``: the window's summed gradients (``divisor`` micro-batches), measured by ``norm_of``
+    (sharded / pipeline norms included).  A policy that clips in place (unit-wise or per-tensor)
+    clips them itself from ``window``, the ``1/divisor`` included."""
     inv = 1.0 / divisor
     norm = d.total_norm
     clipped: bool | Tensor = False
@@ -321,7 +321,7 @@ def clip_(
         coef = F.clip_coef(norm, max_norm)
         clipped = (coef < 1.0) | clipped if isinstance(clipped, Tensor) else coef < 1.0
     d.max_norm, d.coef, d.clipped = max_norm, coef, clipped
-    d.scale = coef * inv if divisor != 1.0 else coef
+    d.scale, d.bounded = (coef * inv if divisor != 1.0 else coef), (norm, max_norm, divisor)
 
 
 def measured_groups(

@@ -12,7 +12,8 @@ the general close's bookkeeping for features that are off:
 * measure: each gradient's norm (one foreach kernel where it can), their norm (the total, divided
   by the micro-batches with ``reduction="mean"``) and its non-finite flag;
 * clip: on a fused optimizer the kernel's ``grad_scale = max(1, (total + 1e-6) / max_norm)``
-  (times the micro-batches with ``"mean"``), computed directly; the record's coefficient
+  (times the micro-batches with ``"mean"``), computed directly, by the formula every fused path
+  takes (:mod:`clipopt._window.coefficient`); the record's coefficient
   ``min(1, max_norm / (total + 1e-6))`` and ``clipped`` (``coef < 1``) are computed from the
   recorded norm when first read (``StepStats.clip_coef``).  On any other optimizer the
   coefficient is computed as torch's ``clip_grad_norm_`` computes it, and scales the gradients;
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -43,52 +43,11 @@ from .. import functional as F
 from .._hooks import inner_step
 from .._reasons import NONFINITE
 from .apply import step_fused
+from .coefficient import Constants, constants, fused_grad_scale
 from .decision import WindowDecision
 from .settings import WindowSettings
 
-__all__ = ["Constants", "apply_host", "close_plain", "constants", "decide_fused", "decide_host"]
-
-
-class Constants(NamedTuple):
-    """The numbers a plain window's kernels take, as 0-d tensors of the norm's dtype and device:
-    a Python number costs each kernel a tensor of its own (about a microsecond on CPU), these are
-    made once per dtype, device and settings, and never written."""
-
-    zero: Tensor  #: 0.0, float32 (the non-finite flag of a finite norm; what ``ne_`` compares with)
-    one: Tensor  #: 1.0
-    eps: Tensor  #: 1e-6, the ``+ 1e-6`` of torch's ``clip_grads_with_norm_``
-    max_norm: Tensor  #: the norm bound (1.0 when off)
-    divisor: Tensor  #: the micro-batches the summed gradients are divided by (``"mean"``), else 1.0
-    inv: Tensor  #: ``1 / divisor``
-
-    @classmethod
-    def make(cls, dtype: torch.dtype, device: torch.device, max_norm: float, divisor: float) -> Constants:
-        def full(value: float, kind: torch.dtype = dtype) -> Tensor:
-            return torch.full((), value, dtype=kind, device=device)
-
-        return cls(
-            full(0.0, torch.float32),
-            full(1.0),
-            full(F.EPS),
-            full(max_norm),
-            full(divisor),
-            full(1.0 / divisor),
-        )
-
-
-#: The constants by (dtype, device, max_norm, divisor); cleared when it grows past a few entries.
-_CONSTANTS: dict[tuple[torch.dtype, torch.device, float, float], Constants] = {}
-
-
-def constants(s: WindowSettings, like: Tensor) -> Constants:
-    """The :class:`Constants` of settings ``s`` for the norm ``like``."""
-    key = (like.dtype, like.device, 1.0 if s.max_norm is None else s.max_norm, s.divisor)
-    c = _CONSTANTS.get(key)
-    if c is None:
-        if len(_CONSTANTS) >= 16:
-            _CONSTANTS.clear()
-        c = _CONSTANTS[key] = Constants.make(*key)
-    return c
+__all__ = ["apply_host", "close_plain", "decide_fused", "decide_host"]
 
 
 def decide_fused(s: WindowSettings, grads: list[Tensor], loss: Tensor | float | None) -> WindowDecision:
@@ -102,20 +61,9 @@ def decide_fused(s: WindowSettings, grads: list[Tensor], loss: Tensor | float | 
     total, c, _ = _measure(s, grads)
     d = WindowDecision(total, _nonfinite(total, c))
     d.loss = loss
-    grad_scale: Tensor | None = None
     if s.max_norm is not None:
         d.max_norm, d.coef, d.clipped = s.max_norm, None, None
-        grad_scale = total + c.eps
-        if s.max_norm != 1.0:  # (a division by 1 changes nothing: no kernel for it)
-            grad_scale.div_(c.max_norm)
-        grad_scale.clamp_min_(c.one)
-        if s.divisor != 1.0:
-            grad_scale.mul_(c.divisor)
-    elif s.divisor != 1.0:
-        grad_scale = c.divisor
-    if grad_scale is not None and grad_scale.dtype != torch.float32:
-        grad_scale = grad_scale.float()  # what the kernels take (float64 gradients)
-    d.grad_scale = grad_scale
+    d.grad_scale = fused_grad_scale(total, s.max_norm, s.divisor, c)  # the formula of every fused path
     if s.skip_enabled:  # the one signal: its reason is recorded where it skips (read only then)
         d.skip, d.reason = d.nonfinite, NONFINITE
     return d
@@ -208,7 +156,7 @@ def _measure(s: WindowSettings, grads: list[Tensor]) -> tuple[Tensor, Constants,
     uniform = raw is not None
     if raw is None:
         raw = F.get_total_norm(grads, s.norm_type, foreach=s.foreach)
-    c = constants(s, raw)
+    c = constants(raw, s.max_norm, s.divisor)
     return (raw.div(c.divisor) if s.divisor != 1.0 else raw), c, uniform
 
 

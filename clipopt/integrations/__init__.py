@@ -10,19 +10,31 @@ Nothing here is imported until used, and nothing new is required at runtime:
 * :class:`ClipoptTrainerCallback` — a ``transformers.TrainerCallback`` that
   adds them to the Trainer's logs and ``trainer_state.json`` (needs
   ``transformers``).
+
+Both callbacks warn once (:class:`StackedClipWarning`) when the framework's own
+clipping is on (``max_grad_norm`` of the Trainer's arguments, default 1.0;
+Lightning's ``gradient_clip_val``): it bounds the gradients before clipopt sees them.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._stacked import StackedClipWarning
 from ._stats import STAT_KEYS, StatsReader, find_clipped
 
 if TYPE_CHECKING:
     from ._hf import ClipoptTrainerCallback
     from ._lightning import ClipoptLightningCallback
 
-__all__ = ["STAT_KEYS", "ClipoptLightningCallback", "ClipoptTrainerCallback", "StatsReader", "find_clipped"]
+__all__ = [
+    "STAT_KEYS",
+    "ClipoptLightningCallback",
+    "ClipoptTrainerCallback",
+    "StackedClipWarning",
+    "StatsReader",
+    "find_clipped",
+]
 
 
 def __getattr__(name: str) -> Any:

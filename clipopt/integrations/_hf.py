@@ -6,6 +6,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from ._stacked import clips_before_clipopt, warn_stacked_clip
 from ._stats import StatsReader, find_clipped
 
 __all__ = ["ClipoptTrainerCallback"]
@@ -25,15 +26,25 @@ class ClipoptTrainerCallback(TrainerCallback):
     ``state.global_step`` counts ``optimizer.step()`` calls, skipped updates
     included (as the Trainer does for GradScaler overflows); ``clipopt/updates``
     counts applied updates.
+
+    The Trainer clips before ``optimizer.step()`` whenever ``max_grad_norm > 0``, and its default is
+    1.0 (TRL's ``SFTConfig`` too): clipopt would then see gradients already bounded. At the start of
+    training the callback warns once (:class:`~clipopt.integrations.StackedClipWarning`) when it
+    finds that setting on; pass ``max_grad_norm=0.0``.
     """
 
     def __init__(self) -> None:
         self._reader: StatsReader | None = None
+        self._warned = False
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._reader = StatsReader(find_clipped(kwargs.get("optimizer")))
+        if not self._warned and clips_before_clipopt(args.max_grad_norm):
+            self._warned = True
+            kind = type(args).__name__  # TrainingArguments, or a subclass such as TRL's SFTConfig
+            warn_stacked_clip(f"{kind}.max_grad_norm", args.max_grad_norm, f"{kind}(max_grad_norm=0.0)")
 
     def on_log(
         self,

@@ -7,6 +7,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from .._optimizer import ClippedOptimizer
+from ._stacked import clips_before_clipopt, warn_stacked_clip
 from ._stats import StatsReader
 
 __all__ = ["ClipoptLightningCallback"]
@@ -24,6 +25,11 @@ class ClipoptLightningCallback(Callback):
     accumulates: use Lightning's ``accumulate_grad_batches`` with
     ``accumulation_steps=1`` instead).
 
+    Lightning clips before ``optimizer.step()`` when ``Trainer(gradient_clip_val=...)`` is above 0
+    (automatic optimization): clipopt would then see gradients already bounded. At the start of
+    training the callback warns once (:class:`~clipopt.integrations.StackedClipWarning`) when it
+    finds that setting on; leave ``gradient_clip_val=None``.
+
     Args:
         prog_bar: also show the values in the progress bar.
     """
@@ -33,6 +39,7 @@ class ClipoptLightningCallback(Callback):
             raise TypeError(f"prog_bar must be a bool, got {prog_bar!r}; pass prog_bar=True or False")
         self.prog_bar = prog_bar
         self._readers: list[StatsReader] = []
+        self._warned = False
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         clipped = [opt for opt in trainer.optimizers if isinstance(opt, ClippedOptimizer)]
@@ -40,6 +47,10 @@ class ClipoptLightningCallback(Callback):
             StatsReader(opt, prefix="clipopt/" if len(clipped) == 1 else f"clipopt{i}/")
             for i, opt in enumerate(clipped)
         ]
+        value = trainer.gradient_clip_val
+        if clipped and pl_module.automatic_optimization and not self._warned and clips_before_clipopt(value):
+            self._warned = True
+            warn_stacked_clip("Trainer.gradient_clip_val", value, "Trainer(gradient_clip_val=None)")
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int

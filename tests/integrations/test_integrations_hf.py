@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from torch import nn
 
 import clipopt
 from clipopt import ClippedOptimizer
-from clipopt.integrations import ClipoptTrainerCallback
+from clipopt.integrations import ClipoptTrainerCallback, StackedClipWarning
 from tests.helpers import mlp
 from tests.readme_snippets import run_snippet
 
@@ -178,3 +179,44 @@ def test_muon_and_adamw_under_one_wrapper_in_the_trainer(tmp_path: Path) -> None
     assert [o.param_groups[0]["lr"] for o in opt.optimizers] == [pytest.approx(LR * 0.5**9)] * 2
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert all(len(o.state) == len(o.param_groups[0]["params"]) for o in opt.optimizers)
+
+
+def _stacked(record: list[warnings.WarningMessage]) -> list[warnings.WarningMessage]:
+    return [w for w in record if issubclass(w.category, StackedClipWarning)]
+
+
+def test_the_trainers_own_clip_left_on_is_warned_once(tmp_path: Path) -> None:
+    """TrainingArguments' default max_grad_norm=1.0 clips before clipopt: every norm clipopt records is
+    at most 1 and its max_norm never acts. The callback warns once, at the user's trainer.train() line,
+    naming the setting and the fix (before: nothing was said)."""
+    model, opt, sched = _build()
+    opt.max_norm = 5.0
+    args = _args(tmp_path / "out", 1)
+    args.max_grad_norm = 1.0  # what TrainingArguments() and TRL's SFTConfig() leave on
+    data = [{"x": 40 * d["x"], "labels": d["labels"]} for d in _data(32)]  # norms far above 1
+    callback = ClipoptTrainerCallback()
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=data, optimizers=(opt, sched), callbacks=[callback]
+    )
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        trainer.train()
+        trainer.train()  # the same callback: said once
+    assert max(s.total_norm for s in opt.stats) <= 1.0 + 1e-5  # what the warning is about
+    assert max(e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e) > 5.0
+    stacked = _stacked(record)
+    assert len(stacked) == 1
+    message = str(stacked[0].message)
+    assert "TrainingArguments.max_grad_norm=1.0 clips the gradients before clipopt" in message
+    assert "TrainingArguments(max_grad_norm=0.0)" in message
+    assert (stacked[0].filename, stacked[0].lineno) == (__file__, line)
+
+
+def test_the_trainers_clip_turned_off_is_not_warned(tmp_path: Path) -> None:
+    """max_grad_norm=0.0, as the docs' snippet passes: no warning, and clipopt sees the raw norms."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _, _, opt, _ = _train(tmp_path, _data(32), trainer_accumulation=1)
+    assert _stacked(record) == []
+    assert opt.num_updates == 8

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import clipopt
 from clipopt import ClippedOptimizer
-from clipopt.integrations import ClipoptLightningCallback
+from clipopt.integrations import ClipoptLightningCallback, StackedClipWarning
 from tests.helpers import mlp
 from tests.readme_snippets import run_snippet
 
@@ -325,3 +325,43 @@ def test_a_schedule_per_inner_optimizer_counts_the_wrappers_applied_updates(tmp_
     muon, adamw = opt.optimizers
     assert muon.param_groups[0]["lr"] == pytest.approx(LR * 0.5**3)
     assert adamw.param_groups[0]["lr"] == pytest.approx(LR * 0.9**3)
+
+
+def _stacked(record: list[warnings.WarningMessage]) -> list[warnings.WarningMessage]:
+    return [w for w in record if issubclass(w.category, StackedClipWarning)]
+
+
+def test_lightnings_own_clip_is_warned_once(tmp_path: Path) -> None:
+    """Trainer(gradient_clip_val=1.0) clips before clipopt, which then records only norms <= 1: the
+    callback warns once (over two fits), at the user's trainer.fit() line, naming the setting and the
+    fix (before: nothing was said)."""
+    model = Regressor()
+    callback = ClipoptLightningCallback()
+    data = TensorDataset(40 * _data(64).tensors[0], _data(64).tensors[1])  # norms far above 1
+    loader = DataLoader(data, batch_size=4)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        _trainer(tmp_path, gradient_clip_val=1.0, callbacks=[callback]).fit(model, loader)
+        _trainer(tmp_path, gradient_clip_val=1.0, callbacks=[callback]).fit(Regressor(), loader)
+    opt = model.trainer.optimizers[0]
+    assert opt.num_updates == 4 and max(s.total_norm for s in opt.stats) <= 1.0 + 1e-5
+    stacked = _stacked(record)
+    assert len(stacked) == 1
+    message = str(stacked[0].message)
+    assert "Trainer.gradient_clip_val=1.0 clips the gradients before clipopt" in message
+    assert "Trainer(gradient_clip_val=None)" in message
+    assert (stacked[0].filename, stacked[0].lineno) == (__file__, line)
+
+
+def test_lightnings_clip_left_off_is_not_warned(tmp_path: Path) -> None:
+    """gradient_clip_val=None (Lightning's default) or 0: no warning; clipopt sees the raw norms."""
+    data = TensorDataset(40 * _data(64).tensors[0], _data(64).tensors[1])
+    for value in (None, 0.0):
+        model = Regressor()
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            trainer = _trainer(tmp_path, gradient_clip_val=value, callbacks=[ClipoptLightningCallback()])
+            trainer.fit(model, DataLoader(data, batch_size=4))
+        assert _stacked(record) == []
+        assert max(s.total_norm for s in trainer.optimizers[0].stats) > 5.0

@@ -173,6 +173,24 @@ def test_resume_without_pending_grads_diverges() -> None:
     assert not all(torch.equal(p, q) for p, q in pairs)
 
 
+@pytest.mark.parametrize("entry", ["wrapper", "plain"])
+def test_between_windows_checkpoint_loaded_mid_window_drops_the_open_window(entry: str) -> None:
+    """#32: a state dict without an open window, loaded mid-window, drops that window's gradients, as a
+    fresh wrapper has none: SGD(lr=1) then steps by the next window's gradients alone (1 + 1, sum)."""
+    p = nn.Parameter(torch.zeros(1))
+    opt = ClippedOptimizer(torch.optim.SGD([p], lr=1.0), max_norm=1e6, accumulation_steps=2, reduction="sum")
+    sd = opt.state_dict() if entry == "wrapper" else opt.optimizer.state_dict()
+    (50 * p).sum().backward()
+    opt.step()  # the open window: a gradient of 50
+    assert opt.micro_batches == 1
+    opt.load_state_dict(sd)
+    assert p.grad is None and opt.micro_batches == 0
+    for _ in range(2):
+        p.sum().backward()
+        opt.step()
+    assert p.item() == -2.0  # not -52: the dropped window's 50 is not added to the next one
+
+
 @given(
     acc=st.integers(1, 4),
     n=st.integers(1, 9),

@@ -381,6 +381,44 @@ def test_add_param_group_goes_to_the_optimizer_named_by_index() -> None:
     assert len(adamw.param_groups) == 2 and opt.param_groups[2]["params"] == [extra]
 
 
+@pytest.mark.parametrize("acc", [1, 2])
+def test_a_parameter_added_to_an_inner_optimizer_that_another_holds_is_refused(acc: int) -> None:
+    """#33: a group added through opt.optimizers[1].add_param_group(...) with a parameter optimizer 0
+    holds would be stepped twice; the next step() refuses it before anything changes, and once the group
+    is removed the window is plain torch's (clip_grad_norm_, then each optimizer's step), bit for bit."""
+    model = mlp((5, 4, 3))
+    ref = copy.deepcopy(model)
+    optimizers, ref_optimizers = _muon_adamw(model), _muon_adamw(ref)
+    opt = ClippedOptimizer(optimizers, max_norm=0.3, accumulation_steps=acc, reduction="sum")
+    batches = pairs(acc, (8, 5), (8, 3), seed=1)
+    optimizers[1].add_param_group({"params": [model[0].weight]})  # Muon's already
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "optimizer[0] (Muon) and optimizer[1] (AdamW) both hold parameter group 0 index 0 "
+            "(shape (4, 5)); the optimizers must hold disjoint parameters: give each parameter to one of "
+            "them; a group added to an inner optimizer (opt.optimizers[i].add_param_group(...))"
+        ),
+    ):
+        for batch in batches:
+            mse(model, batch).backward()
+            opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert (opt.micro_batches, opt.num_windows) == (0, 0) and not any(o.state for o in optimizers)
+    optimizers[1].param_groups.pop()
+    opt.zero_grad()
+    for batch in batches:
+        mse(model, batch).backward()
+        opt.step()
+        mse(ref, batch).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
+    for o in ref_optimizers:
+        o.step()
+    assert opt.num_updates == 1
+    _assert_params_equal(model, ref)
+
+
 @pytest.mark.parametrize(
     ("value", "error", "message"),
     [

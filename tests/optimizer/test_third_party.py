@@ -536,3 +536,258 @@ def test_torch_layout_refused_by_an_inner_optimizer_with_read_only_groups() -> N
     with pytest.raises(ValueError, match=re.escape(message)):
         opt.load_state_dict(plain.state_dict())
     assert_identical(opt.state_dict(), before)
+
+
+# ---------------------------------------------- optimizers whose state keeps a layout of its own (#33 item 2)
+
+
+class LayerNovoGrad(torch.optim.Optimizer):
+    """NovoGrad in the layout of timm's ``NvNovoGrad``: ``exp_avg`` per element, ``exp_avg_sq`` one
+    number per tensor (a 0-d tensor), where torch's optimizers keep a tensor of the parameter's shape
+    under that name."""
+
+    def __init__(self, params: Any, lr: float = 0.01, betas: tuple[float, float] = (0.95, 0.98)) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": 1e-8})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros([])
+                norm = p.grad.pow(2).sum()
+                state["exp_avg_sq"].mul_(beta2).add_(norm, alpha=1 - beta2)
+                scaled = p.grad / (state["exp_avg_sq"].sqrt() + group["eps"])
+                state["exp_avg"].mul_(beta1).add_(scaled)
+                p.add_(state["exp_avg"], alpha=-group["lr"])
+        return None
+
+
+class PrivateGroupKeys(torch.optim.SGD):
+    """heavyball's way with groups: it keeps private keys in them (``_shapes`` here, ``__class__`` and
+    ``_orig_shapes`` there) and leaves out of ``state_dict()`` every key that starts with ``_``,
+    setting them again itself."""
+
+    def __init__(self, params: Any, lr: float = 0.01) -> None:
+        super().__init__(params, lr=lr, momentum=0.9)
+        for group in self.param_groups:
+            group["_shapes"] = [tuple(p.shape) for p in group["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        groups = sd["param_groups"]
+        sd["param_groups"] = [{k: v for k, v in g.items() if not k.startswith("_")} for g in groups]
+        return sd
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        for group in self.param_groups:
+            group["_shapes"] = [tuple(p.shape) for p in group["params"]]
+        return super().step(closure)
+
+
+#: The heavyball optimizers that refused their own state dict (#33: "parameter group 0 lacks '__class__'").
+HEAVYBALL = ["AdamW", "Muon", "ADOPT", "LaProp", "SFAdamW", "NAdam", "MuonAdamW"]
+
+
+@pytest.fixture
+def eager_heavyball(monkeypatch: pytest.MonkeyPatch) -> None:
+    """heavyball compiles its kernels (minutes on a CPU with max-autotune): run them eagerly."""
+    import heavyball
+
+    monkeypatch.setattr(heavyball.utils, "compile_mode", None)
+
+
+def _own_layout(name: str, params: Any) -> torch.optim.Optimizer:
+    """A fresh inner optimizer: ``LayerNovoGrad``, ``PrivateGroupKeys``, ``timm.NvNovoGrad`` or
+    ``heavyball.<name>``."""
+    if name == "LayerNovoGrad":
+        return LayerNovoGrad(params)
+    if name == "PrivateGroupKeys":
+        return PrivateGroupKeys(params)
+    if name == "timm.NvNovoGrad":  # not in the test extra: timm imports torchvision, and PyPI's
+        # torchvision for torch 2.13 fails to import beside the CPU build ("torchvision::nms does not exist")
+        reason = "needs timm and a torchvision that imports beside this torch (not in the test extra)"
+        timm_optim = pytest.importorskip("timm.optim", reason=reason)
+        return timm_optim.NvNovoGrad(params, lr=0.01)
+    import heavyball
+
+    return getattr(heavyball, name.removeprefix("heavyball."))(params, lr=0.01)
+
+
+def _resumes_bit_identically(name: str) -> None:
+    """5 micro-batches (mid-window), a checkpoint through torch.save/torch.load(weights_only=True), a
+    fresh model and optimizer loading it and 5 more micro-batches equal 10 in one go, bit for bit:
+    parameters and the inner state dict."""
+
+    def make(model: torch.nn.Module) -> ClippedOptimizer:
+        return ClippedOptimizer(_own_layout(name, model.parameters()), MAX_NORM, accumulation_steps=2)
+
+    data = batches_for(10, seed=5)
+    model = mlp((5, 4, 3))
+    opt = make(model)
+    _resumable_run(name, model, opt, data[:5], start=True)
+    buf = io.BytesIO()
+    # heavyball's Muon rounds stochastically (torch's global generator): a checkpoint keeps its state
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state()}, buf)
+    _resumable_run(name, model, opt, data[5:], start=False)
+
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    resumed = mlp((5, 4, 3), seed=1)
+    resumed.load_state_dict(ckpt["model"])
+    opt2 = make(resumed)
+    opt2.load_state_dict(ckpt["opt"])
+    assert opt2.micro_batches == 1 and opt2.num_updates == 2
+    torch.set_rng_state(ckpt["rng"])
+    _resumable_run(name, resumed, opt2, data[5:], start=False)
+
+    assert opt2.num_updates == opt.num_updates == 5
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_identical(opt2.optimizer.state_dict(), opt.optimizer.state_dict())
+
+
+@pytest.mark.parametrize("name", ["LayerNovoGrad", "PrivateGroupKeys", "timm.NvNovoGrad"])
+def test_optimizers_with_a_layout_of_their_own_resume_bit_identically(name: str) -> None:
+    """#33 item 2: NvNovoGrad's one-number ``exp_avg_sq`` was refused ("state[0]['exp_avg_sq'] has
+    shape (), parameter has (4, 5)"), and a state dict whose groups leave out keys the optimizer's
+    groups hold ("parameter group 0 lacks '_shapes'"), though the optimizer itself loads both; now
+    they resume bit for bit (:func:`_resumes_bit_identically`)."""
+    _resumes_bit_identically(name)
+
+
+@pytest.mark.parametrize("name", HEAVYBALL)
+@pytest.mark.usefixtures("eager_heavyball")
+def test_heavyball_optimizers_resume_bit_identically(name: str) -> None:
+    """#33 item 2: heavyball's state dicts leave out the keys of its groups that start with ``_``
+    (``__class__``, ``_orig_shapes``): "parameter group 0 lacks '__class__'".  Now they resume bit for
+    bit (:func:`_resumes_bit_identically`)."""
+    _resumes_bit_identically(f"heavyball.{name}")
+
+
+def _drop_a_parameter(sd: dict[str, Any]) -> None:
+    sd["param_groups"][0]["params"].pop()
+
+
+def _add_a_group(sd: dict[str, Any]) -> None:
+    sd["param_groups"].append({**sd["param_groups"][0], "params": [99]})
+
+
+def _string_lr(sd: dict[str, Any]) -> None:
+    sd["param_groups"][0]["lr"] = "0.01"
+
+
+def _drop_a_hyperparameter(sd: dict[str, Any]) -> None:
+    group = sd["param_groups"][0]
+    del group["betas" if "betas" in group else "momentum"]
+
+
+def _state_of_no_parameter(sd: dict[str, Any]) -> None:
+    sd["state"][99] = sd["state"][0]
+
+
+CORRUPT_OWN_LAYOUTS = [
+    pytest.param(_drop_a_parameter, "parameter group 0 has 3 parameters, the optimizer's has 4", id="params"),
+    pytest.param(_add_a_group, "it has 2 parameter groups, the optimizer has 1", id="groups"),
+    pytest.param(
+        _string_lr, "parameter group 0 has lr='0.01' (str), but the optimizer's lr is a number", id="lr"
+    ),
+    pytest.param(_drop_a_hyperparameter, "parameter group 0 lacks '", id="betas-or-momentum"),
+    pytest.param(
+        _state_of_no_parameter, "state for parameter id 99 that no parameter group lists", id="state"
+    ),
+]
+
+
+@pytest.mark.parametrize(("corrupt", "message"), CORRUPT_OWN_LAYOUTS)
+@pytest.mark.parametrize("name", ["LayerNovoGrad", "PrivateGroupKeys"])
+def test_corrupt_state_dicts_of_a_layout_of_its_own_are_still_refused_untouched(
+    name: str, corrupt: Callable[[dict[str, Any]], None], message: str
+) -> None:
+    """What the inner optimizer's layout does not explain is still refused before anything changes: a
+    group of another size, another group count, a string ``lr``, a group without a key the optimizer's
+    own state dict keeps (``betas``, SGD's ``momentum``), state for a parameter no group lists."""
+    _refused_untouched(name, corrupt, message)
+
+
+@pytest.mark.parametrize(("corrupt", "message"), CORRUPT_OWN_LAYOUTS)
+@pytest.mark.usefixtures("eager_heavyball")
+def test_corrupt_heavyball_state_dicts_are_still_refused_untouched(
+    corrupt: Callable[[dict[str, Any]], None], message: str
+) -> None:
+    """As above, for heavyball's AdamW (whose saved groups lack ``__class__`` and ``_orig_shapes``)."""
+    _refused_untouched("heavyball.AdamW", corrupt, message)
+
+
+def _refused_untouched(name: str, corrupt: Callable[[dict[str, Any]], None], message: str) -> None:
+    """``corrupt`` applied to a wrapper's state dict mid-window: ``message``, nothing changed."""
+    model = mlp((5, 4, 3))
+    opt = ClippedOptimizer(_own_layout(name, model.parameters()), MAX_NORM, accumulation_steps=2)
+    helpers_train(model, opt, batches_for(3, seed=6), mse)
+    bad = copy.deepcopy(opt.state_dict())
+    corrupt(bad)
+    before = copy.deepcopy(opt.state_dict())
+    params = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad for p in model.parameters()]
+    with pytest.raises(ValueError, match=re.escape(f"invalid state_dict: {message}")):
+        opt.load_state_dict(bad)
+    assert_identical(opt.state_dict(), before)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params, strict=True))
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))
+
+
+def test_a_key_the_optimizers_own_state_dict_keeps_is_still_required() -> None:
+    """Control for ``PrivateGroupKeys``: without its own ``state_dict`` (torch's, which keeps every key)
+    a saved group without ``_shapes`` is refused, as before."""
+    model = mlp((5, 4, 3))
+    inner = PrivateGroupKeys(model.parameters())
+    opt = ClippedOptimizer(inner, MAX_NORM)
+    helpers_train(model, opt, batches_for(1, seed=6), mse)
+    sd = copy.deepcopy(opt.state_dict())
+    assert "_shapes" not in sd["param_groups"][0]
+    inner.state_dict = lambda: torch.optim.SGD.state_dict(inner)  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match=re.escape("invalid state_dict: parameter group 0 lacks '_shapes'")):
+        opt.load_state_dict(sd)
+
+
+@pytest.mark.usefixtures("eager_heavyball", "fresh_accelerate_state")
+def test_heavyball_under_accelerate_prepares_and_trains_as_without_it() -> None:
+    """#33 item 2: Accelerate's ``prepare()`` loads the optimizer's own state dict back into it
+    (``AcceleratedOptimizer``), which the wrapper over heavyball's AdamW refused, so training could not
+    start.  Now it prepares, and 4 windows of 2 micro-batches through ``accelerator.accumulate`` equal
+    the same windows without Accelerate, bit for bit."""
+    import accelerate
+    import heavyball
+
+    data = batches_for(8, seed=9)
+
+    def run(prepared: bool) -> tuple[torch.nn.Module, ClippedOptimizer]:
+        model = mlp((5, 4, 3))
+        opt = ClippedOptimizer(heavyball.AdamW(model.parameters(), lr=0.01), MAX_NORM)
+        step: Any = opt
+        accelerator = accelerate.Accelerator(gradient_accumulation_steps=2, cpu=True) if prepared else None
+        if accelerator is not None:
+            model, step = accelerator.prepare(model, opt)
+        for i, batch in enumerate(data):
+            if accelerator is not None:
+                with accelerator.accumulate(model):
+                    accelerator.backward(mse(model, batch))  # divided by 2 there
+                    step.step()
+                    step.zero_grad()
+            else:
+                (mse(model, batch) / 2).backward()
+                if i % 2 == 1:
+                    opt.step()
+                    opt.zero_grad()
+        return model, opt
+
+    model, opt = run(prepared=True)
+    ref_model, ref_opt = run(prepared=False)
+    assert opt.num_updates == ref_opt.num_updates == 4
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
+import json
 import re
 import subprocess
 import sys
@@ -145,6 +147,312 @@ def test_api_reference_lists_every_public_name() -> None:
     text = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
     entries = set(re.findall(r"^::: clipopt\.(\w+)\s*$", text, re.M))
     assert sorted(set(clipopt.__all__) - {"__version__"} - entries) == []
+
+
+def summary_table_names(text: str, module: str) -> list[str]:
+    """The names in the first column of docs/api.md's summary table for ``module`` (``### `module` ``)."""
+    start = text.index(f"\n### `{module}`\n")
+    end = min(i for i in (text.find("\n## ", start), text.find("\n### ", start + 1), len(text)) if i >= 0)
+    return re.findall(r"^\| `([\w.]+)` \|", text[start:end], re.M)
+
+
+@pytest.mark.parametrize("module", ["clipopt", "clipopt.functional", "clipopt.integrations"])
+def test_api_reference_has_a_readable_summary_of_every_public_name(module: str) -> None:
+    """docs/api.md reads without the site: a table per module lists each name of its ``__all__`` once,
+    and no name it lacks (before: only ``::: clipopt.X`` lines, empty unless the site is built)."""
+    text = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
+    names = summary_table_names(text, module)
+    assert sorted(names) == sorted(importlib.import_module(module).__all__)
+
+
+def docstring_sections(doc: str) -> dict[str, list[str]]:
+    """The parameters each Google-style section (``Args:``, ``Other Parameters:``) of ``doc`` documents."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in inspect.cleandoc(doc).splitlines():
+        if re.fullmatch(r"[A-Z][A-Za-z ]*:", line):
+            current = sections.setdefault(line[:-1], [])
+        elif current is not None and (match := re.match(r"    (\w+): ", line)):
+            current.append(match[1])
+        elif line and not line.startswith(" "):
+            current = None
+    return sections
+
+
+def _entry(doc: str, name: str) -> str:
+    """The text of one parameter's entry in a Google-style docstring."""
+    text = inspect.cleandoc(doc)
+    start = text.index(f"\n    {name}: ")
+    end = re.compile(r"\n(    \w+: |\S)").search(text, start + 1)
+    return text[start : end.start() if end else len(text)]
+
+
+def test_the_constructors_options_come_day_to_day_first() -> None:
+    """ClippedOptimizer's docstring documents every argument once: the six a loop needs day to day
+    under ``Args`` (the inner optimizer and max_norm first), every other under ``Other Parameters``."""
+    sections = docstring_sections(ClippedOptimizer.__doc__ or "")
+    day_to_day, other = sections.get("Args", []), sections.get("Other Parameters", [])
+    assert day_to_day[:2] == ["optimizer", "max_norm"] and len(day_to_day) <= 6
+    signature = [p for p in inspect.signature(ClippedOptimizer.__init__).parameters if p != "self"]
+    assert sorted(day_to_day + other) == sorted(signature)
+
+
+def test_the_max_norm_docstrings_name_every_policy_and_no_private_module() -> None:
+    """The max_norm entry of the constructor and the max_norm property name every ClipPolicy of the
+    package (AdaGC and StableSPAM too); the class docstring cites pages, not private module paths."""
+    import clipopt
+
+    policies = [n for n in clipopt.__all__ if isinstance(getattr(clipopt, n), type)]
+    policies = [n for n in policies if issubclass(getattr(clipopt, n), clipopt.ClipPolicy)]
+    policies.remove("ClipPolicy")
+    assert {"AdaGC", "StableSPAM", "ZClip"} <= set(policies)
+    doc = ClippedOptimizer.__doc__ or ""
+    for text in (_entry(doc, "max_norm"), ClippedOptimizer.max_norm.__doc__ or ""):
+        assert [p for p in policies if f":class:`{p}`" not in text] == []
+    assert re.findall(r"clipopt/_\w+|\b_\w+\.py\b", doc) == []
+
+
+# ---------------------------------------------------------------- figures come from the scripts' results
+
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def flat(text: str) -> str:
+    """``text`` with every run of white space one space (a page wraps its lines where it likes)."""
+    return " ".join(text.split())
+
+
+def _read(page: str) -> str:
+    return (REPO / page).read_text(encoding="utf-8")
+
+
+def page_section(page: Path, heading: str) -> str:
+    """The ``## heading`` section of a page."""
+    return section(page.read_text(encoding="utf-8"), heading)
+
+
+def demo_record() -> tuple[str, str, list[str]]:
+    """What benchmarks/demo.py recorded: the measured line, the table block, the other kernels' clauses."""
+    text = (RESULTS / "demo.md").read_text(encoding="utf-8")
+    measured, rest = text.split("\n\n```text\n", 1)
+    block, rest = rest.split("```\n", 1)
+    kernels = rest.strip().splitlines()[0].removeprefix("On the same machine ").rstrip(".")
+    return measured, block, [c.removeprefix("with ") for c in kernels.split("; ")]
+
+
+def test_the_demo_record_agrees_with_its_json() -> None:
+    """demo.md is what benchmarks/demo.py writes from demo.json (so the pages below quote the run)."""
+    record = json.loads((RESULTS / "demo.json").read_text(encoding="utf-8"))
+    native = record["runs"][0]
+    measured, block, clauses = demo_record()
+    plain, clipped = native["summary"]["runs"]["plain SGD"], native["summary"]["runs"]["clipopt"]
+    assert f"{plain['heldout_loss']:.3f}" in block and f"{clipped['heldout_loss']:.3f}" in block
+    assert f"{plain['max_grad_norm']:.1f}" in block and f"600 / {clipped['clipped']} / 0" in block
+    assert native["machine"]["cpu"] in measured and native["machine"]["torch"] in measured
+    assert len(clauses) == len(record["runs"]) - 1 >= 1
+
+
+@pytest.mark.parametrize(
+    ("page", "heading"), [("README.md", "The demo"), ("docs/getting-started.md", "The demo")]
+)
+def test_the_demo_table_and_its_machine_are_the_recorded_run(page: str, heading: str) -> None:
+    """The README and the getting-started page show the table benchmarks/demo.py recorded and say where it
+    was measured (the plain run's figures change with the CPU's kernels: 9.050 here, 2.820 under avx2;
+    before: 5.901 from another machine, with no machine named)."""
+    measured, block, clauses = demo_record()
+    text = page_section(REPO / page, "The demo")
+    assert f"```text\n{block}```" in text
+    assert flat(measured).lower().removeprefix("measured ") in flat(text).lower()
+    if page == "README.md":
+        assert [c for c in clauses if flat(c) not in flat(text)] == []
+
+
+def spike_rows() -> dict[str, dict[str, Any]]:
+    """benchmarks/results/spikes.json's rows by configuration."""
+    rows = json.loads((RESULTS / "spikes.json").read_text(encoding="utf-8"))["rows"]
+    return {row["config"]: row for row in rows}
+
+
+def table_after(text: str, header_start: str) -> list[list[str]]:
+    """The body rows (cells stripped of ``**``) of the Markdown table whose header starts ``header_start``."""
+    lines = [line.strip() for line in text[text.index(header_start) :].splitlines()[2:]]
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip().strip("*") for cell in line.strip("|").split(" | ")])
+    return rows
+
+
+def test_the_readmes_spikeguard_claim_is_the_benchmarks() -> None:
+    """The README's SpikeGuard sentence quotes benchmarks/spikes.py's medians (before: 1.530 -> 1.428,
+    from a run the table no longer shows)."""
+    rows = spike_rows()
+    claim = flat((REPO / "README.md").read_text(encoding="utf-8"))
+    expected = (
+        f"SpikeGuard cut the held-out loss from {rows['clip']['heldout_median']:.3f} (clipping alone) to "
+        f"{rows['spikeguard']['heldout_median']:.3f}; adding Rewind gave "
+        f"{rows['spikeguard+rewind']['heldout_median']:.3f}"
+    )
+    assert expected in claim
+
+
+def test_the_spike_tables_are_the_benchmarks() -> None:
+    """docs/beyond-clipping.md's table (every configuration, in the script's order) and
+    docs/spike-recovery.md's (four of them) quote benchmarks/results/spikes.json."""
+    rows = spike_rows()
+    beyond = table_after(
+        (REPO / "docs" / "beyond-clipping.md").read_text(encoding="utf-8"), "| configuration |"
+    )
+    assert len(beyond) == len(rows)
+    for cells, row in zip(beyond, rows.values(), strict=True):
+        per_seed = ", ".join(f"{x:.3f}" for x in row["heldout_per_seed"])
+        lost = f"{row['lost']} ({row['skipped']} + {row['undone']})" if row["lost"] else "0"
+        assert cells[1:6] == [
+            f"{row['heldout_mean']:.3f} ± {row['heldout_sd']:.3f}",
+            per_seed,
+            f"{row['loss_spikes']} ({row['recovered']})",
+            str(row["shard_recovery_median"]),
+            lost,
+        ], cells[0]
+    recovery = table_after(
+        (REPO / "docs" / "spike-recovery.md").read_text(encoding="utf-8"), "| configuration |"
+    )
+    for cells, name in zip(recovery, ["clip", "zclip", "spikeguard", "spikeguard+rewind"], strict=True):
+        row = rows[name]
+        assert cells[1:3] == [
+            f"{row['heldout_median']:.3f}",
+            ", ".join(f"{x:.3f}" for x in row["heldout_per_seed"]),
+        ], cells[0]
+
+
+_UPDATE_ROWS = ("update_stats", "update-rms", "update-norm", "update-z")
+
+
+def update_cost(optimizer: str, base: bool = False) -> tuple[list[float], list[float], float]:
+    """benchmarks/update_cost.py's UpdateClip rows (``update_stats`` and the three rules) for
+    ``AdamW-<optimizer>``: their ms per update, their paired ratios to the clipped update, and the
+    clipped update's ms."""
+    path = RESULTS / f"update_cost_AdamW-{optimizer}.json"
+    rows = json.loads(path.read_text(encoding="utf-8"))["rows"]
+    chosen = [rows[name + ("@base" if base else "")] for name in _UPDATE_ROWS]
+    clip_ms = rows["clip"]["update_s"] * 1e3
+    return [r["update_s"] * 1e3 for r in chosen], [r["paired_vs_clip"] for r in chosen], clip_ms
+
+
+def _span(values: list[float], digits: int) -> str:
+    return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
+
+
+def test_beyond_clippings_update_clip_cost_is_the_benchmarks() -> None:
+    """docs/beyond-clipping.md's UpdateClip time (ms, and the paired ratios to the clipped update, with and
+    without the buffers) is benchmarks/results/update_cost_AdamW-{fused,foreach}.json's."""
+    text = flat(_read("docs/beyond-clipping.md"))
+    fused_ms, fused_ratio, fused_clip = update_cost("fused")
+    foreach_ms, foreach_ratio, foreach_clip = update_cost("foreach")
+    assert f"about {round(sum(fused_ratio) / len(fused_ratio))}x the clipped update with fused AdamW" in text
+    assert f"{_span(foreach_ratio, 1)}x with foreach AdamW" in text
+    assert f"({_span(fused_ms, 0)} ms against {fused_clip:.0f} ms with fused AdamW" in text
+    assert f"{_span(foreach_ms, 0)} ms against {foreach_clip:.0f} ms with foreach)" in text
+    base_fused, base_foreach = update_cost("fused", base=True)[1], update_cost("foreach", base=True)[1]
+    assert f"against {_span(base_fused, 1)}x and {_span(base_foreach, 1)}x for the same methods" in text
+
+
+def _within(cell: str, value: float) -> bool:
+    """Whether ``value``, rounded to the cell's decimals, is the cell's figure or inside its range
+    (``1.74x-1.81x``: the page gives the spread over runs, one of which is the recorded one)."""
+    figures = [x.rstrip("x") for x in cell.split("-")]
+    rounded = round(value, len(figures[0].split(".")[1]))
+    return float(figures[0]) <= rounded <= float(figures[-1])
+
+
+@pytest.mark.parametrize("page", ["docs/benchmarks.md", "benchmarks/README.md"])
+def test_the_clipped_update_table_is_bench_pys_record(page: str) -> None:
+    """The fused-AdamW table of docs/benchmarks.md and benchmarks/README.md quotes
+    benchmarks/results/results.json (bench.py's record): each row's figure, or a range holding it."""
+    rows = json.loads((RESULTS / "results.json").read_text(encoding="utf-8"))["rows"]
+    recorded = {
+        (r["model"], r["method"]): r
+        for r in rows
+        if r.get("optimizer") == "AdamW-fused" and r.get("accumulation") == 1
+    }
+    table = table_after(_read(page), "| model | `clip_grad_norm_` + step |")
+    assert [cells[0].split(" ")[0] for cells in table] == ["tiny", "medium", "large"]
+    for cells in table:
+        model = cells[0].split(" ")[0]
+        torch_row, ours = recorded[(model, "clip_grad_norm_")], recorded[(model, "clipopt")]
+        assert _within(cells[1], torch_row["vs_bare"]), cells
+        assert _within(cells[2], ours["vs_bare"]), cells
+        assert _within(cells[3], ours["vs_clip_grad_norm_"]), cells
+        assert cells[4] == f"{ours['host_reads']:g}", cells
+
+
+def test_the_integrations_page_names_each_frameworks_own_clip() -> None:
+    """docs/integrations.md says, for each framework that clips before clipopt, the setting and how to
+    turn it off (TRL's SFTConfig and torchtitan's training.max_norm too)."""
+    text = flat(page_section(REPO / "docs" / "integrations.md", "Turn the framework's own clipping off"))
+    for needed in [
+        "`TrainingArguments(max_grad_norm=...)` (1.0) | `max_grad_norm=0.0`",
+        "`SFTConfig(max_grad_norm=...)`",
+        "`Trainer(gradient_clip_val=...)`",
+        "`[training] max_norm` (1.0)",
+        "`--training.max_norm inf`",
+        "StackedClipWarning",
+    ]:
+        assert needed in text
+
+
+def test_the_limitations_page_says_what_an_extra_step_or_flush_does() -> None:
+    """docs/limitations.md says, per backend, what one extra step() or flush() on one rank does and the
+    flags that find it (before: only "gloo aborts" for flush(), which under FSDP2 waits instead)."""
+    rows = table_after(page_section(REPO / "docs" / "limitations.md", "Distributed training"), "| setting |")
+    found = {cells[0]: (cells[1], cells[2]) for cells in rows}
+    assert set(found) == {"DDP, gloo", "FSDP2, gloo", "NCCL (DDP or FSDP2)"}
+    assert "abort" in found["DDP, gloo"][0] and "PYTHONFAULTHANDLER=1" in found["DDP, gloo"][1]
+    assert (
+        "timeout" in found["FSDP2, gloo"][0] and "TORCH_DISTRIBUTED_DEBUG=DETAIL" in found["FSDP2, gloo"][1]
+    )
+    assert "hang" in found["NCCL (DDP or FSDP2)"][0]
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" in found["NCCL (DDP or FSDP2)"][1]
+
+
+def test_the_limitations_table_is_what_rank_mismatch_recorded() -> None:
+    """What docs/limitations.md says of an extra step()/flush() is what benchmarks/rank_mismatch.py saw:
+    under DDP one rank aborts (SIGABRT) and the other loses its peer; under FSDP2 both time out, and
+    with TORCH_DISTRIBUTED_DEBUG=DETAIL both name the mismatched collectives; DDP with DETAIL crashes."""
+    record = json.loads((RESULTS / "rank_mismatch.json").read_text(encoding="utf-8"))
+    cases = {case["case"]: case["ranks"] for case in record["cases"]}
+    timeout = record["timeout"]
+    for name in ("ddp-step", "ddp-flush"):
+        aborted, other = cases[name]
+        assert aborted["ended"] == "signal SIGABRT" and "collective mismatch" in aborted["error"]
+        assert "Connection reset by peer" in other["error"]
+        assert aborted["seconds_after_the_extra_call"] < timeout  # at once, not after the timeout
+    for name in ("fsdp-step", "fsdp-flush"):
+        assert any("Timed out waiting" in rank["error"] for rank in cases[name])
+        assert all(rank["seconds_after_the_extra_call"] >= timeout for rank in cases[name])
+    assert all("Detected mismatch between collectives" in r["error"] for r in cases["fsdp-flush-detail"])
+    assert all(r["ended"] == "signal SIGSEGV" for r in cases["ddp-no-extra-call-detail"])
+    text = flat(page_section(REPO / "docs" / "limitations.md", "Distributed training"))
+    for quoted in [
+        "dies with `SIGABRT` (`gloo::EnforceNotMet ... Is there a distributed collective mismatch in your "
+        "code?`)",
+        "`RuntimeError: ... Connection reset by peer`",
+        "`RuntimeError: ... Timed out waiting ...ms for recv operation` (or `send`)",
+        "`Detected mismatch between collectives on ranks`",
+        "`TORCH_DISTRIBUTED_DEBUG=DETAIL` crashed DDP's constructor with a segmentation fault",
+    ]:
+        assert quoted in text
+
+
+def test_the_readme_says_which_torch_the_docs_newer_features_need() -> None:
+    """The README's floor is pyproject's, and it says that torch.optim.Muon needs torch 2.9."""
+    pyproject = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    floor = re.search(r'"torch>=([\d.]+)"', pyproject)
+    assert floor is not None
+    readme = flat(section((REPO / "README.md").read_text(encoding="utf-8"), "Two commands"))
+    assert f"Any `torch>={floor[1]}` works" in readme
+    assert "`torch.optim.Muon` (in the examples with several inner optimizers) came with torch 2.9" in readme
 
 
 # ---------------------------------------------------------------- the contract lives in the repository

@@ -24,10 +24,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import clipopt
 from clipopt import ClippedOptimizer, CSVLogger, Rewind, SpikeGuard, TensorBoardLogger
-from clipopt._distributed.replicas import settings_of
 from clipopt._report.report import analyze, format_report, read_log
 
-from ..helpers import batches_for, model_for
+from ..helpers import ZeroDivideSGD, batches_for, model_for
 from ..hostreads import count_host_reads
 from ..optim_db import get
 
@@ -65,13 +64,17 @@ def _run(
     rewind: Rewind,
     scheduler: Callable[[ClippedOptimizer], Any] | None = None,
     loggers: list[Any] | None = None,
+    **options: Any,
 ) -> tuple[ClippedOptimizer, list[dict[str, Any]]]:
     """Train on ``_batches()``; per window: reason, skipped, the lr the inner step saw (None: not
-    called), the groups' lr after the scheduler's step, params before and after, and gradients."""
+    called), the groups' lr after the scheduler's step, params before and after, and gradients.
+    ``options``: more of the wrapper's arguments."""
     model = model_for()
     inner = make(model.parameters())
     seen = _lr_seen(inner)
-    opt = ClippedOptimizer(inner, max_norm=None, spike_guard=_guard(), rewind=rewind, loggers=loggers or [])
+    opt = ClippedOptimizer(
+        inner, max_norm=None, spike_guard=_guard(), rewind=rewind, loggers=loggers or [], **options
+    )
     sched = scheduler(opt) if scheduler is not None else None
     rows = []
     assert opt.rewind is not None
@@ -184,6 +187,47 @@ def test_lr_cut_with_a_tensor_lr_keeps_the_tensor_and_its_value() -> None:
     assert {w for w, v in applied.items() if v != [float(torch.tensor(0.01))]} == CUT_WINDOWS
     for w in CUT_WINDOWS:
         assert applied[w] == [float(torch.tensor(0.01) * FACTOR)]
+
+
+def test_lr_cut_counts_applied_updates_only_not_a_rejected_one() -> None:
+    """update_stats=True around an inner optimizer whose step in window 17, the cut's first, divides
+    by zero: that update is put back (reason "nonfinite_update") after the step, so it is not one of
+    the cut's updates; the cut goes on for 19, 20 and 21.  It used to be counted before the update
+    was checked: the cut ended after window 20."""
+    _, plain = _run(lambda p: ZeroDivideSGD(p, lr=0.1), _rewind(), update_stats=True)
+    call = 1 + sum(r["step_lr"] is not None for r in plain if r["window"] < 17)  # window 17's step call
+    make = lambda p: ZeroDivideSGD(p, lr=0.1, bad_calls={call})  # noqa: E731
+    opt, rows = _run(make, _rewind(lr_cut=(FACTOR, CUT)), update_stats=True)
+    assert rows[16]["reason"] == "nonfinite_update" and rows[17]["reason"] == "spike"
+    cut = {r["window"] for r in rows if r["step_lr"] is not None and r["step_lr"] != [0.1]}
+    assert cut == {17, 19, 20, 21}
+    assert all(rows[w - 1]["step_lr"] == [0.1 * FACTOR] for w in cut)
+    assert opt.rewind is not None and opt.rewind.lr_cut_left == 0
+
+
+def _two_groups(params: Iterable[nn.Parameter]) -> list[dict[str, Any]]:
+    """The weights in one group, the biases in another."""
+    ps = list(params)
+    return [{"params": [p for p in ps if p.dim() > 1]}, {"params": [p for p in ps if p.dim() == 1]}]
+
+
+@pytest.mark.parametrize("kind", [None, "lambda-per-update", "exponential"])
+def test_lr_cut_cuts_a_tensor_lr_shared_by_several_groups_once(kind: str | None) -> None:
+    """Fused AdamW over two groups with ``lr=torch.tensor(0.01)``: torch gives both groups the same
+    tensor.  On a cut window each group's step sees lr * factor (it used to see lr * factor**2, the
+    tensor multiplied once per group); the scheduler's own values are the same as without the cut,
+    and the groups keep the one tensor."""
+    make = lambda p: optim.AdamW(_two_groups(p), lr=torch.tensor(0.01), fused=True)  # noqa: E731
+    sched = None if kind is None else _lr_from_scheduler(kind)
+    opt, rows = _run(make, _rewind(lr_cut=(FACTOR, CUT)), sched)
+    _, plain = _run(make, _rewind(), sched)
+    groups = opt.param_groups
+    assert len(groups) == 2 and groups[0]["lr"] is groups[1]["lr"]
+    assert [r["lr"] for r in rows] == [r["lr"] for r in plain]  # after every window: the scheduler's
+    cut, base = _applied_lrs(rows), _applied_lrs(plain)
+    assert set(cut) == set(base)
+    for w, lrs_seen in base.items():  # FACTOR is a power of two: lr * FACTOR is exact
+        assert cut[w] == ([lr * FACTOR for lr in lrs_seen] if w in CUT_WINDOWS else lrs_seen), w
 
 
 def test_lr_cut_survives_a_state_dict_round_trip() -> None:
@@ -392,21 +436,17 @@ def test_lr_cut_reads_the_host_once_per_cut_window_only() -> None:
 
 
 def test_lr_cut_and_reset_state_are_settings_the_ranks_compare() -> None:
-    """lr_cut and reset_state are among the settings every data-parallel rank checks it shares:
-    optimizers that differ only in them give different settings."""
-
-    def settings(**kw: Any) -> list[tuple[str, float]]:
-        model = model_for()
-        return settings_of(
-            ClippedOptimizer(
-                optim.SGD(model.parameters(), lr=0.1), spike_guard=_guard(), rewind=_rewind(**kw)
-            )
-        )
-
-    base = settings()
+    """lr_cut and reset_state are in the Rewind's settings record, which every data-parallel rank
+    compares (clipopt._distributed.agreement): Rewinds that differ only in them give different
+    records, each naming the setting."""
+    base = _rewind().settings()
+    assert base["rewind.lr_cut"] is None and base["rewind.reset_state"] is False
     for kw in ({"lr_cut": (0.5, 10)}, {"lr_cut": (0.5, 11)}, {"lr_cut": (0.25, 10)}, {"reset_state": True}):
-        assert settings(**kw) != base, kw
-    assert settings(lr_cut=(0.5, 10)) != settings(lr_cut=(0.5, 11)) != settings(lr_cut=(0.25, 11))
+        got = _rewind(**kw).settings()
+        name = "rewind." + next(iter(kw))
+        assert got[name] == kw[next(iter(kw))] and {k: v for k, v in got.items() if k != name} == {
+            k: v for k, v in base.items() if k != name
+        }, kw
 
 
 def _spiky_regressor(lr_cut: tuple[float, int] | None) -> Any:

@@ -503,17 +503,18 @@ def test_bad_update_clip_arguments_are_refused(kwargs: dict, error: type, messag
 def test_update_options_reassigned_to_a_bad_value_are_refused_at_the_first_step(
     name: str, value: str, message: str
 ) -> None:
-    """``opt.update_clip`` / ``opt.update_stats`` reassigned to a value of another type before the
-    first step: the step raises the TypeError of the constructor's check (naming the argument, the
-    value and the fix), not an AttributeError or a float conversion error from the ranks' settings
-    check, and no window is counted."""
+    """``opt.update_clip`` / ``opt.update_stats`` reassigned to a value of another type: the
+    assignment itself raises the TypeError of the constructor's check (naming the argument, the
+    value and the fix; #32), the setting stays, and the next step closes its window as before."""
     model = model_for()
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), update_clip=UpdateClip(max_rms=1.0))
-    setattr(opt, name, value)
-    _backward(model, batches_for(1, seed=0)[0])
+    before = getattr(opt, name)
     with pytest.raises(TypeError, match=re.escape(message)):
-        opt.step()
-    assert opt.num_windows == 0
+        setattr(opt, name, value)
+    assert getattr(opt, name) is before
+    _backward(model, batches_for(1, seed=0)[0])
+    opt.step()
+    assert opt.num_windows == 1
 
 
 def test_bad_optimizer_arguments_are_refused() -> None:

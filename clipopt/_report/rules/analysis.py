@@ -25,6 +25,7 @@ from .common import (
 )
 from .exploding import loss_blowup, norm_growth
 from .nonfinite import nonfinite_finding
+from .rates import clip_throttle, spike_score, throttle_note
 from .recovery import escalation_text, skip_list, skip_list_notes
 from .spikes import loss_spikes, norm_spikes
 from .threshold import clipping_advice, reference_thresholds, stretch_for, suggest, suggestions
@@ -41,7 +42,9 @@ def analyze(log: GradLog) -> dict[str, Any]:
     ``nonfinite``, ``spikes``, ``loss_spikes``, ``update_spikes`` or ``vanishing`` --,
     ``verdict``, ``step``, ``layer``, ``evidence``, ``values``),
     ``suggested_max_norm``, ``clipping``, ``suggestions``, ``summary``,
-    ``notes``, ``update`` (None: the log has no update norm).  See the module docstring for the rules.
+    ``notes``, ``update`` (None: the log has no update norm), ``spike_score`` and ``throttle`` (the
+    rates of :mod:`clipopt._report.rules.rates`; None where the log cannot give them).  See the module
+    docstring for the rules.
     """
     n = len(log)
     norm, loss = as_tensor(log.total_norm), as_tensor(log.loss)
@@ -63,6 +66,8 @@ def analyze(log: GradLog) -> dict[str, Any]:
     grad_verdict = _verdict([f for f in findings if f["kind"] != "update_spikes"])  # max_norm's advice
     n_overflow = int(overflow.sum())
     notes += _run_notes(log, n_overflow, handled) + _update_notes(update.handled if update else [])
+    throttle = clip_throttle(log, norm)
+    notes += throttle_note(throttle)
     end = min(onset, first_bad) if explosions else n
     spike_rows = set(spikes["values"]["rows"]) if spikes is not None else set()
     stretch, stretch_end = stretch_for(norm, finite, end, spike_rows, verdict)
@@ -81,6 +86,8 @@ def analyze(log: GradLog) -> dict[str, Any]:
         "summary": _summary(log, norm, loss, finite, n_overflow, len(handled)),
         "notes": notes,
         "update": update_summary(log, update, stretch_end),
+        "spike_score": spike_score(log, loss),
+        "throttle": throttle,
     }
 
 
