@@ -5,19 +5,26 @@ and loss sum, scaler, policy, the pending-unsynced marker); :func:`read_checkpoi
 checks a whole state dict -- the entry, the inner state, the policy's and the
 scaler's state (each loaded into a copy first) -- before anything changes, and
 returns what the optimizer then takes over.  The format is ``_state.FORMAT_VERSION``.
+
+The entry is stored twice, as one object: at the top level and under the same key in the first
+parameter group (:func:`with_entry`).  Savers that keep only ``state`` and ``param_groups`` of an
+optimizer's state dict (torch's ``get_optimizer_state_dict``, Composer, torchtitan's
+``OptimizersContainer``) keep the group's copy; :func:`entry_at_top` finds it again.  The flattening
+savers (torchtitan, ``flatten_optimizer_state_dict=True``) restore only the group keys that the live
+optimizer has: :func:`add_entry_slot` gives its first group the key, holding None.
 """
 
 from __future__ import annotations
 
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from ._distributed.collectives import Unsynced
-from ._inner import inner_optimizers, inner_state_dicts
+from ._inner import InnerOptimizers, inner_optimizers, inner_state_dicts
 from ._policies.builtin import checked_policy_state
 from ._recovery.part import SpikeRecovery
 from ._state import (
@@ -39,7 +46,62 @@ from ._window.update_clip import UpdateClip, checked_update_state
 if TYPE_CHECKING:
     from ._policies.builtin import ClipPolicy
 
-__all__ = ["Checkpoint", "read_checkpoint", "wrapper_entry"]
+__all__ = [
+    "ENTRY",
+    "Checkpoint",
+    "add_entry_slot",
+    "entry_at_top",
+    "read_checkpoint",
+    "with_entry",
+    "wrapper_entry",
+]
+
+OptimizerT = TypeVar("OptimizerT", bound=Optimizer)
+
+#: The key of the wrapper's entry, at the top level of its state dict and in its first parameter group.
+ENTRY = "clipopt"
+
+
+def add_entry_slot(inner: OptimizerT) -> OptimizerT:
+    """``inner``, the first group of which -- for a single inner optimizer whose state dict is torch's
+    (it keeps ``Optimizer.state_dict`` or is torch's own) -- now has the key that carries the entry,
+    holding None: a flattening saver restores a group key only where the live group has it."""
+    if isinstance(inner, InnerOptimizers) or not inner.param_groups:
+        return inner
+    kind = type(inner)
+    torch_class = kind.__module__ == "torch" or kind.__module__.startswith("torch.")
+    if torch_class or kind.state_dict is Optimizer.state_dict:
+        inner.param_groups[0].setdefault(ENTRY, None)
+    return inner
+
+
+def with_entry(state_dict: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` (the inner optimizer's) with ``entry`` at the top level and, where its first
+    group has the slot (:func:`add_entry_slot`), in that group too (the same object)."""
+    sd = dict(state_dict)
+    sd[ENTRY] = entry
+    groups = sd.get("param_groups")
+    if isinstance(groups, list) and groups and isinstance(groups[0], dict) and ENTRY in groups[0]:
+        sd["param_groups"] = [{**groups[0], ENTRY: entry}, *groups[1:]]
+    return sd
+
+
+def entry_at_top(state_dict: Any, inner: Optimizer) -> Any:
+    """``state_dict`` with the entry at the top level -- taken from its first group where a saver
+    dropped the top level's (the top level's wins) -- and that group's key set as ``inner``'s first
+    group has it: None where it has the slot, absent where not.  The caller's dict is not changed."""
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not (isinstance(groups, list) and groups and isinstance(groups[0], dict)):
+        return state_dict
+    first = dict(groups[0])
+    sd = dict(state_dict)
+    carried = first.pop(ENTRY, None)
+    if sd.get(ENTRY) is None and carried is not None:
+        sd[ENTRY] = carried
+    if not isinstance(inner, InnerOptimizers) and inner.param_groups and ENTRY in inner.param_groups[0]:
+        first[ENTRY] = None
+    sd["param_groups"] = [first, *groups[1:]]
+    return sd
 
 
 def wrapper_entry(

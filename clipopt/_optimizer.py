@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.compiler import is_compiling
 from torch.optim import Optimizer
 
-from ._checkpoint import read_checkpoint, wrapper_entry
+from ._checkpoint import add_entry_slot, entry_at_top, read_checkpoint, with_entry, wrapper_entry
 from ._config import (
     ASSIGNABLE,
     ASSIGNED_WITH,
@@ -250,7 +250,8 @@ class ClippedOptimizer(InnerOptimizerView):
         self._replicas = ReplicaDecision(cfg.replica_group)
         self.backward_passes_per_step = cfg.backward_passes_per_step
         self._names = cfg.names
-        self._inner = cfg.inner  # the optimizer, or an _inner.InnerOptimizers over a list of several
+        # the optimizer, or an _inner.InnerOptimizers over several; with a slot for the entry (_checkpoint)
+        self._inner = add_entry_slot(cfg.inner)
         self.scaler, self.foreach = scaler, foreach
         self._init_hooks()
         self._init_state(snapshot_dir)
@@ -838,14 +839,16 @@ class ClippedOptimizer(InnerOptimizerView):
         optimizer can load it; over several inner optimizers, ``"optimizers"``: a
         list of their state dicts) and only tensors, numbers, strings, lists and
         dicts, so ``torch.load(..., weights_only=True)`` reads it.  Taken
-        mid-window it holds a copy of the gradients accumulated so far.
+        mid-window it holds a copy of the gradients accumulated so far.  The
+        same entry is also under ``"clipopt"`` in the first parameter group, so
+        that savers which keep only ``"state"`` and ``"param_groups"`` (torch's
+        ``get_optimizer_state_dict``, Composer, torchtitan) keep it too.
         """
         return self._hooked_state_dict(self._state_dict)
 
     def _state_dict(self) -> dict[str, Any]:
         self._check_checkpointable()
-        sd = dict(self._inner.state_dict())
-        sd["clipopt"] = wrapper_entry(
+        entry = wrapper_entry(
             self._counters,
             self._params(),
             scaler=self.scaler,
@@ -855,7 +858,7 @@ class ClippedOptimizer(InnerOptimizerView):
             recovery=self._recovery,
             update_clip=self.update_clip,
         )
-        return sd
+        return with_entry(self._inner.state_dict(), entry)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict` or from a plain optimizer.
@@ -866,6 +869,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self._hooked_load(state_dict, self._load_state_dict)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = entry_at_top(state_dict, self._inner)  # a saver may have kept only the group's copy
         params = self._params()
         ckpt = read_checkpoint(
             state_dict,

@@ -49,6 +49,7 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "window/test_reasons.py::test_every_reason_reads_back_as_itself_through_every_logger[divergence]",
         "policies/test_policy_fsdp.py",
         "optimizer/test_multi_optimizer.py::test_ddp_and_fsdp2_over_several_inner_optimizers_equal_one_process",
+        "optimizer/test_savers.py::test_fsdp2_resume_through_the_helpers_keeps_each_ranks_rewind_copies",
     ),
     "real Lightning, Hugging Face Trainer and Accelerate runs": (
         "integrations/test_integrations_accelerate.py",
@@ -61,6 +62,9 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "report/test_report_formats.py::test_lightning_tensorboard_logger",
         "recovery/test_rewind_escalation.py::test_lr_cut_under_lightning_keeps_the_schedulers_values",
         "recovery/test_rewind_escalation.py::test_lr_cut_under_the_hf_trainer_keeps_the_schedulers_values",
+    ),
+    "real Composer Trainer runs, each in a process of its own (importing Composer alone takes 20 s)": (
+        "optimizer/test_savers.py::test_composer_trainer_resumes_bit_identically",
     ),
     "imports heavyball (5-12 s: it loads torch's compiler)": (
         "optimizer/test_third_party.py::test_heavyball_optimizers_resume_bit_identically",
