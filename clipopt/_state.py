@@ -6,7 +6,7 @@ import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from numbers import Real
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -36,6 +36,9 @@ __all__ = [
 
 #: Version of the ``"clipopt"`` entry of a state dict.
 FORMAT_VERSION = 1
+
+#: Whose state layout an optimizer keeps (:func:`_layout`).
+Layout = Literal["torch", "derived", "own"]
 
 #: Inner-state entries that torch.optim keeps with the parameter's shape (other optimizers may use
 #: these names for state of another shape: the rule is torch's own optimizers').
@@ -377,7 +380,7 @@ def validate_inner_state(state_dict: dict[str, Any], inner: Optimizer) -> None:
             if name not in ("params", "param_names") and name in group:
                 _check_hyperparameter(i, name, value, group[name])
     flat = sum(q.numel() for group in groups for q in group["params"])
-    builtin = type(inner).__module__.startswith("torch.optim")  # whose state layouts are known
+    builtin = _layout(type(inner))  # whose state layouts are known
     for key, entry in state_dict["state"].items():
         if key not in id_to_param:
             raise bad(f"state for parameter id {key!r} that no parameter group lists")
@@ -424,7 +427,7 @@ def check_loaded_state(
                     _check_hyperparameter(i, name, value, old[name])
         params = [p for group in o.param_groups for p in group["params"]]
         flat = sum(p.numel() for p in params)
-        builtin = type(o).__module__.startswith("torch.optim")
+        builtin = _layout(type(o))
         for i, p in enumerate(params):
             for name, value in (o.state.get(p) or {}).items():
                 if isinstance(value, Tensor):
@@ -490,22 +493,35 @@ def _fits(shape: tuple[int, ...], param: tuple[int, ...]) -> bool:
     return len(shape) < len(param) and all(any(s == d for d in it) for s in shape)
 
 
+def _layout(kind: type) -> Layout:
+    """Whose state layout an optimizer class keeps: ``"torch"`` (one of torch's optimizers),
+    ``"derived"`` (a class derived from one of them, ``class MyAdamW(torch.optim.AdamW)``: the step it
+    inherits needs torch's moments, it may add entries of its own), else ``"own"``."""
+    if kind.__module__.startswith("torch.optim"):
+        return "torch"
+    derived = any(k.__module__.startswith("torch.optim") and k is not Optimizer for k in kind.__mro__)
+    return "derived" if derived else "own"
+
+
 def _check_state_tensor(
-    key: Any, name: str, value: Tensor, p: Tensor, current: Any, flat: int, builtin: bool
+    key: Any, name: str, value: Tensor, p: Tensor, current: Any, flat: int, builtin: Layout
 ) -> None:
     """A state tensor must fit its parameter: the shape the optimizer holds now, else for torch's own
-    optimizers (``builtin``) the parameter's (moments), a scalar (counters), a reduction of it, or a
-    flat vector (LBFGS keeps flat vectors of all its parameters, ``flat`` elements, under the first
-    one).  A third-party optimizer's entries may have any shape, whatever their names: its layout is
-    its own (timm's ``NvNovoGrad`` keeps ``exp_avg_sq`` as one number per tensor, Shampoo ``(d, d)``
-    factors, 8-bit optimizers blocks)."""
+    optimizers (``builtin`` ``"torch"``) the parameter's (moments), a scalar (counters), a reduction
+    of it, or a flat vector (LBFGS keeps flat vectors of all its parameters, ``flat`` elements, under
+    the first one); a class derived from one of them (``"derived"``) the parameter's for the moments,
+    any shape for other entries.  A third-party optimizer's entries (``"own"``) may have any shape,
+    whatever their names: its layout is its own (timm's ``NvNovoGrad`` keeps ``exp_avg_sq`` as one
+    number per tensor, Shampoo ``(d, d)`` factors, 8-bit optimizers blocks)."""
     shape, pshape = tuple(value.shape), tuple(p.shape)
     if isinstance(current, Tensor):  # the optimizer already holds this entry: the same shape
         ok = tuple(current.shape) == shape
-    elif not builtin:
+    elif builtin == "own":
         ok = True
     elif name in _PARAM_SHAPED:
         ok = shape == pshape
+    elif builtin == "derived":
+        ok = True
     else:
         ok = _fits(shape, pshape) or value.numel() == 1 or shape in ((p.numel(),), (flat,))
     if not ok:

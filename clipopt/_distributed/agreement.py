@@ -56,17 +56,32 @@ def shown(part: object) -> Shown:
 
 def part_settings(keyword: str, part: object) -> list[Setting]:
     """The record's entries of the part given as ``keyword``: ``(keyword, None)`` when it is off;
-    else ``(keyword, its class)`` followed by its own ``settings()``, or ``(keyword, shown(part))``
-    when it has none (a policy of the user's own, a value of another type assigned mid-run:
-    the window's own check refuses that one with its message)."""
+    else ``(keyword, its class)`` followed by its own ``settings()``; when it has none,
+    ``(keyword, shown(part))`` and, for clipopt's own classes, their plain public attributes
+    (:func:`_attributes`; a policy of the user's own, a value of another type assigned mid-run: its
+    entry alone, the window's own check refuses that one with its message)."""
     if part is None:
         return [(keyword, None)]
     own = getattr(part, "settings", None)
     if not callable(own):
-        return [(keyword, shown(part))]
+        return [(keyword, shown(part)), *_attributes(keyword, part)]
     record = own()
     items = record.items() if isinstance(record, Mapping) else record
     return [(keyword, Shown(type(part).__qualname__)), *((str(name), value) for name, value in items)]
+
+
+def _attributes(keyword: str, part: object) -> list[Setting]:
+    """A clipopt part without ``settings()`` (the clip policies): its public attributes holding a
+    number, bool, string or None, which are its constructor's arguments.  Its ``repr`` may leave
+    some out (ZClip's ``clip_factor`` and ``skip_update_on_spike``) or round them (``:g``)."""
+    if not type(part).__module__.startswith("clipopt."):
+        return []  # a class of one's own: its attributes may hold what differs by rank (a device)
+    attributes = getattr(part, "__dict__", {})
+    return [
+        (f"{keyword}.{name}", value)
+        for name, value in attributes.items()
+        if not name.startswith("_") and (value is None or isinstance(value, (bool, int, float, str)))
+    ]
 
 
 def settings_record(core: Iterable[Setting], parts: Iterable[tuple[str, object]]) -> list[Setting]:

@@ -83,6 +83,24 @@ def test_a_part_without_settings_shows_its_class_not_its_address() -> None:
     assert repr(shown(ZClip())) == repr(ZClip())  # no quotes in the message
 
 
+@pytest.mark.parametrize("policy", ["AutoClip", "ZClip", "AGC", "AdaGC", "StableSPAM"])
+def test_every_argument_of_a_policy_is_in_the_record(policy: str) -> None:
+    """A clip policy has no ``settings()``: its ``repr`` and its public settings are the record, so every
+    constructor argument is compared (ZClip's repr leaves out ``clip_factor`` and
+    ``skip_update_on_spike``: ranks with another value clipped differently, unnoticed)."""
+    import clipopt
+
+    kind = getattr(clipopt, policy)
+    names = {name for name, _ in part_settings("policy", kind())}
+    assert {f"policy.{a}" for a in inspect.signature(kind).parameters} <= names
+
+
+def test_a_policy_setting_its_repr_leaves_out_is_named() -> None:
+    a, b = (settings_record([], [("policy", ZClip(clip_factor=c))]) for c in (1.0, 2.0))
+    assert settings_key(a) != settings_key(b)
+    assert differences(_texts(a, b), 1) == ["policy.clip_factor (from 1 to 2; this rank: 2)"]
+
+
 def _every_argument_named(part: Any, keyword: str, renamed: dict[str, str]) -> set[str]:
     """The constructor's arguments missing from ``part.settings()`` (``renamed``: argument -> entry)."""
     names = set(part.settings())

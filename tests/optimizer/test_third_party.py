@@ -755,6 +755,53 @@ def test_a_key_the_optimizers_own_state_dict_keeps_is_still_required() -> None:
         opt.load_state_dict(sd)
 
 
+class DerivedAdamW(torch.optim.AdamW):
+    """A user's class derived from torch's AdamW: its inherited step needs torch's moments (the
+    parameter's shape); ``rows`` is an entry of its own, of another shape."""
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        out = super().step(closure)
+        for p, state in self.state.items():
+            state["rows"] = p.detach().reshape(p.shape[0], -1).sum(1) if p.dim() > 1 else p.detach().sum()
+        return out
+
+
+def _transposed_moment(sd: dict[str, Any]) -> None:
+    """The first matrix's ``exp_avg`` transposed: as many elements as the parameter, another shape
+    (e.g. a checkpoint of another model)."""
+    state = next(s for s in sd["state"].values() if s["exp_avg"].dim() == 2)
+    state["exp_avg"] = state["exp_avg"].t().contiguous()
+
+
+@pytest.mark.parametrize("corrupt", [None, _transposed_moment], ids=["as_saved", "transposed_exp_avg"])
+def test_a_class_derived_from_a_torch_optimizer_keeps_its_moments_checked(
+    corrupt: Callable[[dict[str, Any]], None] | None,
+) -> None:
+    """A fresh ``class DerivedAdamW(torch.optim.AdamW)`` (a resume) refuses an ``exp_avg`` whose
+    shape is not its parameter's before anything changes, as torch's AdamW does: loaded, its
+    inherited step would have updated some parameters before failing on that one.  Its own entry
+    of another shape (``rows``) still loads."""
+    model = mlp((5, 4, 3))
+    opt = ClippedOptimizer(DerivedAdamW(model.parameters(), lr=0.01), MAX_NORM)
+    helpers_train(model, opt, batches_for(2, seed=6), mse)
+    sd = copy.deepcopy(opt.state_dict())
+    fresh = mlp((5, 4, 3))
+    fresh.load_state_dict(model.state_dict())
+    resumed = ClippedOptimizer(DerivedAdamW(fresh.parameters(), lr=0.01), MAX_NORM)
+    if corrupt is None:
+        resumed.load_state_dict(sd)
+        assert_identical(resumed.state_dict(), opt.state_dict())
+        return
+    corrupt(sd)
+    params = [p.detach().clone() for p in fresh.parameters()]
+    moment = re.escape("invalid state_dict: state[") + r".*\['exp_avg'\] has shape"
+    with pytest.raises(ValueError, match=moment):
+        resumed.load_state_dict(sd)
+    assert not resumed.optimizer.state
+    assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), params, strict=True))
+
+
 @pytest.mark.usefixtures("eager_heavyball", "fresh_accelerate_state")
 def test_heavyball_under_accelerate_prepares_and_trains_as_without_it() -> None:
     """#33 item 2: Accelerate's ``prepare()`` loads the optimizer's own state dict back into it
