@@ -27,21 +27,23 @@ class StackedClipWarning(UserWarning):
 
 def clips_before_clipopt(value: Any) -> bool:
     """Whether a framework's clip setting (``max_grad_norm``, ``gradient_clip_val``) turns its clipping
-    on: a number above 0 (the frameworks clip only then; None, 0 and negative values leave it off)."""
+    on: a finite number above 0 (the frameworks clip only then; None, 0 and negative values leave it
+    off, and an infinite bound bounds nothing)."""
     if value is None or isinstance(value, bool):
         return False
     try:
         number = float(value)
     except (TypeError, ValueError):
         return False
-    return not math.isnan(number) and number > 0
+    return math.isfinite(number) and number > 0
 
 
 def stacked_clip_message(setting: str, value: Any, fix: str) -> str:
     """The warning: which setting clips, what clipopt then records, and how to turn it off."""
     return (
-        f"{setting}={value!r} clips the gradients before clipopt sees them: clipopt records norms of "
-        f"at most {value!r} and its own max_norm (and SpikeGuard's norm signal) never acts. "
+        f"{setting}={value!r} clips the gradients before clipopt sees them: clipopt records gradients "
+        f"already bounded by {value!r} (in norm, or element-wise with Lightning's "
+        "gradient_clip_algorithm='value') and its own max_norm (and SpikeGuard's norm signal) never acts. "
         f"Turn the framework's clipping off with {fix} and let clipopt clip."
     )
 

@@ -22,6 +22,7 @@ from clipopt.integrations._stacked import clips_before_clipopt, warn_stacked_cli
         (0, False),
         (-1.0, False),
         (math.nan, False),
+        (math.inf, False),  # bounds nothing (torchtitan's documented way to turn its clip off)
         (False, False),
     ],
 )
@@ -41,4 +42,4 @@ def test_the_warning_names_the_setting_the_bound_and_the_fix() -> None:
     assert str(w.message).startswith(
         "SFTConfig.max_grad_norm=1.0 clips the gradients before clipopt sees them"
     )
-    assert "norms of at most 1.0" in str(w.message) and "SFTConfig(max_grad_norm=0.0)" in str(w.message)
+    assert "already bounded by 1.0" in str(w.message) and "SFTConfig(max_grad_norm=0.0)" in str(w.message)
