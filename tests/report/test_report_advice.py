@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from clipopt import ClippedOptimizer, CSVLogger, Rewind, SpikeGuard
+from clipopt import ClippedOptimizer, CSVLogger, Rewind, SpikeGuard, TensorBoardLogger
 from clipopt._report.report import analyze, format_report, read_log
 
 from ..helpers import one_thread
@@ -246,10 +246,10 @@ _SPIKE_BATCHES = {60, 62}
 _SKIP_BATCHES = 5
 
 
-def _rewind_run(path: Path) -> tuple[Rewind, list[int]]:
+def _rewind_run(path: Path, tensorboard: Path) -> tuple[Rewind, list[int]]:
     """SGD through ``opt.rewind.batches()`` over numbered batches, with SpikeGuard and a Rewind that
     drops 5 batches after a rewind; two spike batches close together make one rewind. Returns the
-    Rewind and the numbers of the batches the loop received."""
+    Rewind and the numbers of the batches the loop received (logged to a CSV and a TensorBoard folder)."""
     torch.manual_seed(0)
     net = _mlp()
     rewind = Rewind(every=10, keep=2, spikes=2, within=5, skip_batches=_SKIP_BATCHES, check_every=1)
@@ -257,7 +257,7 @@ def _rewind_run(path: Path) -> tuple[Rewind, list[int]]:
         torch.optim.SGD(net.parameters(), lr=0.05),
         spike_guard=SpikeGuard(window=32),
         rewind=rewind,
-        loggers=[CSVLogger(path)],
+        loggers=[CSVLogger(path), TensorBoardLogger(str(tensorboard))],
     )
     received = []
     for n in rewind.batches(range(120)):
@@ -278,19 +278,22 @@ def test_skip_list_holds_the_batches_a_rewind_dropped(tmp_path: Path) -> None:
     the 5 batches the rewind dropped after it: every batch the loop drew but never received (counted
     here from the loop itself), so a restart with that list sees none of them (before: the dropped
     batches were missing)."""
-    path = tmp_path / "rewind.csv"
+    path, tensorboard = tmp_path / "rewind.csv", tmp_path / "tb"
     with one_thread():
-        rewind, received = _rewind_run(path)
+        rewind, received = _rewind_run(path, tensorboard)
     assert len(rewind.log) == 1 and rewind.batches_dropped == _SKIP_BATCHES  # the label is true
     dropped = sorted(set(range(120)) - set(received))
     assert len(dropped) == _SKIP_BATCHES
-    report = analyze(read_log(path))
-    skip: list[list[int]] = report["summary"]["skip"]
-    listed = {n for a, b in skip for n in range(a, b)}
-    assert set(dropped) <= listed
-    assert listed >= _SPIKE_BATCHES
-    assert all(n in received for n in listed - set(dropped))  # nothing else but batches the run saw
-    pairs = ", ".join(f"({a}, {b})" for a, b in skip)
-    assert f"opt.rewind.batches(loader, skip=[{pairs}])" in format_report(report)
-    restarted = list(Rewind(skip_batches=0).batches(range(120), skip=[(a, b) for a, b in skip]))
-    assert not set(restarted) & (set(dropped) | _SPIKE_BATCHES)
+    for source in (str(path), str(tensorboard)):
+        report = analyze(read_log(source))
+        skip: list[list[int]] = report["summary"]["skip"]
+        listed = {n for a, b in skip for n in range(a, b)}
+        assert set(dropped) <= listed, source
+        assert listed >= _SPIKE_BATCHES, source
+        assert all(n in received for n in listed - set(dropped)), source  # else only batches the run saw
+        pairs = ", ".join(f"({a}, {b})" for a, b in skip)
+        text = format_report(report)
+        assert f"opt.rewind.batches(loader, skip=[{pairs}])" in text, source
+        assert f"then dropped batch {dropped[0]}-{dropped[-1]}" in text, source
+        restarted = list(Rewind(skip_batches=0).batches(range(120), skip=[(a, b) for a, b in skip]))
+        assert not set(restarted) & (set(dropped) | _SPIKE_BATCHES), source

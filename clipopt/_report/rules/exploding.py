@@ -33,20 +33,21 @@ from .common import (
 )
 
 
-def _sustained_onset(x: Tensor, threshold: float, k: int, *, stays: bool = True) -> int | None:
-    """The first index j with ``x[j] > threshold`` after which the values stay above it: the median
-    of ``x[j:j+k]`` and of every later whole block of ``k`` values is above the threshold (nan/inf:
-    above).  A run that went above and came back (a turbulent start that settled, then a blow-up
-    later) has its onset after the last block that came back, not at its first excursion.  With
-    ``stays=False`` the later blocks are not checked: the first excursion that lasted a block."""
+def _sustained_onset(x: Tensor, threshold: float, k: int, back: float | None) -> int | None:
+    """The first index j with ``x[j] > threshold`` and the median of ``x[j:j+k]`` above it (nan/inf:
+    above), after the last whole block of ``k`` values whose median came ``back`` to at most that
+    level (the start).  A run that went up and came back (a turbulent start that settled, then a
+    blow-up later) has its onset where it went up to stay, not at its first excursion; a run that
+    went up and hovers between ``back`` and the threshold never came back.  ``back=None``: the
+    first excursion that lasted a block, whatever came after."""
     above = (x > threshold) | ~torch.isfinite(x)
     # a median above the threshold needs at least half of x[j:j+k] above it: one count filters the
     # candidates, so heavy-tailed norms do not take a median per candidate (1M rows: 20 s before)
     n = int(x.numel())
     count = torch.cat([torch.zeros(1, dtype=torch.int64), above.cumsum(0)])
     rows = above.nonzero().flatten()
-    if stays:
-        rows = rows[rows > last_calm_block(x, threshold, k)]
+    if back is not None:
+        rows = rows[rows > last_calm_block(x, back, k)]
     ends = (rows + k).clamp(max=n)
     rows = rows[count[ends] - count[rows] >= (ends - rows) // 2]
     candidates = rows[:MAX_CANDIDATES].tolist()
@@ -57,33 +58,24 @@ def _sustained_onset(x: Tensor, threshold: float, k: int, *, stays: bool = True)
     return None
 
 
-def last_calm_block(x: Tensor, threshold: float, k: int) -> int:
-    """The start of the last whole block ``x[i:i+k]`` whose median is at or below ``threshold``
-    (nan/inf: above); -1 when none is.  A median at or below it needs at least ``ceil(k/2)`` values
-    at or below it: one count filters the blocks, the medians are taken from the last one back (at
-    most MAX_CANDIDATES of them)."""
-    n = int(x.numel())
-    if n < k or k < 1:
-        return -1
-    below = (x <= threshold) & torch.isfinite(x)
-    count = torch.cat([torch.zeros(1, dtype=torch.int64), below.cumsum(0)])
-    starts = torch.arange(n - k + 1)
-    maybe = starts[count[starts + k] - count[starts] >= (k + 1) // 2].flip(0)
-    y = torch.where(torch.isfinite(x), x, torch.full_like(x, math.inf))
-    for i in maybe[:MAX_CANDIDATES].tolist():
-        if median_of(y[i : i + k]) <= threshold:
-            return int(i)
-    return -1
+def last_calm_block(x: Tensor, level: float, k: int) -> int:
+    """The start of the last whole block ``x[i:i+k]`` whose median is at or below ``level`` (nan/inf:
+    above); -1 when none is."""
+    found = _calm_block(x, level, k, torch.arange(int(x.numel()) - k + 1).flip(0))
+    return -1 if found is None else found
 
 
-def _first_calm_block_after(x: Tensor, threshold: float, k: int, j: int) -> int | None:
-    """The first ``i > j`` whose whole block ``x[i:i+k]`` has its median at or below ``threshold``."""
+def _calm_block(x: Tensor, threshold: float, k: int, starts: Tensor) -> int | None:
+    """The first of ``starts`` (in their order) whose whole block ``x[i:i+k]`` has its median at or
+    below ``threshold`` (nan/inf: above); None when none has.  Such a median needs at least
+    ``ceil(k/2)`` values at or below it: one count filters the blocks, and at most MAX_CANDIDATES
+    medians are taken."""
     n = int(x.numel())
-    if n - k <= j:
+    starts = starts[(starts >= 0) & (starts <= n - k)] if k >= 1 else starts[:0]
+    if starts.numel() == 0:
         return None
     below = (x <= threshold) & torch.isfinite(x)
     count = torch.cat([torch.zeros(1, dtype=torch.int64), below.cumsum(0)])
-    starts = torch.arange(j + 1, n - k + 1)
     maybe = starts[count[starts + k] - count[starts] >= (k + 1) // 2]
     y = torch.where(torch.isfinite(x), x, torch.full_like(x, math.inf))
     for i in maybe[:MAX_CANDIDATES].tolist():
@@ -97,8 +89,8 @@ def recovered_blowup(
 ) -> dict[str, Any] | None:
     """The ``recovered_blowup`` finding (verdict ``spikes``): before row ``end`` (an explosion's onset),
     the loss went over LOSS_BLOWUP x its start and stayed over LOSS_STAY x it for a block, then came
-    back under (a whole block's median).  Not an explosion -- the run goes on -- but a sign that the
-    steps were too large for that stretch: the learning rate, or its warm-up.
+    back to its start or under (a whole block's median).  Not an explosion -- the run goes on -- but
+    a sign that the steps were too large for that stretch: the learning rate, or its warm-up.
 
     The losses of the ``skipped`` rows (spike skips: their update never happened) are left out.  A
     stretch that begins with a loss spike over a calm history (:func:`_jumped_from_calm`) and with no
@@ -113,12 +105,12 @@ def recovered_blowup(
     rows, values, start = counted
     k = block(int(rows.numel()))
     threshold = LOSS_STAY * start
-    j = _sustained_onset(values, threshold, k, stays=False)
+    j = _sustained_onset(values, threshold, k, None)
     if j is None or int(rows[j]) >= end:
         return None
     if _jumped_from_calm(values, j) and not _lr_rose_before(log, int(rows[j]), k):
         return None
-    back = _first_calm_block_after(values, threshold, k, j)
+    back = _calm_block(values, start, k, torch.arange(j + 1, int(values.numel()) - k + 1))
     if back is None:
         return None
     stretch = values[j:back]
@@ -132,7 +124,7 @@ def recovered_blowup(
     evidence = (
         f"the loss left its start {_num(start)} at step {log.steps[row]} (loss {_num(float(values[j]))}, "
         f"highest {_num(top)}, {_num(top / start)}x the start) and came back: the median of the {k} "
-        f"logged losses from step {log.steps[back_row]} is under {LOSS_STAY:g}x the start{at_lr}"
+        f"logged losses from step {log.steps[back_row]} is back at or under the start{at_lr}"
     )
     return {
         "kind": "recovered_blowup",
@@ -181,7 +173,7 @@ def loss_blowup(log: GradLog, loss: Tensor, first_bad: int) -> dict[str, Any] | 
     rows, values, start = counted
     peak = (values > LOSS_BLOWUP * start) | torch.isinf(values)
     k = block(int(rows.numel()))
-    j = _sustained_onset(values, LOSS_STAY * start, k) if peak.any() else None
+    j = _sustained_onset(values, LOSS_STAY * start, k, start) if peak.any() else None
     ref, ref_text = start, f"its start {_num(start)}"
     if j is None:
         found = _blowup_from_level(values, k)
@@ -274,7 +266,7 @@ def _blowup_from_level(values: Tensor, k: int) -> tuple[int, float] | None:
         over = (values > LOSS_STAY * block_level[c]).cumsum(0)
         above = torch.cat([torch.zeros(1, dtype=torch.int64), over])
         mine = prev[rows] == c
-        stays = rows > last_calm_block(values, LOSS_STAY * float(block_level[c]), k)  # up for good
+        stays = rows > last_calm_block(values, float(block_level[c]), k)  # not back to the level after
         keep |= mine & stays & (above[ends] - above[rows] >= need)
     for j in rows[keep][:MAX_LEVEL_CHECKS].tolist():
         lv = float(level[j])
@@ -330,7 +322,7 @@ def _measure_growth(log: GradLog, norm: Tensor, finite: Tensor, notes: list[str]
     ends_bad = all(not math.isfinite(log.total_norm[i]) and log.reason.get(i) != OVERFLOW_NAME for i in last)
     tail = median_of(x[-k:])
     grew = m >= GROWTH_MIN_UPDATES and tail >= GROWTH_RATIO * start
-    onset = _sustained_onset(x, GROWTH_ONSET_RATIO * start, k)
+    onset = _sustained_onset(x, GROWTH_ONSET_RATIO * start, k, start)
     peaked = bool((x >= GROWTH_RATIO * start).any()) and onset is not None
     if not (grew or peaked or (ends_bad and onset is not None)):
         return None
