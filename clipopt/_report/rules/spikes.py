@@ -71,12 +71,13 @@ def skips_handled(loss: Tensor, rows: list[int]) -> list[int]:
         return list(rows)
     applied = loss.clone()
     applied[torch.tensor(rows, dtype=torch.int64)] = math.nan
-    given = (~torch.isnan(applied)).nonzero().flatten()
+    given = (~torch.isnan(applied)).nonzero().flatten()  # sorted: a search per skip, not a scan
+    at = torch.searchsorted(given, torch.tensor(rows, dtype=given.dtype)).tolist()
     out = []
-    for row in rows:
-        before = applied[given[given < row][-LOSS_WINDOW:]]
+    for row, p in zip(rows, at, strict=True):
+        before = applied[given[max(0, p - LOSS_WINDOW) : p]]
         before = before[torch.isfinite(before)]
-        after = applied[given[given > row][:HANDLED_ROWS]]
+        after = applied[given[p : p + HANDLED_ROWS]]  # the skip's own row is not in given
         if before.numel() == 0 or after.numel() == 0:
             out.append(row)
             continue
