@@ -85,8 +85,11 @@ REASONS: tuple[Reason, ...] = (
         "spike",
         False,
         "the spike rule of the clip policy (skip_spikes=True) or of a SpikeGuard",
-        "every window counts as a spike: the spike rule (ZClip/AutoClip's, SpikeGuard's) is "
-        "too strict for this run, or the loss keeps rising",
+        "every window counts as a spike: the loss or the gradient norm stays far above its recent "
+        "level -- a stretch of bad data (a corrupted shard: the skips keep it out of the model; "
+        "`clipopt report` on the log gives its steps, and a Rewind's batch columns its batches), or a "
+        "run that diverges (lower the learning rate); if neither, the level moved for good and the "
+        "rule's history must catch up (a larger z threshold or a shorter window)",
     ),
     Reason(
         DIVERGENCE,

@@ -75,6 +75,7 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "report/test_demo.py",
         "report/test_report_corpus.py",
         "report/test_report_rates.py",
+        "report/test_report_advice.py",
     ),
     "runs a Python process (demo, CLI, logger at exit, pytest) or the documentation's examples": (
         "diagnostics/test_hostile_files.py::test_writer_killed_at_random_moments_leaves_every_file_usable",

@@ -10,7 +10,15 @@ from array import array
 from dataclasses import dataclass, field
 
 from .._diagnostics.layers import LAYER_FIELDS
-from .._log_names import CLIPPED, MAX_NORM, RECOVERY_COLUMNS, SKIPPED, UPDATE_COEF, UPDATE_NORM
+from .._log_names import (
+    CLIPPED,
+    MAX_NORM,
+    MICRO_BATCHES,
+    RECOVERY_COLUMNS,
+    SKIPPED,
+    UPDATE_COEF,
+    UPDATE_NORM,
+)
 from .._reasons import NONFINITE, REASONS, by_code
 
 __all__ = ["EXPECTED", "LIGHTNING_LAYER", "GradLog", "Names", "from_records"]
@@ -45,8 +53,8 @@ class GradLog:
     parameter group ``g``'s ``"norm"`` and ``"coef"`` (per-group clipping), one
     value per row, ``nan`` where not recorded; empty without per-group clipping.
     ``recovery[column]`` holds a Rewind's columns (``clipopt._log_names.RECOVERY_COLUMNS``:
-    ``batch_start``, ``batch_end``, ``lr_factor``, ``state_reset``), one value per row, ``nan``
-    where not recorded; only those the log has.
+    ``batch_start``, ``batch_end``, ``lr_factor``, ``state_reset``; and ``micro_batches`` in a log
+    with the batch columns), one value per row, ``nan`` where not recorded; only those the log has.
     ``norm_column`` and ``loss_column`` name the column (tag, key) read as the
     norm and the loss (None: no loss); ``ignored`` lists those read as nothing,
     in the log's order; ``run`` names the TensorBoard run read (None: the
@@ -148,7 +156,7 @@ def from_records(
         log.groups[g] = {
             k: array("d", (kinds.get(k, {}).get(s, _NAN) for s in log.steps)) for k in ("norm", "coef")
         }
-    for key in RECOVERY_COLUMNS:  # a Rewind's, where recorded
+    for key in (*RECOVERY_COLUMNS, MICRO_BATCHES):  # a Rewind's, where recorded
         if any(key in records[s] for s in log.steps):
             log.recovery[key] = array("d", (records[s].get(key, _NAN) for s in log.steps))
     return log

@@ -24,7 +24,16 @@ from operator import itemgetter
 import torch
 
 from .._diagnostics.layers import LAYER_FIELDS
-from .._log_names import CLIPPED, GROUP_COLUMN, MAX_NORM, REASON, RECOVERY_COLUMNS, SKIPPED
+from .._log_names import (
+    BATCH_START,
+    CLIPPED,
+    GROUP_COLUMN,
+    MAX_NORM,
+    MICRO_BATCHES,
+    REASON,
+    RECOVERY_COLUMNS,
+    SKIPPED,
+)
 from .log import EXPECTED as _EXPECTED
 from .log import LIGHTNING_LAYER as _LIGHTNING_LAYER
 from .log import GradLog, Names
@@ -84,6 +93,8 @@ def _columns(name: str, header: list[str], names: Names) -> _Columns:
     cols.max_norm, cols.clipped = at.get(MAX_NORM, -1), at.get(CLIPPED, -1)
     cols.skipped, cols.reason = at.get(SKIPPED, -1), at.get(REASON, -1)
     cols.recovery = [(c, at[c]) for c in RECOVERY_COLUMNS if c in at]
+    if BATCH_START in at and MICRO_BATCHES in at:  # a Rewind's log: the batches each window used
+        cols.recovery.append((MICRO_BATCHES, at[MICRO_BATCHES]))
     update, update_coef = pick("update", header), pick("update_coef", header)
     if update is not None and at[update] != norm:  # --norm update_norm reads it as the norm alone
         cols.update = at[update]

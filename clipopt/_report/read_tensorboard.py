@@ -12,10 +12,12 @@ import os
 
 from .._diagnostics.layers import LAYER_FIELDS
 from .._log_names import (
+    BATCH_START,
     CLIPPED,
     GROUP_TAG,
     LAYERS_TAG,
     MAX_NORM,
+    MICRO_BATCHES,
     RECOVERY_COLUMNS,
     SKIPPED,
     UPDATE_COEF,
@@ -54,6 +56,7 @@ def _read_tensorboard(name: str, names: Names) -> GradLog:
         "lr": pick("lr", candidates),
         **_update_tags(candidates, norm_tag),
         **{key: column_tag(key) if column_tag(key) in scalars else None for key in _CLIPOPT_TAGS},
+        **_micro_batches_tag(scalars),
         **{r.tag: r.tag if r.tag in scalars else None for r in REASONS},  # the record's key is the tag
     }
     records: dict[int, dict[str, float]] = {}
@@ -67,6 +70,13 @@ def _read_tensorboard(name: str, names: Names) -> GradLog:
     log.has_clipping = wanted[CLIPPED] is not None
     log.update_column = wanted[UPDATE_NORM] if len(log.update_norm) else None
     return log
+
+
+def _micro_batches_tag(scalars: dict[str, list[tuple[int, float]]]) -> dict[str, str]:
+    """``clipopt/micro_batches`` in a Rewind's log (with ``clipopt/batch_start``): the batches each
+    window used, from which the report tells the batches a rewind dropped; ``{}`` otherwise."""
+    tag = column_tag(MICRO_BATCHES)
+    return {MICRO_BATCHES: tag} if tag in scalars and column_tag(BATCH_START) in scalars else {}
 
 
 def _update_tags(tags: list[str], norm_tag: str) -> dict[str, str | None]:

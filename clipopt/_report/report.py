@@ -50,6 +50,7 @@ def format_json(report: Mapping[str, Any]) -> str:
 
 _KIND_TEXT = {
     "blowup": "the loss blew up",
+    "recovered_blowup": "the loss blew up and came back",
     "growth": "fast-growing gradient norm",
     "nonfinite": "non-finite gradient",
     "spikes": "gradient norm spikes",
@@ -65,16 +66,27 @@ def verdict_line(report: Mapping[str, Any]) -> str:
     if not findings and s["losses"] == s["loss_nonfinite"]:  # no loss, or not one finite
         read = "no finite loss was read" if s["losses"] else "no loss was read"
         return (
-            f"verdict: healthy (judged on the gradient norm alone: {read}; "
+            f"verdict: healthy (judged on the gradient norm alone: {read}; {_skips_handled_text(s)}"
             "no blow-up, non-finite, spiking or vanishing gradients)"
         )
     if not findings:
-        return "verdict: healthy (no blow-up, non-finite, spiking or vanishing gradients)"
+        handled = _skips_handled_text(s)
+        return f"verdict: healthy ({handled}no blow-up, non-finite, spiking or vanishing gradients)"
     head = findings[0]
     where = [f"step {head['step']}"] if head["step"] is not None else []
     if head["layer"] is not None:
         where.append(f"layer {head['layer']}")
     return f"verdict: {report['verdict']} ({_KIND_TEXT[head['kind']]}; {', '.join(where)})"
+
+
+def _skips_handled_text(s: Mapping[str, Any]) -> str:
+    """``2 spike(s) skipped and handled, at step(s) 80, 140; ``: the spike skips after which the loss
+    stayed calm (a SpikeGuard doing its job), or ``""``."""
+    steps = s.get("skipped_spikes_handled") or []
+    if not steps:
+        return ""
+    shown = ", ".join(str(x) for x in steps[:10]) + (", ..." if len(steps) > 10 else "")
+    return f"{len(steps)} spike(s) skipped and handled, at step(s) {shown}; "
 
 
 def format_report(report: Mapping[str, Any]) -> str:

@@ -25,13 +25,15 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
 def _blowup_onset(losses: list[float]) -> int | None:
     """The documented blow-up rule of ``clipopt report``, in NumPy: the first row whose loss and the
     median of the next block's losses (5 % of the rows, at least 5) stay above 3x the start (median of
-    the first 3 losses), in a run where some loss exceeds 10x the start; None when it did not blow up."""
+    the first 3 losses), with no whole block after it whose median came back to the start or under,
+    in a run where some loss exceeds 10x the start; None when it did not blow up."""
     x = np.asarray(losses, dtype=np.float64)
     start = float(np.median(x[:3]))
     if not (np.isinf(x) | (x > 10 * start)).any():
         return None
     k = min(len(x), max(5, math.ceil(0.05 * len(x))))
-    for j in range(len(x)):
+    back = [i for i in range(len(x) - k + 1) if np.median(x[i : i + k]) <= start]
+    for j in range(back[-1] + 1 if back else 0, len(x)):
         if x[j] > 3 * start and np.median(x[j : j + k]) > 3 * start:
             return j
     return None

@@ -627,7 +627,8 @@ def _classifier_diverging_to_chance(path: Path, jump_at: int, steps: int) -> lis
 
 def test_divergence_back_to_chance_is_exploding(tmp_path: Path) -> None:
     """A classifier that learned to a fraction of its start loss and then diverged back to chance for
-    the rest of the run (its loss never above its start's) is ``exploding`` from the divergence."""
+    the rest of the run (its loss never above its start's) is ``exploding`` from the divergence, and
+    the advice is the learning rate, which jumped there (not a max_norm)."""
     path = tmp_path / "diverged.csv"
     losses = _classifier_diverging_to_chance(path, jump_at=600, steps=900)
     chance = math.log(10)
@@ -637,6 +638,11 @@ def test_divergence_back_to_chance_is_exploding(tmp_path: Path) -> None:
     assert report["verdict"] == "exploding", report["findings"]
     head = report["findings"][0]
     assert head["kind"] == "blowup" and 600 < head["step"] <= 610
+    # the norm did not grow before the loss did (Adam's step does not follow the gradient's size): the
+    # advice is the learning rate the log recorded there, not a max_norm (#33)
+    assert not any(f["kind"] == "growth" and f["step"] <= head["step"] for f in report["findings"])
+    assert report["clipping"]["assessment"] == "learning rate"
+    assert f"lower the learning rate (lr 0.5 at step {head['step']})" in report["clipping"]["advice"]
 
 
 @pytest.mark.parametrize(("layer_stats", "nan_step"), [(10, 60), (1000, 57)])

@@ -24,8 +24,16 @@ Rules, most severe verdict first
 - *blow-up of the loss* (logs with a loss): some loss is above
   :data:`LOSS_BLOWUP` times the start loss (or is not finite, with no
   non-finite gradient before it), and from a row on the median loss of the
-  next :func:`block` rows stays above :data:`LOSS_STAY` times the start.
-  Step: that row.  Why: a person decides that a run blew up from its loss; a
+  next :func:`block` rows stays above :data:`LOSS_STAY` times the start, with
+  no whole block after that row whose median came back to the start or under.
+  Step: that row -- where the loss went up to stay, not an earlier excursion
+  that came back (a tiny GPT without LayerNorm, turbulent at step 12, settled
+  below its start for 200 steps and blew up at step 332: its onset is 332); a
+  loss that hovers between its start and 3x it after a blow-up never came
+  back.  The start loss is the median of the first
+  :data:`START_ROWS` losses, or of those before the first of them that is
+  already LOSS_BLOWUP x the median of the ones before it (AdamW at lr 1.0
+  goes from 0.7 to 458 in its first two updates).  Why: a person decides that a run blew up from its loss; a
   loss that stays an order of magnitude above where it started is a run that
   is lost, even when its gradient norm comes down again (the plain run of
   ``clipopt demo`` blows up at update 5 and then sits at 10x its start loss).
@@ -33,15 +41,17 @@ Rules, most severe verdict first
   :data:`LOSS_BLOWUP` times the median of the previous whole :func:`block`
   (blocks aligned at the first row), after which the median of the next block
   (at least :data:`BLOCK_MIN` rows) and that of the last block stay above
-  :data:`LOSS_STAY` times that median.
+  :data:`LOSS_STAY` times that median, with no whole block after that row
+  back at that median or under.
   Why: a classifier that learned to a tenth of its start loss and then
   diverges back to chance never goes above its start loss, yet it is lost; a
   bad batch's loss spike that the run recovers from by its end is not.
 - *fast growth of the norm*: the median of the last :func:`block` finite norms
   is at least :data:`GROWTH_RATIO` times the start's, or some norm reaches
   :data:`GROWTH_RATIO` times the start and the median of the next block stays
-  above :data:`GROWTH_ONSET_RATIO` times it (a blow-up in the first updates,
-  which block medians over the whole run miss).  Step (onset): the first norm
+  above :data:`GROWTH_ONSET_RATIO` times it, with no whole block back at the
+  start or under after it (a blow-up in the first updates, which block
+  medians over the whole run miss).  Step (onset): the first norm
   above ``GROWTH_ONSET_RATIO`` x start from which the next block's median
   stays above it.  When the log has a loss that is finite to the end and
   lower at the end than at the start, growth of the norm alone is not an
@@ -60,7 +70,19 @@ parameter without a gradient, e.g. a frozen one; in logs that count none,
 Lightning's, a ``nan`` norm is non-finite); in logs without that row, the first per-layer row
 after it, and the evidence says it was taken from a later row.
 
-``spikes`` -- isolated large updates:
+``spikes`` -- isolated large updates, or a blow-up that came back:
+
+- *a blow-up that came back* (``recovered_blowup``, logs with a loss): before
+  an explosion's onset, the loss went above LOSS_BLOWUP x its start and the
+  median of the next block stayed above LOSS_STAY x it, then a whole block's
+  median came back to the start or under (the losses of spike skips left out:
+  those updates never happened).  Why: the run goes on, so it is no explosion, but the
+  steps were too large for that stretch -- the learning rate or its warm-up;
+  the advice says so.  A stretch that begins with a loss spike over a calm
+  history (the loss spike rule below, with at least :data:`SPIKE_MIN_HISTORY`
+  losses before it) and with no rise of the logged learning rate in the block
+  before it is not one: that is a bad stretch of data, whose loss comes back
+  as soon as the data does, and the spike rules report it.
 
 - *norm spikes*: a finite norm ``x`` with ``z = (ln x - m) / s >``
   :data:`SPIKE_Z`, ``m``/``s`` the mean and standard deviation of the
@@ -75,6 +97,15 @@ after it, and the evidence says it was taken from a later row.
   nothing shows that it was handled, and it is a spike) in the summary, not as evidence -- clipping doing its
   job (``clipopt demo``'s clipped run clips 9 % of its updates, some at 2x the
   rolling mean, and learns).
+- *handled by a skip*: a norm or loss spike at an update skipped as a spike
+  (reason ``spike``: a SpikeGuard, or a policy's ``skip_spikes``) after which
+  the median loss of the next :data:`HANDLED_ROWS` applied updates (the other
+  skips left out: a bad shard is skipped window after window) stays below
+  :data:`LOSS_SPIKE_RATIO` times the median of the applied losses before it
+  is handled -- the skip did its job; the summary lists them
+  (``skipped_spikes_handled``) and the verdict line says so.  Without a loss
+  in the log every such skip is handled: a skipped update never reached the
+  parameters.
 - *loss spikes* (logs with a loss): a loss more than :data:`LOSS_SPIKE_Z`
   standard deviations above the mean of the previous up to
   :data:`LOSS_WINDOW` losses and above :data:`LOSS_SPIKE_RATIO` times that
@@ -125,7 +156,13 @@ of updates was clipped, and whether the ``max_norm`` used looks too tight (more
 than :data:`TIGHT_FRACTION` of the updates clipped: the bound then acts as a
 smaller learning rate) or too loose (the run exploded or spiked and the bound
 did not clip those updates, or it is above :data:`LOOSE_RATIO` times the
-suggestion).  Further values for reference: AutoClip's
+suggestion) -- or that the bound is not the fix: ``learning rate`` when the
+worst finding is a blow-up that came back, or a loss blow-up for good without
+a growth of the norm at or before it (an Adam-type optimizer's step does not
+shrink with the gradient, so lower the learning rate or add a warm-up);
+``bad data`` when the spikes are loss spikes with norm spikes only at clipped
+updates (a bad shard, which clipping lets the model learn from: skip it with
+a SpikeGuard).  Further values for reference: AutoClip's
 :data:`AUTOCLIP_PERCENTILE`-th percentile (Seetharaman et al. 2020), Pascanu et
 al.'s range of :data:`PASCANU_LOW`-:data:`PASCANU_HIGH` times the mean norm
 (2013), and a static ZClip bound, mean + :data:`ZCLIP_Z` standard deviations

@@ -23,11 +23,11 @@ from .common import (
     start_level,
     steps_text,
 )
-from .exploding import loss_blowup, norm_growth
+from .exploding import loss_blowup, norm_growth, recovered_blowup
 from .nonfinite import nonfinite_finding
 from .rates import clip_throttle, spike_score, throttle_note
 from .recovery import escalation_text, skip_list, skip_list_notes
-from .spikes import loss_spikes, norm_spikes
+from .spikes import loss_spikes, norm_spikes, skips_handled
 from .threshold import clipping_advice, reference_thresholds, stretch_for, suggest, suggestions
 from .update import update_rules, update_summary
 from .vanishing import vanishing_findings
@@ -38,8 +38,8 @@ def analyze(log: GradLog) -> dict[str, Any]:
 
     Keys: ``file``, ``source``, ``run`` (the TensorBoard run, or None), ``columns`` (the names read as
     ``norm`` and ``loss``, and those ``ignored``), ``verdict`` (one of :data:`VERDICTS`), ``findings``
-    (most severe first; each ``kind`` -- ``blowup``, ``growth``, ``nonfinite``, ``spikes``,
-    ``loss_spikes``, ``update_spikes`` or ``vanishing`` --, ``verdict``, ``step``, ``layer``,
+    (most severe first; each ``kind`` -- ``blowup``, ``growth``, ``nonfinite``, ``recovered_blowup``,
+    ``spikes``, ``loss_spikes``, ``update_spikes`` or ``vanishing`` --, ``verdict``, ``step``, ``layer``,
     ``evidence``, ``values``), ``suggested_max_norm``, ``clipping``, ``suggestions``, ``summary``,
     ``notes``, ``update`` (None: no update norm), ``spike_score`` and ``throttle`` (:mod:`.rates`).
     """
@@ -52,9 +52,12 @@ def analyze(log: GradLog) -> dict[str, Any]:
     first_bad = int(bad_rows[0]) if bad_rows.numel() else n
     explosions = _explosions(log, norm, finite, loss, first_bad, notes)
     onset = min((f["values"]["row"] for f in explosions), default=n)
-    spikes, handled = norm_spikes(log, norm, loss, min(onset, n))
+    spike_skips = [i for i, r in sorted(log.reason.items()) if r == SPIKE_NAME]
+    guarded = frozenset(skips_handled(loss, spike_skips))
+    spikes, handled = norm_spikes(log, norm, loss, min(onset, n), guarded)
     findings = [*explosions, *_nonfinite_findings(log, bad_rows, onset, first_bad, explosions)]
-    findings += [f for f in (spikes, loss_spikes(log, loss, min(onset, n))) if f is not None]
+    findings += [f for f in (recovered_blowup(log, loss, first_bad, onset, spike_skips),) if f is not None]
+    findings += [f for f in (spikes, loss_spikes(log, loss, min(onset, n), guarded)) if f is not None]
     update = update_rules(log, norm, loss, min(onset, n))
     findings += [update.finding] if update is not None and update.finding is not None else []
     findings += _layer_findings(log, notes)
@@ -62,9 +65,9 @@ def analyze(log: GradLog) -> dict[str, Any]:
     verdict = _verdict(findings)
     grad_verdict = _verdict([f for f in findings if f["kind"] != "update_spikes"])  # max_norm's advice
     n_overflow = int(overflow.sum())
-    notes += _run_notes(log, n_overflow, handled) + _update_notes(update.handled if update else [])
+    notes += _run_notes(log, n_overflow, handled, guarded) + _update_notes(update.handled if update else [])
     end = min(onset, first_bad) if explosions else n
-    spike_rows = set(spikes["values"]["rows"]) if spikes is not None else set()
+    spike_rows = (set(spikes["values"]["rows"]) if spikes is not None else set()) | guarded
     stretch, stretch_end = stretch_for(norm, finite, end, spike_rows, verdict)
     suggested = suggest(stretch, exploding=verdict == "exploding")
     references = reference_thresholds(log, norm, stretch, stretch_end) if verdict == "exploding" else None
@@ -78,7 +81,7 @@ def analyze(log: GradLog) -> dict[str, Any]:
         "suggested_max_norm": suggested,
         "clipping": clipping_advice(log, grad_verdict, findings, suggested),
         "suggestions": suggestions(norm[finite]) if references is None else references,
-        "summary": _summary(log, norm, loss, finite, n_overflow, len(handled)),
+        "summary": _summary(log, norm, loss, finite, n_overflow, len(handled), guarded),
         "notes": notes,
         "update": update_summary(log, update, stretch_end),
         **_rates(log, norm, loss, notes),
@@ -154,15 +157,16 @@ def _layer_findings(log: GradLog, notes: list[str]) -> list[dict[str, Any]]:
     return []
 
 
-def _run_notes(log: GradLog, n_overflow: int, handled: list[int]) -> list[str]:
-    """Notes on overflows under a GradScaler, recovery (SpikeGuard, Rewind) and spikes clipping handled."""
+def _run_notes(log: GradLog, n_overflow: int, handled: list[int], guarded: frozenset[int]) -> list[str]:
+    """Notes on overflows under a GradScaler, recovery (SpikeGuard, Rewind; ``guarded``: the spike
+    skips that handled their spike) and spikes clipping handled."""
     notes = []
     if n_overflow:
         notes.append(
             f"{n_overflow} update(s) overflowed under a GradScaler (reason 'overflow'): loss-scale "
             "calibration, not counted as a problem"
         )
-    notes += _recovery_notes(log)
+    notes += _recovery_notes(log, guarded)
     if handled:
         notes.append(
             f"{len(handled)} large norm(s) (at step(s) {steps_text(handled)}) were clipped and the loss "
@@ -171,15 +175,25 @@ def _run_notes(log: GradLog, n_overflow: int, handled: list[int]) -> list[str]:
     return notes
 
 
-def _recovery_notes(log: GradLog) -> list[str]:
-    """Notes on SpikeGuard skips (reason ``spike``) and Rewind rewinds (reason ``rewind``)."""
+def _recovery_notes(log: GradLog, guarded: frozenset[int]) -> list[str]:
+    """Notes on SpikeGuard skips (reason ``spike``; ``guarded``: those that handled their spike) and
+    Rewind rewinds (reason ``rewind``)."""
     notes = []
     spike_rows = [i for i, r in sorted(log.reason.items()) if r == SPIKE_NAME]
     rewind_rows = [i for i, r in sorted(log.reason.items()) if r == REWIND_NAME]
     spikes, rewinds = [log.steps[i] for i in spike_rows], [log.steps[i] for i in rewind_rows]
     if spikes:
         steps = steps_text(spikes)
-        notes.append(f"{len(spikes)} update(s) skipped as spikes (reason 'spike') at step(s) {steps}")
+        n = sum(1 for i in spike_rows if i in guarded)
+        handled = (
+            ": the loss stayed calm after each, so the skips handled them (not counted as spikes)"
+            if n == len(spikes)
+            else f"; after {n} of them the loss stayed calm: those are handled (not counted as spikes)"
+            if n
+            else ""
+        )
+        said = f"{len(spikes)} update(s) skipped as spikes (reason 'spike') at step(s) {steps}"
+        notes.append(said + handled)
     if rewinds:
         escalation = escalation_text(log, rewind_rows)
         notes.append(
@@ -197,11 +211,17 @@ def _skip_list(log: GradLog) -> list[list[int]]:
 
 
 def _summary(
-    log: GradLog, norm: Tensor, loss: Tensor, finite: Tensor, overflow: int, handled: int
+    log: GradLog,
+    norm: Tensor,
+    loss: Tensor,
+    finite: Tensor,
+    overflow: int,
+    handled: int,
+    guarded: frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
     """The summary's figures: updates, clipping, non-finite rows, norms, max_norm, losses, layers, groups,
-    spike skips and rewinds (``skip``: their batches as ``[start, end]`` ranges, ``[]`` without the
-    batch columns)."""
+    spike skips (``skipped_spikes_handled``: the steps of those that handled their spike) and rewinds
+    (``skip``: their batches as ``[start, end]`` ranges, ``[]`` without the batch columns)."""
     n = len(log)
     x = norm[finite]
     given = loss[~torch.isnan(loss)]
@@ -219,6 +239,7 @@ def _summary(
         "handled_spikes": handled,
         "skipped": sum(log.skipped),
         "spike_skips": sum(1 for r in log.reason.values() if r == SPIKE_NAME),
+        "skipped_spikes_handled": [log.steps[i] for i in sorted(guarded)],
         "rewinds": sum(1 for r in log.reason.values() if r == REWIND_NAME),
         "skip": _skip_list(log),
         "nonfinite": int((~finite).sum()),

@@ -17,10 +17,15 @@ from .common import (
     GROWTH_ONSET_RATIO,
     GROWTH_RATIO,
     LOSS_BLOWUP,
+    LOSS_SPIKE_RATIO,
+    LOSS_SPIKE_Z,
     LOSS_STAY,
+    LOSS_WINDOW,
     MAX_CANDIDATES,
     MAX_LEVEL_CHECKS,
     OVERFLOW_NAME,
+    SPIKE_MIN_HISTORY,
+    START_ROWS,
     as_tensor,
     block,
     median_of,
@@ -28,14 +33,21 @@ from .common import (
 )
 
 
-def _sustained_onset(x: Tensor, threshold: float, k: int) -> int | None:
-    """The first index j with ``x[j] > threshold`` and median of ``x[j:j+k]`` > threshold (nan/inf: above)."""
+def _sustained_onset(x: Tensor, threshold: float, k: int, back: float | None) -> int | None:
+    """The first index j with ``x[j] > threshold`` and the median of ``x[j:j+k]`` above it (nan/inf:
+    above), after the last whole block of ``k`` values whose median came ``back`` to at most that
+    level (the start).  A run that went up and came back (a turbulent start that settled, then a
+    blow-up later) has its onset where it went up to stay, not at its first excursion; a run that
+    went up and hovers between ``back`` and the threshold never came back.  ``back=None``: the
+    first excursion that lasted a block, whatever came after."""
     above = (x > threshold) | ~torch.isfinite(x)
     # a median above the threshold needs at least half of x[j:j+k] above it: one count filters the
     # candidates, so heavy-tailed norms do not take a median per candidate (1M rows: 20 s before)
     n = int(x.numel())
     count = torch.cat([torch.zeros(1, dtype=torch.int64), above.cumsum(0)])
     rows = above.nonzero().flatten()
+    if back is not None:
+        rows = rows[rows > last_calm_block(x, back, k)]
     ends = (rows + k).clamp(max=n)
     rows = rows[count[ends] - count[rows] >= (ends - rows) // 2]
     candidates = rows[:MAX_CANDIDATES].tolist()
@@ -46,6 +58,113 @@ def _sustained_onset(x: Tensor, threshold: float, k: int) -> int | None:
     return None
 
 
+def last_calm_block(x: Tensor, level: float, k: int) -> int:
+    """The start of the last whole block ``x[i:i+k]`` whose median is at or below ``level`` (nan/inf:
+    above); -1 when none is."""
+    found = _calm_block(x, level, k, torch.arange(int(x.numel()) - k + 1).flip(0))
+    return -1 if found is None else found
+
+
+def _calm_block(x: Tensor, threshold: float, k: int, starts: Tensor) -> int | None:
+    """The first of ``starts`` (in their order) whose whole block ``x[i:i+k]`` has its median at or
+    below ``threshold`` (nan/inf: above); None when none has.  Such a median needs at least
+    ``ceil(k/2)`` values at or below it: one count filters the blocks, and at most MAX_CANDIDATES
+    medians are taken."""
+    n = int(x.numel())
+    starts = starts[(starts >= 0) & (starts <= n - k)] if k >= 1 else starts[:0]
+    if starts.numel() == 0:
+        return None
+    below = (x <= threshold) & torch.isfinite(x)
+    count = torch.cat([torch.zeros(1, dtype=torch.int64), below.cumsum(0)])
+    maybe = starts[count[starts + k] - count[starts] >= (k + 1) // 2]
+    y = torch.where(torch.isfinite(x), x, torch.full_like(x, math.inf))
+    for i in maybe[:MAX_CANDIDATES].tolist():
+        if median_of(y[i : i + k]) <= threshold:
+            return int(i)
+    return None
+
+
+def recovered_blowup(
+    log: GradLog, loss: Tensor, first_bad: int, end: int, skipped: list[int]
+) -> dict[str, Any] | None:
+    """The ``recovered_blowup`` finding (verdict ``spikes``): before row ``end`` (an explosion's onset),
+    the loss went over LOSS_BLOWUP x its start and stayed over LOSS_STAY x it for a block, then came
+    back to its start or under (a whole block's median).  Not an explosion -- the run goes on -- but
+    a sign that the steps were too large for that stretch: the learning rate, or its warm-up.
+
+    The losses of the ``skipped`` rows (spike skips: their update never happened) are left out.  A
+    stretch that begins with a loss spike over a calm history (:func:`_jumped_from_calm`) and with no
+    rise of the learning rate before it is a bad stretch of data, whose loss returns as soon as the
+    data does: the spike rules report it."""
+    applied = loss.clone()
+    if skipped:
+        applied[torch.tensor(skipped, dtype=torch.int64)] = math.nan
+    counted = _counted_losses(applied, first_bad)
+    if counted is None:
+        return None
+    rows, values, start = counted
+    k = block(int(rows.numel()))
+    threshold = LOSS_STAY * start
+    j = _sustained_onset(values, threshold, k, None)
+    if j is None or int(rows[j]) >= end:
+        return None
+    if _jumped_from_calm(values, j) and not _lr_rose_before(log, int(rows[j]), k):
+        return None
+    back = _calm_block(values, start, k, torch.arange(j + 1, int(values.numel()) - k + 1))
+    if back is None:
+        return None
+    stretch = values[j:back]
+    finite = stretch[torch.isfinite(stretch)]
+    top = float(finite.max()) if finite.numel() else math.inf
+    if not (top > LOSS_BLOWUP * start):
+        return None
+    row, back_row = int(rows[j]), int(rows[back])
+    lr = log.lr[row] if row < len(log.lr) and math.isfinite(log.lr[row]) else None
+    at_lr = f"; lr {_num(lr)} there" if lr is not None else ""
+    evidence = (
+        f"the loss left its start {_num(start)} at step {log.steps[row]} (loss {_num(float(values[j]))}, "
+        f"highest {_num(top)}, {_num(top / start)}x the start) and came back: the median of the {k} "
+        f"logged losses from step {log.steps[back_row]} is back at or under the start{at_lr}"
+    )
+    return {
+        "kind": "recovered_blowup",
+        "verdict": "spikes",
+        "step": log.steps[row],
+        "layer": None,
+        "evidence": evidence,
+        "values": {
+            "row": row,
+            "start_loss": start,
+            "peak": top,
+            "back_step": log.steps[back_row],
+            "block": k,
+            "lr": lr,
+        },
+    }
+
+
+def _jumped_from_calm(values: Tensor, j: int) -> bool:
+    """``values[j]`` is a loss spike over the losses before it (the loss spike rule: at least
+    SPIKE_MIN_HISTORY of them, more than LOSS_SPIKE_Z standard deviations and LOSS_SPIKE_RATIO x the
+    mean of the previous up to LOSS_WINDOW above it)."""
+    before = values[max(0, j - LOSS_WINDOW) : j]
+    before = before[torch.isfinite(before)]
+    if before.numel() < SPIKE_MIN_HISTORY:
+        return False
+    mean, std = float(before.mean()), float(before.std(unbiased=False))
+    x = float(values[j])
+    spike = x - mean > LOSS_SPIKE_Z * std and x > LOSS_SPIKE_RATIO * mean
+    return mean > 0 and (not math.isfinite(x) or spike)
+
+
+def _lr_rose_before(log: GradLog, row: int, k: int) -> bool:
+    """Group 0's learning rate (as logged) at ``row`` is above its value ``k`` rows before."""
+    if row >= len(log.lr):
+        return False
+    now, then = log.lr[row], log.lr[max(0, row - k)]
+    return math.isfinite(now) and math.isfinite(then) and now > then
+
+
 def loss_blowup(log: GradLog, loss: Tensor, first_bad: int) -> dict[str, Any] | None:
     """The ``blowup`` finding: the loss left its start, or the level it had reached, for good."""
     counted = _counted_losses(loss, first_bad)
@@ -54,7 +173,7 @@ def loss_blowup(log: GradLog, loss: Tensor, first_bad: int) -> dict[str, Any] | 
     rows, values, start = counted
     peak = (values > LOSS_BLOWUP * start) | torch.isinf(values)
     k = block(int(rows.numel()))
-    j = _sustained_onset(values, LOSS_STAY * start, k) if peak.any() else None
+    j = _sustained_onset(values, LOSS_STAY * start, k, start) if peak.any() else None
     ref, ref_text = start, f"its start {_num(start)}"
     if j is None:
         found = _blowup_from_level(values, k)
@@ -99,13 +218,24 @@ def _counted_losses(loss: Tensor, first_bad: int) -> tuple[Tensor, Tensor, float
     finite = torch.isfinite(values)
     if not finite.any():
         return None
-    start = start_level(values[finite])
+    start = _loss_start(values[finite])
     if not start > 0:
         return None
     late = ~finite & (rows >= first_bad)
     values[late] = math.nan
     keep = ~torch.isnan(values)
     return rows[keep], values[keep], start
+
+
+def _loss_start(x: Tensor) -> float:
+    """The start loss: the median of the first START_ROWS finite losses, or of those before the first
+    of them above LOSS_BLOWUP x the median of the ones before it (a blow-up in the second update is
+    not part of its own start: AdamW at lr 1.0 goes from 0.7 to 458 in two updates)."""
+    first = x[:START_ROWS]
+    for i in range(1, int(first.numel())):
+        if float(first[i]) > LOSS_BLOWUP * median_of(first[:i]):
+            return median_of(first[:i])
+    return start_level(x)
 
 
 def _blowup_from_level(values: Tensor, k: int) -> tuple[int, float] | None:
@@ -136,7 +266,8 @@ def _blowup_from_level(values: Tensor, k: int) -> tuple[int, float] | None:
         over = (values > LOSS_STAY * block_level[c]).cumsum(0)
         above = torch.cat([torch.zeros(1, dtype=torch.int64), over])
         mine = prev[rows] == c
-        keep |= mine & (above[ends] - above[rows] >= need)
+        stays = rows > last_calm_block(values, float(block_level[c]), k)  # not back to the level after
+        keep |= mine & stays & (above[ends] - above[rows] >= need)
     for j in rows[keep][:MAX_LEVEL_CHECKS].tolist():
         lv = float(level[j])
         if median_of(values[j : j + k]) > LOSS_STAY * lv:
@@ -191,7 +322,7 @@ def _measure_growth(log: GradLog, norm: Tensor, finite: Tensor, notes: list[str]
     ends_bad = all(not math.isfinite(log.total_norm[i]) and log.reason.get(i) != OVERFLOW_NAME for i in last)
     tail = median_of(x[-k:])
     grew = m >= GROWTH_MIN_UPDATES and tail >= GROWTH_RATIO * start
-    onset = _sustained_onset(x, GROWTH_ONSET_RATIO * start, k)
+    onset = _sustained_onset(x, GROWTH_ONSET_RATIO * start, k, start)
     peaked = bool((x >= GROWTH_RATIO * start).any()) and onset is not None
     if not (grew or peaked or (ends_bad and onset is not None)):
         return None

@@ -4,19 +4,23 @@ A log written with a :class:`~clipopt.Rewind` has ``batch_start``/``batch_end``
 (the batches ``opt.rewind.batches()`` drew during each window), and with
 ``lr_cut``/``reset_state`` the ``lr_factor``/``state_reset`` columns
 (:mod:`clipopt._log_names`).  From them the report says what each rewind did
-and which batches the spike skips and rewinds were drawn from, as the
-``skip=`` list of ``opt.rewind.batches(loader, skip=...)`` that leaves them out
-on a restart.
+and which batches the spike skips and rewinds were drawn from, and which ones a
+rewind dropped (``skip_batches``), as the ``skip=`` list of
+``opt.rewind.batches(loader, skip=...)`` that leaves them out on a restart.
+
+A rewind's drops are the first batches drawn after it: ``batches()`` draws and
+drops them before it yields the next batch, so they open the range of the next
+window that drew batches, before the ``micro_batches`` batches that window used.
 """
 
 from __future__ import annotations
 
 import math
 
-from ..._log_names import BATCH_END, BATCH_START, LR_FACTOR, STATE_RESET
+from ..._log_names import BATCH_END, BATCH_START, LR_FACTOR, MICRO_BATCHES, STATE_RESET
 from ..log import GradLog
 
-__all__ = ["batch_ranges", "escalation_text", "skip_list", "skip_list_notes"]
+__all__ = ["batch_ranges", "dropped_ranges", "escalation_text", "skip_list", "skip_list_notes"]
 
 
 def batch_ranges(log: GradLog, rows: list[int]) -> list[tuple[int, int]]:
@@ -29,6 +33,29 @@ def batch_ranges(log: GradLog, rows: list[int]) -> list[tuple[int, int]]:
         start, end = starts[i], ends[i]
         if math.isfinite(start) and math.isfinite(end) and end > start:
             out.append((int(start), int(end)))
+    return out
+
+
+def dropped_ranges(log: GradLog, rewinds: list[int]) -> dict[int, tuple[int, int]]:
+    """The batches each of the ``rewinds`` rows dropped (``skip_batches``), by rewind row: the start of
+    the range of the next row that drew batches, up to the batches that window used (its
+    ``micro_batches``; without it, the usual number of batches per window: the median range).
+    A rewind that dropped none is absent."""
+    starts, ends = log.recovery.get(BATCH_START), log.recovery.get(BATCH_END)
+    if starts is None or ends is None or not rewinds:
+        return {}
+    used = log.recovery.get(MICRO_BATCHES)
+    drew = [i for i in range(len(starts)) if math.isfinite(starts[i]) and ends[i] > starts[i]]
+    typical = sorted(ends[i] - starts[i] for i in drew)[len(drew) // 2] if drew else 1.0
+    out = {}
+    for rewind in rewinds:
+        nxt = next((i for i in drew if i > rewind), None)
+        if nxt is None:
+            continue
+        n = used[nxt] if used is not None and math.isfinite(used[nxt]) and used[nxt] > 0 else typical
+        start, end = int(starts[nxt]), int(ends[nxt] - n)
+        if end > start:
+            out[rewind] = (start, end)
     return out
 
 
@@ -46,7 +73,8 @@ def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def skip_list(log: GradLog, spikes: list[int], rewinds: list[int]) -> list[list[int]]:
     """The ``skip=`` list (merged ``[start, end]`` ranges) of the spike-skip and rewind rows; ``[]``
     when the log has no batch columns (the report's summary, ``skip``)."""
-    return [[a, b] for a, b in merged(batch_ranges(log, sorted(spikes + rewinds)))]
+    dropped = list(dropped_ranges(log, rewinds).values())
+    return [[a, b] for a, b in merged(batch_ranges(log, sorted(spikes + rewinds)) + dropped)]
 
 
 def _range_text(r: tuple[int, int]) -> str:
@@ -60,11 +88,13 @@ def skip_list_notes(log: GradLog, spikes: list[int], rewinds: list[int]) -> list
     if not ranges:
         return []
     kinds = {i: "spike" for i in spikes} | {i: "rewind" for i in rewinds}
+    dropped = dropped_ranges(log, rewinds)
     parts = []
     for i in rows:
         own = batch_ranges(log, [i])
         if own:
-            parts.append(f"step {log.steps[i]} ({kinds[i]}): batch {_range_text(own[0])}")
+            drop = f", then dropped batch {_range_text(dropped[i])}" if i in dropped else ""
+            parts.append(f"step {log.steps[i]} ({kinds[i]}): batch {_range_text(own[0])}{drop}")
     pairs = ", ".join(f"({a}, {b})" for a, b in skip_list(log, spikes, rewinds))
     return [
         "batches drawn by opt.rewind.batches() in the spike skips and rewinds: "

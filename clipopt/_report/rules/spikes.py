@@ -45,17 +45,46 @@ def rolling(x: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def norm_spikes(
-    log: GradLog, norm: Tensor, loss: Tensor, end: int
+    log: GradLog, norm: Tensor, loss: Tensor, end: int, skipped: frozenset[int] = frozenset()
 ) -> tuple[dict[str, Any] | None, list[int]]:
-    """Norm spikes before row ``end`` and the steps of the spikes clipping handled."""
+    """Norm spikes before row ``end`` and the steps of the spikes clipping handled; a spike at one of
+    the ``skipped`` rows (spike skips the loss stayed calm after, :func:`skips_handled`) is neither."""
     spikes: list[dict[str, Any]] = []
     handled: list[int] = []
     for row, x, mean, z in log_norm_outliers(norm[:end]):
+        if row in skipped:
+            continue
         if log.clipped[row] and loss_calm_after(loss, row):
             handled.append(log.steps[row])
             continue
         spikes.append({"row": row, "step": log.steps[row], "norm": x, "mean": mean, "z": z})
     return (_norm_spikes_finding(log, spikes) if spikes else None), handled
+
+
+def skips_handled(loss: Tensor, rows: list[int]) -> list[int]:
+    """The spike-skip ``rows`` (reason ``spike``: a SpikeGuard's, or a policy's ``skip_spikes``) that
+    the skip handled: the median loss of the next HANDLED_ROWS applied rows after each (the other
+    skips left out: a bad shard is skipped window after window) stays below LOSS_SPIKE_RATIO x the
+    median of the applied losses before it.  Without a loss in the log every skip is handled: a
+    skipped update never reached the parameters."""
+    if not rows or bool(torch.isnan(loss).all()):
+        return list(rows)
+    applied = loss.clone()
+    applied[torch.tensor(rows, dtype=torch.int64)] = math.nan
+    given = (~torch.isnan(applied)).nonzero().flatten()  # sorted: a search per skip, not a scan
+    at = torch.searchsorted(given, torch.tensor(rows, dtype=given.dtype)).tolist()
+    out = []
+    for row, p in zip(rows, at, strict=True):
+        before = applied[given[max(0, p - LOSS_WINDOW) : p]]
+        before = before[torch.isfinite(before)]
+        after = applied[given[p : p + HANDLED_ROWS]]  # the skip's own row is not in given
+        if before.numel() == 0 or after.numel() == 0:
+            out.append(row)
+            continue
+        ref = median_of(before)
+        if bool(torch.isfinite(after).all()) and (ref <= 0 or median_of(after) <= LOSS_SPIKE_RATIO * ref):
+            out.append(row)
+    return out
 
 
 def log_norm_outliers(head: Tensor) -> list[tuple[int, float, float, float]]:
@@ -133,8 +162,11 @@ def loss_calm_after(loss: Tensor, row: int) -> bool:
     return median_of(after) <= LOSS_SPIKE_RATIO * ref if ref > 0 else True
 
 
-def loss_spikes(log: GradLog, loss: Tensor, end: int) -> dict[str, Any] | None:
-    """The ``loss_spikes`` finding: losses before row ``end`` far above the rolling mean before them."""
+def loss_spikes(
+    log: GradLog, loss: Tensor, end: int, skipped: frozenset[int] = frozenset()
+) -> dict[str, Any] | None:
+    """The ``loss_spikes`` finding: losses before row ``end`` far above the rolling mean before them
+    (but at the ``skipped`` rows: spike skips that handled them)."""
     head = loss[:end]
     idx = torch.isfinite(head).nonzero().flatten()
     x = head[idx]
@@ -143,7 +175,7 @@ def loss_spikes(log: GradLog, loss: Tensor, end: int) -> dict[str, Any] | None:
     mean, std, count = rolling(x, LOSS_WINDOW)
     hit = (count >= SPIKE_MIN_HISTORY) & (x - mean > LOSS_SPIKE_Z * std) & (x > LOSS_SPIKE_RATIO * mean)
     hit &= mean > 0
-    pos = hit.nonzero().flatten().tolist()
+    pos = [p for p in hit.nonzero().flatten().tolist() if int(idx[p]) not in skipped]
     if not pos:
         return None
     rows = [int(idx[p]) for p in pos]

@@ -104,9 +104,16 @@ def _assess_clipping(
     used: float | None,
     fraction: float,
 ) -> tuple[str, str]:
-    """``(assessment, advice)``: unknown, off, missing, too tight, too loose or fine."""
+    """``(assessment, advice)``: learning rate (:func:`_learning_rate_cause`), bad data
+    (:func:`_loss_only_spikes`), unknown, off, missing, too tight, too loose or fine."""
     sug = _num(suggested) if suggested is not None else "-"
     went_wrong = verdict in ("exploding", "spikes")
+    lr_cause = _learning_rate_cause(verdict, findings)
+    if lr_cause is not None:
+        return "learning rate", _learning_rate_advice(log, lr_cause, sug)
+    bad_data = _loss_only_spikes(log, verdict, findings)
+    if bad_data is not None:
+        return "bad data", _bad_data_advice(bad_data, used, fraction, sug)
     if not log.has_clipping:
         return "unknown", f"the log does not record clipping; suggested max_norm {sug}"
     if used is None or math.isinf(used):
@@ -128,6 +135,80 @@ def _assess_clipping(
     return "fine", (
         f"max_norm {_num(used)} clipped {100 * fraction:.1f}% of the updates; "
         f"it looks right (suggested from the norms: {sug})"
+    )
+
+
+def _learning_rate_cause(verdict: str, findings: list[dict[str, Any]]) -> tuple[str, dict[str, Any]] | None:
+    """Why the learning rate, not the clipping bound, is the fix, and the finding that shows it; None
+    when it is not.  ``("recovered", f)``: the worst finding is a loss that blew up and came back by
+    itself -- the steps were too large for a stretch (early on: a warm-up).  ``("loss first", f)``: the
+    loss blew up for good while the gradient norm did not grow, or grew only later -- the norm is not
+    what went wrong, so bounding it does not help (an Adam-type optimizer's step does not shrink with
+    the gradient)."""
+    if verdict == "spikes":
+        head = next(f for f in findings if f["verdict"] == "spikes")
+        return ("recovered", head) if head["kind"] == "recovered_blowup" else None
+    if verdict != "exploding":
+        return None
+    blowup = next((f for f in findings if f["kind"] == "blowup"), None)
+    growth = next((f for f in findings if f["kind"] == "growth"), None)
+    norm_went = [f for f in findings if f["verdict"] == "exploding" and f["kind"] == "nonfinite"]
+    if blowup is None or norm_went:
+        return None
+    if growth is None or growth["values"]["row"] > blowup["values"]["row"]:
+        return "loss first", blowup
+    return None
+
+
+def _learning_rate_advice(log: GradLog, cause: tuple[str, dict[str, Any]], sug: str) -> str:
+    """Lower the learning rate (the one the log recorded at the finding's row) or add a warm-up."""
+    why, finding = cause
+    row = finding["values"]["row"]
+    lr = log.lr[row] if row < len(log.lr) and math.isfinite(log.lr[row]) else None
+    at = f" (lr {_num(lr)} at step {finding['step']})" if lr is not None else ""
+    if why == "recovered":
+        what = "the loss blew up and came back by itself: the steps were too large for that stretch"
+    else:
+        what = (
+            "the loss blew up for good while the gradient norm had not grown: the norm is not what went wrong"
+        )
+    return (
+        f"{what}; lower the learning rate{at} or add a warm-up -- a tighter max_norm does not shrink "
+        f"the step of an Adam-type optimizer (suggested from the norms, for the outliers: {sug})"
+    )
+
+
+def _loss_only_spikes(log: GradLog, verdict: str, findings: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The ``loss_spikes`` finding of a ``spikes`` run whose gradient norm stayed ordinary or was
+    clipped: its spike findings are loss spikes, and norm spikes only at updates that clipping bounded
+    (a bad shard keeps the loss up for its length, so clipping does not count as handling them).
+    None otherwise."""
+    if verdict != "spikes":
+        return None
+    spiky = [f for f in findings if f["verdict"] == "spikes"]
+    loss = next((f for f in spiky if f["kind"] == "loss_spikes"), None)
+    if loss is None or any(f["kind"] not in ("spikes", "loss_spikes") for f in spiky):
+        return None
+    norm_rows = [r for f in spiky if f["kind"] == "spikes" for r in f["values"]["rows"]]
+    return loss if all(log.clipped[r] for r in norm_rows) else None
+
+
+def _bad_data_advice(finding: dict[str, Any], used: float | None, fraction: float, sug: str) -> str:
+    """SpikeGuard, for loss spikes without a gradient-norm spike: bad batches (a corrupted shard) that
+    a bound on the norm lets the model learn from; then what the norms say of ``max_norm``."""
+    steps = finding["values"]["steps"]
+    shown = ", ".join(str(s) for s in steps[:10]) + (", ..." if len(steps) > 10 else "")
+    if used is not None and math.isfinite(used):
+        bound = (
+            f"max_norm {_num(used)} clipped {100 * fraction:.1f}% of the updates and is not the fix "
+            f"(suggested from the norms: {sug})"
+        )
+    else:
+        bound = f"a max_norm would not be the fix (suggested from the norms: {sug})"
+    return (
+        f"the loss spiked at step(s) {shown} while the gradient norm stayed ordinary (or was clipped): "
+        "bad batches, e.g. a corrupted shard, which a bound on the norm still lets the model learn; "
+        "skip such updates with spike_guard=SpikeGuard() and check the data of those steps; " + bound
     )
 
 
