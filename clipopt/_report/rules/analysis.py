@@ -46,18 +46,15 @@ def analyze(log: GradLog) -> dict[str, Any]:
     n = len(log)
     norm, loss = as_tensor(log.total_norm), as_tensor(log.loss)
     notes = list(log.notes)
-    finite = torch.isfinite(norm)
-    overflow = _overflow_rows(log)
-    bad_rows = (~finite & ~overflow).nonzero().flatten()
-    first_bad = int(bad_rows[0]) if bad_rows.numel() else n
+    finite, overflow, bad_rows, first_bad = _bad_rows(log, norm)
     explosions = _explosions(log, norm, finite, loss, first_bad, notes)
     onset = min((f["values"]["row"] for f in explosions), default=n)
     spike_skips = [i for i, r in sorted(log.reason.items()) if r == SPIKE_NAME]
     guarded = frozenset(skips_handled(loss, spike_skips))
     spikes, handled = norm_spikes(log, norm, loss, min(onset, n), guarded)
     findings = [*explosions, *_nonfinite_findings(log, bad_rows, onset, first_bad, explosions)]
-    findings += [f for f in (recovered_blowup(log, loss, first_bad, onset, spike_skips),) if f is not None]
-    findings += [f for f in (spikes, loss_spikes(log, loss, min(onset, n), guarded)) if f is not None]
+    recovered = recovered_blowup(log, loss, first_bad, onset, spike_skips)
+    findings += [f for f in (recovered, spikes, loss_spikes(log, loss, min(onset, n), guarded)) if f]
     update = update_rules(log, norm, loss, min(onset, n))
     findings += [update.finding] if update is not None and update.finding is not None else []
     findings += _layer_findings(log, notes)
@@ -86,6 +83,15 @@ def analyze(log: GradLog) -> dict[str, Any]:
         "update": update_summary(log, update, stretch_end),
         **_rates(log, norm, loss, notes),
     }
+
+
+def _bad_rows(log: GradLog, norm: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Which norms are finite, which rows are GradScaler overflows, the rows whose norm is not finite
+    for another reason, and the first of them (``len(log)``: none)."""
+    finite = torch.isfinite(norm)
+    overflow = _overflow_rows(log)
+    bad_rows = (~finite & ~overflow).nonzero().flatten()
+    return finite, overflow, bad_rows, int(bad_rows[0]) if bad_rows.numel() else len(log)
 
 
 def _rates(log: GradLog, norm: Tensor, loss: Tensor, notes: list[str]) -> dict[str, Any]:

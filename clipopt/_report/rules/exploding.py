@@ -118,6 +118,15 @@ def recovered_blowup(
     top = float(finite.max()) if finite.numel() else math.inf
     if not (top > LOSS_BLOWUP * start):
         return None
+    return _recovered_finding(log, rows, values, (j, back, k), start, top)
+
+
+def _recovered_finding(
+    log: GradLog, rows: Tensor, values: Tensor, where: tuple[int, int, int], start: float, top: float
+) -> dict[str, Any]:
+    """The ``recovered_blowup`` finding of :func:`recovered_blowup` (``where``: the stretch's first
+    value, the first value of the calm block after it, the block's size)."""
+    j, back, k = where
     row, back_row = int(rows[j]), int(rows[back])
     lr = log.lr[row] if row < len(log.lr) and math.isfinite(log.lr[row]) else None
     at_lr = f"; lr {_num(lr)} there" if lr is not None else ""
@@ -126,20 +135,14 @@ def recovered_blowup(
         f"highest {_num(top)}, {_num(top / start)}x the start) and came back: the median of the {k} "
         f"logged losses from step {log.steps[back_row]} is back at or under the start{at_lr}"
     )
+    values_ = {"row": row, "start_loss": start, "peak": top, "back_step": log.steps[back_row], "block": k}
     return {
         "kind": "recovered_blowup",
         "verdict": "spikes",
         "step": log.steps[row],
         "layer": None,
         "evidence": evidence,
-        "values": {
-            "row": row,
-            "start_loss": start,
-            "peak": top,
-            "back_step": log.steps[back_row],
-            "block": k,
-            "lr": lr,
-        },
+        "values": {**values_, "lr": lr},
     }
 
 
