@@ -60,8 +60,7 @@ class AdaGC(TensorPolicy):
         self.warmup = check_int_at_least("warmup", warmup, 0, 100)
         super().__init__()
         self._gamma = torch.zeros(0)  #: each tensor's EMA (nan: not seen yet), made at the first window
-        #: each tensor's first healthy window (``_count`` then; nan: not seen yet, read as 0): its
-        #: warm-up's start
+        #: each tensor's first healthy window (``_count`` then; inf: not seen yet): its warm-up's start
         self._start = torch.zeros(0, dtype=torch.float64)
         self._count = torch.zeros((), dtype=torch.float64)  #: healthy windows seen
 
@@ -72,10 +71,10 @@ class AdaGC(TensorPolicy):
         norms = window.norms(grads, 2.0)
         self._slots, where = slots(self._slots, window, norms.device)
         size, count = len(self._slots.keys), self._count.to(norms.device)
-        state, starts = ready(self._gamma, size, math.nan, norms), ready(self._start, size, math.nan, count)
+        state, starts = ready(self._gamma, size, math.nan, norms), ready(self._start, size, math.inf, count)
         gamma, start = take(state, where), take(starts, where)
         n = norms.to(gamma.dtype)
-        warm = torch.isnan(gamma) | (count - start.nan_to_num(0.0) + 1 < self.warmup)
+        warm = count + 1 - start < self.warmup  # a tensor not seen yet (start inf) too
         c_abs = (self.lambda_abs / (window.total(norms).to(gamma.dtype) + EPS)).clamp_max(1.0)
         c_rel = (self.lambda_rel * gamma.clamp_min(EPS) / n.clamp_min(EPS)).clamp_max(1.0)
         coef = torch.where(warm, c_abs, c_rel)
@@ -84,7 +83,7 @@ class AdaGC(TensorPolicy):
             clipped = window.norms(grads, 2.0).to(gamma.dtype)  # as the reference: the clipped tensor's norm
             seen = torch.where(torch.isnan(gamma), clipped, torch.minimum(gamma, clipped))
             new = torch.where(warm, seen, gamma.lerp(clipped, 1.0 - self.beta))
-            first = torch.where(torch.isnan(gamma), count, start)
+            first = start.clamp(max=count)  # this window's count for a tensor not seen yet
             self.commit(
                 _gamma=(state, put(state, where, torch.where(window.healthy, new, gamma))),
                 _start=(starts, put(starts, where, torch.where(window.healthy, first, start))),
@@ -101,9 +100,11 @@ class AdaGC(TensorPolicy):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        checked, keys = checked_state("AdaGC", state, _NAMES, unseen=("gamma", "start"))
+        checked, keys = checked_state("AdaGC", state, _NAMES, unseen={"gamma": math.nan, "start": math.inf})
         self._gamma = checked["gamma"].clone()
-        self._start = checked["start"].to(torch.float64, copy=True)
+        gamma, start = checked["gamma"], checked["start"].to(torch.float64)
+        # inf exactly where gamma is nan (not seen yet): the warm-up test reads only the start
+        self._start = torch.where(gamma.isnan(), math.inf, start.nan_to_num(posinf=0.0))
         self._count = checked["count"].reshape(()).to(torch.float64, copy=True)
         self._slots = keys
 

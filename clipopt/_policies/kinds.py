@@ -23,7 +23,8 @@ says whether the policy changed anything).  The wrapper calls
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from numbers import Real
@@ -254,10 +255,10 @@ def bias_correction(decay: float, count: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def checked_state(
-    name: str, state: dict[str, Any], names: Sequence[str], unseen: Sequence[str] = ()
+    name: str, state: dict[str, Any], names: Sequence[str], unseen: Mapping[str, float] | None = None
 ) -> tuple[dict[str, Tensor], Slots]:
     """A per-tensor policy's saved state: 1-d real statistics ``names`` of one length, each finite
-    and >= 0 (nan too for the names in ``unseen``: a tensor not seen yet), a 0-d ``count`` (the
+    and >= 0 (or, for a name in ``unseen``, the value it maps to: a tensor not seen yet), a 0-d ``count`` (the
     last of ``names``), a whole number >= 0, and ``keys``: whose statistics each entry is (an
     integer tensor of one distinct ``(optimizer, index)`` row >= 0 per entry, :class:`Slots`);
     else ``ValueError`` naming the policy (touching nothing).  A nan, infinite or negative
@@ -274,10 +275,11 @@ def checked_state(
         if key != "count" and value.dim() != 1:
             raise ValueError(f"invalid {name} state: {key!r} must be 1-d; {fix}")
         ok = torch.isfinite(value) & (value >= 0)
-        if key in unseen:
-            ok |= torch.isnan(value)
+        mark = (unseen or {}).get(key)
+        if mark is not None:
+            ok |= torch.isnan(value) if math.isnan(mark) else value == mark
         if not bool(ok.all()):
-            also = " (or nan: not seen yet)" if key in unseen else ""
+            also = f" (or {mark}: not seen yet)" if mark is not None else ""
             raise ValueError(
                 f"invalid {name} state: {key!r} holds a value that is not finite and >= 0{also}; {fix}"
             )
