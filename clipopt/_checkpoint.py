@@ -242,7 +242,7 @@ def read_checkpoint(
     wrapper = read_wrapper_state(state_dict, params, accumulation_steps, torch_parts)
     kept = _check_parts(parts, own, policy, norm_group)
     ext = state_dict.get("clipopt")
-    policy_state = checked_policy_state(ext.get("policy") if isinstance(ext, dict) else None, policy)
+    policy_state = _checked_policy(ext, policy, inner)
     check_scaler_matches(wrapper[2] if wrapper is not None else None, scaler)
     unsynced = Unsynced.from_dict(
         ext.get("unsynced") if isinstance(ext, dict) else None, wrapper[0].micro_batches if wrapper else 0
@@ -269,6 +269,13 @@ def read_checkpoint(
         norm_group,
         (checked_update_state(ext, update_clip), update_clip),
     )
+
+
+def _checked_policy(ext: Any, policy: ClipPolicy | None, inner: Optimizer) -> dict[str, Any] | None:
+    """The policy's entry of ``ext`` (the ``"clipopt"`` entry), checked; a per-tensor policy's
+    statistics against the parameters each inner optimizer holds (#32)."""
+    held = [sum(len(g["params"]) for g in o.param_groups) for o in inner_optimizers(inner)]
+    return checked_policy_state(ext.get("policy") if isinstance(ext, dict) else None, policy, held)
 
 
 def _check_parts(

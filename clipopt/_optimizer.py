@@ -682,9 +682,7 @@ class ClippedOptimizer(InnerOptimizerView):
             raise ValueError(DTENSOR_DIAGNOSTICS)
         if self._unsynced is not None:  # a no_sync() marker is pending
             self._sync_unsynced()
-        g = WindowGrads.of(
-            params, self.param_groups, sharded=self._index.has_dtensor, split=s.plan is not None
-        )
+        g = WindowGrads.of(params, self.param_groups, self._index, self._inner, split=s.plan is not None)
         check_clippable(s, g)  # before anything is measured, saved or clamped
         if not g.grads:
             return None
@@ -745,9 +743,7 @@ class ClippedOptimizer(InnerOptimizerView):
     def _reclip(self, max_norm: float | Tensor | None) -> tuple[Tensor, list[Tensor]]:
         """A closure's re-evaluation: measured and clipped with the window's bound ``max_norm``."""
         s, params = self._plan.settings(self, 1), self._params()
-        g = WindowGrads.of(
-            params, self.param_groups, sharded=self._index.has_dtensor, split=s.plan is not None
-        )
+        g = WindowGrads.of(params, self.param_groups, self._index, self._inner, split=s.plan is not None)
         return reclip(s, g, self.param_groups, max_norm)
 
     def _close_rewound(self, n: int, loss: Any, restored: dict[str, Any]) -> Any:

@@ -15,18 +15,12 @@ from torch import Tensor
 
 from .._checks import check_int_at_least, check_positive_float
 from .builtin import TensorPolicy
-from .kinds import (
-    PolicyWindow,
-    check_decay,
-    checked_state,
-    positions,
-    put,
-    ready,
-    scaled_grads,
-    take,
-)
+from .kinds import PolicyWindow, check_decay, checked_state, put, ready, scaled_grads, slots, take
 
 __all__ = ["AdaGC"]
+
+#: The statistics in the state dict (``count`` last: :func:`~.kinds.checked_state`), beside ``keys``.
+_NAMES = ("gamma", "start", "count")
 
 #: The floor of the norms (``pytorch_optimizer.AdaGC``'s ``eps`` at its default, 1e-8).
 EPS = 1e-8
@@ -41,7 +35,9 @@ class AdaGC(TensorPolicy):
     first update, and every update numbered below ``warmup``, counting from 1 as
     ``pytorch_optimizer`` does) every tensor is clipped globally instead:
     ``h = min(1, lambda_abs / (||g|| + eps))`` with ``||g||`` the norm of all of them, and
-    ``gamma_i`` is the smallest ``||h g_i||`` so far.  ``eps`` is 1e-8.
+    ``gamma_i`` is the smallest ``||h g_i||`` so far.  ``eps`` is 1e-8.  A tensor first seen later
+    (a parameter group added since) has a warm-up of its own, its updates counted from its first,
+    as ``pytorch_optimizer`` counts a group's steps from its first.
 
     Norms are of the whole tensors (over all shards under FSDP2/DTensor), after any value
     clipping.  Only healthy windows (finite, replicas agreeing) move the statistics and
@@ -64,6 +60,8 @@ class AdaGC(TensorPolicy):
         self.warmup = check_int_at_least("warmup", warmup, 0, 100)
         super().__init__()
         self._gamma = torch.zeros(0)  #: each tensor's EMA (nan: not seen yet), made at the first window
+        #: each tensor's first healthy window (``_count`` then; inf: not seen yet): its warm-up's start
+        self._start = torch.zeros(0, dtype=torch.float64)
         self._count = torch.zeros((), dtype=torch.float64)  #: healthy windows seen
 
     def clip_window_(self, window: PolicyWindow) -> Tensor:
@@ -71,12 +69,12 @@ class AdaGC(TensorPolicy):
         if not grads:
             return torch.zeros((), dtype=torch.bool)
         norms = window.norms(grads, 2.0)
-        state = ready(self._gamma, len(window.params), math.nan, norms)
-        where = positions(window, norms.device)
-        gamma = take(state, where)
-        count = self._count.to(norms.device)
+        self._slots, where = slots(self._slots, window, norms.device)
+        size, count = len(self._slots.keys), self._count.to(norms.device)
+        state, starts = ready(self._gamma, size, math.nan, norms), ready(self._start, size, math.inf, count)
+        gamma, start = take(state, where), take(starts, where)
         n = norms.to(gamma.dtype)
-        warm = torch.isnan(gamma) | (count + 1 < self.warmup)
+        warm = count + 1 - start < self.warmup  # a tensor not seen yet (start inf) too
         c_abs = (self.lambda_abs / (window.total(norms).to(gamma.dtype) + EPS)).clamp_max(1.0)
         c_rel = (self.lambda_rel * gamma.clamp_min(EPS) / n.clamp_min(EPS)).clamp_max(1.0)
         coef = torch.where(warm, c_abs, c_rel)
@@ -85,19 +83,30 @@ class AdaGC(TensorPolicy):
             clipped = window.norms(grads, 2.0).to(gamma.dtype)  # as the reference: the clipped tensor's norm
             seen = torch.where(torch.isnan(gamma), clipped, torch.minimum(gamma, clipped))
             new = torch.where(warm, seen, gamma.lerp(clipped, 1.0 - self.beta))
+            first = start.clamp(max=count)  # this window's count for a tensor not seen yet
             self.commit(
                 _gamma=(state, put(state, where, torch.where(window.healthy, new, gamma))),
+                _start=(starts, put(starts, where, torch.where(window.healthy, first, start))),
                 _count=(count, count + window.healthy.to(count.dtype)),
             )
         return (coef < 1.0).any()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"gamma": self._gamma, "count": self._count}
+        return {
+            "gamma": self._gamma,
+            "start": self._start,
+            "count": self._count,
+            "keys": self._slots.tensor(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        checked = checked_state("AdaGC", state, ("gamma", "count"), unseen=("gamma",))
+        checked, keys = checked_state("AdaGC", state, _NAMES, unseen={"gamma": math.nan, "start": math.inf})
         self._gamma = checked["gamma"].clone()
+        gamma, start = checked["gamma"], checked["start"].to(torch.float64)
+        # inf exactly where gamma is nan (not seen yet): the warm-up test reads only the start
+        self._start = torch.where(gamma.isnan(), math.inf, start.nan_to_num(posinf=0.0))
         self._count = checked["count"].reshape(()).to(torch.float64, copy=True)
+        self._slots = keys
 
     def __repr__(self) -> str:
         return (

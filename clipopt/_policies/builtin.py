@@ -26,7 +26,7 @@ from .._checks import (
 )
 from .._distributed.collectives import has_dtensor, sharded_unit_norms
 from .._state import bad
-from .kinds import PolicyWindow
+from .kinds import PolicyWindow, Slots, check_keys_held
 
 __all__ = ["AGC", "AutoClip", "ClipPolicy", "TensorPolicy", "ZClip", "checked_policy_state"]
 
@@ -326,6 +326,14 @@ class TensorPolicy(ClipPolicy):
     def __init__(self) -> None:
         self._undo: dict[str, Tensor] = {}  #: the statistics before the latest window, until settled
         self._settled: dict[str, Tensor] = {}  #: those of the latest settled window (for take_back)
+        #: whose statistics each entry is (by inner optimizer and index in it, never by a position in
+        #: the wrapper's flat list of parameters: they follow their tensors through add_param_group)
+        self._slots = Slots()
+
+    def check_held(self, sizes: Sequence[int]) -> None:
+        """``ValueError`` when the (loaded) statistics name a parameter that the wrapper's inner
+        optimizers, holding ``sizes`` parameters each, do not have."""
+        check_keys_held(type(self).__name__, self._slots, sizes)
 
     def commit(self, **changes: tuple[Tensor, Tensor]) -> None:
         """Set each attribute ``name=(old, new)`` to ``new``, keeping ``old`` until :meth:`settle`."""
@@ -361,12 +369,19 @@ def _unit_norms(p: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return w_norm, torch.linalg.vector_norm(g, dim=dims, keepdim=True, dtype=acc), g
 
 
-def checked_policy_state(state: Any, policy: ClipPolicy | None) -> dict[str, Any] | None:
+def checked_policy_state(
+    state: Any, policy: ClipPolicy | None, sizes: Sequence[int] | None = None
+) -> dict[str, Any] | None:
     """The policy's saved state (``'clipopt.policy'``), checked by loading it into a copy of the
-    policy first (``ValueError``, touching nothing); None when none was saved or there is no policy."""
+    policy first (``ValueError``, touching nothing); None when none was saved or there is no policy.
+    ``sizes``: the parameters each inner optimizer holds; a per-tensor policy's state naming any
+    other parameter is refused (#32)."""
     if state is None or policy is None:
         return None
     if not isinstance(state, dict):
         raise bad(f"'clipopt.policy' must be a dict, got {type(state).__name__}")
-    copy.deepcopy(policy).load_state_dict(state)  # raises ValueError, touching nothing
+    checked = copy.deepcopy(policy)
+    checked.load_state_dict(state)  # raises ValueError, touching nothing
+    if sizes is not None and isinstance(checked, TensorPolicy):
+        checked.check_held(sizes)
     return state

@@ -23,8 +23,10 @@ says whether the policy changed anything).  The wrapper calls
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from numbers import Real
 from typing import Any
 
@@ -34,18 +36,39 @@ from torch import Tensor
 from .._distributed.collectives import reduce_norm_over
 
 __all__ = [
+    "ParamKey",
     "PolicyWindow",
+    "Slots",
     "bias_correction",
     "check_decay",
     "check_dense",
-    "scaled_grads",
+    "check_keys_held",
     "checked_state",
+    "param_keys",
     "policy_window",
-    "positions",
     "put",
     "ready",
+    "scaled_grads",
+    "slots",
     "take",
 ]
+
+#: A parameter as a per-tensor policy keys its statistics: ``(k, i)``, the index ``k`` of its inner
+#: optimizer in the wrapper (0 for a wrapper over one) and its index ``i`` in that optimizer's own
+#: state dict (its position in that optimizer's ``param_groups``, in order).  Neither moves when a
+#: group is added to any inner optimizer (torch appends it), nor when a checkpoint is loaded into a
+#: fresh model; a position in the wrapper's flat list of parameters moves (#32).
+ParamKey = tuple[int, int]
+
+
+def param_keys(optimizers: Sequence[Any]) -> list[ParamKey]:
+    """The :data:`ParamKey` of every parameter of ``optimizers`` (the wrapper's inner optimizers, in
+    order), in the order of the wrapper's ``param_groups`` (theirs, one after the other)."""
+    return [
+        (k, i)
+        for k, o in enumerate(optimizers)
+        for i, _ in enumerate(p for group in o.param_groups for p in group["params"])
+    ]
 
 
 @dataclass(frozen=True)
@@ -57,8 +80,8 @@ class PolicyWindow:
             have no gradient).  For DTensors (FSDP2) the DTensor parameters.
         grads: the window's summed gradients, one per parameter of ``params`` that has one, in
             order; local shards for DTensors (clipping them in place clips the gradients).
-        index: for each of ``grads``, its position in ``params`` (a policy's per-tensor state
-            is kept by that position).
+        keys: for each of ``params``, its :data:`ParamKey` (inner optimizer, index in it): a
+            policy's per-tensor statistics are kept by it (:attr:`grad_keys`: those of ``grads``).
         scale: the factor the gradients still need (``1 / micro-batches`` with
             ``reduction="mean"``); the policy applies it.
         norms: ``norms(grads, p)``: each of ``grads``' ``p``-norm over all ranks holding shards
@@ -75,27 +98,32 @@ class PolicyWindow:
 
     params: Sequence[Tensor]
     grads: Sequence[Tensor]
-    index: Sequence[int]
+    keys: Sequence[ParamKey]
     scale: float
     norms: Callable[[Sequence[Tensor], float], Tensor]
     total: Callable[[Tensor], Tensor]
     healthy: Tensor
     update: bool = True
 
+    @cached_property
+    def grad_keys(self) -> tuple[ParamKey, ...]:
+        """The :data:`ParamKey` of each of ``grads``: those of the parameters that have a gradient."""
+        return tuple(k for p, k in zip(self.params, self.keys, strict=True) if p.grad is not None)
+
     def restricted(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> PolicyWindow:
         """The same window over a subset (the parameter groups that share the wrapper's bound)."""
         have = [p for p in params if p.grad is not None]
         if len(have) != len(grads):
             raise ValueError(f"{len(have)} parameters with a gradient but {len(grads)} gradients")
-        return replace(
-            self, params=params, grads=grads, index=[i for i, p in enumerate(params) if p.grad is not None]
-        )
+        key_of = {id(p): k for p, k in zip(self.params, self.keys, strict=True)}
+        return replace(self, params=params, grads=grads, keys=[key_of[id(p)] for p in params])
 
 
 def policy_window(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
     *,
+    keys: Sequence[ParamKey],
     divisor: float,
     norms: Callable[[Sequence[Tensor], float], Tensor],
     norm_group: Any,
@@ -112,13 +140,19 @@ def policy_window(
     )
 
     def total(per_tensor: Tensor) -> Tensor:
-        local = torch.linalg.vector_norm(per_tensor)
+        # sqrt(sum(n_i**2)) by these three kernels, as pytorch_optimizer's get_global_gradient_norm
+        # computes it: the same kernels in the same order, so AdaGC's warm-up bound is the
+        # reference's bit for bit on any CPU (linalg.vector_norm of the same values rounds
+        # differently, by the vector width: #33)
+        local = per_tensor.square().sum().sqrt()
         return local if norm_group is None else reduce_norm_over(local, 2.0, norm_group)
 
+    if len(keys) != len(params):
+        raise ValueError(f"{len(keys)} parameter keys for {len(params)} parameters")
     return PolicyWindow(
         params=params,
         grads=grads,
-        index=[i for i, p in enumerate(params) if p.grad is not None],
+        keys=keys,
         scale=1.0 / divisor,
         norms=norms,
         total=total,
@@ -156,25 +190,47 @@ def scaled_grads(name: str, window: PolicyWindow) -> list[Tensor]:
     return grads
 
 
-def positions(window: PolicyWindow, device: torch.device) -> Tensor | None:
-    """The positions of the window's gradients in its parameters, on ``device``; None when every
-    parameter has one (the common case: no gather or scatter needed)."""
-    if len(window.index) == len(window.params):
-        return None
-    return torch.tensor(list(window.index), dtype=torch.int64, device=device)
+@dataclass(frozen=True)
+class Slots:
+    """Which parameter each entry of a per-tensor policy's statistics belongs to: entry ``j`` of
+    every statistic tensor is the parameter ``keys[j]`` (a :data:`ParamKey`), in the order the
+    policy first saw them.  Replaced, never changed (``UndoPoint`` puts the old one back)."""
+
+    keys: tuple[ParamKey, ...] = ()
+
+    @cached_property
+    def entry(self) -> dict[ParamKey, int]:
+        """The entry of each key."""
+        return {k: j for j, k in enumerate(self.keys)}
+
+    def place(self, keys: tuple[ParamKey, ...]) -> tuple[Slots, list[int] | None]:
+        """The slots after a window whose gradients are those of ``keys`` (new keys appended, in
+        order) and the entry of each of ``keys``; None when they are all the entries, in order
+        (the common case: no gather or scatter)."""
+        if keys == self.keys:
+            return self, None
+        new = [k for k in dict.fromkeys(keys) if k not in self.entry]
+        after = Slots((*self.keys, *new)) if new else self
+        where = [after.entry[k] for k in keys]
+        return after, None if where == list(range(len(after.keys))) else where
+
+    def tensor(self) -> Tensor:
+        """The keys as the state dict holds them: an int64 tensor of shape ``(entries, 2)``."""
+        return torch.tensor(self.keys, dtype=torch.int64).reshape(-1, 2)
+
+
+def slots(current: Slots, window: PolicyWindow, device: torch.device) -> tuple[Slots, Tensor | None]:
+    """:meth:`Slots.place` for the window's gradients, the entries as an index tensor on ``device``."""
+    after, where = current.place(window.grad_keys)
+    return after, None if where is None else torch.tensor(where, dtype=torch.int64, device=device)
 
 
 def ready(state: Tensor, size: int, fill: float, like: Tensor) -> Tensor:
-    """A per-tensor statistic of ``size`` values on ``like``'s device, in at least float32:
-    ``state`` (loaded or kept), then ``fill`` for the tensors it has not seen (all of them the
-    first time; those of a parameter group added since, which come last)."""
+    """A per-tensor statistic of ``size`` entries on ``like``'s device, in at least float32:
+    ``state`` (loaded or kept), then ``fill`` for the tensors it has not seen (new entries of
+    :class:`Slots`, which come last)."""
     dtype = torch.promote_types(like.dtype, torch.float32)
     have = state.numel()
-    if have > size:
-        raise ValueError(
-            f"the policy holds statistics of {have} tensors, but is asked to clip {size}: its state "
-            "belongs to another set of parameters; use a fresh policy, or load the state saved with these"
-        )
     state = state.to(like.device, dtype)
     if have < size:
         state = torch.cat([state, torch.full((size - have,), fill, dtype=dtype, device=like.device)])
@@ -182,7 +238,7 @@ def ready(state: Tensor, size: int, fill: float, like: Tensor) -> Tensor:
 
 
 def take(state: Tensor, where: Tensor | None) -> Tensor:
-    """The statistics of the window's gradients (``where``: their positions, None: all)."""
+    """The statistics of the window's gradients (``where``: their entries, None: all)."""
     return state if where is None else state[where]
 
 
@@ -199,16 +255,18 @@ def bias_correction(decay: float, count: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def checked_state(
-    name: str, state: dict[str, Any], keys: Sequence[str], unseen: Sequence[str] = ()
-) -> dict[str, Tensor]:
-    """A per-tensor policy's saved state: 1-d real statistics of one length, each finite and >= 0
-    (nan too for the keys in ``unseen``: a tensor not seen yet), and a 0-d ``count`` (the last of
-    ``keys``), a whole number >= 0; else ``ValueError`` naming the policy (touching nothing).
-    A nan, infinite or negative statistic would turn the clipping off, or make every gradient nan
-    after the window's finiteness check.  Reads the values (a load, not a step)."""
+    name: str, state: dict[str, Any], names: Sequence[str], unseen: Mapping[str, float] | None = None
+) -> tuple[dict[str, Tensor], Slots]:
+    """A per-tensor policy's saved state: 1-d real statistics ``names`` of one length, each finite
+    and >= 0 (or, for a name in ``unseen``, the value it maps to: a tensor not seen yet), a 0-d ``count`` (the
+    last of ``names``), a whole number >= 0, and ``keys``: whose statistics each entry is (an
+    integer tensor of one distinct ``(optimizer, index)`` row >= 0 per entry, :class:`Slots`);
+    else ``ValueError`` naming the policy (touching nothing).  A nan, infinite or negative
+    statistic would turn the clipping off, or make every gradient nan after the window's
+    finiteness check.  Reads the values (a load, not a step)."""
     fix = f"pass the state a {name} saved"
     out: dict[str, Tensor] = {}
-    for key in keys:
+    for key in names:
         value = state.get(key) if isinstance(state, dict) else None
         if not isinstance(value, Tensor) or value.is_complex() or not value.is_floating_point():
             raise ValueError(f"invalid {name} state: {key!r} must be a float tensor; {fix}")
@@ -217,10 +275,11 @@ def checked_state(
         if key != "count" and value.dim() != 1:
             raise ValueError(f"invalid {name} state: {key!r} must be 1-d; {fix}")
         ok = torch.isfinite(value) & (value >= 0)
-        if key in unseen:
-            ok |= torch.isnan(value)
+        mark = (unseen or {}).get(key)
+        if mark is not None:
+            ok |= torch.isnan(value) if math.isnan(mark) else value == mark
         if not bool(ok.all()):
-            also = " (or nan: not seen yet)" if key in unseen else ""
+            also = f" (or {mark}: not seen yet)" if mark is not None else ""
             raise ValueError(
                 f"invalid {name} state: {key!r} holds a value that is not finite and >= 0{also}; {fix}"
             )
@@ -228,7 +287,40 @@ def checked_state(
     sizes = sorted({v.numel() for k, v in out.items() if k != "count"})
     if len(sizes) > 1:
         raise ValueError(f"invalid {name} state: statistics of different lengths {sizes}; {fix}")
-    return out
+    return out, _checked_keys(name, state.get("keys"), sizes[0] if sizes else 0, fix)
+
+
+def _checked_keys(name: str, keys: Any, entries: int, fix: str) -> Slots:
+    """The saved ``keys`` as :class:`Slots`: an integer tensor of ``entries`` distinct rows
+    ``(optimizer, index)`` >= 0, else ``ValueError``."""
+    what = f"'keys' must be an integer tensor of shape ({entries}, 2), one (optimizer, index) row per entry"
+    if (
+        not isinstance(keys, Tensor)
+        or keys.is_floating_point()
+        or keys.is_complex()
+        or keys.dtype == torch.bool
+        or tuple(keys.shape) != (entries, 2)
+    ):
+        raise ValueError(f"invalid {name} state: {what}; {fix}")
+    rows: list[ParamKey] = [(int(k), int(i)) for k, i in keys.tolist()]
+    if any(k < 0 or i < 0 for k, i in rows) or len(set(rows)) != len(rows):
+        raise ValueError(f"invalid {name} state: 'keys' must hold distinct rows of indices >= 0; {fix}")
+    return Slots(tuple(rows))
+
+
+def check_keys_held(name: str, slots: Slots, sizes: Sequence[int]) -> None:
+    """``ValueError`` when ``slots`` name a parameter the wrapper does not have (``sizes``: the
+    parameters of each inner optimizer): a state saved for other parameters, refused at load
+    rather than at the next window's close, after its gradients were used (#32)."""
+    for k, i in slots.keys:
+        if k >= len(sizes) or i >= sizes[k]:
+            held = ", ".join(f"optimizer {j}: {n}" for j, n in enumerate(sizes))
+            raise ValueError(
+                f"invalid {name} state: it holds statistics of {len(slots.keys)} tensors, among them "
+                f"parameter {i} of optimizer {k}, but the wrapper's optimizers hold {held} parameters; "
+                f"the state belongs to other parameters: load the state saved with these, or use a "
+                f"fresh {name}"
+            )
 
 
 def _whole(count: Tensor) -> bool:

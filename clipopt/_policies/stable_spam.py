@@ -20,10 +20,10 @@ from .kinds import (
     bias_correction,
     check_decay,
     checked_state,
-    positions,
     put,
     ready,
     scaled_grads,
+    slots,
     take,
 )
 
@@ -75,7 +75,8 @@ class StableSPAM(TensorPolicy):
         if not grads:
             return torch.zeros((), dtype=torch.bool)
         peaks = window.norms(grads, math.inf)  # each tensor's largest |g|
-        size, where = len(window.params), positions(window, peaks.device)
+        self._slots, where = slots(self._slots, window, peaks.device)
+        size = len(self._slots.keys)
         states = [ready(s, size, 0.0, peaks) for s in (self._m_max, self._m_norm, self._v_norm)]
         m_max, m_norm, v_norm = (take(s, where) for s in states)
         t = self._count.to(peaks.device) + 1
@@ -116,12 +117,19 @@ class StableSPAM(TensorPolicy):
         return ((peaks.to(limits.dtype) > limits) | (active & (target < norms))).any()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"m_max": self._m_max, "m_norm": self._m_norm, "v_norm": self._v_norm, "count": self._count}
+        return {
+            "m_max": self._m_max,
+            "m_norm": self._m_norm,
+            "v_norm": self._v_norm,
+            "count": self._count,
+            "keys": self._slots.tensor(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        checked = checked_state("StableSPAM", state, _KEYS)
+        checked, keys = checked_state("StableSPAM", state, _KEYS)
         self._m_max, self._m_norm, self._v_norm = (checked[k].clone() for k in _KEYS[:3])
         self._count = checked["count"].reshape(()).to(torch.float64, copy=True)
+        self._slots = keys
 
     def __repr__(self) -> str:
         return (

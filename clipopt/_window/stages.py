@@ -185,6 +185,7 @@ def _policy_window(s: WindowSettings, d: WindowDecision, g: WindowGrads, update:
     return policy_window(
         g.params,
         g.grads,
+        keys=g.keys,
         divisor=s.divisor,
         norms=lambda grads, p: g.norms(list(grads), p, s.foreach),
         norm_group=s.norm_group,

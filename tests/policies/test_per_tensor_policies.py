@@ -14,6 +14,7 @@ import copy
 import functools
 import io
 import math
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ from ..policy_runs import (
     trajectory,
     with_and_without,
 )
+from ..window.test_skip import assert_identical
 
 #: update_proj_gap: the StableSPAM reference resets its moments every that many updates (never here).
 NO_RESET = 10**9
@@ -235,3 +237,108 @@ def test_with_an_excluded_group_the_policy_matches_the_reference_on_the_others(n
     want = trajectory(Both, mean_grads=True)
     got = trajectory(ours)
     assert largest_difference(got, want) == 0.0
+
+
+# ------------------------------------------------------------------------------ growing, loading
+
+#: The update at which the first layer's bias joins (a group of its own).
+JOINS = 60
+#: AdaGC with a warm-up bound above every norm after the first spikes: the tensor that joins has a
+#: warm-up of its own (updates 60-78), in which the reference sums the per-tensor norms in its own
+#: order (the new group last) and clipopt in the wrapper's (``into=0``: the new group second), which
+#: can round differently; a bound above both sums makes the coefficient exactly 1 on both sides.
+GROWN = {
+    "AdaGC": (
+        lambda: AdaGC(warmup=20, lambda_abs=10.0),
+        lambda params, adam: ReferenceAdaGC(params, warmup_steps=20, lambda_abs=10.0, **adam),
+    ),
+    "StableSPAM": (BY_ID["StableSPAM"].policy, BY_ID["StableSPAM"].reference),
+}
+
+
+def _grown_trajectory(
+    make: Callable[[torch.nn.Module], Any], add: Callable[[Any, torch.Tensor], None], *, mean: bool
+) -> list[torch.Tensor]:
+    """:func:`trajectory`, with the first layer's bias frozen (no gradient) until update
+    :data:`JOINS`, where ``add(opt, bias)`` gives it to the optimizer as a new group."""
+    model = spiked_model()
+    bias = layers(model)[0].bias
+    bias.requires_grad_(False)
+    opt = make(model)
+    out = []
+    for update in range(UPDATES):
+        if update == JOINS:
+            bias.requires_grad_(True)
+            add(opt, bias)
+        train_spiked(model, opt, [update], mean_grads=mean)
+        out.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
+    return out
+
+
+@pytest.mark.parametrize("name", EVERY)
+@pytest.mark.parametrize("into", [0, 1])
+def test_statistics_follow_their_tensors_through_add_param_group(name: str, into: int) -> None:
+    """#32: a wrapper over two AdamW, [first.weight] and [second.weight, second.bias]; at update 60
+    first.bias joins optimizer ``into`` as a group of its own (``into=0``: the second layer's
+    tensors move one place on in the wrapper's list of parameters).  Each tensor keeps its own
+    statistics (kept by inner optimizer and index in it), the new one starts unseen, and the 300
+    updates equal pytorch_optimizer's, given the same group at the same update, with tolerance 0
+    (kept by position, the second layer got the first bias' statistics and the bias the second
+    weight's)."""
+    make_policy, reference = GROWN[name]
+    adam = BY_ID[name].adam
+
+    def ours(m: torch.nn.Module) -> Any:
+        first, second = layers(m)
+        inner = [
+            torch.optim.AdamW([first.weight], foreach=False, **adam),
+            torch.optim.AdamW(second.parameters(), foreach=False, **adam),
+        ]
+        return ClippedOptimizer(inner, max_norm=make_policy())
+
+    def theirs(m: torch.nn.Module) -> Any:
+        first, second = layers(m)
+        return reference([first.weight, *second.parameters()], adam)
+
+    got = _grown_trajectory(ours, lambda o, b: o.add_param_group({"params": [b]}, optimizer=into), mean=False)
+    want = _grown_trajectory(theirs, lambda o, b: o.add_param_group({"params": [b]}), mean=True)
+    assert largest_difference(got, want) == 0.0
+
+
+@pytest.mark.parametrize("name", EVERY)
+def test_a_state_for_more_tensors_than_the_wrapper_has_is_refused_at_load(name: str) -> None:
+    """#32: a policy state of four tensors (saved over the whole model) loaded into a wrapper over
+    the first layer (two tensors) mid-window was accepted, and the next close failed after the
+    window's gradients were discarded.  It is refused at load with a ValueError naming the policy
+    and the parameter the wrapper lacks, before anything changes: the policy, the inner state and
+    the open window's gradients are as they were, and the window closes."""
+    case = BY_ID[name]
+    whole = spiked_model()
+    big = case.ours()(whole)
+    train_spiked(whole, big, range(3))
+    model = spiked_model()
+    first = layers(model)[0]
+    small = ClippedOptimizer(
+        torch.optim.AdamW(first.parameters(), foreach=False, **case.adam),
+        max_norm=case.policy(),
+        accumulation_steps=2,
+    )
+    train_spiked(model, small, range(2), accumulation=2)
+    sd = copy.deepcopy(small.state_dict())
+    sd["clipopt"]["policy"] = copy.deepcopy(big.state_dict()["clipopt"]["policy"])
+    (torch.nn.functional.mse_loss(model(torch.ones(8, 6)), torch.zeros(8, 3))).backward()
+    small.step()  # one micro-batch of two: the window is open
+    grads = [p.grad.clone() for p in first.parameters()]  # type: ignore[union-attr]
+    policy_before = copy.deepcopy(small.max_norm.state_dict())  # type: ignore[union-attr]
+    inner_before = copy.deepcopy(small.optimizer.state_dict())
+    message = f"invalid {name} state: it holds statistics of 4 tensors, among them parameter 2 of optimizer 0"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        small.load_state_dict(sd)
+    after = small.max_norm.state_dict()  # type: ignore[union-attr]
+    assert all(torch.equal(after[k].nan_to_num(-1.0), policy_before[k].nan_to_num(-1.0)) for k in after)
+    assert_identical(small.optimizer.state_dict(), inner_before)
+    assert all(torch.equal(p.grad, g) for p, g in zip(first.parameters(), grads, strict=True))  # type: ignore[arg-type]
+    assert small.micro_batches == 1
+    (torch.nn.functional.mse_loss(model(torch.ones(8, 6)), torch.zeros(8, 3))).backward()
+    small.step()
+    assert small.micro_batches == 0 and small.num_updates == 3

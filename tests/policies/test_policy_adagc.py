@@ -103,6 +103,55 @@ def test_adagc_state_values_are_checked_before_loading(key: str, value: float, m
     assert torch.equal(after["count"], before["count"]) and bool(after["gamma"][0].isnan())
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        (
+            "start",
+            torch.tensor([-1.0, 0.0, 0.0, 0.0], dtype=torch.float64),
+            "'start' holds a value that is not",
+        ),
+        ("keys", torch.tensor([[0, 0], [0, 1], [0, 1], [0, 3]]), "'keys' must hold distinct rows"),
+        ("keys", torch.zeros(4, 2), "'keys' must be an integer tensor of shape (4, 2)"),
+        ("keys", torch.tensor([[0, 0], [0, 1], [0, 2]]), "'keys' must be an integer tensor of shape (4, 2)"),
+    ],
+)
+def test_adagc_start_and_keys_are_checked_before_loading(key: str, value: torch.Tensor, message: str) -> None:
+    """#32: the warm-up starts (>= 0, or inf: not seen yet) and the keys (one distinct
+    (optimizer, index) row per tensor) are checked as the statistics are: ValueError naming the
+    entry, the policy unchanged."""
+    model = spiked_model()
+    opt = _ours()(model)
+    train_spiked(model, opt, range(3))
+    sd = copy.deepcopy(opt.state_dict())
+    sd["clipopt"]["policy"][key] = value
+    before = copy.deepcopy(opt.max_norm.state_dict())  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        opt.load_state_dict(sd)
+    after = opt.max_norm.state_dict()  # type: ignore[union-attr]
+    assert all(torch.equal(after[k].nan_to_num(-7.0), before[k].nan_to_num(-7.0)) for k in before)
+
+
+def test_a_tensor_marked_unseen_by_gamma_alone_starts_its_warm_up_when_seen() -> None:
+    """A loaded state whose gamma is nan (not seen yet) but whose start is a number: the tensor is
+    taken as not seen yet (its start read as inf), so its first window clips it globally and
+    starts its EMA and warm-up there, with finite gradients; a start of inf beside a finite
+    gamma is read as 0 (seen from the first window)."""
+    model = spiked_model()
+    opt = _ours(warmup=2)(model)
+    train_spiked(model, opt, range(3))
+    sd = copy.deepcopy(opt.state_dict())
+    sd["clipopt"]["policy"]["gamma"][0] = math.nan
+    sd["clipopt"]["policy"]["start"][1] = math.inf
+    opt.load_state_dict(sd)
+    loaded = opt.max_norm.state_dict()  # type: ignore[union-attr]
+    assert loaded["start"].tolist() == [math.inf, 0.0, 0.0, 0.0]
+    train_spiked(model, opt, range(3, 4))
+    after = opt.max_norm.state_dict()  # type: ignore[union-attr]
+    assert after["start"].tolist() == [3.0, 0.0, 0.0, 0.0] and bool(torch.isfinite(after["gamma"]).all())
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
 # ------------------------------------------------------------------------------ arguments, settings
 
 
@@ -178,20 +227,17 @@ def test_adagc_counts_each_window_once_with_lbfgs() -> None:
 
 def test_adagc_takes_a_parameter_group_added_later() -> None:
     """add_param_group after some updates: the new tensors start unseen (their first clipped norm
-    starts their EMA), the others keep theirs; a state for more tensors than the optimizer has is
-    refused with a ValueError saying why."""
+    starts their EMA) and have a warm-up of their own, the others keep theirs.  (That they follow
+    their tensors and match the reference: test_per_tensor_policies.py, add_param_group.)"""
     model = spiked_model()
     first, second = layers(model)
     opt = ClippedOptimizer(torch.optim.AdamW(first.parameters(), **ADAM), max_norm=AdaGC(warmup=2))
     train_spiked(model, opt, range(3))
-    before = opt.max_norm.state_dict()["gamma"].clone()  # type: ignore[union-attr]
-    assert before.shape == (2,)
+    before = opt.max_norm.state_dict()  # type: ignore[union-attr]
+    assert before["gamma"].shape == (2,)
     opt.add_param_group({"params": list(second.parameters())})
     train_spiked(model, opt, range(3, 4))
-    gamma = opt.max_norm.state_dict()["gamma"]  # type: ignore[union-attr]
-    assert gamma.shape == (4,) and bool(torch.isfinite(gamma).all())
-    fresh = ClippedOptimizer(torch.optim.AdamW(first.parameters(), **ADAM), max_norm=AdaGC(warmup=2))
-    fresh.max_norm.load_state_dict(opt.max_norm.state_dict())  # type: ignore[union-attr]
-    message = "the policy holds statistics of 4 tensors, but is asked to clip 2: its state belongs to another"
-    with pytest.raises(ValueError, match=re.escape(message)):
-        train_spiked(model, fresh, range(1))
+    after = opt.max_norm.state_dict()  # type: ignore[union-attr]
+    assert after["gamma"].shape == (4,) and bool(torch.isfinite(after["gamma"]).all())
+    assert after["keys"].tolist() == [[0, 0], [0, 1], [0, 2], [0, 3]]
+    assert after["start"].tolist() == [0.0, 0.0, 3.0, 3.0]  # the new tensors' warm-up starts at update 4
