@@ -1,0 +1,153 @@
+"""docs/which-tool.md, written from the results file alone (every number on it is one of the file's)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .report import fault_table_markdown
+from .treatments import BY_NAME
+
+CITATION = (
+    'Wortsman et al. 2023, "Small-scale proxies for large-scale Transformer training instabilities", '
+    "[arXiv 2309.14322](https://arxiv.org/abs/2309.14322)"
+)
+
+
+def _f(value: float | None, fmt: str = ".3f") -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def _lrs(values: list[float]) -> str:
+    return ", ".join(f"{v:g}" for v in values) if values else "none"
+
+
+def _status(results: dict[str, Any]) -> str:
+    summary = results["summary"]
+    reproduced = summary["reproduced"]
+    if reproduced is None:
+        return (
+            "**Incomplete.** The positive controls (qk-layernorm, z-loss) and the plain baseline are not "
+            "measured on every seed yet, so whether the proxy reproduces the instability is not known, "
+            "and no treatment is said to help or not. The numbers below are the cells measured so far."
+        )
+    if not reproduced:
+        return (
+            "**The proxy did not reproduce the instability.** qk-layernorm and z-loss, which lower the LR "
+            "sensitivity of the plain baseline in the paper, did not both lower it here on every seed "
+            "(their rows below), so this run cannot tell which clipping tool fixes such an instability. "
+            "The treatments' numbers are measurements, not verdicts."
+        )
+    return (
+        "**The proxy reproduced the instability:** qk-layernorm and z-loss both lowered the plain "
+        "baseline's LR sensitivity on every seed, so the treatments' verdicts below mean something."
+    )
+
+
+def _fixed(name: str, entry: dict[str, Any], seeds: int) -> str:
+    if name == "none":
+        return "the plain baseline: each tool's sensitivity is compared with this one's, seed by seed"
+    v = entry.get("verdict")
+    if entry["cells"] < entry["cells_planned"] or v is None or v["seeds"] < seeds:
+        return f"not yet measured ({entry['cells']} of {entry['cells_planned']} runs)"
+    diff = f"{_f(v['mean_difference'], '+.3f')} ± {_f(v['spread'])}"
+    if v["helps"]:
+        return f"lowered LR sensitivity on every seed ({diff}), best-lr loss no worse: **helps**"
+    if v["lower_on_every_seed"]:
+        return f"lowered LR sensitivity on every seed ({diff}) but its best-lr loss is worse: does not help"
+    return f"did not lower LR sensitivity on every seed ({diff}): does not help"
+
+
+def _not_fixed(name: str, entry: dict[str, Any], faults: dict[str, Any]) -> str:
+    parts = []
+    if entry["diverged"]:
+        parts.append(f"{entry['diverged']} diverged runs (lr {_lrs(entry['diverged_lrs'])})")
+    row = faults.get(name, {})
+    worse = [
+        f"{f} {_f(v['vs_clean'], '+.3f')}"
+        for f, v in row.items()
+        if f != "clean" and v["vs_clean"] is not None
+    ]
+    if worse:
+        parts.append("bad data vs its clean run: " + ", ".join(worse))
+    return "; ".join(parts) if parts else "nothing measured against it here"
+
+
+def render_page(results: dict[str, Any], image: str) -> str:
+    s, summary = results["settings"], results["summary"]
+    rows = summary["treatments"]
+    sessions = results["sessions"]
+    machines = sorted({f"{x['processor']} ({x['cpus']} CPUs), torch `{x['torch']}`" for x in sessions})
+    seeds = len(s["seeds"])
+    lines = [
+        "# Which tool when: evidence from a small-scale proxy",
+        "",
+        "This page is written by `python -m benchmarks.stability` from its results file",
+        "(`benchmarks/results/stability.json`); every number on it is one of that file's.",
+        f"It follows {CITATION}: a pre-LayerNorm GPT without biases ({s['layers']} layers, width "
+        f"{s['width']}, {s['heads']} heads, sequence {s['seq_len']}, batch {s['batch']}, byte-level "
+        f"Python sources), AdamW (0.9, 0.95), {s['warmup']} warm-up updates then cosine decay, "
+        f"{s['updates']} updates per run, learning rates {_lrs(s['lrs'])}, seeds {_lrs(s['seeds'])}.",
+        "",
+        "**LR sensitivity** (the paper's §2): the mean over the learning rates of min(final loss, loss at "
+        "init) minus the best final loss over them; lower is a flatter loss-against-lr curve. A tool "
+        f"**helps** when its sensitivity is lower than the plain baseline's (`none`) on each of the {seeds} "
+        "seeds and its best-lr loss (mean over seeds) is no worse.",
+        "",
+        f"Measured: {summary['cells_measured']} of {summary['cells_planned']} runs, "
+        f"{results['wall_seconds']:.0f} s of wall time on {'; '.join(machines)}.",
+        "",
+        _status(results),
+        "",
+        f"![Final held-out loss against the learning rate, per treatment]({image})",
+        "",
+        "| tool | LR sensitivity | vs none | best-lr loss | diverged | max attention logit | clipped "
+        "| skipped | time |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, e in rows.items():
+        if not e["cells"]:
+            lines.append(f"| `{name}` | not yet measured |  |  |  |  |  |  |  |")
+            continue
+        v = e.get("verdict")
+        vs = "" if v is None else f"{_f(v['mean_difference'], '+.3f')} ± {_f(v['spread'])}"
+        lines.append(
+            f"| `{name}` | {_f(e['mean_sensitivity'])} | {vs} | {_f(e['mean_best_loss'])} "
+            f"| {e['diverged']} | {_f(e['max_logit'], '.1f')} | {e['clipped'] + e['update_clipped']} "
+            f"| {e['skipped']} | {_f(e['time_ratio'], '.2f')}x |"
+        )
+    lines += [
+        "",
+        "LR sensitivity and best-lr loss are means over the seeds whose every learning rate is measured; "
+        "`vs none` is the mean paired difference in sensitivity and its standard deviation over seeds; "
+        "diverged counts runs whose final loss is not below the loss at init; clipped counts windows "
+        "whose gradient or update was scaled down; time is the median time per update against `none`.",
+        "",
+        "## Per tool",
+        "",
+    ]
+    for name, e in rows.items():
+        t = BY_NAME.get(name)
+        if not e["cells"]:
+            lines += [f"### `{name}`: `{t.description if t else name}`", "", "Not yet measured.", ""]
+            continue
+        lines += [
+            f"### `{name}`: `{t.description if t else name}`",
+            "",
+            f"- **Fixed here:** {_fixed(name, e, seeds)}.",
+            f"- **Cost:** {_f(e['time_ratio'], '.2f')}x the time per update of `none`; "
+            f"{e['skipped']} windows skipped, {e['undone']} updates undone, of {e['windows']}.",
+            f"- **Did not fix:** {_not_fixed(name, e, summary['faults'])}.",
+            "",
+        ]
+    lines += [
+        "## Bad data",
+        "",
+        f"A healthy run (lr {s['fault_lr']:g}, seeds {_lrs(s['fault_seeds'])}) with "
+        f"{summary['fault_length']} bad batches in a row from update {summary['fault_start']}: "
+        "random bytes (`random`), one batch repeated (`repeat`), real text with shuffled targets "
+        "(`shuffled`). Final held-out loss, and in brackets its difference from the same treatment's "
+        "clean run:",
+        "",
+    ]
+    lines.append(fault_table_markdown(results))
+    return "\n".join(lines)
