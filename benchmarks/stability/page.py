@@ -78,6 +78,7 @@ def render_page(results: dict[str, Any], image: str) -> str:
     sessions = results["sessions"]
     machines = sorted({f"{x['processor']} ({x['cpus']} CPUs), torch `{x['torch']}`" for x in sessions})
     seeds = len(s["seeds"])
+    cal = results.get("calibration") or {}
     lines = [
         "# Which tool when: evidence from a small-scale proxy",
         "",
@@ -120,7 +121,20 @@ def render_page(results: dict[str, Any], image: str) -> str:
         "LR sensitivity and best-lr loss are means over the seeds whose every learning rate is measured; "
         "`vs none` is the mean paired difference in sensitivity and its standard deviation over seeds; "
         "diverged counts runs whose final loss is not below the loss at init; clipped counts windows "
-        "whose gradient or update was scaled down; time is the median time per update against `none`.",
+        "whose gradient or update was scaled down; time is the median time per update against `none` "
+        "(runs share a busy machine: a rough figure).",
+        "",
+        "**UpdateClip's fixed bounds** scale with the learning rate: `max_rms = c * lr` and "
+        "`max_norm = c * lr`, with `c` the 95th percentile, over a healthy run (the plain baseline at "
+        f"lr {s['lrs'][0]:g}, seed 0, after its warm-up), of the update's largest per-tensor RMS "
+        f"divided by that update's lr ({_f(cal.get('rms_per_lr'))}) and of its norm divided by the lr "
+        f"({_f(cal.get('norm_per_lr'), '.1f')}): a bound a healthy run exceeds about one update in twenty.",
+        "",
+        "**What these runs cannot show.** Each run is short (the paper trains for far longer), so the "
+        "tools that wait for a history act late or not at all: SpikeGuard scores nothing before "
+        "`warmup=64` updates, `UpdateClip(z=3.0)` bounds nothing before its history holds "
+        "`window // 2 = 64` norms, and AdaGC clips globally at `lambda_abs=1.0` for its first "
+        "`warmup=100`. They are measured at their defaults, as a user would first meet them.",
         "",
         "## Per tool",
         "",
