@@ -58,6 +58,8 @@ def test_quick_run_writes_results_plot_and_page(tmp_path: Path) -> None:
     assert all(math.isfinite(c["init_loss"]) and c["windows"] > 0 for c in results["cells"].values())
     assert (tmp_path / "stability_quick_lr.png").stat().st_size > 10_000
     assert (tmp_path / "stability_quick_faults.md").read_text().startswith("| treatment |")
+    rows = results["summary"]["treatments"]
+    assert rows["none"]["clipped"] == 0 and rows["clip"]["clipped"] > 0  # the treatments are what they say
     assert numbers_not_in_results(page.read_text(), results) == []
     # resumable: a second run finds every cell cached and runs none
     assert main(["--quick", "--out", str(tmp_path), "--page", str(page), "--no-progress"]) == 0
