@@ -213,7 +213,9 @@ def fault_table_markdown(results: dict[str, Any]) -> str:
             v = row.get(fault)
             if v is None:
                 cells.append("not yet measured")
-            elif fault == "clean":
+            elif v["heldout"] is None:
+                cells.append("non-finite")
+            elif fault == "clean" or v["vs_clean"] is None:
                 cells.append(f"{v['heldout']:.3f}")
             else:
                 cells.append(f"{v['heldout']:.3f} ({v['vs_clean']:+.3f})")

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 
 from benchmarks.stability.metrics import helps, lr_sensitivity
+from benchmarks.stability.page import render_page
+from benchmarks.stability.report import summarize
 from benchmarks.stability.run import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -138,3 +140,60 @@ def test_the_results_files_sensitivities_are_the_papers_formula_of_its_cells() -
             vals = [min(r["heldout"], init) if math.isfinite(r["heldout"]) else init for r in runs]
             expected = sum(vals) / len(vals) - min(vals)
             assert entry["sensitivity"][str(seed)] == pytest.approx(expected, abs=1e-4), (name, seed)
+
+
+# ----------------------------------------------------------------------------- the controls' gate
+
+
+def _synthetic(control_losses: dict[float, float]) -> dict[str, Any]:
+    """A results file of 3 seeds x 3 lrs: ``none`` and ``clip`` rise to 4.0 at lr 0.1 (init 5.0);
+    both controls end at ``control_losses``."""
+    lrs, seeds = [0.001, 0.01, 0.1], [0, 1, 2]
+    curves = {
+        "none": {0.001: 3.0, 0.01: 2.0, 0.1: 4.0},
+        "qk-layernorm": control_losses,
+        "z-loss": control_losses,
+        "clip": {0.001: 3.0, 0.01: 2.0, 0.1: 2.5},
+    }
+    cells = {}
+    for name, curve in curves.items():
+        for seed in seeds:
+            for lr in lrs:
+                cells[f"sweep/{name}/{lr:g}/{seed}"] = {
+                    "lr": lr, "heldout": curve[lr] + 0.01 * seed, "init_loss": 5.0, "diverged": False,
+                    "max_logit": 10.0, "skipped": 0, "clipped": 0, "update_clipped": 0, "undone": 0,
+                    "windows": 10, "seconds": 1.0,
+                }  # fmt: skip
+    settings = {
+        "lrs": lrs, "seeds": seeds, "treatments": list(curves), "fault_treatments": [], "faults": [],
+        "fault_seeds": [], "layers": 2, "width": 8, "heads": 2, "seq_len": 8, "batch": 2, "warmup": 1,
+        "updates": 10, "fault_lr": 0.01,
+    }  # fmt: skip
+    session = {"processor": "cpu", "cpus": 2, "torch": "2.13.0", "wall_seconds": 1.0}
+    results = {
+        "settings": settings,
+        "cells": cells,
+        "sessions": [session],
+        "wall_seconds": 1.0,
+        "calibration": {},
+    }
+    results["summary"] = {**summarize(results), "fault_start": 6, "fault_length": 1}
+    return results
+
+
+def test_treatments_get_verdicts_only_when_the_controls_lower_the_baselines_sensitivity() -> None:
+    """Controls flatter than the baseline on every seed: reproduced, and clip (flatter, same best loss)
+    helps. Controls as steep as the baseline: the page says the proxy did not reproduce the instability."""
+    good = _synthetic({0.001: 3.0, 0.01: 2.0, 0.1: 2.2})
+    assert good["summary"]["reproduced"] is True
+    assert good["summary"]["treatments"]["clip"]["verdict"]["helps"] is True
+    page = render_page(good, "x.png")
+    assert "The proxy reproduced the instability" in page and "**helps**" in page
+    bad = _synthetic({0.001: 3.0, 0.01: 2.0, 0.1: 4.5})
+    assert bad["summary"]["reproduced"] is False
+    assert "The proxy did not reproduce the instability" in render_page(bad, "x.png")
+    partial = _synthetic({0.001: 3.0, 0.01: 2.0, 0.1: 2.2})
+    del partial["cells"]["sweep/z-loss/0.1/2"]
+    partial["summary"] = {**summarize(partial), "fault_start": 6, "fault_length": 1}
+    assert partial["summary"]["reproduced"] is None
+    assert "**Incomplete.**" in render_page(partial, "x.png")
