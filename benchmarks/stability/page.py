@@ -43,18 +43,23 @@ def _status(results: dict[str, Any]) -> str:
     )
 
 
-def _fixed(name: str, entry: dict[str, Any], seeds: int) -> str:
+def _fixed(name: str, entry: dict[str, Any], seeds: int, reproduced: bool | None) -> str:
     if name == "none":
         return "the plain baseline: each tool's sensitivity is compared with this one's, seed by seed"
     v = entry.get("verdict")
     if entry["cells"] < entry["cells_planned"] or v is None or v["seeds"] < seeds:
         return f"not yet measured ({entry['cells']} of {entry['cells_planned']} runs)"
     diff = f"{_f(v['mean_difference'], '+.3f')} ± {_f(v['spread'])}"
-    if v["helps"]:
-        return f"lowered LR sensitivity on every seed ({diff}), best-lr loss no worse: **helps**"
     if v["lower_on_every_seed"]:
-        return f"lowered LR sensitivity on every seed ({diff}) but its best-lr loss is worse: does not help"
-    return f"did not lower LR sensitivity on every seed ({diff}): does not help"
+        said = f"lowered LR sensitivity on every seed ({diff})"
+        said += ", best-lr loss no worse" if v["best_no_worse"] else " but its best-lr loss is worse"
+    else:
+        said = f"did not lower LR sensitivity on every seed ({diff})"
+    if name in ("qk-layernorm", "z-loss"):
+        return said + " (a positive control)"
+    if not reproduced:
+        return said + " (no verdict: the controls have not shown the instability)"
+    return said + (": **helps**" if v["helps"] else ": does not help")
 
 
 def _not_fixed(name: str, entry: dict[str, Any], faults: dict[str, Any]) -> str:
@@ -147,7 +152,7 @@ def render_page(results: dict[str, Any], image: str) -> str:
         lines += [
             f"### `{name}`: `{t.description if t else name}`",
             "",
-            f"- **Fixed here:** {_fixed(name, e, seeds)}.",
+            f"- **Fixed here:** {_fixed(name, e, seeds, summary['reproduced'])}.",
             f"- **Cost:** {_f(e['time_ratio'], '.2f')}x the time per update of `none`; "
             f"{e['skipped']} windows skipped, {e['undone']} updates undone, of {e['windows']}.",
             f"- **Did not fix:** {_not_fixed(name, e, summary['faults'])}.",

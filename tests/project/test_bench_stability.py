@@ -188,10 +188,11 @@ def test_treatments_get_verdicts_only_when_the_controls_lower_the_baselines_sens
     assert good["summary"]["reproduced"] is True
     assert good["summary"]["treatments"]["clip"]["verdict"]["helps"] is True
     page = render_page(good, "x.png")
-    assert "The proxy reproduced the instability" in page and "**helps**" in page
+    assert "The proxy reproduced the instability" in page and ": **helps**" in page
     bad = _synthetic({0.001: 3.0, 0.01: 2.0, 0.1: 4.5})
     assert bad["summary"]["reproduced"] is False
-    assert "The proxy did not reproduce the instability" in render_page(bad, "x.png")
+    page = render_page(bad, "x.png")
+    assert "The proxy did not reproduce the instability" in page and ": **helps**" not in page
     partial = _synthetic({0.001: 3.0, 0.01: 2.0, 0.1: 2.2})
     del partial["cells"]["sweep/z-loss/0.1/2"]
     partial["summary"] = {**summarize(partial), "fault_start": 6, "fault_length": 1}
