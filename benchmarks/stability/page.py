@@ -31,11 +31,19 @@ def _status(results: dict[str, Any]) -> str:
             "and no treatment is said to help or not. The numbers below are the cells measured so far."
         )
     if not reproduced:
+        rows = summary["treatments"]
+        verdicts = {name: rows[name]["verdict"] for name in ("qk-layernorm", "z-loss")}
+        each = "; ".join(
+            f"{name} {'lowered' if v['lower_on_every_seed'] else 'did not lower'} it "
+            f"({_f(v['mean_difference'], '+.3f')} ± {_f(v['spread'])})"
+            for name, v in verdicts.items()
+        )
         return (
-            "**The proxy did not reproduce the instability.** qk-layernorm and z-loss, which lower the LR "
-            "sensitivity of the plain baseline in the paper, did not both lower it here on every seed "
-            "(their rows below), so this run cannot tell which clipping tool fixes such an instability. "
-            "The treatments' numbers are measurements, not verdicts."
+            "**The proxy did not reproduce the instability.** qk-layernorm (against attention-logit growth) "
+            "and z-loss (against output-logit divergence), which lower the LR sensitivity of the plain "
+            f"baseline in the paper, did not both lower it here on every seed: {each}. So this run "
+            "cannot tell which clipping tool fixes such an instability: the treatments' numbers are "
+            "measurements, not verdicts."
         )
     return (
         "**The proxy reproduced the instability:** qk-layernorm and z-loss both lowered the plain "
@@ -43,12 +51,21 @@ def _status(results: dict[str, Any]) -> str:
     )
 
 
-def _fixed(name: str, entry: dict[str, Any], seeds: int, reproduced: bool | None) -> str:
+def _fixed(
+    name: str, entry: dict[str, Any], seeds: int, reproduced: bool | None, base: dict[str, float]
+) -> str:
+    """What the tool fixed: its helps-test against ``none`` (``base``: none's sensitivity per seed)."""
     if name == "none":
         return "the plain baseline: each tool's sensitivity is compared with this one's, seed by seed"
     v = entry.get("verdict")
     if entry["cells"] < entry["cells_planned"] or v is None or v["seeds"] < seeds:
-        return f"not yet measured ({entry['cells']} of {entry['cells_planned']} runs)"
+        so_far = [
+            f"seed {seed}: LR sensitivity {_f(value)} against `none`'s {_f(base[seed])}"
+            for seed, value in entry["sensitivity"].items()
+            if seed in base
+        ]
+        partial = f"; so far, {', '.join(so_far)}" if so_far else ""
+        return f"not yet measured ({entry['cells']} of {entry['cells_planned']} runs){partial}"
     diff = f"{_f(v['mean_difference'], '+.3f')} ± {_f(v['spread'])}"
     if v["lower_on_every_seed"]:
         said = f"lowered LR sensitivity on every seed ({diff})"
@@ -84,6 +101,7 @@ def render_page(results: dict[str, Any], image: str) -> str:
     machines = sorted({f"{x['processor']} ({x['cpus']} CPUs), torch `{x['torch']}`" for x in sessions})
     seeds = len(s["seeds"])
     cal = results.get("calibration") or {}
+    base = rows["none"]["sensitivity"] if "none" in rows else {}
     lines = [
         "# Which tool when: evidence from a small-scale proxy",
         "",
@@ -152,7 +170,7 @@ def render_page(results: dict[str, Any], image: str) -> str:
         lines += [
             f"### `{name}`: `{t.description if t else name}`",
             "",
-            f"- **Fixed here:** {_fixed(name, e, seeds, summary['reproduced'])}.",
+            f"- **Fixed here:** {_fixed(name, e, seeds, summary['reproduced'], base)}.",
             f"- **Cost:** {_f(e['time_ratio'], '.2f')}x the time per update of `none`; "
             f"{e['skipped']} windows skipped, {e['undone']} updates undone, of {e['windows']}.",
             f"- **Did not fix:** {_not_fixed(name, e, summary['faults'])}.",

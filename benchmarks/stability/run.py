@@ -140,6 +140,7 @@ def run(
     s: Settings, path: Path, workers: int, threads: int, fresh: bool, limit: int | None, progress: bool
 ) -> dict[str, Any]:
     results = load(path, s, fresh)
+    threads_before = torch.get_num_threads()  # restored at the end (the run sets its own)
     started = time.perf_counter()
     session: dict[str, Any] = {
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -193,6 +194,7 @@ def run(
                 pool.shutdown(wait=False, cancel_futures=True)
     finally:
         bar.close()
+        torch.set_num_threads(threads_before)
         session["wall_seconds"] = round(time.perf_counter() - started, 1)
         session["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         finish(results, path, s)

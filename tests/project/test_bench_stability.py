@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from benchmarks.stability.metrics import helps, lr_sensitivity
 from benchmarks.stability.page import render_page
@@ -51,6 +52,7 @@ def test_helps_needs_every_seed_lower_and_a_best_loss_no_worse() -> None:
 def test_quick_run_writes_results_plot_and_page(tmp_path: Path) -> None:
     """``--quick`` (CI's smoke run): every cell measured, the summary, the plot, the table, the page."""
     page = tmp_path / "which-tool.md"
+    threads = torch.get_num_threads()
     assert main(["--quick", "--out", str(tmp_path), "--page", str(page), "--no-progress"]) == 0
     results = json.loads((tmp_path / "stability_quick.json").read_text())
     settings = results["settings"]
@@ -60,6 +62,7 @@ def test_quick_run_writes_results_plot_and_page(tmp_path: Path) -> None:
     assert all(math.isfinite(c["init_loss"]) and c["windows"] > 0 for c in results["cells"].values())
     assert (tmp_path / "stability_quick_lr.png").stat().st_size > 10_000
     assert (tmp_path / "stability_quick_faults.md").read_text().startswith("| treatment |")
+    assert torch.get_num_threads() == threads  # the run's one thread per worker is not left behind
     rows = results["summary"]["treatments"]
     assert rows["none"]["clipped"] == 0 and rows["clip"]["clipped"] > 0  # the treatments are what they say
     assert numbers_not_in_results(page.read_text(), results) == []
