@@ -147,6 +147,16 @@ def render_page(results: dict[str, Any], image: str) -> str:
         "whose gradient or update was scaled down; time is the median time per update against `none` "
         "(runs share a busy machine: a rough figure).",
         "",
+        "Final held-out loss per learning rate (mean over the seeds measured; nats per byte):",
+        "",
+        "| tool | " + " | ".join(f"{lr:g}" for lr in s["lrs"]) + " |",
+        "|---|" + "---|" * len(s["lrs"]),
+        *(
+            f"| `{name}` | " + " | ".join(_f(e["loss_by_lr"].get(f"{lr:g}")) for lr in s["lrs"]) + " |"
+            for name, e in rows.items()
+            if e["cells"]
+        ),
+        "",
         "**UpdateClip's fixed bounds** scale with the learning rate: `max_rms = c * lr` and "
         "`max_norm = c * lr`, with `c` the 95th percentile, over a healthy run (the plain baseline at "
         f"lr {s['lrs'][0]:g}, seed 0, after its warm-up), of the update's largest per-tensor RMS "
