@@ -94,7 +94,7 @@ def _not_fixed(name: str, entry: dict[str, Any], faults: dict[str, Any]) -> str:
     return "; ".join(parts) if parts else "nothing measured against it here"
 
 
-def render_page(results: dict[str, Any], image: str) -> str:
+def render_page(results: dict[str, Any], image: str, logits: str | None = None) -> str:
     s, summary = results["settings"], results["summary"]
     rows = summary["treatments"]
     sessions = results["sessions"]
@@ -147,6 +147,17 @@ def render_page(results: dict[str, Any], image: str) -> str:
         "whose gradient or update was scaled down; time is the median time per update against `none` "
         "(runs share a busy machine: a rough figure).",
         "",
+        *(
+            [
+                f"![The largest attention logit in training against the learning rate]({logits})",
+                "",
+                "The largest attention logit seen in training, per learning rate (the largest over the seeds "
+                "measured): the attention-logit growth that qk-layernorm prevents in the paper.",
+                "",
+            ]
+            if logits
+            else []
+        ),
         "Final held-out loss per learning rate (mean over the seeds measured; nats per byte):",
         "",
         "| tool | " + " | ".join(f"{lr:g}" for lr in s["lrs"]) + " |",

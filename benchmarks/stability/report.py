@@ -221,3 +221,34 @@ def fault_table_markdown(results: dict[str, Any]) -> str:
                 cells.append(f"{v['heldout']:.3f} ({v['vs_clean']:+.3f})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return head + "\n".join(lines) + "\n"
+
+
+def plot_logits(results: dict[str, Any], path: Path) -> None:
+    """The largest attention logit seen in training against the learning rate (the largest over the
+    seeds measured), per treatment: the instability qk-layernorm is the paper's control for."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings, cells = results["settings"], results["cells"]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, name in enumerate(settings["treatments"]):
+        xs, ys = [], []
+        for lr in settings["lrs"]:
+            seen = [c["max_logit"] for s in settings["seeds"] if (c := cells.get(sweep_key(name, lr, s)))]
+            if seen and all(math.isfinite(v) and v > 0 for v in seen):
+                xs.append(lr)
+                ys.append(max(seen))
+        if xs:
+            bold = name in ("none", "qk-layernorm", "z-loss")
+            ax.plot(xs, ys, "o-", ms=3, lw=2.0 if bold else 0.8, color=f"C{i % 10}", label=name)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("peak learning rate")
+    ax.set_ylabel("largest attention logit in training")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

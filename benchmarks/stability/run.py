@@ -33,7 +33,7 @@ import clipopt
 
 from .data import Corpus, corpus
 from .page import render_page
-from .report import fault_key, fault_table_markdown, plot_sweep, summarize, sweep_key
+from .report import fault_key, fault_table_markdown, plot_logits, plot_sweep, summarize, sweep_key
 from .train import FULL, QUICK, Settings, calibrate, cell_to_dict, train_cell
 from .treatments import Bounds
 
@@ -224,6 +224,7 @@ def finish(results: dict[str, Any], path: Path, s: Settings) -> None:
     save(path, results)
     stem = path.stem
     plot_sweep(results, path.with_name(f"{stem}_lr.png"))
+    plot_logits(results, path.with_name(f"{stem}_logits.png"))
     path.with_name(f"{stem}_faults.md").write_text(fault_table_markdown(results), encoding="utf-8")
 
 
@@ -261,10 +262,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     page = args.page or (
         path.with_name("which-tool_quick.md") if args.quick else ROOT / "docs" / "which-tool.md"
     )
-    image = page.with_name(path.stem + "_lr.png")
-    if image != path.with_name(f"{path.stem}_lr.png"):
-        image.write_bytes(path.with_name(f"{path.stem}_lr.png").read_bytes())
-    page.write_text(render_page(results, image.name), encoding="utf-8")
+    for figure in ("lr", "logits"):  # the page's figures beside it
+        image = page.with_name(f"{path.stem}_{figure}.png")
+        if image != path.with_name(image.name):
+            image.write_bytes(path.with_name(image.name).read_bytes())
+    page.write_text(render_page(results, f"{path.stem}_lr.png", f"{path.stem}_logits.png"), encoding="utf-8")
     summary = results["summary"]
     print(
         f"{summary['cells_measured']} of {summary['cells_planned']} cells measured; "

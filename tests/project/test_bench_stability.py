@@ -61,6 +61,7 @@ def test_quick_run_writes_results_plot_and_page(tmp_path: Path) -> None:
     assert len(results["cells"]) == planned == results["summary"]["cells_planned"]
     assert all(math.isfinite(c["init_loss"]) and c["windows"] > 0 for c in results["cells"].values())
     assert (tmp_path / "stability_quick_lr.png").stat().st_size > 10_000
+    assert (tmp_path / "stability_quick_logits.png").stat().st_size > 10_000
     assert (tmp_path / "stability_quick_faults.md").read_text().startswith("| treatment |")
     assert torch.get_num_threads() == threads  # the run's one thread per worker is not left behind
     rows = results["summary"]["treatments"]
