@@ -115,7 +115,8 @@ def render_page(results: dict[str, Any], image: str, logits: str | None = None) 
         "**LR sensitivity** (the paper's §2): the mean over the learning rates of min(final loss, loss at "
         "init) minus the best final loss over them; lower is a flatter loss-against-lr curve. A tool "
         f"**helps** when its sensitivity is lower than the plain baseline's (`none`) on each of the {seeds} "
-        "seeds and its best-lr loss (mean over seeds) is no worse.",
+        f"seeds and its best-lr loss (mean over seeds) is no worse (at most "
+        f"{summary['best_loss_tolerance']:g} nats above the baseline's).",
         "",
         f"Measured: {summary['cells_measured']} of {summary['cells_planned']} runs, "
         f"{results['wall_seconds']:.0f} s of wall time on {'; '.join(machines)}.",

@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .metrics import Verdict, best_loss, clamped, helps, lr_sensitivity
+from .metrics import BEST_LOSS_TOLERANCE, Verdict, best_loss, clamped, helps, lr_sensitivity
 from .treatments import BY_NAME
 
 
@@ -103,6 +103,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "treatments": treatments,
         "reproduced": reproduced,
         "faults": _fault_table(results),
+        "best_loss_tolerance": BEST_LOSS_TOLERANCE,
         "cells_measured": len(cells),
         "cells_planned": planned_cells(settings),
     }
