@@ -77,6 +77,9 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "report/test_report_rates.py",
         "report/test_report_advice.py",
     ),
+    "runs benchmarks/stability's --quick smoke run twice (~10 s of CPU; CI's budget for it is 60 s)": (
+        "project/test_bench_stability.py::test_quick_run_writes_results_plot_and_page",
+    ),
     "runs a Python process (demo, CLI, logger at exit, pytest) or the documentation's examples": (
         "diagnostics/test_hostile_files.py::test_writer_killed_at_random_moments_leaves_every_file_usable",
         "diagnostics/test_hostile_files.py::test_csv_rows_that_cannot_be_written_at_exit_are_reported_lost",
