@@ -307,32 +307,30 @@ def check_assignment(name: str, value: Any, current: dict[str, Any], inner: Opti
     other settings as they are (``current``: the wrapper's settings by name, ``max_norm`` included)
     and the inner optimizer's groups.  Raises the constructor's error, before anything changes.
     ``max_norm`` returns ``(policy, bound)``."""
-    c = current
+    new = {**current, name: value}
     if name in ("max_norm", "clip_value", "norm_group"):
-        new = {**c, name: value}
+        checked: Any
         if name == "max_norm":
-            checked: Any = check_max_norm(value)
-            policy = checked[0]
-            check_recovery(c["spike_guard"], c["rewind"], policy)
+            checked = check_max_norm(value)
+            check_recovery(new["spike_guard"], new["rewind"], checked[0])
+        elif name == "clip_value":
+            checked = new["clip_value"] = check_optional_positive_float("clip_value", value, "0.5")
+            _check_complex(inner, checked)
         else:
-            policy = c["max_norm"] if isinstance(c["max_norm"], ClipPolicy) else None
-            if name == "clip_value":
-                checked = check_optional_positive_float("clip_value", value, "0.5")
-                _check_complex(inner, checked)
-            else:
-                checked = check_norm_group(value)
-        clip_value = checked if name == "clip_value" else new["clip_value"]
-        norm_group = checked if name == "norm_group" else new["norm_group"]
+            checked = new["norm_group"] = check_norm_group(value)
+        policy = new["max_norm"] if isinstance(new["max_norm"], ClipPolicy) else None
         check_groups(
-            inner.param_groups, inner.defaults, policy=policy, norm_group=norm_group, clip_value=clip_value
+            inner.param_groups,
+            inner.defaults,
+            policy=policy,
+            norm_group=new["norm_group"],
+            clip_value=new["clip_value"],
         )
         return checked
     if name in ("skip_nonfinite", "max_consecutive_nonfinite"):
-        new = {**c, name: value}
         skip, limit = _check_skipping(new["skip_nonfinite"], new["max_consecutive_nonfinite"])
         return skip if name == "skip_nonfinite" else limit
     if name in ("update_clip", "update_stats"):
-        new = {**c, name: value}
         return check_update_options(new["update_clip"], new["update_stats"], inner)[name == "update_stats"]
     return _SIMPLE_CHECKS[name](value)
 

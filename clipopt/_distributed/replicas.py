@@ -468,7 +468,6 @@ def settings_of(opt: Any, parts: Iterable[tuple[str, object]]) -> list[Setting]:
     part)``, the optimizer's) with its own ``settings()`` record (:mod:`clipopt._distributed.agreement`)."""
     bound = opt.max_norm  # a float, a ClipPolicy or None
     max_norm = -1.0 if bound is None else float(bound) if isinstance(bound, (int, float)) else -2.0
-    update_stats = opt.update_stats
     core: list[Setting] = [
         ("accumulation_steps", float(opt.accumulation_steps)),
         ("reduction", 0.0 if opt.reduction == "mean" else 1.0),
@@ -480,9 +479,7 @@ def settings_of(opt: Any, parts: Iterable[tuple[str, object]]) -> list[Setting]:
         ("windows closed", float(opt.num_windows)),
         ("micro_batches pending", float(opt.micro_batches)),
         *_group_settings(opt.param_groups),
-        # a value of another type (reassigned since the constructor checked it) reads -4: the
-        # window's own check refuses it with its message
-        ("update_stats", float(update_stats) if isinstance(update_stats, bool) else -4.0),
+        ("update_stats", float(opt.update_stats)),  # a bool: checked where it was set
     ]
     return settings_record(core, parts)
 

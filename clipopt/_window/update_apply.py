@@ -95,12 +95,12 @@ def start_update(
 
     ``owner`` is the :class:`~clipopt.ClippedOptimizer`: its public ``update_clip``,
     ``update_stats``, ``norm_group`` and ``max_norm`` (a policy takes back a window put back) are
-    read (and the first two checked: they may have been reassigned since the constructor checked
-    them)."""
-    if owner.update_clip is None and not owner.update_stats:
+    read (checked where they were set: the constructor, or an assignment's
+    ``_config.check_assignment``)."""
+    clip = owner.update_clip
+    if clip is None and not owner.update_stats:
         return None
     buffers, replicas = parts
-    clip, _ = check_update_options(owner.update_clip, owner.update_stats, optimizer)
     policy = owner.max_norm if isinstance(owner.max_norm, ClipPolicy) else None
     backup = buffers.take(optimizer, params, clip is not None and clip.restore_state)
     agree = (replicas.group,) if replicas.active and not has_dtensor(params) else None
