@@ -202,6 +202,17 @@ class _AllocTracker(TorchDispatchMode):
         return out
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else the platform's processor string: what a result file records."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def rotated(names: list[str], r: int) -> list[str]:
     """``names`` in round ``r``'s order: rotated by one every round, so that none always runs first."""
     k = r % len(names)

@@ -59,7 +59,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench import OPTIMIZERS, ParamModel, _AllocTracker, paired_ratio, rotated, transformer_shapes  # noqa: E402
+from bench import (  # noqa: E402
+    OPTIMIZERS,
+    ParamModel,
+    _AllocTracker,
+    cpu_name,
+    paired_ratio,
+    rotated,
+    transformer_shapes,
+)
 
 from clipopt import AdaGC, ClippedOptimizer, StableSPAM, UpdateClip  # noqa: E402
 from tests.hostreads import count_host_reads  # noqa: E402
@@ -234,17 +242,6 @@ def measure(model: ParamModel, methods: dict[str, Callable[[], None]], rounds: i
     return out
 
 
-def _cpu_name() -> str:
-    """The CPU's model name (Linux), else the platform's processor string."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def render(rows: dict[str, Any], meta: dict[str, Any]) -> str:
     pbytes = meta["param_bytes"]
     lines = [
@@ -300,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "threads": args.threads,
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "rounds": args.rounds,
         "optimizer": args.optimizer,
         "baseline": args.baseline,

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 import clipopt
+from benchmarks.bench import cpu_name
 
 from .data import Corpus, corpus
 from .page import render_page
@@ -112,21 +113,10 @@ def _run_task(task: Task) -> tuple[str, dict[str, Any]]:
     return key, cell_to_dict(cell)
 
 
-def _processor() -> str:
-    """The CPU's model name (Linux), else what ``platform`` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _machine(workers: int, threads: int) -> dict[str, Any]:
     return {
         "host": platform.node(),
-        "processor": _processor(),
+        "processor": cpu_name(),
         "cpus": os.cpu_count(),
         "workers": workers,
         "threads_per_worker": threads,
