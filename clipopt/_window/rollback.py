@@ -159,11 +159,6 @@ class InnerBackup:
         """The copies of the parameters, in the order given."""
         return self._values
 
-    @property
-    def has_state(self) -> bool:
-        """Whether the inner state was copied (and is put back with the parameters)."""
-        return self._state is not None
-
     def _same_layout(self, device: torch.device) -> bool:
         """Whether the inner step left the state's layout as copied (the same entries, every saved
         value a tensor of the same shape on ``device``): then it can be written back in place."""
