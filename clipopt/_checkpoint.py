@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 
 from ._distributed.collectives import Unsynced
 from ._inner import InnerOptimizers, inner_optimizers, inner_state_dicts
+from ._part import Parts
 from ._policies.builtin import checked_policy_state
 from ._recovery.part import SpikeRecovery
 from ._state import (
@@ -114,8 +115,10 @@ def wrapper_entry(
     unsynced: Unsynced | None,
     recovery: SpikeRecovery | None = None,
     update_clip: UpdateClip | None = None,
+    parts: Parts | None = None,
 ) -> dict[str, Any]:
-    """The ``"clipopt"`` entry; mid-window it holds a copy of the gradients accumulated so far."""
+    """The ``"clipopt"`` entry; mid-window it holds a copy of the gradients accumulated so far.
+    ``parts``: each active part's entry under its keyword (``_part.Part.state_dict``)."""
     pending = None
     if counters.micro_batches > 0:
         pending = [None if p.grad is None else p.grad.detach().clone() for p in params]
@@ -129,6 +132,8 @@ def wrapper_entry(
         entry.update(recovery.state_dict())
     if update_clip is not None:  # the history of UpdateClip(z=...)
         entry["update_clip"] = update_clip.state_dict()
+    if parts is not None:
+        entry.update(parts.state_dict())
     return entry
 
 
@@ -159,6 +164,8 @@ class Checkpoint(NamedTuple):
     #: Whether the wrapper loading it is mid-window (:meth:`with_open_window`): its window's
     #: gradients go unless the state dict has some (:func:`_take_grads`).
     open_window: bool = False
+    #: The parts' checked entries, by keyword (``Parts.check_state``).
+    parts: dict[str, Any] = {}  # noqa: RUF012 (a NamedTuple default, never written to)
 
     def with_open_window(self, open_window: bool) -> Checkpoint:
         """This checkpoint, to be loaded into a wrapper that is mid-window (``open_window``) or not."""
@@ -172,6 +179,7 @@ class Checkpoint(NamedTuple):
         scaler: torch.amp.GradScaler | None,
         policy: ClipPolicy | None,
         recovery: SpikeRecovery,
+        parts: Parts | None = None,
     ) -> WrapperState:
         """Load the checked state: the inner optimizer's (the groups' current clipping options
         kept; a failure leaves it as it was), the open window's gradients into ``params`` (or none:
@@ -185,8 +193,8 @@ class Checkpoint(NamedTuple):
             for o in optimizers:
                 stack.enter_context(keep_group_keys(o))
             kept: list[dict[str, Any]] = []
-            parts = inner_state_dicts(self.inner, inner)
-            for (part, o), mine, options in zip(parts, own, self.kept_options, strict=True):
+            inners = inner_state_dicts(self.inner, inner)
+            for (part, o), mine, options in zip(inners, own, self.kept_options, strict=True):
                 if mine:
                     kept += _load_own_layout(o, part, policy, self.norm_group)
                 else:
@@ -196,15 +204,17 @@ class Checkpoint(NamedTuple):
                 group.update(extra)  # per-group clipping set now, absent from the checkpoint
         counters = self.counters if self.counters is not None else WrapperState()
         _take_grads(params, self.pending_grads, self.open_window)
-        if self.counters is not None and self.scaler_state is not None and scaler is not None:
+        if self.scaler_state is not None and scaler is not None:  # (None for a plain optimizer's)
             scaler.load_state_dict(self.scaler_state)
-        if self.counters is not None and self.policy_state is not None and policy is not None:
+        if self.policy_state is not None and policy is not None:
             policy.load_state_dict(self.policy_state)
         if self.counters is not None:
             recovery.load(self.recovery)
         saved, update_clip = self.update
         if saved is not None and update_clip is not None:
             update_clip.load_state_dict(saved)
+        if parts is not None:  # (empty for a plain optimizer's state dict)
+            parts.load_state(self.parts)
         return counters
 
 
@@ -230,29 +240,30 @@ def read_checkpoint(
     recovery: SpikeRecovery | None = None,
     norm_group: Any = None,
     update_clip: UpdateClip | None = None,
+    parts: Parts | None = None,
 ) -> Checkpoint:
     """Validate ``state_dict`` completely (``ValueError``, touching nothing) and return its parts.
 
     An inner entry in the inner optimizer's own layout (pytorch_optimizer's ``Lookahead``) is left to
     the inner optimizer's own ``load_state_dict``, which :meth:`Checkpoint.take_over` undoes when it,
     or the check of the groups it loaded, fails; so is each such part of ``state_dict["optimizers"]``."""
-    parts = inner_state_dicts(state_dict, inner) if isinstance(state_dict, dict) else []
-    own = tuple(isinstance(part, dict) and has_own_layout(part, o) for part, o in parts)
-    torch_parts = [None if mine else part for (part, _), mine in zip(parts, own, strict=True)]
+    inners = inner_state_dicts(state_dict, inner) if isinstance(state_dict, dict) else []
+    own = tuple(isinstance(part, dict) and has_own_layout(part, o) for part, o in inners)
+    torch_parts = [None if mine else part for (part, _), mine in zip(inners, own, strict=True)]
     wrapper = read_wrapper_state(state_dict, params, accumulation_steps, torch_parts)
-    kept = _check_parts(parts, own, policy, norm_group)
+    kept = _check_parts(inners, own, policy, norm_group)
     ext = state_dict.get("clipopt")
     policy_state = _checked_policy(ext, policy, inner)
     check_scaler_matches(wrapper[2] if wrapper is not None else None, scaler)
     unsynced = Unsynced.from_dict(
         ext.get("unsynced") if isinstance(ext, dict) else None, wrapper[0].micro_batches if wrapper else 0
     )
-    loss_sum = LossSum()
+    loss_sum, checked, checked_parts = LossSum(), (None, None), {}  # (the recovery's, the parts')
     if wrapper is not None and isinstance(ext, dict):  # older state dicts have no loss: an empty sum
         loss_sum = LossSum.from_dict(ext, wrapper[0].micro_batches)
-    checked: tuple[Any, Any] = (None, None)
-    if wrapper is not None and isinstance(ext, dict) and recovery is not None:
-        checked = recovery.validate(ext, _copied_wrapper_check(policy, scaler, update_clip))
+        if recovery is not None:
+            checked = recovery.validate(ext, _copied_wrapper_check(policy, scaler, update_clip))
+        checked_parts = parts.check_state(ext, inner) if parts else {}
     inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
     counters, pending, scaler_state = wrapper if wrapper is not None else (None, None, None)
     return Checkpoint(
@@ -268,6 +279,7 @@ def read_checkpoint(
         own,
         norm_group,
         (checked_update_state(ext, update_clip), update_clip),
+        parts=checked_parts,
     )
 
 

@@ -32,12 +32,15 @@ from ._diagnostics.loggers import Logger
 from ._distributed.collectives import has_dtensor
 from ._distributed.replicas import check_norm_group, check_replica_group
 from ._inner import InnerOptimizers
+from ._part import Part
 from ._policies.builtin import ClipPolicy
 from ._recovery.part import check_recovery
 from ._window.groups import check_groups
 from ._window.update_apply import check_update_options
 
 __all__ = [
+    "KEYWORDS",
+    "REGISTRY",
     "ASSIGNABLE",
     "ASSIGNED_WITH",
     "DTENSOR_DIAGNOSTICS",
@@ -260,6 +263,14 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
         inner,
     )
 
+
+#: Every part (``_part.Part``), in the order a window runs their hooks, whatever order the keywords
+#: are passed in.  Adding a feature is one new module (its part) plus one line here.
+REGISTRY: tuple[type[Part], ...] = ()
+
+#: The parts' constructor keywords: ``opt.<keyword>`` reads a part's value, assigning it is checked
+#: by the part before anything changes.
+KEYWORDS = frozenset(c.keyword for c in REGISTRY)
 
 #: The settings that may be assigned on a wrapper after its construction (``opt.clip_value = 0.5``):
 #: each is checked by :func:`check_assignment` as the constructor checks it, before anything changes.

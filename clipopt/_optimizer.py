@@ -13,9 +13,9 @@ import copy
 import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -27,6 +27,8 @@ from ._config import (
     ASSIGNABLE,
     ASSIGNED_WITH,
     DTENSOR_DIAGNOSTICS,
+    KEYWORDS,
+    REGISTRY,
     check_assignment,
     check_closure,
     configure,
@@ -46,6 +48,7 @@ from ._distributed.no_sync import (
 )
 from ._distributed.replicas import ReplicaDecision, settings_of
 from ._hooks import step_hooked
+from ._part import Parts, Window
 from ._policies.builtin import ClipPolicy
 from ._reasons import NOGRAD, REWIND
 from ._recovery.part import SpikeRecovery, WrapperParts, check_recovery
@@ -67,7 +70,7 @@ from ._window.stages import agree, check_clippable, clip_and_decide, measure, re
 from ._window.update_apply import check_update_options, start_update
 from ._window.update_clip import UpdateClip
 from ._window.update_copy import UpdateCopy
-from ._wrapping import InnerOptimizerView
+from ._wrapping import STORED, InnerOptimizerView
 
 __all__ = ["ClippedOptimizer"]
 
@@ -203,6 +206,9 @@ class ClippedOptimizer(InnerOptimizerView):
             With either, a non-finite update from finite gradients is not applied: the parameters
             are put back (the inner state too with ``UpdateClip(..., restore_state=True)``) and
             the window is skipped with reason ``"nonfinite_update"``.
+        **parts: the parts beyond these, each by its keyword and checked by its own class (docs/api.md,
+            'Parts'); ``opt.<keyword>`` reads one back (None when off), and assigning it mid-run is
+            checked as the constructor checks it.
     """
 
     _policy: ClipPolicy | None
@@ -235,8 +241,9 @@ class ClippedOptimizer(InnerOptimizerView):
         rewind: Rewind | None = None,
         update_clip: UpdateClip | None = None,
         update_stats: bool = False,
+        **parts: Any,
     ) -> None:
-        options = {name: value for name, value in locals().items() if name != "self"}  # every argument
+        options = {name: value for name, value in locals().items() if name not in ("self", "parts")}
         cfg = configure(optimizer, ClippedOptimizer, options)  # raises before any state exists
         check_recovery(spike_guard, rewind, cfg.policy)
         self.update_clip, self.update_stats = check_update_options(update_clip, update_stats, cfg.inner)
@@ -256,6 +263,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self._init_hooks()
         self._init_state(snapshot_dir)
         self._recovery = SpikeRecovery.attach(spike_guard, rewind, self._params(), self._inner)
+        self._parts = Parts.build(REGISTRY, parts, self._inner)  # every other part, by its keyword (_parts)
         if spike_guard is not None:
             self._skip_sources.append(self._recovery)  # reason "spike"
         self._forwarding = True  # the inner optimizer's public attributes: read, not hidden (_wrapping)
@@ -306,6 +314,13 @@ class ClippedOptimizer(InnerOptimizerView):
     def __repr__(self) -> str:
         return describe(self, self._inner)
 
+    if not TYPE_CHECKING:  # (as InnerOptimizerView's: hidden from mypy)
+
+        def __getattr__(self, name: str) -> Any:
+            if name in KEYWORDS and "_parts" in self.__dict__:  # a part's keyword: its value, None when off
+                return self._parts.value(name)
+            return super().__getattr__(name)
+
     @property
     def max_norm(self) -> float | ClipPolicy | None:
         """The norm bound: a float, None (off), or a :class:`ClipPolicy` (:class:`AutoClip`, :class:`ZClip`,
@@ -316,10 +331,16 @@ class ClippedOptimizer(InnerOptimizerView):
     def max_norm(self, value: float | ClipPolicy | None) -> None:
         self._policy, self._bound = self._assigning("max_norm", value)
 
-    _assignable = ASSIGNABLE  # assigned after the constructor: checked as it checks them (_assigning)
+    _assignable = (
+        ASSIGNABLE | KEYWORDS
+    )  # assigned after the constructor: checked as it checks them (_assigning)
 
     def _assigning(self, name: str, value: Any) -> Any:
         """A setting assigned mid-run, checked as the constructor checks it, before anything changes."""
+        if name in KEYWORDS:  # a part: checked by its class, held by the parts
+            self._parts = self._parts.assigned(name, value, self._inner)
+            self._settings_changed()
+            return STORED
         value = check_assignment(name, value, {n: getattr(self, n) for n in ASSIGNED_WITH}, self._inner)
         if name == "stats_history":  # the newest statistics that fit stay
             self.stats = collections.deque(self.stats, maxlen=value)
@@ -545,7 +566,7 @@ class ClippedOptimizer(InnerOptimizerView):
         """What the data-parallel ranks compare: the window settings, then each part's own
         ``settings()`` record under its keyword (a new part: one more pair here)."""
         parts = (("policy", self._policy), ("spike_guard", self.spike_guard), ("rewind", self.rewind))
-        return settings_of(self, (*parts, ("update_clip", self.update_clip)))
+        return settings_of(self, (*parts, ("update_clip", self.update_clip), *self._parts.settings_pairs()))
 
     def _sync_unsynced(self) -> None:
         """Before closing a window whose latest micro-batch skipped its sync: do that sync now."""
@@ -582,12 +603,13 @@ class ClippedOptimizer(InnerOptimizerView):
         fields = {name: getattr(self, name) for name in _UNDO_FIELDS}
         fields["_counters"] = self._counters.copy()  # changed in place: copies
         fields["_diagnostics"] = dataclasses.replace(self._diagnostics)
-        undo = UndoPoint(self, fields, self._policy, self.stats)
+        undo, parts_undo = UndoPoint(self, fields, self._policy, self.stats), self._parts.undo_state()
         try:
             return self._finish_window(s, loss, closure, undo)
         except BaseException as exc:
             if not undo.committed:
                 undo.restore()
+                Parts.restore_undo(parts_undo)
                 if undo.touched:
                     self._discard_window(exc)
             raise
@@ -607,7 +629,7 @@ class ClippedOptimizer(InnerOptimizerView):
         need a norm bound at most, and none of the wrapper's other features is on."""
         r, features = self._recovery, self.loggers or self.update_stats or self._skip_sources
         off = r.guard is None and r.rewind is None and self.update_clip is None and not features
-        off = off and self._diagnostics.writer is None and self._unsynced is None
+        off = off and self._diagnostics.writer is None and self._unsynced is None and not self._parts.active
         plain = s.plain or s.between_stats(self._counters.windows + 1)  # (no call in the common case)
         return plain and off and not (self._index.has_dtensor or self._replicas.active or is_compiling())
 
@@ -639,11 +661,10 @@ class ClippedOptimizer(InnerOptimizerView):
         """Stages 1-7 of docs/design.md, 'Order of operations': combine, measure, diagnose, clip,
         decide, apply, record (a due Rewind check first)."""
         n, params = self._counters.micro_batches, self._params()
-        if self._recovery.due(self._counters.windows):  # Rewind: a copy, or back to one
-            hit = self._recovery.check(self._counters.windows, params, self._inner, self._wrapper_parts())
-            if hit is not None:
-                undo.committed = True  # the training state was restored: this window is discarded
-                return self._close_rewound(n, loss, hit[1])
+        w = self._window(s, n, params, closure)  # what the parts see
+        if (reason := self._begin(w)) is not None:
+            undo.committed = True  # a Rewind restored a copy, or a part discarded the window
+            return self._close_discarded(n, loss, reason)
         g = self._combine(s, params, undo)
         if g is None:
             undo.committed = True
@@ -651,22 +672,43 @@ class ClippedOptimizer(InnerOptimizerView):
         try:
             with torch.no_grad():
                 d = self._measure(s, g, n)
-                layers = self._diagnose(s, d, params, n)
+                layers = self._diagnose(s, d, params, n, w)
                 undo.touched |= s.clips_in_place
-                clip_and_decide(s, d, g, self.param_groups, self._skip_sources)
+                sources = [*self._skip_sources, *self._parts.flags(w)] if self._parts else self._skip_sources
+                clip_and_decide(s, d, g, self.param_groups, sources)
             undo.touched = True  # scaling and the inner step change the gradients
             self._next_window()
-            loss, fused = self._apply(s, d, g, loss, closure)
+            loss, fused = self._apply(s, d, g, (loss, closure), w)
             undo.committed = True
             if self._recovery.guard is not None or self._recovery.rewind is not None:
                 self._recovery.commit(d, self._counters.windows, self._last_skipped)
+            for part in self._parts.active:
+                part.commit(w, d, self._last_skipped)
         finally:  # also after an error: an unscaled scaler without update() would refuse every later window
             self._window_guard.reset()
             if self.scaler is not None:
                 self.scaler.update()
-        self._record(d, n, layers)
+        self._record(d, n, layers, w)
         self._check_recorded(fused)
         return loss
+
+    def _begin(self, w: Window) -> int | None:
+        """Before the window is combined: a due Rewind check (a copy, or back to one: reason
+        ``"rewind"``), then the parts' :meth:`~clipopt._part.Part.begin`; the reason that discards
+        the window, or None."""
+        if self._recovery.due(self._counters.windows):
+            hit = self._recovery.check(self._counters.windows, w.params, self._inner, self._wrapper_parts())
+            if hit is not None:  # the training state was restored: this window is discarded
+                self._recovery.restore_wrapper(hit[1], self._wrapper_parts())
+                return REWIND
+        return self._parts.begin(w) if self._parts else None
+
+    def _window(
+        self, s: WindowSettings, n: int, params: list[Tensor], closure: Callable[[], Any] | None
+    ) -> Window:
+        """What the parts see of the window being closed."""
+        group = self._replicas.group if self._replicas.active else None
+        return Window(self._counters.windows + 1, n, params, self._inner, s, closure, group)
 
     def _next_window(self) -> None:
         """The window's micro-batches and loss are taken: the next window starts empty."""
@@ -706,11 +748,13 @@ class ClippedOptimizer(InnerOptimizerView):
         return d
 
     def _diagnose(
-        self, s: WindowSettings, d: WindowDecision, params: list[Tensor], n: int
+        self, s: WindowSettings, d: WindowDecision, params: list[Tensor], n: int, w: Window
     ) -> LayerStats | None:
         """Stage 3 (diagnose): per-layer statistics when due, and an anomaly snapshot of a non-finite
         or spiking window (:class:`~clipopt._window.diagnose.Diagnostics`); both see the pre-clip
-        gradients."""
+        gradients; then the parts' own diagnoses."""
+        for part in self._parts.active:
+            part.diagnose(w, d)
         if not s.layer_stats and self._diagnostics.writer is None:  # neither is on
             return None
         return self._diagnostics.diagnose(
@@ -725,15 +769,22 @@ class ClippedOptimizer(InnerOptimizerView):
         )
 
     def _apply(
-        self, s: WindowSettings, d: WindowDecision, g: WindowGrads, loss: Any, closure: Any
+        self, s: WindowSettings, d: WindowDecision, g: WindowGrads, call: tuple[Any, Any], w: Window
     ) -> tuple[Any, bool]:
         """Stage 6 (apply): the inner step or the skip (see :mod:`clipopt._window.apply`; with a Rewind,
-        through its lr_cut), then the counters; returns ``step()``'s result and whether the fused
-        (host-read-free) path ran."""
+        through its lr_cut; in the parts' contexts), then the counters; returns ``step()``'s result
+        and whether the fused (host-read-free) path ran."""
         upd = start_update(self, self._params(), self._inner, (self._update_copy, self._replicas))
-        run = partial(apply_window, self._inner, s, d, g, (loss, closure), self._reclip, self._readiness)
-        out, skipped, fused = self._recovery.apply(self._inner, run) if self._recovery.rewind else run()
+        run = partial(apply_window, self._inner, s, d, g, call, self._reclip, self._readiness)
+        if any(part.host_step(w) for part in self._parts.active):
+            run = partial(run, host=True)
+        with self._parts.step_context(w) if self._parts else nullcontext():
+            for part in self._parts.active:
+                part.before_step(w, d)
+            out, skipped, fused = self._recovery.apply(self._inner, run) if self._recovery.rewind else run()
         skipped = skipped if upd is None else upd.finish(d, skipped)  # measured, bounded, or put back
+        for part in self._parts.active:
+            skipped = part.after_step(w, d, skipped)
         # assigned here, not in a helper: torch.compile loses the helper's assignment to the wrapper
         self._last_skipped = skipped
         self._update_applied = not skipped if isinstance(skipped, bool) else None  # None: read _last_skipped
@@ -746,14 +797,14 @@ class ClippedOptimizer(InnerOptimizerView):
         g = WindowGrads.of(params, self.param_groups, self._index, self._inner, split=s.plan is not None)
         return reclip(s, g, self.param_groups, max_norm)
 
-    def _close_rewound(self, n: int, loss: Any, restored: dict[str, Any]) -> Any:
-        """The Rewind restored an earlier copy: load its wrapper state; this window (computed on the
-        abandoned state) is discarded and recorded as skipped with reason ``"rewind"``."""
-        self._recovery.restore_wrapper(restored, self._wrapper_parts())
-        self._readiness.reset()  # the inner state holds new tensors
+    def _close_discarded(self, n: int, loss: Any, reason: int) -> Any:
+        """A window discarded before it was measured: a Rewind restored an earlier copy (the window was
+        computed on the abandoned state), or a part's :meth:`~clipopt._part.Part.begin` said so; it is
+        recorded as skipped with ``reason``."""
+        self._readiness.reset()  # the inner state may hold new tensors
         self._window_guard.reset()
         self._diagnostics.attached.clear()
-        return self._close_empty(n, loss, REWIND)
+        return self._close_empty(n, loss, reason)
 
     def _wrapper_parts(self) -> WrapperParts:
         """What a Rewind copy holds of the wrapper beside the guard (see ``_recovery.part``)."""
@@ -775,8 +826,16 @@ class ClippedOptimizer(InnerOptimizerView):
         self._record(d, n, None)
         return loss
 
-    def _record(self, d: WindowDecision, n: int, layers: LayerStats | None) -> StepStats:
-        """Stage 7 (record): the window's :class:`StepStats`, its history, the loggers."""
+    def _record(
+        self, d: WindowDecision, n: int, layers: LayerStats | None, w: Window | None = None
+    ) -> StepStats:
+        """Stage 7 (record): the window's :class:`StepStats` (with the parts' cells), its history, the
+        loggers, then the parts that read it."""
+        cells = {} if self._recovery.rewind is None else self._recovery.record()
+        if w is not None:
+            for part in self._parts.active:
+                part.record(w)
+            cells.update(w.cells)
         stats = StepStats(
             step=self._counters.windows,
             micro_batches=n,
@@ -785,7 +844,7 @@ class ClippedOptimizer(InnerOptimizerView):
             lr=[_lr_value(g["lr"]) for g in self.param_groups],
             layers=layers,
             bad_row=self._diagnostics.bad_row,
-            recovery={} if self._recovery.rewind is None else self._recovery.record(),
+            recovery=cells,
         )
         self.last_stats = stats
         self.stats.append(stats)
@@ -793,6 +852,8 @@ class ClippedOptimizer(InnerOptimizerView):
             log_window(self.loggers, stats, self)  # I/O failures warn; the window is complete either way
         self._diagnostics.attached.clear()
         self._skip_run.follow(stats)  # after the loggers, which may have read it
+        for part in self._parts.active:
+            part.logged(stats)
         return stats
 
     def _check_recorded(self, fused: bool) -> None:
@@ -824,6 +885,8 @@ class ClippedOptimizer(InnerOptimizerView):
         """Close every logger (flushes buffered rows)."""
         for logger in self.loggers:
             logger.close()
+        for part in self._parts.active:
+            part.close()
         self._skip_run.advance()  # the windows the loggers' last rows read
 
     # ------------------------------------------------------------------ checkpoints
@@ -853,6 +916,7 @@ class ClippedOptimizer(InnerOptimizerView):
             unsynced=pending_unsynced(self._unsynced, self._counters.micro_batches),
             recovery=self._recovery,
             update_clip=self.update_clip,
+            parts=self._parts,
         )
         return with_entry(self._inner.state_dict(), entry)
 
@@ -877,9 +941,15 @@ class ClippedOptimizer(InnerOptimizerView):
             recovery=self._recovery,
             norm_group=self.norm_group,
             update_clip=self.update_clip,
+            parts=self._parts,
         ).with_open_window(self._counters.micro_batches > 0)  # (its gradients go, unless saved)
         self._counters = ckpt.take_over(
-            self._inner, params, scaler=self.scaler, policy=self._policy, recovery=self._recovery
+            self._inner,
+            params,
+            scaler=self.scaler,
+            policy=self._policy,
+            recovery=self._recovery,
+            parts=self._parts,
         )
         self._readiness.reset()
         self._plan.reset()  # the groups' options came from the checkpoint

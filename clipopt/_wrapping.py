@@ -19,7 +19,10 @@ from torch.optim import Optimizer
 
 from ._inner import inner_optimizers
 
-__all__ = ["HOOK_DICTS", "NOT_PICKLED", "InnerOptimizerView"]
+__all__ = ["HOOK_DICTS", "NOT_PICKLED", "STORED", "InnerOptimizerView"]
+
+#: What a subclass's ``_assigning`` returns for a setting it stored itself (nothing more to store).
+STORED = object()
 
 #: torch's per-optimizer hook dictionaries, created here since ``Optimizer.__init__`` is not called.
 HOOK_DICTS = (
@@ -129,6 +132,8 @@ class InnerOptimizerView(Optimizer):
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self._assignable and self._forwarding:  # a setting: checked before anything changes
             value = self._assigning(name, value)
+            if value is STORED:  # the subclass stored it itself (a part)
+                return
         # cheapest test first: the step path only reassigns the wrapper's own instance attributes
         if self._forwarding and name not in self.__dict__ and forwardable(type(self), name):
             inner = self.__dict__.get("_inner")

@@ -172,7 +172,7 @@ def docstring_sections(doc: str) -> dict[str, list[str]]:
     for line in inspect.cleandoc(doc).splitlines():
         if re.fullmatch(r"[A-Z][A-Za-z ]*:", line):
             current = sections.setdefault(line[:-1], [])
-        elif current is not None and (match := re.match(r"    (\w+): ", line)):
+        elif current is not None and (match := re.match(r"    (?:\*\*)?(\w+): ", line)):
             current.append(match[1])
         elif line and not line.startswith(" "):
             current = None

@@ -1,0 +1,303 @@
+"""The part protocol: one optional feature of the wrapper, with its whole contract in one class.
+
+:class:`Part` is the protocol, :class:`Window` what a part sees of a window, :class:`Parts` the
+active parts of one wrapper, built from the constructor's keywords by ``_config.REGISTRY`` (one
+line per part: adding a feature is one new module plus that line, ARCHITECTURE.md).
+
+A *part* is what one keyword argument of :class:`~clipopt.ClippedOptimizer` builds (``spike_guard=``,
+``rewind=``, ``update_clip=``, ``qk_clip=`` ...).  Its class states, in one place:
+
+* **its settings**: :meth:`Part.build` checks the keyword's value -- in the constructor and when the
+  keyword is assigned mid-run, before anything changes -- and returns the part, or None (off);
+* **its stage**: the hooks it overrides (:class:`Part`'s methods, listed in the order a window
+  runs them); the parts run each hook in the registry's order, never in
+  the order a user listed them (``_config.REGISTRY``);
+* **what it decides**: a skip flag (:meth:`Part.flag`, with its reason :attr:`Part.code`), a
+  discarded window (:meth:`Part.begin`), a rejected or bounded update (:meth:`Part.after_step`);
+* **its commit and undo**: :meth:`Part.commit` runs once the window's outcome stands; a part
+  whose state a failed close must put back lists it in :meth:`Part.undo_state`;
+* **its state-dict entry**: under its :attr:`Part.keyword` in the ``"clipopt"`` entry, checked
+  completely by :meth:`Part.check_state` before :meth:`Part.load_state` changes anything; keyed
+  by the inner optimizer's own indices or by parameter identity, never by a position in a flat
+  list of parameters;
+* **what the ranks compare**: :meth:`Part.settings`, put into the ranks' agreement for every
+  part (:mod:`clipopt._distributed.agreement`).
+
+A part reads the window through :class:`Window` (values, never the wrapper) and records host
+numbers or 0-d device tensors into the window's cells (``StepStats.recovery``, read as
+``stats.<column>``).  An *observer* (:attr:`Part.observer`) only records: the parameters are
+bit-identical with and without it (tests/window/test_observing.py checks each one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = ["Part", "Parts", "Window"]
+
+
+@dataclass
+class Window:
+    """What a part sees of the window being closed: values, never the wrapper."""
+
+    number: int  #: this window's number, counted from 1
+    micro_batches: int  #: the micro-batches it combines
+    params: list[Tensor]  #: every parameter, in group order
+    inner: Optimizer  #: the inner optimizer (several: one ``InnerOptimizers``)
+    settings: Any  #: the window's :class:`~clipopt._window.settings.WindowSettings`
+    closure: Callable[[], Any] | None = None  #: ``step()``'s closure, or None
+    #: The ranks' process group under data parallelism (DDP/FSDP2 replicas), or None.
+    replica_group: Any = None
+    #: The window's cells for its ``StepStats`` (``StepStats.recovery``), by column name.
+    cells: dict[str, Any] = field(default_factory=dict)
+
+
+class Part:
+    """The base of every part: each hook does nothing until a part overrides it.
+
+    The hooks, in the order a window's close runs them (docs/design.md, 'Order of operations'):
+
+    ========================  =======================================================
+    :meth:`begin`             before the window is combined (may discard it)
+    :meth:`diagnose`          stage 3, the pre-clip gradients (observers)
+    :meth:`flag`              stage 5, a skip signal after the built-in ones
+    :meth:`step_context`      stage 6, around the inner step
+    :meth:`before_step`       stage 6, just before the inner step
+    :meth:`after_step`        stage 6, just after it (may reject or bound the update)
+    :meth:`commit`            the outcome stands (applied or skipped)
+    :meth:`record`            stage 7, the window's cells
+    :meth:`logged`            stage 7, the window's ``StepStats`` once built
+    ========================  =======================================================
+    """
+
+    #: The constructor's keyword that builds it; also its state-dict entry's key and the prefix of
+    #: its settings' names in the ranks' agreement.
+    keyword: ClassVar[str] = ""
+    #: The reason code recorded when :meth:`flag` is the first signal that skips a window.
+    code: ClassVar[int] = 0
+    #: It only records: the run is bit-identical without it.
+    observer: ClassVar[bool] = False
+    #: The columns its cells may hold (``_log_names``), for the loggers' headers.
+    columns: ClassVar[tuple[str, ...]] = ()
+
+    # ------------------------------------------------------------------ settings
+
+    @classmethod
+    def build(cls, value: Any, inner: Optimizer) -> Part | None:
+        """The part the keyword's ``value`` builds for ``inner``, or None when it is off; raises the
+        ``TypeError``/``ValueError`` that names the keyword, the value and the fix.  Called by the
+        constructor and by an assignment mid-run, before anything changes."""
+        if value is None:
+            return None
+        if not isinstance(value, cls):
+            raise TypeError(
+                f"{cls.keyword} must be a {cls.__name__} or None, got {type(value).__name__}; "
+                f"pass e.g. {cls.keyword}={cls.__name__}()"
+            )
+        return value
+
+    def value(self) -> Any:
+        """What ``opt.<keyword>`` returns: the object the user passed (by default the part itself)."""
+        return self
+
+    def settings(self) -> Mapping[str, object]:
+        """What every data-parallel rank must share, by name (each name starts with the keyword)."""
+        return {}
+
+    def plain(self, window: int) -> bool:
+        """Whether window number ``window`` may close as a plain window with this part on (a part
+        that does nothing at that window); False by default."""
+        return False
+
+    # ------------------------------------------------------------------ the window's hooks
+
+    def begin(self, w: Window) -> int | None:
+        """Before the window is combined: a reason code to discard the window (its gradients are
+        dropped and it is recorded as skipped with that reason), or None."""
+        return None
+
+    def diagnose(self, w: Window, d: Any) -> None:
+        """Stage 3: the pre-clip gradients and the decision's norms (``d``: ``WindowDecision``)."""
+
+    def flag(self, w: Window, d: Any) -> Tensor | None:
+        """Stage 5: a 0/1 float tensor on the device (never read on the host) that skips the
+        window with reason :attr:`code`, or None (no opinion)."""
+        return None
+
+    def step_context(self, w: Window) -> AbstractContextManager[Any]:
+        """Stage 6: a context the inner step runs in (e.g. a learning-rate cut)."""
+        return nullcontext()
+
+    def host_step(self, w: Window) -> bool:
+        """Whether this window's inner step must take the host path (its outcome read on the host)."""
+        return False
+
+    def before_step(self, w: Window, d: Any) -> None:
+        """Stage 6: just before the inner step runs, or the window is skipped."""
+
+    def after_step(self, w: Window, d: Any, skipped: bool | Tensor) -> bool | Tensor:
+        """Stage 6: just after the inner step: the window's outcome, possibly changed (an update put
+        back is skipped)."""
+        return skipped
+
+    def commit(self, w: Window, d: Any, skipped: bool | Tensor) -> None:
+        """The window's outcome stands (``skipped``: a bool, or a 0/1 device flag)."""
+
+    def record(self, w: Window) -> None:
+        """Stage 7: put this window's cells into ``w.cells`` (host numbers or 0-d device tensors)."""
+
+    def logged(self, stats: Any) -> None:
+        """Stage 7: the window's ``StepStats`` is built."""
+
+    def close(self) -> None:
+        """``opt.close()``: flush and release what the part holds open."""
+
+    # ------------------------------------------------------------------ undo and checkpoints
+
+    def undo_state(self) -> Any:
+        """What a failed close must put back (taken before the close); None: nothing."""
+        return None
+
+    def restore_undo(self, saved: Any) -> None:
+        """Put back what :meth:`undo_state` returned."""
+
+    def state_dict(self) -> Any:
+        """Its entry in the ``"clipopt"`` entry of the state dict; None: it has none."""
+        return None
+
+    def check_state(self, saved: Any, inner: Optimizer) -> Any:
+        """``ValueError`` (changing nothing) unless ``saved`` (its entry of a state dict, never None)
+        can be loaded; returns what :meth:`load_state` takes."""
+        return saved
+
+    def load_state(self, checked: Any) -> None:
+        """Load what :meth:`check_state` returned."""
+
+    #: Whether a Rewind copy holds its state (training state, not a record).
+    held: ClassVar[bool] = False
+
+
+class _Flag:
+    """A part's skip signal as the decision's ``SkipSource`` (``_window.decision``)."""
+
+    __slots__ = ("_part", "_window", "code")
+
+    def __init__(self, part: Part, window: Window) -> None:
+        self.code, self._part, self._window = part.code, part, window
+
+    def flag(self, d: Any) -> Tensor | None:
+        return self._part.flag(self._window, d)
+
+
+class Parts:
+    """The active parts of one wrapper, in registry order; built from the constructor's keywords."""
+
+    def __init__(self, registry: Sequence[type[Part]], parts: Mapping[str, Part]) -> None:
+        #: Every part class, in the order their hooks run (``_config.REGISTRY``).
+        self.registry = tuple(registry)
+        self._by_keyword = {c.keyword: parts[c.keyword] for c in self.registry if c.keyword in parts}
+        #: The active parts, in the order their hooks run.
+        self.active: tuple[Part, ...] = tuple(self._by_keyword.values())
+
+    @classmethod
+    def build(cls, registry: Sequence[type[Part]], options: Mapping[str, Any], inner: Optimizer) -> Parts:
+        """Each part of ``registry`` from its keyword in ``options`` (absent: off); an unknown keyword
+        is a ``TypeError`` naming it and the keywords there are."""
+        known = {c.keyword for c in registry}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(
+                f"ClippedOptimizer() got an unexpected keyword argument {unknown[0]!r}; "
+                f"the parts it takes are {', '.join(sorted(known)) or '(none)'}"
+            )
+        built: dict[str, Part] = {}
+        for part_cls in registry:
+            part = part_cls.build(options.get(part_cls.keyword), inner)
+            if part is not None:
+                built[part_cls.keyword] = part
+        return cls(registry, built)
+
+    def __iter__(self) -> Iterator[Part]:
+        return iter(self.active)
+
+    def __bool__(self) -> bool:
+        return bool(self.active)
+
+    def value(self, keyword: str) -> Any:
+        """What ``opt.<keyword>`` returns: the part's value, or None when it is off."""
+        part = self._by_keyword.get(keyword)
+        return None if part is None else part.value()
+
+    def assigned(self, keyword: str, value: Any, inner: Optimizer) -> Parts:
+        """The parts with ``keyword`` set to ``value`` mid-run: checked as the constructor checks it
+        (raises before anything changes); the others kept."""
+        part_cls = next(c for c in self.registry if c.keyword == keyword)
+        part = part_cls.build(value, inner)
+        parts = {k: p for k, p in self._by_keyword.items() if k != keyword}
+        if part is not None:
+            parts[keyword] = part
+        return Parts(self.registry, parts)
+
+    def plain(self, window: int) -> bool:
+        """Whether window number ``window`` may close as a plain one: no part acts at it."""
+        return all(p.plain(window) for p in self.active)
+
+    # ------------------------------------------------------------------ the window's hooks
+
+    def begin(self, w: Window) -> int | None:
+        for p in self.active:
+            code = p.begin(w)
+            if code is not None:
+                return code
+        return None
+
+    def flags(self, w: Window) -> list[_Flag]:
+        return [_Flag(p, w) for p in self.active if type(p).flag is not Part.flag]
+
+    def step_context(self, w: Window) -> ExitStack:
+        stack = ExitStack()
+        for p in self.active:
+            stack.enter_context(p.step_context(w))
+        return stack
+
+    def settings_pairs(self) -> list[tuple[str, object]]:
+        """``(keyword, part)`` for every registered part (None when off): the ranks' agreement."""
+        return [(c.keyword, self._by_keyword.get(c.keyword)) for c in self.registry]
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each active part's entry under its keyword (a part without state writes none)."""
+        out: dict[str, Any] = {}
+        for keyword, part in self._by_keyword.items():
+            state = part.state_dict()
+            if state is not None:
+                out[keyword] = state
+        return out
+
+    def check_state(self, entry: Mapping[str, Any], inner: Optimizer) -> dict[str, Any]:
+        """Each active part's saved entry checked (``ValueError``, nothing changed); an entry of a
+        part that is off here, or missing from the state dict, is ignored."""
+        return {
+            keyword: part.check_state(entry[keyword], inner)
+            for keyword, part in self._by_keyword.items()
+            if entry.get(keyword) is not None
+        }
+
+    def load_state(self, checked: Mapping[str, Any]) -> None:
+        for keyword, state in checked.items():
+            self._by_keyword[keyword].load_state(state)
+
+    def undo_state(self) -> list[tuple[Part, Any]]:
+        return [(p, s) for p in self.active if (s := p.undo_state()) is not None]
+
+    @staticmethod
+    def restore_undo(saved: list[tuple[Part, Any]]) -> None:
+        for part, state in saved:
+            part.restore_undo(state)
