@@ -16,6 +16,7 @@ __all__ = [
     "BASE_COLUMNS",
     "BATCH_END",
     "BATCH_START",
+    "PART_COLUMNS",
     "RECOVERY_COLUMNS",
     "CLIPPED",
     "CLIP_COEF",
@@ -76,6 +77,10 @@ BATCH_END = "batch_end"
 LR_FACTOR = "lr_factor"
 STATE_RESET = "state_reset"
 RECOVERY_COLUMNS = (BATCH_START, BATCH_END, LR_FACTOR, STATE_RESET)
+
+#: The cells of the other parts (``_part.Part.columns``), read as ``StepStats.<column>`` (None when
+#: the part is off) and written after the Rewind's columns.
+PART_COLUMNS: tuple[str, ...] = ()
 
 #: Per-group clipping's columns and tags: each group's pre-clip norm and its coefficient.
 GROUP_KINDS = ("norm", "coef")

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from .._log_names import PART_COLUMNS
 from .._reasons import name_of
 from ..functional import clip_coef
 from .layers import LayerStats
@@ -156,6 +157,22 @@ class StepStats:
             bad_row  # per-layer row to log if this window is non-finite (clipopt._diagnostics.badrow)
         )
         self.recovery: dict[str, float | None] = recovery or {}
+
+    def __getattr__(self, name: str) -> Any:
+        """A part's cell by its column name (``stats.max_logit``): a host number or string (a 0-d
+        tensor is read once, then kept as a number); None when that part is off."""
+        try:
+            cells = object.__getattribute__(self, "recovery")
+        except AttributeError:  # (not set yet: unpickling)
+            raise AttributeError(name) from None
+        if name in cells:
+            value = cells[name]
+            if isinstance(value, Tensor):
+                value = cells[name] = _as_float(value)
+            return value
+        if name in PART_COLUMNS:
+            return None
+        raise AttributeError(f"'StepStats' object has no attribute {name!r}")
 
     @property
     def loss(self) -> float:
