@@ -16,8 +16,9 @@ optimizer has: :func:`add_entry_slot` gives its first group the key, holding Non
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -26,7 +27,7 @@ from torch.optim import Optimizer
 from ._distributed.collectives import Unsynced
 from ._inner import InnerOptimizers, inner_optimizers, inner_state_dicts
 from ._part import Parts
-from ._policies.builtin import checked_policy_state
+from ._policies.builtin import ClipPolicy, checked_policy_state
 from ._recovery.part import SpikeRecovery
 from ._state import (
     StateDictError,
@@ -43,9 +44,6 @@ from ._state import (
 from ._window.groups import check_groups, group_keys, kept_options
 from ._window.loss import LossSum
 from ._window.update_clip import UpdateClip, checked_update_state
-
-if TYPE_CHECKING:
-    from ._policies.builtin import ClipPolicy
 
 __all__ = [
     "ENTRY",
@@ -175,9 +173,8 @@ class Checkpoint(NamedTuple):
         self,
         inner: Optimizer,
         params: list[Tensor],
+        c: Mapping[str, Any],
         *,
-        scaler: torch.amp.GradScaler | None,
-        policy: ClipPolicy | None,
         recovery: SpikeRecovery,
         parts: Parts | None = None,
     ) -> WrapperState:
@@ -185,6 +182,7 @@ class Checkpoint(NamedTuple):
         kept; a failure leaves it as it was), the open window's gradients into ``params`` (or none:
         :func:`_take_grads`), the scaler's, the policy's and the recovery's; return the counters to
         take over."""
+        scaler, policy = c["scaler"], c["max_norm"] if isinstance(c["max_norm"], ClipPolicy) else None
         optimizers = inner_optimizers(inner)
         own = self.own_layout or (False,) * len(optimizers)
         with ExitStack() as stack:  # several inner optimizers: all as they were if one fails
@@ -232,25 +230,25 @@ def _take_grads(params: list[Tensor], pending: list[Tensor | None] | None, open_
 def read_checkpoint(
     state_dict: dict[str, Any],
     params: list[Tensor],
+    c: Mapping[str, Any],
     *,
-    accumulation_steps: int,
     inner: Optimizer,
-    policy: ClipPolicy | None,
-    scaler: torch.amp.GradScaler | None,
     recovery: SpikeRecovery | None = None,
-    norm_group: Any = None,
-    update_clip: UpdateClip | None = None,
     parts: Parts | None = None,
 ) -> Checkpoint:
-    """Validate ``state_dict`` completely (``ValueError``, touching nothing) and return its parts.
+    """Validate ``state_dict`` completely (``ValueError``, touching nothing) and return its parts;
+    ``c``: the wrapper's settings by name (``accumulation_steps``, ``max_norm``, ``scaler``,
+    ``norm_group``, ``update_clip``).
 
     An inner entry in the inner optimizer's own layout (pytorch_optimizer's ``Lookahead``) is left to
     the inner optimizer's own ``load_state_dict``, which :meth:`Checkpoint.take_over` undoes when it,
     or the check of the groups it loaded, fails; so is each such part of ``state_dict["optimizers"]``."""
+    scaler, norm_group, update_clip = c["scaler"], c["norm_group"], c["update_clip"]
+    policy = c["max_norm"] if isinstance(c["max_norm"], ClipPolicy) else None
     inners = inner_state_dicts(state_dict, inner) if isinstance(state_dict, dict) else []
     own = tuple(isinstance(part, dict) and has_own_layout(part, o) for part, o in inners)
     torch_parts = [None if mine else part for (part, _), mine in zip(inners, own, strict=True)]
-    wrapper = read_wrapper_state(state_dict, params, accumulation_steps, torch_parts)
+    wrapper = read_wrapper_state(state_dict, params, c["accumulation_steps"], torch_parts)
     kept = _check_parts(inners, own, policy, norm_group)
     ext = state_dict.get("clipopt")
     policy_state = _checked_policy(ext, policy, inner)
@@ -266,21 +264,9 @@ def read_checkpoint(
         checked_parts = parts.check_state(ext, inner) if parts else {}
     inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
     counters, pending, scaler_state = wrapper if wrapper is not None else (None, None, None)
-    return Checkpoint(
-        inner_sd,
-        counters,
-        pending,
-        scaler_state,
-        policy_state,
-        loss_sum,
-        unsynced,
-        kept,
-        checked,
-        own,
-        norm_group,
-        (checked_update_state(ext, update_clip), update_clip),
-        parts=checked_parts,
-    )
+    update = (checked_update_state(ext, update_clip), update_clip)
+    entries = (policy_state, loss_sum, unsynced, kept, checked, own, norm_group, update)
+    return Checkpoint(inner_sd, counters, pending, scaler_state, *entries, parts=checked_parts)
 
 
 def _checked_policy(ext: Any, policy: ClipPolicy | None, inner: Optimizer) -> dict[str, Any] | None:

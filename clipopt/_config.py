@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from numbers import Real
 from typing import Any
 
@@ -29,6 +29,7 @@ from ._checks import (
 )
 from ._diagnostics.layers import resolve_param_names
 from ._diagnostics.loggers import Logger
+from ._diagnostics.snapshot import DTENSOR_DIAGNOSTICS
 from ._distributed.collectives import has_dtensor
 from ._distributed.replicas import check_norm_group, check_replica_group
 from ._inner import InnerOptimizers
@@ -43,7 +44,6 @@ __all__ = [
     "REGISTRY",
     "ASSIGNABLE",
     "ASSIGNED_WITH",
-    "DTENSOR_DIAGNOSTICS",
     "WrapperConfig",
     "check_assignment",
     "check_closure",
@@ -51,12 +51,6 @@ __all__ = [
     "configure",
     "describe",
 ]
-
-#: Why ``snapshot_dir`` is refused with DTensor parameters.
-DTENSOR_DIAGNOSTICS = (
-    "snapshot_dir does not support DTensor (FSDP2) parameters yet: each rank holds only "
-    "shards; pass snapshot_dir=None (norms, clipping, skipping, layer_stats and loggers work)"
-)
 
 
 @dataclass(frozen=True)
@@ -80,6 +74,12 @@ class WrapperConfig:
     backward_passes_per_step: int
     names: dict[Tensor, str]  #: parameter -> name (see ``param_names``)
     inner: Optimizer  #: the optimizer, or an ``InnerOptimizers`` over a list of several
+
+    def settings(self) -> dict[str, Any]:
+        """The wrapper's settings attributes by name (``_policy``/``_bound`` for ``max_norm``)."""
+        own = ("replica_group", "names", "inner", "policy", "bound")
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in own}
+        return {**out, "_policy": self.policy, "_bound": self.bound}
 
 
 def check_closure(closure: Any, scaler: Any) -> None:

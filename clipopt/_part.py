@@ -257,6 +257,10 @@ class Parts:
                 return code
         return None
 
+    def host_step(self, w: Window) -> bool:
+        """Whether a part needs this window's inner step on the host path (:meth:`Part.host_step`)."""
+        return any(p.host_step(w) for p in self.active)
+
     def flags(self, w: Window) -> list[_Flag]:
         return [_Flag(p, w) for p in self.active if type(p).flag is not Part.flag]
 
@@ -295,7 +299,12 @@ class Parts:
             self._by_keyword[keyword].load_state(state)
 
     def undo_state(self) -> list[tuple[Part, Any]]:
-        return [(p, s) for p in self.active if (s := p.undo_state()) is not None]
+        saved = []
+        for p in self.active:  # (a loop: a walrus in a comprehension breaks torch.compile's graph)
+            state = p.undo_state()
+            if state is not None:
+                saved.append((p, state))
+        return saved
 
     @staticmethod
     def restore_undo(saved: list[tuple[Part, Any]]) -> None:

@@ -725,7 +725,7 @@ def _divergence_case(rank: int, kind: str, k: int, snaps: str | None, corrupt: s
         "snapshot": opt.last_snapshot,
         "collectives": counter.count,
         "reads": reads,
-        "consecutive": int(opt._counters.consecutive),
+        "consecutive": int(opt._run.counters.consecutive),
     }
 
 

@@ -33,7 +33,7 @@ from .files import WarnOnce, check_file_path, remove_stale_temps, write_atomic
 from .layers import LAYER_FIELDS
 from .stats import StepStats, materialize
 
-__all__ = ["BASE_COLUMNS", "CSVLogger", "LoggedOptimizer", "Logger", "format_value", "log_window"]
+__all__ = ["BASE_COLUMNS", "CSVLogger", "LogTo", "LoggedOptimizer", "Logger", "format_value", "log_window"]
 
 
 class LoggedOptimizer(Protocol):
@@ -130,6 +130,25 @@ def log_window(loggers: list[Logger], stats: StepStats, optimizer: LoggedOptimiz
                 f"clipopt: {type(logger).__name__} could not write this window's statistics ({exc}); "
                 "training continues (this warning is shown once per cause)",
             )
+
+
+class LogTo:
+    """Hands a window's statistics to the loggers of the optimizer it refers to (weakly: the window's
+    runtime does not keep the optimizer alive); a copy refers to nothing until its optimizer binds
+    a new one (``ClippedOptimizer.__setstate__``)."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, optimizer: Any = None) -> None:
+        self._ref = None if optimizer is None else weakref.ref(optimizer)
+
+    def __call__(self, stats: StepStats) -> None:
+        optimizer = None if self._ref is None else self._ref()
+        if optimizer is not None and optimizer.loggers:
+            log_window(optimizer.loggers, stats, optimizer)
+
+    def __reduce__(self) -> tuple[type[LogTo], tuple[()]]:
+        return (LogTo, ())
 
 
 def format_value(value: Any) -> str:

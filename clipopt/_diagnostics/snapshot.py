@@ -17,6 +17,7 @@ from .._caller import user_stacklevel
 from .files import WarnOnce, remove_stale_temps, write_atomic
 
 __all__ = [
+    "DTENSOR_DIAGNOSTICS",
     "SNAPSHOT_FORMAT",
     "SnapshotWriter",
     "check_saveable",
@@ -25,6 +26,12 @@ __all__ = [
     "to_saveable",
     "versions",
 ]
+
+#: Why ``snapshot_dir`` is refused with DTensor parameters.
+DTENSOR_DIAGNOSTICS = (
+    "snapshot_dir does not support DTensor (FSDP2) parameters yet: each rank holds only "
+    "shards; pass snapshot_dir=None (norms, clipping, skipping, layer_stats and loggers work)"
+)
 
 #: Version of the snapshot layout.
 SNAPSHOT_FORMAT = 1

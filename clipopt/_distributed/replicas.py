@@ -55,7 +55,7 @@ from __future__ import annotations
 import collections
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -224,15 +224,16 @@ class ReplicaDecision:
 
     # ------------------------------------------------------------------ per window
 
-    def prepare(self, opt: Any, settings: list[Setting], shards: Any, n: int, window: int) -> None:
+    def prepare(
+        self, params: list[Tensor], norm_group: Any, settings: list[Setting], shards: Any, n: int, window: int
+    ) -> None:
         """Before a window's norm: read the checks due, then this rank's values for this window's
         check (``settings``: :func:`settings_of`, compared as one key); under FSDP2 (``shards``)
         they ride in the norm's own reduction (``shards.carry``).  Called only when :attr:`active`."""
         self.settle(self._sent)
-        params = [p for group in opt.param_groups for p in group["params"]]
         self._device = params[0].device
         # pipeline stages (norm_group) hold different parameters and state: counters and settings only
-        state: int | Tensor | None = self._loaded if opt.norm_group is None else None
+        state: int | Tensor | None = self._loaded if norm_group is None else None
         if state is not None:  # the parameters as they are now (a model loaded after us included)
             found = tensor_checksum(params, self._device)
             state = state if found is None else (found + state).remainder(MODULUS)
@@ -462,24 +463,30 @@ def _fmt(v: float) -> str:
     return f"{v + 0.0:g}"  # no "-0"
 
 
-def settings_of(opt: Any, parts: Iterable[tuple[str, object]]) -> list[Setting]:
-    """What every replica must share: the optimizer's own window settings (numbers, ``-1``:
-    off/None; ``max_norm`` ``-2``: a policy) and the counters, then each of ``parts`` (``(keyword,
-    part)``, the optimizer's) with its own ``settings()`` record (:mod:`clipopt._distributed.agreement`)."""
-    bound = opt.max_norm  # a float, a ClipPolicy or None
+def settings_of(
+    c: Mapping[str, Any],
+    counters: tuple[int, int],
+    groups: list[dict[str, Any]],
+    parts: Iterable[tuple[str, object]],
+) -> list[Setting]:
+    """What every replica must share: the wrapper's own settings by name ``c`` (numbers, ``-1``:
+    off/None; ``max_norm`` ``-2``: a policy), its ``counters`` (windows closed, micro-batches
+    pending) and its ``groups``' clipping options, then each of ``parts`` (``(keyword, part)``) with
+    its own ``settings()`` record (:mod:`clipopt._distributed.agreement`)."""
+    bound = c["max_norm"]  # a float, a ClipPolicy or None
     max_norm = -1.0 if bound is None else float(bound) if isinstance(bound, (int, float)) else -2.0
     core: list[Setting] = [
-        ("accumulation_steps", float(opt.accumulation_steps)),
-        ("reduction", 0.0 if opt.reduction == "mean" else 1.0),
-        ("norm_type", float(opt.norm_type)),
+        ("accumulation_steps", float(c["accumulation_steps"])),
+        ("reduction", 0.0 if c["reduction"] == "mean" else 1.0),
+        ("norm_type", float(c["norm_type"])),
         ("max_norm", max_norm),
-        ("clip_value", -1.0 if opt.clip_value is None else float(opt.clip_value)),
-        ("skip_nonfinite", float(opt.skip_nonfinite)),
-        ("scaler", float(opt.scaler is not None)),
-        ("windows closed", float(opt.num_windows)),
-        ("micro_batches pending", float(opt.micro_batches)),
-        *_group_settings(opt.param_groups),
-        ("update_stats", float(opt.update_stats)),  # a bool: checked where it was set
+        ("clip_value", -1.0 if c["clip_value"] is None else float(c["clip_value"])),
+        ("skip_nonfinite", float(c["skip_nonfinite"])),
+        ("scaler", float(c["scaler"] is not None)),
+        ("windows closed", float(counters[0])),
+        ("micro_batches pending", float(counters[1])),
+        *_group_settings(groups),
+        ("update_stats", float(c["update_stats"])),  # a bool: checked where it was set
     ]
     return settings_record(core, parts)
 

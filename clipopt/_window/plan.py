@@ -16,7 +16,10 @@ Nothing here touches a tensor: the plan is host-side Python.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+
+from torch.optim import Optimizer
 
 from .._policies.builtin import ClipPolicy
 from .groups import GroupPlan, check_groups
@@ -57,9 +60,11 @@ class WindowPlan:
     groups a new one would make (``add_param_group``, before it adds anything).
     """
 
-    __slots__ = ("_by_n", "_values", "groups")
+    __slots__ = ("_by_n", "_values", "config", "groups")
 
     def __init__(self) -> None:
+        #: The wrapper's settings by name, as they are now (:meth:`reset` hands them over).
+        self.config: Mapping[str, Any] = {}
         self._by_n: dict[int, WindowSettings] = {}  #: the settings per window size, since the last change
         #: What the plan was made from (compared by identity; kept alive so no identity is reused):
         #: the groups, which clipping options the defaults have, whether loggers are on, and each
@@ -67,29 +72,32 @@ class WindowPlan:
         self._values: tuple[Any, ...] = ()
         self.groups: GroupPlan | None = None  #: the groups' own options (None: no group has one)
 
-    def reset(self) -> None:
-        """A setting changed: the next window decides its settings and checks the groups again."""
+    def reset(self, config: Mapping[str, Any] | None = None) -> None:
+        """A setting changed (``config``: the wrapper's settings by name, when they changed): the next
+        window decides its settings and checks the groups again."""
+        if config is not None:
+            self.config = config
         self._by_n.clear()
         self._values = ()
 
-    def settings(self, opt: Any, n: int) -> WindowSettings:
-        """The settings of a window of ``n`` micro-batches of the wrapper ``opt``; the groups' options
-        are checked again (before anything changes) when one was set since the last window."""
-        groups, defaults = opt.param_groups, opt.defaults  # (over several inner optimizers a new dict)
-        if self._changed(groups, defaults, opt.loggers):
+    def settings(self, n: int, inner: Optimizer) -> WindowSettings:
+        """The settings of a window of ``n`` micro-batches over the ``inner`` optimizer(s); the groups'
+        options are checked again (before anything changes) when one was set since the last window."""
+        groups, defaults = inner.param_groups, inner.defaults  # (over several inner optimizers a new dict)
+        if self._changed(groups, defaults, self.config["loggers"]):
             values = (
                 groups,
                 "max_norm" in defaults,  # which of GROUP_KEYS are clipping options (group_keys)
                 "clip_value" in defaults,
-                bool(opt.loggers),
+                bool(self.config["loggers"]),
                 *[g.get(k, _ABSENT) for g in groups for k in _FOLLOWED],
             )
-            self.groups = self.check_groups(opt, groups)  # raises before the plan changes
+            self.groups = self.check_groups(groups, defaults)  # raises before the plan changes
             self._by_n.clear()
             self._values = values
         s = self._by_n.get(n)
         if s is None:
-            s = self._by_n[n] = WindowSettings.read(opt, n, self.groups)
+            s = self._by_n[n] = WindowSettings.read(self.config, n, self.groups, inner)
         return s
 
     def _changed(self, groups: list[dict[str, Any]], defaults: dict[str, Any], loggers: list[Any]) -> bool:
@@ -112,18 +120,18 @@ class WindowPlan:
                 i += 1
         return i != len(v)
 
-    @staticmethod
-    def check_groups(opt: Any, groups: list[dict[str, Any]]) -> GroupPlan | None:
-        """The per-group options of ``groups`` under ``opt``'s settings, all checked; None when no group
-        has one (they may change like a learning rate)."""
-        bound = opt.max_norm
-        policy = bound if isinstance(bound, ClipPolicy) else None
+    def check_groups(self, groups: list[dict[str, Any]], defaults: dict[str, Any]) -> GroupPlan | None:
+        """The per-group options of ``groups`` under the wrapper's settings, all checked; None when no
+        group has one (they may change like a learning rate)."""
+        c = self.config
+        policy = c["max_norm"] if isinstance(c["max_norm"], ClipPolicy) else None
         return check_groups(
-            groups, opt.defaults, policy=policy, norm_group=opt.norm_group, clip_value=opt.clip_value
+            groups, defaults, policy=policy, norm_group=c["norm_group"], clip_value=c["clip_value"]
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        return {}  # identities mean nothing in a copy: it decides again at its first window
+        return {"config": self.config}  # identities mean nothing in a copy: it decides again
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__()  # type: ignore[misc]
+        self.config = state.get("config", {})

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._inner import is_fused
+from torch.optim import Optimizer
+
+from .._inner import inner_optimizers, is_fused
 from .._policies.builtin import ClipPolicy
 from .groups import GroupPlan
 
@@ -37,6 +40,9 @@ class WindowSettings:
     fused: bool = (
         False  #: the inner step takes ``grad_scale``/``found_inf`` (fused Adam, AdamW, SGD, Adagrad)
     )
+    #: Every setting of the wrapper by name (``scaler``, ``reduction``, ``max_consecutive_nonfinite``
+    #: ...), as it was when this record was made.
+    config: Mapping[str, Any] = field(default_factory=dict, compare=False)
     #: Nothing but a norm bound (at most) clips: no per-group options, policy, value clipping, pipeline
     #: norm group, per-layer statistics or GradScaler (a plain window, :mod:`clipopt._window.plain`).
     plain: bool = field(init=False)
@@ -56,25 +62,26 @@ class WindowSettings:
         return self.plain_between_stats and window % self.layer_stats != 0
 
     @classmethod
-    def read(cls, opt: Any, n: int, plan: GroupPlan | None) -> WindowSettings:
-        """The settings of a window of ``n`` micro-batches (per-group options: ``plan``), read from
-        the public attributes of the :class:`~clipopt.ClippedOptimizer` ``opt``."""
-        bound = opt.max_norm
+    def read(cls, c: Mapping[str, Any], n: int, plan: GroupPlan | None, inner: Optimizer) -> WindowSettings:
+        """The settings of a window of ``n`` micro-batches (per-group options: ``plan``) over the
+        ``inner`` optimizer(s), from the wrapper's settings by name ``c``."""
+        bound = c["max_norm"]
         policy = bound if isinstance(bound, ClipPolicy) else None
         return cls(
-            norm_type=opt.norm_type,
-            clip_value=opt.clip_value,
-            divisor=float(n) if opt.reduction == "mean" else 1.0,
-            foreach=opt.foreach,
+            norm_type=c["norm_type"],
+            clip_value=c["clip_value"],
+            divisor=float(n) if c["reduction"] == "mean" else 1.0,
+            foreach=c["foreach"],
             policy=policy,
             max_norm=None if policy is not None else bound,
-            skip_enabled=opt.skip_nonfinite or opt.scaler is not None,
-            scaled=opt.scaler is not None,
-            norm_group=opt.norm_group,
+            skip_enabled=c["skip_nonfinite"] or c["scaler"] is not None,
+            scaled=c["scaler"] is not None,
+            norm_group=c["norm_group"],
             plan=plan,
-            layer_stats=opt.layer_stats,
-            rows=bool(opt.layer_stats and opt.loggers),
-            fused=all(is_fused(o) for o in opt.optimizers),
+            layer_stats=c["layer_stats"],
+            rows=bool(c["layer_stats"] and c["loggers"]),
+            fused=all(is_fused(o) for o in inner_optimizers(inner)),
+            config=c,
         )
 
     @property

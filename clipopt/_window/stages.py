@@ -3,7 +3,7 @@
 Each stage is a function of the window's :class:`~clipopt._window.settings.WindowSettings`
 (read from the optimizer when the window closes) and its
 :class:`~clipopt._window.grads.WindowGrads`; the optimizer calls them in the order of
-docs/design.md, 'Order of operations' (``ClippedOptimizer._finish_window``) and keeps no state here.
+docs/design.md, 'Order of operations' (``clipopt._window.runtime.Runtime._finish``) and keeps no state here.
 
 * :func:`check_clippable` — stage 1 (combine), before anything changes: value clipping
   refuses complex gradients.

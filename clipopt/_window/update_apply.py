@@ -45,7 +45,6 @@ from torch.optim import Optimizer
 from .. import functional as F
 from .._checks import check_flag
 from .._distributed.collectives import ShardedGrads, has_dtensor, reduce_norm_over
-from .._distributed.replicas import ReplicaDecision
 from .._inner import inner_optimizers, reevaluates
 from .._policies.builtin import ClipPolicy
 from .._reasons import NONFINITE_UPDATE
@@ -86,25 +85,26 @@ def check_update_options(update_clip: Any, update_stats: Any, optimizer: Optimiz
 
 
 def start_update(
-    owner: Any, params: list[Tensor], optimizer: Optimizer, parts: tuple[UpdateCopy, ReplicaDecision]
+    on: tuple[UpdateClip | None, bool],
+    params: list[Tensor],
+    optimizer: Optimizer,
+    parts: tuple[UpdateCopy, tuple[Any] | None],
+    window: tuple[Any, ClipPolicy | None],
 ) -> WindowUpdate | None:
-    """None when neither ``update_clip`` nor ``update_stats`` is on; else copy ``params`` (and, with
-    ``restore_state=True``, their inner state) just before the inner step of ``optimizer``, into
-    the buffers of ``parts`` (the owner's :class:`UpdateCopy`, reused from window to window, and
-    its :class:`ReplicaDecision`: DDP ranks agree on a rejected update).
-
-    ``owner`` is the :class:`~clipopt.ClippedOptimizer`: its public ``update_clip``,
-    ``update_stats``, ``norm_group`` and ``max_norm`` (a policy takes back a window put back) are
-    read (checked where they were set: the constructor, or an assignment's
-    ``_config.check_assignment``)."""
-    clip = owner.update_clip
-    if clip is None and not owner.update_stats:
+    """None when neither of ``on`` (the ``UpdateClip`` or None, ``update_stats``; checked where
+    they were set) is on; else copy ``params`` (and, with ``restore_state=True``, their inner
+    state) just before the inner step of ``optimizer``, into the buffers of ``parts`` (the
+    wrapper's :class:`UpdateCopy`, reused from window to window, and ``(group,)``, the DDP replicas'
+    process group (None: the default one), or None without replicas: the ranks agree on a rejected
+    update).  ``window``: the pipeline stages' ``norm_group``
+    and the window's policy (it takes back a window put back)."""
+    clip, stats = on
+    if clip is None and not stats:
         return None
     buffers, replicas = parts
-    policy = owner.max_norm if isinstance(owner.max_norm, ClipPolicy) else None
     backup = buffers.take(optimizer, params, clip is not None and clip.restore_state)
-    agree = (replicas.group,) if replicas.active and not has_dtensor(params) else None
-    return WindowUpdate(clip, params, backup, (owner.norm_group, policy, agree), buffers.scratch)
+    agree = replicas if replicas is not None and not has_dtensor(params) else None
+    return WindowUpdate(clip, params, backup, (*window, agree), buffers.scratch)
 
 
 def _piece_norm(a: Tensor, b: Tensor, scratch: Tensor) -> Tensor:

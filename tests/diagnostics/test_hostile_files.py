@@ -308,7 +308,7 @@ def test_snapshot_write_failures_warn_once_per_cause(tmp_path: Path, monkeypatch
         train(opt, model, 5, nan_at=(0, 1, 2, 3))
     messages = [str(w.message) for w in record if "could not write the anomaly snapshot" in str(w.message)]
     assert len(messages) == 1
-    writer = opt._diagnostics.writer
+    writer = opt._run.diagnostics.writer
     assert writer is not None and writer.failed == 3
     assert opt.num_skipped == 4 and opt.num_updates == 1
     assert [p.name for p in tmp_path.iterdir()] == ["anomaly-step00000004-nonfinite.pt"]

@@ -267,11 +267,11 @@ def test_copies_keep_the_unsynced_marker_without_the_model() -> None:
 
     model = torch.nn.Linear(2, 2)
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
-    opt._counters.micro_batches = 1
-    opt._unsynced = Unsynced("ddp", 1, "DistributedDataParallel", group=object())
+    opt._run.counters.micro_batches = 1
+    opt._run.unsynced = Unsynced("ddp", 1, "DistributedDataParallel", group=object())
     clone = copy.deepcopy(opt)
-    assert clone._unsynced is not None and clone._unsynced.group is None
-    assert (clone._unsynced.kind, clone._unsynced.micro_batch) == ("ddp", 1)
+    assert clone._run.unsynced is not None and clone._run.unsynced.group is None
+    assert (clone._run.unsynced.kind, clone._run.unsynced.micro_batch) == ("ddp", 1)
     sd = opt.state_dict()
     want = {"kind": "ddp", "micro_batch": 1, "model_type": "DistributedDataParallel"}
     assert sd["clipopt"]["unsynced"] == want

@@ -466,7 +466,7 @@ def test_one_process_adds_no_collective_and_no_divergence_reason(tmp_path: Path)
     opt.step()
     opt.close()
     assert opt.last_stats is not None and opt.last_stats.reason == "nonfinite"
-    assert opt._replicas.divergence is None and not opt._replicas.active
+    assert opt._run.replicas.divergence is None and not opt._run.replicas.active
     assert sorted(p.name for p in tmp_path.iterdir()) == ["grads.csv"]
 
 

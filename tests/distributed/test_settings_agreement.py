@@ -144,7 +144,7 @@ def test_the_wrapper_puts_every_part_in_the_record() -> None:
     )
     assert opt.rewind is not None
     opt.rewind.batches(range(2), skip=[(1, 2)])
-    record = dict(opt._agreed_settings())
+    record = dict(opt._run.agreed())
     assert record["policy"] == repr(ZClip()) and record["spike_guard"] == "SpikeGuard"
     assert record["rewind"] == "Rewind" and record["rewind.keep"] == 3 and record["rewind.skip"] == [(1, 2)]
     assert record["spike_guard.signals"] == ("loss", "grad_norm") and record["update_clip"] == "UpdateClip"
@@ -155,5 +155,5 @@ def test_the_wrapper_puts_every_part_in_the_record() -> None:
 def test_a_wrapper_without_a_part_records_it_as_off(part: str) -> None:
     model = model_for()
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), max_norm=1.0)
-    record = opt._agreed_settings()
+    record = opt._run.agreed()
     assert (part, None) in record and not any(name.startswith(part + ".") for name, _ in record)

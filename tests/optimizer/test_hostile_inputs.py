@@ -70,7 +70,7 @@ def wrapper_state(opt: ClippedOptimizer) -> tuple[Any, ...]:
         opt.step_was_skipped,
         opt.last_stats,
         len(opt.stats),
-        int(opt._counters.consecutive),
+        int(opt._run.counters.consecutive),
     )
 
 
@@ -727,7 +727,7 @@ def test_errors_at_every_stage_leave_the_wrapper_as_before(
         with pytest.raises(_Boom):
             opt.step(loss=20.0)
     assert wrapper_state(opt) == state
-    assert (opt._loss.total, opt._loss.count) == (10.0, 1)  # the failed call's loss is not kept
+    assert (opt._run.loss.total, opt._run.loss.count) == (10.0, 1)  # the failed call's loss is not kept
     assert same_weights(model, params)
     assert opt._policy is not None and policy is not None
     for k, v in opt._policy.state_dict().items():
@@ -775,7 +775,7 @@ def test_error_in_the_inner_step_discards_the_changed_gradients(
         m.setattr(opt.optimizer, "step", boom)
         with pytest.raises(_Boom) as info:
             opt.step(loss=7.0)
-    assert opt._loss.count == 0  # the discarded window's losses go with its gradients
+    assert opt._run.loss.count == 0  # the discarded window's losses go with its gradients
     assert "the window's gradients were already changed in place" in "".join(info.value.__notes__)
     assert wrapper_state(opt)[1:] == state[1:] and opt.micro_batches == 0
     assert same_weights(model, params) and all(p.grad is None for p in model.parameters())
@@ -805,7 +805,7 @@ def test_error_after_the_inner_step_counts_the_applied_window(monkeypatch: pytes
         raise _Boom("record")
 
     with monkeypatch.context() as m:
-        m.setattr("clipopt._optimizer.StepStats", boom)
+        m.setattr("clipopt._window.runtime.StepStats", boom)
         with pytest.raises(_Boom):
             opt.step()
     assert not same_weights(model, before)

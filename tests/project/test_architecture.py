@@ -111,7 +111,7 @@ def test_an_extra_skip_source_skips_with_its_reason_and_leaves_no_trace() -> Non
     w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
     opt = ClippedOptimizer(torch.optim.SGD([w], lr=0.5), max_norm=None)
     source = _FlagEveryOther()
-    opt._skip_sources.append(source)
+    opt._run.skip_sources.append(source)
     reasons = []
     for grad in ([1.0, 1.0], [2.0, 2.0], [1.0, 1.0], [math.nan, 1.0]):
         before = w.detach().clone()
@@ -127,7 +127,7 @@ def test_an_extra_skip_source_skips_with_its_reason_and_leaves_no_trace() -> Non
     assert reasons == [None, "spike", None, "nonfinite"]
     assert source.calls == 4
     assert opt.num_skipped == 2 and opt.num_updates == 2
-    assert opt._counters.consecutive == 1  # the spike skip did not start a non-finite run
+    assert opt._run.counters.consecutive == 1  # the spike skip did not start a non-finite run
 
 
 def test_decide_skip_takes_the_first_signal_that_is_on() -> None:
@@ -226,7 +226,7 @@ def _code_lines(node: ast.AST, source: list[str]) -> int:
 #: ARCHITECTURE.md's budgets: the optimizer class is orchestration, and functions stay short.
 #: (440 until the plain window's close, issue #24: a second, short path through the stages; 478 with the
 #: check of a setting assigned mid-run, #32, whose parts protocol is to bring it to 300.)
-MAX_OPTIMIZER_CODE_LINES = 478
+MAX_OPTIMIZER_CODE_LINES = 300
 MAX_FUNCTION_LINES = 50
 
 
@@ -239,6 +239,39 @@ def test_the_optimizer_class_stays_orchestration() -> None:
         n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "ClippedOptimizer"
     ]
     assert _code_lines(cls, source.splitlines()) <= MAX_OPTIMIZER_CODE_LINES
+
+
+def test_the_window_runs_on_values_never_on_the_wrapper() -> None:
+    """Nothing the window's close runs holds the wrapper: every object reachable by strong
+    references from its runtime (``_window.runtime.Runtime``: the plan, the parts, the recovery, the
+    replicas, the diagnostics, the loggers' hand-over) is not the ``ClippedOptimizer``; the loggers
+    get it through a weak reference only (the public ``Logger.log(stats, optimizer)``)."""
+    import gc
+
+    import clipopt
+
+    model = torch.nn.Linear(3, 2)
+    opt = ClippedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.1),
+        max_norm=clipopt.ZClip(),
+        accumulation_steps=2,
+        layer_stats=1,
+        spike_guard=clipopt.SpikeGuard(),
+        rewind=clipopt.Rewind(every=2),
+        update_clip=clipopt.UpdateClip(max_rms=1e-3),
+    )
+    for _ in range(4):
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+    seen, todo = {id(opt._run)}, [opt._run]
+    while todo:
+        obj = todo.pop()
+        assert obj is not opt, "the runtime reaches the wrapper"
+        for ref in gc.get_referents(obj):
+            if id(ref) not in seen and not isinstance(ref, (type, Tensor)):
+                seen.add(id(ref))
+                todo.append(ref)
+    assert len(seen) > 50  # (the walk did go through the runtime's components)
 
 
 def test_no_function_is_longer_than_the_budget() -> None:

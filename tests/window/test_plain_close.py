@@ -54,7 +54,7 @@ def _pair(info: OptimInfo, dtype: torch.dtype, **options: Any) -> list[tuple[Cli
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(shape, dtype=dtype)) for shape in SHAPES]
         out.append((ClippedOptimizer(info.make(params), **options), params))
-    object.__setattr__(out[1][0], "_is_plain", lambda s: False)  # the reference: the general close
+    object.__setattr__(out[1][0]._run, "is_plain", lambda s: False)  # the reference: the general close
     return out
 
 
@@ -85,7 +85,7 @@ def _run_both(info: OptimInfo, dtype: torch.dtype, kinds: list[str], seed: int, 
                 p.grad = g
             opt.step()
         where = (info.id, options, i, kind)
-        assert plain._is_plain(plain._plan.settings(plain, 1)), where  # the path under test
+        assert plain._run.is_plain(plain._run.plan.settings(1, plain._inner)), where  # the path under test
         assert plain.num_windows == general.num_windows
         if plain.last_stats is not None:
             assert general.last_stats is not None
@@ -263,7 +263,7 @@ def test_no_feature_is_lost_on_the_plain_path() -> None:
     def plain(**options: Any) -> bool:
         params = [torch.nn.Parameter(torch.zeros(3))]
         opt = ClippedOptimizer(torch.optim.AdamW(params, fused=True), **options)
-        return opt._is_plain(opt._plan.settings(opt, 1))
+        return opt._run.is_plain(opt._run.plan.settings(1, opt._inner))
 
     assert plain(max_norm=1.0) and plain(max_norm=None) and plain(accumulation_steps=4)
     assert not plain(loggers=[CSVLogger("/dev/null")])
@@ -288,7 +288,7 @@ def test_the_windows_between_statistics_windows_close_plain(fused: bool) -> None
         for window in grads:
             for p, g in zip(params, window, strict=True):
                 p.grad = g.clone()
-            plain.append(opt._is_plain(opt._plan.settings(opt, 1)))
+            plain.append(opt._run.is_plain(opt._run.plan.settings(1, opt._inner)))
             opt.step()
         runs.append((opt, params, plain))
     (with_stats, params, plain), (without, ref_params, ref_plain) = runs
@@ -337,7 +337,7 @@ def test_pending_skip_flags_survive_a_copy_a_pickle_and_a_state_dict() -> None:
     for value in (1.0, 2.0, math.nan, math.inf, math.nan):  # the first update readies the state
         params[0].grad = torch.full((4,), value)
         opt.step()
-    assert opt._counters._pending  # the skips of the fused windows wait uncounted
+    assert opt._run.counters._pending  # the skips of the fused windows wait uncounted
     copies = [copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))]
     for other in copies:
         assert (other.num_skipped, other.num_updates) == (3, 2)

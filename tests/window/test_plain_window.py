@@ -26,7 +26,7 @@ PACKAGE = str(Path(clipopt.__file__).parent)
 OFF_FEATURES = {
     ("_recovery/part.py", "commit"),  # SpikeGuard / Rewind
     ("_distributed/replicas.py", "end_window"),  # replica agreement
-    ("_optimizer.py", "_sync_unsynced"),  # no_sync()
+    ("_window/runtime.py", "sync_unsynced"),  # no_sync()
     ("_window/diagnose.py", "diagnose"),  # layer statistics, anomaly snapshots
     ("_diagnostics/loggers.py", "log_window"),  # loggers
     ("_window/groups.py", "check_policy_with_groups"),  # per-group options
@@ -109,7 +109,7 @@ def test_a_plain_closing_step_calls_no_feature_that_is_off() -> None:
             opt.step()
         _fill(params)
         entered = set(_entered(opt.step))
-        assert ("_optimizer.py", "_close_plain") in entered  # the window did close, as a plain one
+        assert ("_window/runtime.py", "close_plain") in entered  # the window did close, as a plain one
         assert entered & OFF_FEATURES == set(), inner
 
 
@@ -173,6 +173,6 @@ def test_a_plain_closing_step_stays_within_its_call_and_kernel_budget() -> None:
         _fill(params)
         with _Ops() as mode:
             opt.step()
-        assert ("_optimizer.py", "_close_plain") in entered  # the window did close, as a plain one
+        assert ("_window/runtime.py", "close_plain") in entered  # the window did close, as a plain one
         assert len(entered) <= PLAIN_WINDOW_CALLS[kind], (kind, entered)
         assert len(mode.ops) <= PLAIN_WINDOW_OPS[kind], (kind, mode.ops)
