@@ -80,7 +80,7 @@ RECOVERY_COLUMNS = (BATCH_START, BATCH_END, LR_FACTOR, STATE_RESET)
 
 #: The cells of the other parts (``_part.Part.columns``), read as ``StepStats.<column>`` (None when
 #: the part is off) and written after the Rewind's columns.
-PART_COLUMNS: tuple[str, ...] = ()
+PART_COLUMNS: tuple[str, ...] = ("rerun",)
 
 #: Per-group clipping's columns and tags: each group's pre-clip norm and its coefficient.
 GROUP_KINDS = ("norm", "coef")

@@ -458,6 +458,7 @@ class ClippedOptimizer(InnerOptimizerView):
         out = None
         if closure is not None:
             check_closure(closure, self.scaler)
+            self._parts.before_closure(closure, self._counters.micro_batches)  # (a Rerun remembers it)
             with torch.enable_grad():
                 out = closure()
             k = self.accumulation_steps  # (as the closure left it)
@@ -659,10 +660,10 @@ class ClippedOptimizer(InnerOptimizerView):
         self, s: WindowSettings, loss: Any, closure: Callable[[], Any] | None, undo: UndoPoint
     ) -> Any:
         """Stages 1-7 of docs/design.md, 'Order of operations': combine, measure, diagnose, clip,
-        decide, apply, record (a due Rewind check first)."""
+        decide, apply, record (a due Rewind check first, not again when a part reran the window)."""
         n, params = self._counters.micro_batches, self._params()
         w = self._window(s, n, params, closure)  # what the parts see
-        if (reason := self._begin(w)) is not None:
+        if not undo.touched and (reason := self._begin(w)) is not None:  # (touched: a part's rerun)
             undo.committed = True  # a Rewind restored a copy, or a part discarded the window
             return self._close_discarded(n, loss, reason)
         g = self._combine(s, params, undo)
@@ -676,6 +677,8 @@ class ClippedOptimizer(InnerOptimizerView):
                 undo.touched |= s.clips_in_place
                 sources = [*self._skip_sources, *self._parts.flags(w)] if self._parts else self._skip_sources
                 clip_and_decide(s, d, g, self.param_groups, sources)
+            if self._parts and (outs := self._parts.rerun(w, d, undo.restore)) is not None:  # (Part.rerun)
+                return self._finish_window(s, self._decided_again(outs, undo), closure, undo)
             undo.touched = True  # scaling and the inner step change the gradients
             self._next_window()
             loss, fused = self._apply(s, d, g, (loss, closure), w)
@@ -691,6 +694,14 @@ class ClippedOptimizer(InnerOptimizerView):
         self._record(d, n, layers, w)
         self._check_recorded(fused)
         return loss
+
+    def _decided_again(self, outs: list[Any], undo: UndoPoint) -> Any:
+        """A part executed the window again (``outs``: its closures' values, the last one returned)
+        and what deciding changed was put back (``undo.restore``: the counters had not moved): the
+        loss is the new one, the window is decided again (the undo point keeps its copy of the
+        counters; ``touched``: the gradients are not the first execution's)."""
+        undo.touched, self._counters, self._loss = True, self._counters.copy(), LossSum.of(outs)
+        return outs[-1]
 
     def _begin(self, w: Window) -> int | None:
         """Before the window is combined: a due Rewind check (a copy, or back to one: reason
