@@ -718,7 +718,7 @@ class ClippedOptimizer(InnerOptimizerView):
         self, s: WindowSettings, n: int, params: list[Tensor], closure: Callable[[], Any] | None
     ) -> Window:
         """What the parts see of the window being closed."""
-        group = self._replicas.group if self._replicas.active else None
+        group = self._replicas.process_group  # (None without replicas)
         return Window(self._counters.windows + 1, n, params, self._inner, s, closure, group)
 
     def _next_window(self) -> None:

@@ -207,7 +207,7 @@ class Rerun(Part):
         """One line, one ``write`` on a file opened for appending, then ``fsync``."""
         assert self.tracker is not None
         self.tracker.parent.mkdir(parents=True, exist_ok=True)
-        data = (json.dumps(event, sort_keys=True) + "\n").encode("utf-8")
+        data = (json.dumps(event, sort_keys=True, allow_nan=False) + "\n").encode("utf-8")
         fd = os.open(self.tracker, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, data)
@@ -239,6 +239,7 @@ class Rerun(Part):
             self._local_bad = bad if self._local_bad is None else self._local_bad | bad
             return allreduce_hook(group, bucket)
 
+        hook.__annotations__ = {}  # (DDP compares them with its own classes: these are strings here)
         model.register_comm_hook(None, hook)
         self._watching = True
         return model
@@ -353,8 +354,8 @@ class Rerun(Part):
             "window": w.number,
             "trigger": first["trigger"],
             "outcome": outcome,
-            "first": {"total_norm": first["total_norm"], "loss": first["loss"]},
-            "rerun": {"total_norm": again["total_norm"], "loss": again["loss"]},
+            "first": {"total_norm": _json(first["total_norm"]), "loss": _json(first["loss"])},
+            "rerun": {"total_norm": _json(again["total_norm"]), "loss": _json(again["loss"])},
             "ranks": first["ranks"],
             "time": time.time(),
         }
@@ -399,6 +400,13 @@ class Rerun(Part):
 
     def load_state(self, checked: Any) -> None:
         self.counts = dict(checked)
+
+
+def _json(value: float | None) -> float | str | None:
+    """A value as strict JSON holds it: a non-finite float as ``"nan"``, ``"inf"`` or ``"-inf"``."""
+    if value is None or math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
 
 
 def _rank(group: Any) -> int:
