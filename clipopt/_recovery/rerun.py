@@ -48,6 +48,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .._caller import user_stacklevel
+from .._log_names import RERUN, RERUN_OUTCOMES
 from .._part import Part, Window
 from .._reasons import SPIKE
 
@@ -56,9 +57,9 @@ __all__ = ["OUTCOMES", "TRIGGERS", "Rerun"]
 #: What may trigger a rerun (``Rerun(on=...)``).
 TRIGGERS = ("nonfinite", "spike")
 #: What a rerun finds (``StepStats.rerun``).
-OUTCOMES = ("persistent", "transient")
+OUTCOMES = RERUN_OUTCOMES
 #: The column of ``StepStats.rerun`` and the logs.
-COLUMN = "rerun"
+COLUMN = RERUN
 
 
 def _check_on(value: Any) -> tuple[str, ...]:

@@ -418,3 +418,60 @@ def test_two_gloo_ranks_rerun_together_and_name_the_faulty_rank(tmp_path: Path) 
     assert _equal(a["clean"]["params"], b["clean"]["params"])
     events = Rerun.read_tracker(tmp_path / "tracker.jsonl")
     assert [e["outcome"] for e in events] == ["transient", "persistent"]  # rank 0 alone wrote them
+
+
+# ---------------------------------------------------------------------------- the report
+
+
+def _logged_run(tmp_path: Path, faults: list[int]) -> tuple[Path, Path]:
+    """A real run, logged to a CSV file and a TensorBoard folder, with a NaN gradient on the first
+    execution of each batch in ``faults`` and a NaN in the input of batch 1 (persistent)."""
+    from clipopt import TensorBoardLogger
+
+    csv_path, tb_path = tmp_path / "log.csv", tmp_path / "tb"
+    loggers = [CSVLogger(csv_path), TensorBoardLogger(tb_path)]
+    batches = _bad_data(1, None) + _batches(16, seed=2)
+    model = _model()
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), max_norm=1.0, rerun=Rerun(), loggers=loggers
+    )
+    calls: Counter[int] = Counter()
+    for i, (x, y) in enumerate(batches):
+
+        def closure(i: int = i, x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            calls[i] += 1
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            if i in faults and calls[i] == 1:
+                _nan_grad(model)
+            return loss
+
+        opt.step(closure=closure)
+        opt.zero_grad()
+    for logger in loggers:
+        logger.close()
+    return csv_path, tb_path
+
+
+@pytest.mark.parametrize("kind", ["csv", "tensorboard"])
+def test_the_report_counts_transient_events_and_suspects_a_device_when_they_repeat(
+    tmp_path: Path, kind: str
+) -> None:
+    """The log of a real run with two transient faults (windows 6 and 15) and one persistent NaN
+    batch (window 2): the report counts them, gives the transient steps, and says a device may be
+    faulty; with one transient fault it does not."""
+    from clipopt._report.read import read_log
+    from clipopt._report.rules.analysis import analyze
+
+    csv_path, tb_path = _logged_run(tmp_path / "two", faults=[5, 14])
+    report = analyze(read_log(csv_path if kind == "csv" else tb_path))
+    assert report["summary"]["rerun"] == {"persistent": 1, "transient": 2}
+    notes = " | ".join(report["notes"])
+    assert "3 anomalous update(s) executed again (Rerun): 1 persistent" in notes
+    assert "2 transient at step(s) 6, 15" in notes
+    assert "a device may be faulty" in notes
+
+    csv_path, tb_path = _logged_run(tmp_path / "one", faults=[5])
+    report = analyze(read_log(csv_path if kind == "csv" else tb_path))
+    assert report["summary"]["rerun"] == {"persistent": 1, "transient": 1}
+    assert "a device may be faulty" not in " | ".join(report["notes"])
