@@ -32,18 +32,29 @@ def rerun_job(rank: int, port: int, out_dir: str) -> None:
         "clean": _run(rank, None, ()),
         "transient": _run(rank, Rerun(tracker=tracker), (1,)),
         "persistent": _run(rank, Rerun(tracker=tracker), (1, 2)),
+        "fsdp-clean": _run(rank, None, (), fsdp=True),
+        "fsdp-transient": _run(rank, Rerun(), (1,), fsdp=True),
     }
     torch.save(result, os.path.join(out_dir, f"rerun{rank}.pt"))
     leave_process_group()
 
 
-def _run(rank: int, rerun: Rerun | None, fault_calls: tuple[int, ...]) -> dict[str, Any]:
-    """DDP over ``mlp((5, 4, 3))``, SGD with momentum through ``step(closure=...)``; rank 1's input
-    at batch FAULT holds a NaN on the executions ``fault_calls`` (1: the first)."""
+def _run(rank: int, rerun: Rerun | None, fault_calls: tuple[int, ...], fsdp: bool = False) -> dict[str, Any]:
+    """DDP (``fsdp``: FSDP2, each Linear sharded, then the whole) over ``mlp((5, 4, 3))``, SGD with
+    momentum through ``step(closure=...)``; rank 1's input at batch FAULT holds a NaN on the
+    executions ``fault_calls`` (1: the first)."""
     plain = mlp((5, 4, 3))
-    model = nn.parallel.DistributedDataParallel(plain)
-    if rerun is not None:
-        rerun.watch(model)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in plain:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        model: nn.Module = fully_shard(plain)
+    else:
+        model = nn.parallel.DistributedDataParallel(plain)
+        if rerun is not None:
+            rerun.watch(model)
     opt = ClippedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), max_norm=1.0, rerun=rerun
     )
@@ -68,5 +79,7 @@ def _run(rank: int, rerun: Rerun | None, fault_calls: tuple[int, ...]) -> dict[s
         "reruns": [s.rerun for s in opt.stats],
         "skipped": [bool(s.skipped) for s in opt.stats],
         "ranks": events[-1]["ranks"] if events else None,
-        "params": [p.detach().clone() for p in plain.parameters()],
+        "params": [
+            (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in plain.parameters()
+        ],
     }
