@@ -177,6 +177,13 @@ class Rerun(Part):
         self._watching = False
         self._warned = False
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave the open window's closures and RNG states behind (a closure is
+        often a lambda): a copy cannot execute that window again, and warns if it must."""
+        state = dict(self.__dict__)
+        state.update(_closures=[], _rng=None, _local_bad=None)
+        return state
+
     def __repr__(self) -> str:
         return f"Rerun(on={self.on!r}, tolerance={self.tolerance!r}, tracker={self.tracker!r})"
 
@@ -331,8 +338,16 @@ class Rerun(Part):
         for p in w.params:
             p.grad = None
         self._rng.restore()
-        with torch.enable_grad():
-            return [closure() for closure in self._closures]
+        try:
+            with torch.enable_grad():
+                return [closure() for closure in self._closures]
+        except BaseException as exc:
+            for p in w.params:  # part of the rerun's backward passes: never applied
+                p.grad = None
+            note = getattr(exc, "add_note", None)  # (Python 3.11+)
+            if note is not None:
+                note(f"clipopt: raised while Rerun ran window {w.number} again (its gradients were dropped)")
+            raise
 
     def _judge(self, w: Window, d: Any) -> None:
         """The second decision: persistent when the outcome is the same (agreed across the ranks)."""

@@ -30,6 +30,7 @@ from clipopt import ClippedOptimizer, CSVLogger, Rerun, SpikeGuard, StepStats
 
 from .. import rerun_jobs as jobs
 from ..helpers import free_port, join_spawned, start_ranks
+from ..hostreads import count_host_reads
 from ..markers import needs_gloo
 
 WINDOWS = 8
@@ -285,6 +286,33 @@ def test_a_healthy_run_calls_each_closure_once_and_equals_a_run_without_rerun() 
     assert [s.rerun for s in run.stats] == [None] * WINDOWS
     assert run.opt.rerun.events == [] and run.opt.rerun.counts == {"persistent": 0, "transient": 0}
     assert _equal(run.params, plain.params)
+
+
+def test_a_healthy_window_reads_its_decision_on_the_host_once() -> None:
+    """The documented cost: with Rerun on, each healthy window makes one host read more than
+    without it (its decision: norm, loss and reason in one read), made by the Rerun."""
+
+    def reads(rerun: Rerun | None) -> list[str]:
+        model = _model()
+        opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), max_norm=1.0, rerun=rerun)
+        x, y = _batches(1)[0]
+
+        def closure() -> torch.Tensor:
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            return loss
+
+        opt.step(closure=closure)  # the first window checks more
+        opt.zero_grad()
+        with count_host_reads() as counted:
+            for _ in range(3):
+                opt.step(closure=closure)
+                opt.zero_grad()
+        return counted.ours
+
+    base, mine = reads(None), reads(Rerun())
+    assert len(mine) == len(base) + 3
+    assert len([r for r in mine if "rerun.py" in r]) == 3
 
 
 def test_the_csv_log_has_the_rerun_column(tmp_path: Path) -> None:
