@@ -458,7 +458,7 @@ class ClippedOptimizer(InnerOptimizerView):
         out = None
         if closure is not None:
             check_closure(closure, self.scaler)
-            self._parts.before_closure(closure, self._counters.micro_batches)  # (a Rerun remembers it)
+            self._parts.before_closure(closure, self._counters.micro_batches, self._counters.windows + 1)
             with torch.enable_grad():
                 out = closure()
             k = self.accumulation_steps  # (as the closure left it)

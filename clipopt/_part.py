@@ -119,10 +119,11 @@ class Part:
 
     # ------------------------------------------------------------------ the window's hooks
 
-    def before_closure(self, closure: Callable[[], Any], index: int) -> None:
+    def before_closure(self, closure: Callable[[], Any], index: int, window: int) -> None:
         """``step(closure)``: just before the wrapper runs ``closure``, the closure of micro-batch
-        ``index`` of the open window (0: its first; with ``accumulation_steps > 1`` the earlier ones
-        were given to earlier ``step()`` calls).  Not called for a micro-batch without a closure."""
+        ``index`` of the open window, number ``window`` (``index`` 0: its first; with
+        ``accumulation_steps > 1`` the earlier ones were given to earlier ``step()`` calls).  Not
+        called for a micro-batch without a closure."""
 
     def begin(self, w: Window) -> int | None:
         """Before the window is combined: a reason code to discard the window (its gradients are
@@ -273,9 +274,9 @@ class Parts:
                 return code
         return None
 
-    def before_closure(self, closure: Callable[[], Any], index: int) -> None:
+    def before_closure(self, closure: Callable[[], Any], index: int, window: int) -> None:
         for p in self.active:
-            p.before_closure(closure, index)
+            p.before_closure(closure, index, window)
 
     def rerun(self, w: Window, d: Any, restore: Callable[[], None]) -> list[Any] | None:
         """The first part's re-execution of the window (:meth:`Part.rerun`), or None; after a

@@ -169,6 +169,7 @@ class Rerun(Part):
         #: This run's events by outcome (in the state dict).
         self.counts: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
         self._closures: list[Callable[[], Any]] = []  # the open window's closures, in order
+        self._window = 0  # the number of the window they belong to
         self._rng: _RngStates | None = None  # the RNG states before its first closure
         self._first: dict[str, Any] | None = None  # the first execution's outcome, during a rerun
         self._outcome: str | None = None  # the window's verdict, until recorded
@@ -254,12 +255,12 @@ class Rerun(Part):
 
     # ------------------------------------------------------------------ the window's hooks
 
-    def before_closure(self, closure: Callable[[], Any], index: int) -> None:
+    def before_closure(self, closure: Callable[[], Any], index: int, window: int) -> None:
         if index == 0:
-            self._closures = [closure]
+            self._closures, self._window = [closure], window
             self._rng = _RngStates()
             self._local_bad = None
-        elif len(self._closures) == index:
+        elif len(self._closures) == index and self._window == window:
             self._closures.append(closure)
         else:  # a micro-batch of the window came without a closure
             self._closures = []
@@ -272,7 +273,8 @@ class Rerun(Part):
         trigger = self._trigger(d, outcome)
         if trigger is None:
             return None
-        if len(self._closures) != w.micro_batches or self._rng is None or w.settings.scaled:
+        whole = len(self._closures) == w.micro_batches and self._window == w.number
+        if not whole or self._rng is None or w.settings.scaled:
             self._cannot(w)
             return None
         self._first = {"trigger": trigger, **outcome, "ranks": self._first_ranks(w, d)}

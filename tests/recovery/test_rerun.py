@@ -404,19 +404,31 @@ def test_rerun_must_be_a_rerun() -> None:
         ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), rerun=3)
 
 
-def test_without_a_closure_the_window_is_decided_as_without_rerun_and_it_warns_once() -> None:
+@pytest.mark.parametrize("mixed", [False, True])
+def test_without_a_closure_the_window_is_decided_as_without_rerun_and_it_warns_once(mixed: bool) -> None:
     """``step()`` without a closure cannot be executed again: one RuntimeWarning, then the window
-    is skipped as without Rerun."""
+    is skipped as without Rerun.  ``mixed``: windows of 2 micro-batches, the first given without
+    a closure, the second with one."""
     model = _model()
-    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), rerun=Rerun())
+    opt = ClippedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), rerun=Rerun(), accumulation_steps=2 if mixed else 1
+    )
     x, y = _batches(1)[0]
     x = x.clone()
     x[0, 0] = math.nan
+
+    def closure() -> torch.Tensor:
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
-            ((model(x) - y) ** 2).mean().backward()
+            closure()
             opt.step()
+            if mixed:
+                opt.step(closure=closure)
             opt.zero_grad()
     mine = [w for w in caught if "Rerun" in str(w.message)]
     assert len(mine) == 1 and issubclass(mine[0].category, RuntimeWarning)
