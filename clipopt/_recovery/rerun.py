@@ -212,12 +212,12 @@ class Rerun(Part):
                 continue
         return events
 
-    def _append(self, event: dict[str, Any]) -> None:
+    @staticmethod
+    def _append(tracker: Path, event: dict[str, Any]) -> None:
         """One line, one ``write`` on a file opened for appending, then ``fsync``."""
-        assert self.tracker is not None
-        self.tracker.parent.mkdir(parents=True, exist_ok=True)
+        tracker.parent.mkdir(parents=True, exist_ok=True)
         data = (json.dumps(event, sort_keys=True, allow_nan=False) + "\n").encode("utf-8")
-        fd = os.open(self.tracker, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(tracker, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, data)
             os.fsync(fd)
@@ -267,7 +267,8 @@ class Rerun(Part):
 
     def rerun(self, w: Window, d: Any) -> list[Any] | None:
         if self._first is not None:  # the second decision
-            self._judge(w, d)
+            first, self._first = self._first, None
+            self._judge(w, d, first)
             return None
         outcome = self._outcome_of(d)
         trigger = self._trigger(d, outcome)
@@ -336,10 +337,10 @@ class Rerun(Part):
 
     def _execute(self, w: Window) -> list[Any]:
         """The window's closures again, on cleared gradients, from the first execution's RNG states."""
-        assert self._rng is not None
         for p in w.params:
             p.grad = None
-        self._rng.restore()
+        if self._rng is not None:  # (checked by rerun())
+            self._rng.restore()
         try:
             with torch.enable_grad():
                 return [closure() for closure in self._closures]
@@ -351,10 +352,9 @@ class Rerun(Part):
                 note(f"clipopt: raised while Rerun ran window {w.number} again (its gradients were dropped)")
             raise
 
-    def _judge(self, w: Window, d: Any) -> None:
-        """The second decision: persistent when the outcome is the same (agreed across the ranks)."""
-        first, self._first = self._first, None
-        assert first is not None
+    def _judge(self, w: Window, d: Any, first: dict[str, Any]) -> None:
+        """The second decision against the ``first``: persistent when the outcome is the same
+        (agreed across the ranks)."""
         again = self._outcome_of(d)
         same = same_value(first["total_norm"], again["total_norm"], self.tolerance) and same_value(
             first["loss"], again["loss"], self.tolerance
@@ -386,7 +386,7 @@ class Rerun(Part):
         event["applied"] = not bool(skipped)
         self.events.append(event)
         if self.tracker is not None and (w.replica_group is None or _rank(w.replica_group) == 0):
-            self._append(event)
+            self._append(self.tracker, event)
 
     def record(self, w: Window) -> None:
         w.cells[COLUMN], self._outcome = self._outcome, None
