@@ -32,6 +32,7 @@ def rerun_job(rank: int, port: int, out_dir: str) -> None:
         "clean": _run(rank, None, ()),
         "transient": _run(rank, Rerun(tracker=tracker), (1,)),
         "persistent": _run(rank, Rerun(tracker=tracker), (1, 2)),
+        "local-loss": _run(rank, Rerun(), (1, 2), nan_loss=True),
         "fsdp-clean": _run(rank, None, (), fsdp=True),
         "fsdp-transient": _run(rank, Rerun(), (1,), fsdp=True),
     }
@@ -39,10 +40,18 @@ def rerun_job(rank: int, port: int, out_dir: str) -> None:
     leave_process_group()
 
 
-def _run(rank: int, rerun: Rerun | None, fault_calls: tuple[int, ...], fsdp: bool = False) -> dict[str, Any]:
+def _run(
+    rank: int,
+    rerun: Rerun | None,
+    fault_calls: tuple[int, ...],
+    *,
+    fsdp: bool = False,
+    nan_loss: bool = False,
+) -> dict[str, Any]:
     """DDP (``fsdp``: FSDP2, each Linear sharded, then the whole) over ``mlp((5, 4, 3))``, SGD with
     momentum through ``step(closure=...)``; rank 1's input at batch FAULT holds a NaN on the
-    executions ``fault_calls`` (1: the first)."""
+    executions ``fault_calls`` (1: the first); ``nan_loss``: instead, rank 1's closure returns a
+    NaN loss there, its gradients finite."""
     plain = mlp((5, 4, 3))
     if fsdp:
         from torch.distributed.fsdp import fully_shard
@@ -65,12 +74,13 @@ def _run(rank: int, rerun: Rerun | None, fault_calls: tuple[int, ...], fsdp: boo
 
         def closure(i: int = i, x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
             calls[i] += 1
-            if rank == 1 and i == FAULT and calls[i] in fault_calls:
+            hit = rank == 1 and i == FAULT and calls[i] in fault_calls
+            if hit and not nan_loss:
                 x = x.clone()
                 x[0, 0] = math.nan
             loss = ((model(x) - y) ** 2).mean()
             loss.backward()
-            return loss
+            return loss.detach() * math.nan if hit and nan_loss else loss
 
         opt.step(closure=closure)
         opt.zero_grad()

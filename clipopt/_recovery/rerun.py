@@ -271,7 +271,7 @@ class Rerun(Part):
             self._judge(w, d, first)
             return None
         outcome = self._outcome_of(d)
-        trigger = self._trigger(d, outcome)
+        trigger = self._trigger(outcome, local_loss=w.replica_group is None)
         if trigger is None:
             return None
         whole = len(self._closures) == w.micro_batches and self._window == w.number
@@ -290,8 +290,11 @@ class Rerun(Part):
         norm, value, code = torch.stack([t.reshape(()).double() for t in parts]).tolist()
         return {"total_norm": norm, "loss": None if d.loss is None else value, "reason": int(code)}
 
-    def _trigger(self, d: Any, outcome: Mapping[str, Any]) -> str | None:
-        loss = outcome["loss"]
+    def _trigger(self, outcome: Mapping[str, Any], local_loss: bool) -> str | None:
+        """What makes the window an anomaly, or None.  Under data parallelism (``local_loss``
+        False) only what the ranks agreed on counts -- the norm and the skip reason, not a rank's
+        own loss -- so that every rank reruns or none."""
+        loss = outcome["loss"] if local_loss else None
         if "nonfinite" in self.on and (
             not math.isfinite(outcome["total_norm"]) or (loss is not None and not math.isfinite(loss))
         ):

@@ -444,8 +444,8 @@ def test_two_gloo_ranks_rerun_together_and_name_the_faulty_rank(tmp_path: Path) 
     """DDP, 2 gloo ranks, a NaN in rank 1's input on its first execution of window 4: both ranks
     rerun, agree on "transient", apply the update (their parameters equal a clean DDP run's) and
     the event names rank 1 (``Rerun.watch``: the check before the reduction); only rank 0 writes
-    the tracker.  A NaN on rank 1 in every execution is persistent on both.  Under FSDP2 the
-    transient fault is applied alike."""
+    the tracker.  A NaN on rank 1 in every execution is persistent on both; a NaN loss of rank 1
+    alone (finite gradients) reruns on no rank.  Under FSDP2 the transient fault is applied alike."""
     join_spawned(start_ranks(jobs.rerun_job, (free_port(), str(tmp_path)), jobs.WORLD), "rerun")
     a, b = (torch.load(tmp_path / f"rerun{r}.pt", weights_only=False) for r in range(jobs.WORLD))
     for r in (a, b):
@@ -457,6 +457,9 @@ def test_two_gloo_ranks_rerun_together_and_name_the_faulty_rank(tmp_path: Path) 
         assert r["persistent"]["reruns"][jobs.FAULT] == "persistent"
         assert r["persistent"]["skipped"][jobs.FAULT] is True
     assert _equal(a["clean"]["params"], b["clean"]["params"])
+    for r in (a, b):  # one rank's own NaN loss, its gradients finite: no rank reruns (none hangs)
+        assert r["local-loss"]["reruns"] == [None] * jobs.WINDOWS
+        assert _equal(r["local-loss"]["params"], r["clean"]["params"])
     for r in (a, b):  # FSDP2: the same, the rank named by its own loss
         assert r["fsdp-transient"]["reruns"] == r["transient"]["reruns"]
         assert r["fsdp-transient"]["ranks"] == [1]
