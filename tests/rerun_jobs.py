@@ -33,6 +33,8 @@ def rerun_job(rank: int, port: int, out_dir: str) -> None:
         "transient": _run(rank, Rerun(tracker=tracker), (1,)),
         "persistent": _run(rank, Rerun(tracker=tracker), (1, 2)),
         "local-loss": _run(rank, Rerun(), (1, 2), nan_loss=True),
+        "grad-fault": _run(rank, Rerun(), (1,), nan_grad=True),
+        "grad-fault-unwatched": _run(rank, Rerun(), (1,), nan_grad=True, watch=False),
         "fsdp-clean": _run(rank, None, (), fsdp=True),
         "fsdp-transient": _run(rank, Rerun(), (1,), fsdp=True),
     }
@@ -47,11 +49,14 @@ def _run(
     *,
     fsdp: bool = False,
     nan_loss: bool = False,
+    nan_grad: bool = False,
+    watch: bool = True,
 ) -> dict[str, Any]:
     """DDP (``fsdp``: FSDP2, each Linear sharded, then the whole) over ``mlp((5, 4, 3))``, SGD with
     momentum through ``step(closure=...)``; rank 1's input at batch FAULT holds a NaN on the
     executions ``fault_calls`` (1: the first); ``nan_loss``: instead, rank 1's closure returns a
-    NaN loss there, its gradients finite."""
+    NaN loss there, its gradients finite; ``nan_grad``: instead, rank 1's backward pass turns its
+    own gradients NaN before DDP reduces them, its loss finite (``watch``: ``Rerun.watch``)."""
     plain = mlp((5, 4, 3))
     if fsdp:
         from torch.distributed.fsdp import fully_shard
@@ -62,7 +67,7 @@ def _run(
         model: nn.Module = fully_shard(plain)
     else:
         model = nn.parallel.DistributedDataParallel(plain)
-        if rerun is not None:
+        if rerun is not None and watch:
             rerun.watch(model)
     opt = ClippedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), max_norm=1.0, rerun=rerun
@@ -75,10 +80,13 @@ def _run(
         def closure(i: int = i, x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
             calls[i] += 1
             hit = rank == 1 and i == FAULT and calls[i] in fault_calls
-            if hit and not nan_loss:
+            if hit and not (nan_loss or nan_grad):
                 x = x.clone()
                 x[0, 0] = math.nan
-            loss = ((model(x) - y) ** 2).mean()
+            out = model(x)
+            if hit and nan_grad:
+                out.register_hook(lambda g: g * math.nan)
+            loss = ((out - y) ** 2).mean()
             loss.backward()
             return loss.detach() * math.nan if hit and nan_loss else loss
 

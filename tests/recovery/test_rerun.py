@@ -445,7 +445,8 @@ def test_two_gloo_ranks_rerun_together_and_name_the_faulty_rank(tmp_path: Path) 
     rerun, agree on "transient", apply the update (their parameters equal a clean DDP run's) and
     the event names rank 1 (``Rerun.watch``: the check before the reduction); only rank 0 writes
     the tracker.  A NaN on rank 1 in every execution is persistent on both; a NaN loss of rank 1
-    alone (finite gradients) reruns on no rank.  Under FSDP2 the transient fault is applied alike."""
+    alone (finite gradients) reruns on no rank; NaN gradients of rank 1 alone with a finite loss
+    are named only with watch().  Under FSDP2 the transient fault is applied alike."""
     join_spawned(start_ranks(jobs.rerun_job, (free_port(), str(tmp_path)), jobs.WORLD), "rerun")
     a, b = (torch.load(tmp_path / f"rerun{r}.pt", weights_only=False) for r in range(jobs.WORLD))
     for r in (a, b):
@@ -457,6 +458,11 @@ def test_two_gloo_ranks_rerun_together_and_name_the_faulty_rank(tmp_path: Path) 
         assert r["persistent"]["reruns"][jobs.FAULT] == "persistent"
         assert r["persistent"]["skipped"][jobs.FAULT] is True
     assert _equal(a["clean"]["params"], b["clean"]["params"])
+    for r in (a, b):  # rank 1's own gradients NaN before the reduction, its loss finite: named by watch()
+        assert r["grad-fault"]["reruns"] == r["transient"]["reruns"]
+        assert r["grad-fault"]["ranks"] == [1]
+        assert _equal(r["grad-fault"]["params"], r["clean"]["params"])
+        assert r["grad-fault-unwatched"]["ranks"] == []  # without watch(): the losses name no rank
     for r in (a, b):  # one rank's own NaN loss, its gradients finite: no rank reruns (none hangs)
         assert r["local-loss"]["reruns"] == [None] * jobs.WINDOWS
         assert _equal(r["local-loss"]["params"], r["clean"]["params"])
