@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch import nn
 
-from clipopt import ClippedOptimizer, CSVLogger, Rerun, SpikeGuard, StepStats
+from clipopt import AutoClip, ClippedOptimizer, CSVLogger, Rerun, SpikeGuard, StepStats
 
 from .. import rerun_jobs as jobs
 from ..helpers import free_port, join_spawned, start_ranks
@@ -76,6 +76,7 @@ def _train(
     batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     k: int = 1,
     spike_guard: Callable[[], SpikeGuard] | None = None,
+    max_norm: Any = 1.0,
     **options: Any,
 ) -> Run:
     """Train ``_model()`` with SGD + momentum through ``step(closure=...)``, ``k`` micro-batches per
@@ -85,7 +86,7 @@ def _train(
     np.random.seed(4)
     opt = ClippedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-        max_norm=1.0,
+        max_norm=max_norm() if callable(max_norm) else max_norm,
         accumulation_steps=k,
         rerun=rerun,
         spike_guard=None if spike_guard is None else spike_guard(),
@@ -159,6 +160,26 @@ def test_a_nan_in_the_first_execution_only_is_transient_and_the_update_is_applie
     assert event["window"] == window + 1 and event["trigger"] == "nonfinite" and event["applied"] is True
     assert event["first"]["total_norm"] == "nan" and math.isfinite(event["rerun"]["total_norm"])
     assert run.opt.rerun.counts == {"persistent": 0, "transient": 1}
+
+
+def test_a_clip_policy_sees_the_window_once() -> None:
+    """With an AutoClip threshold (its history of norms updated when a window is clipped), the
+    transient window's first decision (a spike: a large finite norm) is put back before the
+    second: the run equals the clean one (were the first execution's norm in the history, or the
+    window's twice, it would not)."""
+
+    def policy() -> AutoClip:
+        return AutoClip(percentile=50.0, history=16)
+
+    def guard() -> SpikeGuard:
+        return SpikeGuard(z_thresh=6.0, window=8, warmup=3, signals=("loss",))
+
+    clean = _train(None, max_norm=policy, spike_guard=guard)
+    fault = Fault(5, on_input=lambda x: x * 1000)  # a finite spike: its norm would enter the history
+    run = _train(Rerun(), fault=fault, max_norm=policy, spike_guard=guard)
+    assert run.stats[5].rerun == "transient"
+    assert _equal(run.params, clean.params)
+    assert [s.max_norm for s in run.stats] == [s.max_norm for s in clean.stats]
 
 
 def test_without_rerun_the_fault_is_skipped_and_the_run_differs() -> None:
