@@ -18,6 +18,8 @@ __all__ = [
     "BATCH_START",
     "PART_COLUMNS",
     "RECOVERY_COLUMNS",
+    "RERUN",
+    "RERUN_OUTCOMES",
     "CLIPPED",
     "CLIP_COEF",
     "GROUP_COLUMN",
@@ -80,7 +82,12 @@ RECOVERY_COLUMNS = (BATCH_START, BATCH_END, LR_FACTOR, STATE_RESET)
 
 #: The cells of the other parts (``_part.Part.columns``), read as ``StepStats.<column>`` (None when
 #: the part is off) and written after the Rewind's columns.
-PART_COLUMNS: tuple[str, ...] = ()
+PART_COLUMNS: tuple[str, ...] = ("rerun",)
+
+#: ``Rerun``'s column (``StepStats.rerun``) and what it holds where a window was executed again; its
+#: TensorBoard tags are ``clipopt/rerun/<outcome>`` (1 where it happened).
+RERUN = "rerun"
+RERUN_OUTCOMES = ("persistent", "transient")
 
 #: Per-group clipping's columns and tags: each group's pre-clip norm and its coefficient.
 GROUP_KINDS = ("norm", "coef")

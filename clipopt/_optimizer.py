@@ -284,7 +284,7 @@ class ClippedOptimizer(InnerOptimizerView):
     if not TYPE_CHECKING:  # (as InnerOptimizerView's: hidden from mypy)
 
         def __getattr__(self, name: str) -> Any:
-            if name in KEYWORDS and "_parts" in self.__dict__:  # a part's keyword: its value, None when off
+            if name in KEYWORDS and "_run" in self.__dict__:  # a part's keyword: its value, None when off
                 return self._run.parts.value(name)
             return super().__getattr__(name)
 
@@ -428,6 +428,9 @@ class ClippedOptimizer(InnerOptimizerView):
         out = None
         if closure is not None:
             check_closure(closure, self.scaler)
+            self._run.parts.before_closure(
+                closure, self._run.counters.micro_batches, self._run.counters.windows + 1
+            )
             with torch.enable_grad():
                 out = closure()
             k = self.accumulation_steps  # (as the closure left it)

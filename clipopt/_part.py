@@ -64,9 +64,11 @@ class Part:
     The hooks, in the order a window's close runs them (docs/design.md, 'Order of operations'):
 
     ========================  =======================================================
+    :meth:`before_closure`    ``step(closure)``: before each micro-batch's closure runs
     :meth:`begin`             before the window is combined (may discard it)
     :meth:`diagnose`          stage 3, the pre-clip gradients (observers)
     :meth:`flag`              stage 5, a skip signal after the built-in ones
+    :meth:`rerun`             after stage 5: execute the window again, decide again
     :meth:`step_context`      stage 6, around the inner step
     :meth:`before_step`       stage 6, just before the inner step
     :meth:`after_step`        stage 6, just after it (may reject or bound the update)
@@ -117,6 +119,12 @@ class Part:
 
     # ------------------------------------------------------------------ the window's hooks
 
+    def before_closure(self, closure: Callable[[], Any], index: int, window: int) -> None:
+        """``step(closure)``: just before the wrapper runs ``closure``, the closure of micro-batch
+        ``index`` of the open window, number ``window`` (``index`` 0: its first; with
+        ``accumulation_steps > 1`` the earlier ones were given to earlier ``step()`` calls).  Not
+        called for a micro-batch without a closure."""
+
     def begin(self, w: Window) -> int | None:
         """Before the window is combined: a reason code to discard the window (its gradients are
         dropped and it is recorded as skipped with that reason), or None."""
@@ -128,6 +136,15 @@ class Part:
     def flag(self, w: Window, d: Any) -> Tensor | None:
         """Stage 5: a 0/1 float tensor on the device (never read on the host) that skips the
         window with reason :attr:`code`, or None (no opinion)."""
+        return None
+
+    def rerun(self, w: Window, d: Any) -> list[Any] | None:
+        """After stage 5 (decide), before anything is applied: None to go on, or the return values of
+        the window's closures executed again by the part (the gradients recomputed).  The wrapper
+        then puts back what deciding changed (the clip policy's state) and decides again from
+        stage 1 (combine), with the window's loss taken from those values; :meth:`begin` is not
+        called again, and this hook is called again with the new decision.  A part that reruns
+        must return None on that second call."""
         return None
 
     def step_context(self, w: Window) -> AbstractContextManager[Any]:
@@ -260,6 +277,21 @@ class Parts:
     def host_step(self, w: Window) -> bool:
         """Whether a part needs this window's inner step on the host path (:meth:`Part.host_step`)."""
         return any(p.host_step(w) for p in self.active)
+
+    def before_closure(self, closure: Callable[[], Any], index: int, window: int) -> None:
+        for p in self.active:
+            p.before_closure(closure, index, window)
+
+    def rerun(self, w: Window, d: Any, restore: Callable[[], None]) -> list[Any] | None:
+        """The first part's re-execution of the window (:meth:`Part.rerun`), or None; after a
+        re-execution ``restore()`` puts back what deciding the window changed (the wrapper's undo
+        point: the clip policy's state, the history)."""
+        for p in self.active:
+            again = p.rerun(w, d)
+            if again is not None:
+                restore()
+                return again
+        return None
 
     def flags(self, w: Window) -> list[_Flag]:
         return [_Flag(p, w) for p in self.active if type(p).flag is not Part.flag]

@@ -39,6 +39,7 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "distributed/test_distributed_hardening.py",
         "recovery/test_spike_distributed.py",
         "recovery/test_rewind_fsdp.py",
+        "recovery/test_rerun.py::test_two_gloo_ranks_rerun_together_and_name_the_faulty_rank",
         "replay/test_replay.py::test_ddp_rank_files_replay_without_a_process_group",
         "window/test_window_guard.py::test_ddp_gradients_and_bucket_views_are_not_mistaken_for_clearing",
         "window/test_update_clip.py::test_ddp_and_fsdp2_bound_the_update_as_one_process_does",

@@ -179,7 +179,11 @@ class TensorBoardLogger:
         for g, lr in enumerate(s.lr):
             add(column_tag(lr_name(g)), float(lr))
         for name, value in s.recovery.items():  # a Rewind's (clipopt._log_names.RECOVERY_COLUMNS)
-            if value is not None:
+            if isinstance(
+                value, str
+            ):  # a part's outcome (StepStats.rerun): a tag per outcome, 1 where it was
+                add(column_tag(f"{name}/{value}"), 1.0)
+            elif value is not None:
                 add(column_tag(name), float(value))
         for g, (norm, coef) in enumerate(zip(s.group_norms, s.group_coefs, strict=True)):
             add(group_tag("norm", g), norm)

@@ -180,6 +180,14 @@ class ReplicaDecision:
         """The replicas' process group once resolved (None: the default group)."""
         return self._group
 
+    @property
+    def process_group(self) -> Any:
+        """The replicas' process group object once resolved and active (the default group's own
+        object where :attr:`group` is None), else None: what a part sees (``Window.replica_group``)."""
+        if not self.active:
+            return None
+        return torch.distributed.group.WORLD if self._group is None else self._group
+
     # ------------------------------------------------------------------ settings: once, and per change
 
     def due(self, accumulation_steps: int) -> bool:

@@ -15,13 +15,16 @@ from .._log_names import (
     MAX_NORM,
     MICRO_BATCHES,
     RECOVERY_COLUMNS,
+    RERUN,
+    RERUN_OUTCOMES,
     SKIPPED,
     UPDATE_COEF,
     UPDATE_NORM,
+    column_tag,
 )
 from .._reasons import NONFINITE, REASONS, by_code
 
-__all__ = ["EXPECTED", "LIGHTNING_LAYER", "GradLog", "Names", "from_records"]
+__all__ = ["EXPECTED", "LIGHTNING_LAYER", "GradLog", "Names", "from_records", "rerun_tag"]
 
 #: Lightning's per-layer norm (``grad_2.0_norm/<name>``: a CSV column or a TensorBoard tag).
 LIGHTNING_LAYER = re.compile(r"grad_(?:[0-9.]+|inf)_norm/(.+)")
@@ -55,6 +58,8 @@ class GradLog:
     ``recovery[column]`` holds a Rewind's columns (``clipopt._log_names.RECOVERY_COLUMNS``:
     ``batch_start``, ``batch_end``, ``lr_factor``, ``state_reset``; and ``micro_batches`` in a log
     with the batch columns), one value per row, ``nan`` where not recorded; only those the log has.
+    ``rerun`` maps a row to what a :class:`~clipopt.Rerun` found there (``"persistent"`` or
+    ``"transient"``; rows not executed again are absent).
     ``norm_column`` and ``loss_column`` name the column (tag, key) read as the
     norm and the loss (None: no loss); ``ignored`` lists those read as nothing,
     in the log's order; ``run`` names the TensorBoard run read (None: the
@@ -81,6 +86,7 @@ class GradLog:
     counted: set[str] = field(default_factory=set)
     groups: dict[int, dict[str, array[float]]] = field(default_factory=dict)
     recovery: dict[str, array[float]] = field(default_factory=dict)
+    rerun: dict[int, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     norm_column: str = "total_norm"
     loss_column: str | None = None
@@ -144,6 +150,9 @@ def from_records(
         if skipped:
             marked = [r.name for r in REASONS if rec.get(r.tag, 0.0) > 0.5]
             log.reason[len(log.steps) - 1] = marked[0] if marked else _UNMARKED
+        for outcome in RERUN_OUTCOMES:  # a Rerun's tag (clipopt/rerun/<outcome>)
+            if rec.get(rerun_tag(outcome), 0.0) > 0.5:
+                log.rerun[len(log.steps) - 1] = outcome
     if any(UPDATE_NORM in records[s] for s in index):
         for key, out in ((UPDATE_NORM, log.update_norm), (UPDATE_COEF, log.update_coef)):
             out.extend(records[s].get(key, _NAN) for s in log.steps)
@@ -160,3 +169,8 @@ def from_records(
         if any(key in records[s] for s in log.steps):
             log.recovery[key] = array("d", (records[s].get(key, _NAN) for s in log.steps))
     return log
+
+
+def rerun_tag(outcome: str) -> str:
+    """The TensorBoard tag of a Rerun outcome (``clipopt/rerun/<outcome>``)."""
+    return column_tag(f"{RERUN}/{outcome}")

@@ -32,6 +32,7 @@ from .._log_names import (
     MICRO_BATCHES,
     REASON,
     RECOVERY_COLUMNS,
+    RERUN,
     SKIPPED,
 )
 from .log import EXPECTED as _EXPECTED
@@ -60,6 +61,7 @@ class _Columns:
     clipped: int = -1
     skipped: int = -1
     reason: int = -1
+    rerun: int = -1  #: a Rerun's outcome
     update: int = -1  #: the update norm (update_clip / update_stats)
     update_coef: int = -1
     layers: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -69,7 +71,14 @@ class _Columns:
     def used(self) -> set[int]:
         """The columns read as something (the others are listed as ignored)."""
         singles = (self.step, self.norm, self.loss, self.lr, self.max_norm, self.clipped, self.skipped)
-        used = {*singles, self.reason, self.update, self.update_coef, *(i for _, _, i in self.groups)}
+        used = {
+            *singles,
+            self.reason,
+            self.rerun,
+            self.update,
+            self.update_coef,
+            *(i for _, _, i in self.groups),
+        }
         used |= {i for _, i in self.recovery}
         return used | {i for fields in self.layers.values() for i in fields.values()}
 
@@ -91,7 +100,7 @@ def _columns(name: str, header: list[str], names: Names) -> _Columns:
     cols.loss = at[loss_name] if loss_name is not None else -1
     cols.lr = at[lr] if lr is not None else -1
     cols.max_norm, cols.clipped = at.get(MAX_NORM, -1), at.get(CLIPPED, -1)
-    cols.skipped, cols.reason = at.get(SKIPPED, -1), at.get(REASON, -1)
+    cols.skipped, cols.reason, cols.rerun = at.get(SKIPPED, -1), at.get(REASON, -1), at.get(RERUN, -1)
     cols.recovery = [(c, at[c]) for c in RECOVERY_COLUMNS if c in at]
     if BATCH_START in at and MICRO_BATCHES in at:  # a Rewind's log: the batches each window used
         cols.recovery.append((MICRO_BATCHES, at[MICRO_BATCHES]))
@@ -180,6 +189,7 @@ class _ChunkValues:
     clipped: bytearray
     skipped: bytearray
     reasons: list[tuple[int, str]]  #: (row in the log, skip reason) of the rows with a reason
+    reruns: list[tuple[int, str]]  #: (row in the log, Rerun outcome) of the rows executed again
     layer_rows: list[tuple[int, list[float]]]  #: (row in the log, every layer's LAYER_FIELDS in order)
 
 
@@ -279,6 +289,7 @@ class _Parser:
             clipped=bytearray(map(flags, columns[c.clipped])) if c.clipped >= 0 else bytearray(len(chunk)),
             skipped=bytearray(map(flags, columns[c.skipped])) if c.skipped >= 0 else bytearray(len(chunk)),
             reasons=reasons,
+            reruns=[(n0 + k, t.strip()) for k, t in enumerate(columns[c.rerun]) if t] if c.rerun >= 0 else [],
             layer_rows=self.chunk_layer_rows(chunk, columns),
         )
 
@@ -296,7 +307,19 @@ class _Parser:
         c = self.cols
         first = self.layer_first[0] if self.layer_first else -1
         last = self.layer_first[-1] if self.layer_first else -1
-        wanted = [c.step, c.norm, c.loss, c.lr, c.max_norm, c.clipped, c.skipped, c.reason, first, last]
+        wanted = [
+            c.step,
+            c.norm,
+            c.loss,
+            c.lr,
+            c.max_norm,
+            c.clipped,
+            c.skipped,
+            c.reason,
+            c.rerun,
+            first,
+            last,
+        ]
         wanted += [c.update, c.update_coef, *(i for _, _, i in c.groups)] + [i for _, i in c.recovery]
         present = sorted({i for i in wanted if i >= 0} | {c.norm, -1})  # -1: two indices at least (tuples)
         # one C-level pass picks the cells of every row, a second transposes them into columns
@@ -328,6 +351,7 @@ class _Parser:
         log.clipped.extend(values.clipped)
         log.skipped.extend(values.skipped)
         log.reason.update(values.reasons)
+        log.rerun.update(values.reruns)
         for g, kind, group_values in values.groups:
             log.groups[g][kind].extend(group_values)
         for name, recovery_values in values.recovery:
@@ -375,6 +399,8 @@ class _Parser:
         log.skipped.append(self.flag(lineno, c.skipped, row))
         if c.reason >= 0 and (reason := row[c.reason].strip()):
             log.reason[len(log.steps) - 1] = reason
+        if c.rerun >= 0 and (outcome := row[c.rerun].strip()):
+            log.rerun[len(log.steps) - 1] = outcome
         for g, kind, i in c.groups:
             log.groups[g][kind].append(self.optional(lineno, i, row))
         for name, i in c.recovery:

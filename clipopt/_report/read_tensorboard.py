@@ -19,6 +19,7 @@ from .._log_names import (
     MAX_NORM,
     MICRO_BATCHES,
     RECOVERY_COLUMNS,
+    RERUN_OUTCOMES,
     SKIPPED,
     UPDATE_COEF,
     UPDATE_NORM,
@@ -26,7 +27,7 @@ from .._log_names import (
 )
 from .._reasons import REASONS
 from .log import LIGHTNING_LAYER as _LIGHTNING_LAYER
-from .log import GradLog, Names, from_records
+from .log import GradLog, Names, from_records, rerun_tag
 from .names import choose, pick
 from .reader import Reader
 
@@ -58,6 +59,7 @@ def _read_tensorboard(name: str, names: Names) -> GradLog:
         **{key: column_tag(key) if column_tag(key) in scalars else None for key in _CLIPOPT_TAGS},
         **_micro_batches_tag(scalars),
         **{r.tag: r.tag if r.tag in scalars else None for r in REASONS},  # the record's key is the tag
+        **{t: t if t in scalars else None for t in map(rerun_tag, RERUN_OUTCOMES)},  # a Rerun's
     }
     records: dict[int, dict[str, float]] = {}
     for key, tag in wanted.items():

@@ -66,6 +66,14 @@ class LossSum:
         self.total = total
         self.count = count
 
+    @classmethod
+    def of(cls, outs: list[Any]) -> LossSum:
+        """The sum of the losses that closures returned (``outs``: their return values)."""
+        total = cls()
+        for out in outs:
+            total.add(loss_of_closure(out))
+        return total
+
     def add(self, loss: Tensor | float | None) -> None:
         """Add one micro-batch's loss (already checked); no device read."""
         if loss is None:

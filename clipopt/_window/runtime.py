@@ -210,11 +210,11 @@ class Runtime:
         self, s: WindowSettings, loss: Any, closure: Callable[[], Any] | None, undo: UndoPoint
     ) -> Any:
         """Stages 1-7 of docs/design.md, 'Order of operations': combine, measure, diagnose, clip,
-        decide, apply, record (a due Rewind check and the parts' ``begin`` first)."""
+        decide, apply, record (a due Rewind check and the parts' ``begin`` first, not again when a
+        part reran the window)."""
         n, params = self.counters.micro_batches, self.params()
-        group = self.replicas.group if self.replicas.active else None
-        w = Window(self.counters.windows + 1, n, params, self.inner, s, closure, group)
-        if (reason := self._begin(w)) is not None:
+        w = Window(self.counters.windows + 1, n, params, self.inner, s, closure, self.replicas.process_group)
+        if not undo.touched and (reason := self._begin(w)) is not None:  # (touched: a part's rerun)
             undo.committed = True  # a Rewind restored a copy, or a part discarded the window
             return self.close_discarded(s, n, loss, reason)
         g = self._combine(s, params, undo)
@@ -229,6 +229,8 @@ class Runtime:
                 undo.touched |= s.clips_in_place
                 sources = [*self.skip_sources, *self.parts.flags(w)] if self.parts else self.skip_sources
                 clip_and_decide(s, d, g, self.inner.param_groups, sources)
+            if self.parts and (outs := self.parts.rerun(w, d, undo.restore)) is not None:  # (Part.rerun)
+                return self._finish(s, self._decided_again(outs, undo), closure, undo)
             undo.touched = True  # scaling and the inner step change the gradients
             self.next_window()
             loss, fused = self._apply(s, d, g, (loss, closure), w)
@@ -244,6 +246,14 @@ class Runtime:
         self.record(d, n, layers, w)
         self.check_recorded(s, fused)
         return loss
+
+    def _decided_again(self, outs: list[Any], undo: UndoPoint) -> Any:
+        """A part executed the window again (``outs``: its closures' values, the last one returned)
+        and what deciding changed was put back (``undo.restore``: the counters had not moved): the
+        loss is the new one, the window is decided again (the undo point keeps its copy of the
+        counters; ``touched``: the gradients are not the first execution's)."""
+        undo.touched, self.counters, self.loss = True, self.counters.copy(), LossSum.of(outs)
+        return outs[-1]
 
     def _begin(self, w: Window) -> int | None:
         """Before the window is combined: a due Rewind check (a copy, or back to one: reason

@@ -27,6 +27,7 @@ from .exploding import loss_blowup, norm_growth, recovered_blowup
 from .nonfinite import nonfinite_finding
 from .rates import clip_throttle, spike_score, throttle_note
 from .recovery import escalation_text, skip_list, skip_list_notes
+from .rerun import rerun_counts, rerun_notes
 from .spikes import loss_spikes, norm_spikes, skips_handled
 from .threshold import clipping_advice, reference_thresholds, stretch_for, suggest, suggestions
 from .update import update_rules, update_summary
@@ -172,7 +173,7 @@ def _run_notes(log: GradLog, n_overflow: int, handled: list[int], guarded: froze
             f"{n_overflow} update(s) overflowed under a GradScaler (reason 'overflow'): loss-scale "
             "calibration, not counted as a problem"
         )
-    notes += _recovery_notes(log, guarded)
+    notes += _recovery_notes(log, guarded) + rerun_notes(log)
     if handled:
         notes.append(
             f"{len(handled)} large norm(s) (at step(s) {steps_text(handled)}) were clipped and the loss "
@@ -247,6 +248,7 @@ def _summary(
         "spike_skips": sum(1 for r in log.reason.values() if r == SPIKE_NAME),
         "skipped_spikes_handled": [log.steps[i] for i in sorted(guarded)],
         "rewinds": sum(1 for r in log.reason.values() if r == REWIND_NAME),
+        "rerun": rerun_counts(log),
         "skip": _skip_list(log),
         "nonfinite": int((~finite).sum()),
         "overflow": overflow,
