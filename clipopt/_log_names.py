@@ -27,6 +27,7 @@ __all__ = [
     "LOSS",
     "LR",
     "LR_FACTOR",
+    "MAX_LOGIT",
     "MAX_NORM",
     "MICRO_BATCHES",
     "REASON",
@@ -78,9 +79,13 @@ LR_FACTOR = "lr_factor"
 STATE_RESET = "state_reset"
 RECOVERY_COLUMNS = (BATCH_START, BATCH_END, LR_FACTOR, STATE_RESET)
 
+#: ``qk_clip``: the largest attention logit of the window (over the heads QKClip watches; agreed
+#: across the replicas), as softmax sees it; empty or ``nan`` where not measured.
+MAX_LOGIT = "max_logit"
+
 #: The cells of the other parts (``_part.Part.columns``), read as ``StepStats.<column>`` (None when
 #: the part is off) and written after the Rewind's columns.
-PART_COLUMNS: tuple[str, ...] = ()
+PART_COLUMNS: tuple[str, ...] = (MAX_LOGIT,)
 
 #: Per-group clipping's columns and tags: each group's pre-clip norm and its coefficient.
 GROUP_KINDS = ("norm", "coef")

@@ -708,7 +708,8 @@ class ClippedOptimizer(InnerOptimizerView):
     ) -> Window:
         """What the parts see of the window being closed."""
         group = self._replicas.group if self._replicas.active else None
-        return Window(self._counters.windows + 1, n, params, self._inner, s, closure, group)
+        number, active = self._counters.windows + 1, self._replicas.active
+        return Window(number, n, params, self._inner, s, closure, group, replicated=active)
 
     def _next_window(self) -> None:
         """The window's micro-batches and loss are taken: the next window starts empty."""
