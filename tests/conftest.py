@@ -76,6 +76,7 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "report/test_report_corpus.py",
         "report/test_report_rates.py",
         "report/test_report_advice.py",
+        "report/test_report_attention.py",
     ),
     "runs benchmarks/stability's --quick smoke run twice (~10 s of CPU; CI's budget for it is 60 s)": (
         "project/test_bench_stability.py::test_quick_run_writes_results_plot_and_page",

@@ -331,7 +331,7 @@ class CSVLogger:
         names = [*BASE_COLUMNS[:-2], *(lr_name(g) for g in range(self._groups))]
         cells = dict(zip(names, (format_value(v) for v in (*row, *lr)), strict=True))
         cells[LOSS] = format_value(s.loss) if s.has_loss else ""
-        cells.update({name: format_value(value) for name, value in s.recovery.items()})
+        cells.update({name: format_value(getattr(s, name)) for name in s.recovery})  # a 0-d tensor: read once
         if s.has_update_stats:
             cells[UPDATE_NORM], cells[UPDATE_COEF] = format_value(s.update_norm), format_value(s.update_coef)
         for g, pair in enumerate(zip(s.group_norms, s.group_coefs, strict=True)):
