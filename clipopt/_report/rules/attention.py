@@ -2,14 +2,15 @@
 
 The largest pre-softmax attention logit of a window (over the heads QKClip watches, as softmax
 sees it) is recorded in the windows QKClip measured.  Over those rows, in file order: *start* is
-the median of the first :data:`~.common.START_ROWS` recorded values (the report's start of a run),
-*end* the median of the last :func:`~.common.block`.  The logits *grow* when the end is at least :data:`LOGIT_GROWTH_RATIO` times the start and
-at least :data:`LOGIT_LARGE` (at least :data:`LOGIT_MIN_ROWS` recorded rows).  Why: attention-logit
-growth is a main cause of loss spikes in large transformers (Dehghani et al. 2023, ViT-22B;
-Wortsman et al. 2023): the softmax of a few growing logits tends to one-hot and its gradient
-vanishes; it shows in the logits long before the loss spikes.  A number, and a note when they
-grow, not a verdict: a run whose logits grow may still be learning.  With ``qk_clip`` the value is
-measured before each window's cap, so a run it caps stays near its threshold.
+the median of the first :data:`~.common.START_ROWS` recorded values (the report's start of a
+run), *end* the median of the last :func:`~.common.block`.  The logits *grow* when the end is at
+least :data:`LOGIT_GROWTH_RATIO` times the start and at least :data:`LOGIT_LARGE` (with at least
+:data:`LOGIT_MIN_ROWS` recorded rows).  Why: attention-logit growth is a main cause of loss spikes
+in large transformers (Dehghani et al. 2023, ViT-22B; Wortsman et al. 2023): the softmax of a few
+growing logits tends to one-hot and its gradient vanishes; it shows in the logits long before the
+loss spikes.  A number, and a note when they grow, not a verdict: a run whose logits grow may
+still be learning.  With ``qk_clip`` the value is measured before each window's cap, so a run it
+caps stays near its threshold.
 """
 
 from __future__ import annotations
