@@ -38,6 +38,7 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "distributed/test_distributed.py",
         "distributed/test_distributed_hardening.py",
         "recovery/test_spike_distributed.py",
+        "distributed/test_qk_clip_distributed.py",
         "recovery/test_rewind_fsdp.py",
         "replay/test_replay.py::test_ddp_rank_files_replay_without_a_process_group",
         "window/test_window_guard.py::test_ddp_gradients_and_bucket_views_are_not_mistaken_for_clearing",
