@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from numbers import Real
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -372,8 +372,7 @@ def _attr_int(module: nn.Module, names: tuple[str, ...]) -> int | None:
 
 
 def _projections(name: str, m: nn.Module) -> _Attention:
-    q, k = m.q_proj, m.k_proj
-    assert isinstance(q, nn.Linear) and isinstance(k, nn.Linear)  # (find_attention checked)
+    q, k = cast(nn.Linear, m.q_proj), cast(nn.Linear, m.k_proj)  # (find_attention checked)
     heads, head_dim = _attr_int(m, HEAD_ATTRS), _attr_int(m, ("head_dim",))
     if head_dim is None and heads is not None and q.out_features % heads == 0:
         head_dim = q.out_features // heads
