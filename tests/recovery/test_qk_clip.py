@@ -1,4 +1,4 @@
-"""QKClip (#35 item 2, SPEC §11): the attention-logit cap of MuonClip and Megatron-LM's ``qk_clip``.
+"""QKClip (#35 item 2): the attention-logit cap of MuonClip and Megatron-LM's ``qk_clip``.
 
 The references are written here, independently: the logits by hand (``einsum`` of the projected
 queries and keys, in float64), and the cap as Megatron-LM's ``Attention.clip_qk``
