@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -199,6 +200,27 @@ def test_grouped_query_heads_share_their_key_heads_cap_as_in_megatron() -> None:
     assert_rows(m.q_proj.weight.detach(), scaled_rows(wq, q_f, 4), wq, q_f, 4)
     assert_rows(m.k_proj.weight.detach(), scaled_rows(wk, k_f, 4), wk, k_f, 4)
     assert opt.last_stats.max_logit == pytest.approx(max(maxima), rel=1e-5)
+
+
+def test_heads_and_scale_are_read_from_the_modules_config_head_dim_and_scaling() -> None:
+    """A Hugging Face-style module: heads in ``config``, ``head_dim`` and its own ``scaling`` (here not
+    ``1/sqrt(head_dim)``), one key-value head for four query heads (multi-query attention)."""
+    torch.manual_seed(2)
+    m = GQAttention(kv_heads=1)
+    del m.num_heads, m.num_key_value_heads
+    m.config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=1)
+    m.scaling = 0.1
+    x = torch.randn(2, L, E)
+    qk = QKClip(m, threshold=1e30)
+    opt = ClippedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), qk_clip=qk)
+    with torch.no_grad():
+        q = m.q_proj(x).double().view(2, L, 4, 4)
+        k = m.k_proj(x).double().view(2, L, 1, 4)
+    want = max(float((torch.einsum("bld,bsd->bls", q[:, :, h], k[:, :, 0]) * 0.1).max()) for h in range(4))
+    m.num_heads, m.num_key_value_heads = 4, 1  # (GQAttention.forward reads them)
+    _step(m, opt, m(x).sum())
+    assert opt.last_stats.max_logit == pytest.approx(want, rel=1e-5)
+    assert dict(qk.settings())["qk_clip.heads"] == 4
 
 
 @pytest.mark.parametrize(
