@@ -128,6 +128,7 @@ class QKClip(Part):
         hooks = [_hooks(a, self.measuring, partial(self._seen, i)) for i, a in enumerate(self._watched)]
         self._handles = [h for each in hooks for h in each] if measure else []
         self._cell: Tensor | None = None
+        self._closed = False  # this window's commit ran (else logged() clears its measurement)
 
     # ------------------------------------------------------------------ settings
 
@@ -219,7 +220,7 @@ class QKClip(Part):
 
     def commit(self, w: Window, d: Any, skipped: bool | Tensor) -> None:
         """The window stands: agree the maxima across the replicas and, unless it was skipped, cap."""
-        measured, self._due = self._due, w.number % self.every == 0
+        measured, self._due, self._closed = self._due, w.number % self.every == 0, True
         self._cell = None
         if not measured or not self._watched or not w.params:
             self._maxima = [None] * len(self._watched)
@@ -254,6 +255,14 @@ class QKClip(Part):
         for r, p in zip(a.rows, a.params, strict=True):
             per_head = k if r.key else q
             scale_rows(p, r.start, per_head.repeat_interleave(a.head_dim * (1 if r.key else a.group)))
+
+    def logged(self, stats: Any) -> None:
+        """Every window's end: one that closed without :meth:`commit` (no gradient, or discarded by a
+        rewind) drops what was measured for it and counts towards ``every`` all the same."""
+        if not self._closed:
+            self._maxima = [None] * len(self._watched)
+            self._due = stats.step % self.every == 0
+        self._closed = False
 
     def record(self, w: Window) -> None:
         """``StepStats.max_logit``: the window's largest logit (agreed), a 0-d tensor (NaN: none measured)."""

@@ -344,6 +344,27 @@ def test_a_logit_at_or_below_zero_or_unmeasured_scales_nothing() -> None:
     assert math.isnan(opt.last_stats.max_logit)
 
 
+def test_a_window_closed_without_gradients_leaves_nothing_to_the_next() -> None:
+    m = _mha_block()
+    qk = QKClip(m, threshold=5.0, measure=False, every=2)
+    opt = ClippedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), qk_clip=qk)
+    qk.observe(m, torch.full((H,), 1e4))  # window 1: measured, but no gradient: nothing to apply
+    opt.step()
+    assert opt.last_stats.reason == "nograd" and opt.num_skipped == 1
+    x = torch.randn(2, L, E)
+    m(x, x, x)[0].sum().backward()
+    qk.observe(m, torch.full((H,), 1e4))  # window 2: not due (every=2): ignored
+    w = [p.detach().clone() for p in m.parameters()]
+    opt.step()
+    assert opt.last_stats.max_logit is None
+    assert all(torch.equal(p, b) for p, b in zip(m.parameters(), w, strict=True))
+    m(x, x, x)[0].sum().backward()
+    qk.observe(m, torch.tensor([1.0, 2.0, 3.0, 4.0]))  # window 3: due, and window 1's 1e4 is gone
+    opt.step()
+    assert opt.last_stats.max_logit == 4.0
+    assert all(torch.equal(p, b) for p, b in zip(m.parameters(), w, strict=True))
+
+
 def test_observe_takes_the_largest_of_several_calls_and_refuses_what_it_cannot_use() -> None:
     m = _mha_block()
     qk = QKClip(m, threshold=5.0, measure=False)
