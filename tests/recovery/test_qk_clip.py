@@ -12,7 +12,9 @@ float32 on clipopt's side, float64 here); the rows it leaves alone must be bit-i
 from __future__ import annotations
 
 import copy
+import csv
 import math
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from clipopt import ClippedOptimizer, QKClip
+from clipopt import ClippedOptimizer, CSVLogger, QKClip
 from clipopt._part import Part
 
 from ..hostreads import count_host_reads
@@ -363,6 +365,22 @@ def test_a_window_closed_without_gradients_leaves_nothing_to_the_next() -> None:
     opt.step()
     assert opt.last_stats.max_logit == 4.0
     assert all(torch.equal(p, b) for p, b in zip(m.parameters(), w, strict=True))
+
+
+def test_the_csv_log_gains_the_column_after_a_first_window_without_it(tmp_path: Path) -> None:
+    m = _mha_block()
+    qk = QKClip(m, threshold=1e30)
+    opt = ClippedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.0), qk_clip=qk, loggers=[CSVLogger(tmp_path / "g.csv")]
+    )
+    opt.step()  # no gradient: no cell
+    x = torch.randn(2, L, E)
+    _step(m, opt, m(x, x, x)[0].sum())
+    opt.close()
+    with open(tmp_path / "g.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and rows[0]["max_logit"] == ""
+    assert float(rows[1]["max_logit"]) == pytest.approx(max(mha_logit_maxima(m, x, x)), rel=1e-5)
 
 
 def test_observe_takes_the_largest_of_several_calls_and_refuses_what_it_cannot_use() -> None:
