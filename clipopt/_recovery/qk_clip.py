@@ -188,7 +188,8 @@ class QKClip(Part):
 
     def observe(self, module: nn.Module, max_logits: Tensor) -> None:
         """Record the largest logit of each query head of ``module`` (a tensor of ``heads`` values,
-        the scaled logits softmax sees) for the open window: a custom kernel's maxima."""
+        the scaled logits softmax sees) for the open window: a custom kernel's maxima.  Several calls
+        in a window keep each head's largest; in a window ``every=k`` does not measure, nothing."""
         i = self._index.get(id(module))
         if i is None:
             raise ValueError(
@@ -280,6 +281,10 @@ class QKClip(Part):
         if not isinstance(saved, Mapping) or not isinstance(saved.get("due"), bool):
             raise ValueError(f"the state dict's qk_clip entry is not QKClip's: {saved!r:.120}")
         maxima = saved.get("maxima", {})
+        if not isinstance(maxima, Mapping):
+            raise ValueError(
+                f"the state dict's qk_clip maxima are not a mapping by module name: {maxima!r:.120}"
+            )
         heads = {a.name: a.heads for a in self._watched}
         for name, m in dict(maxima).items():
             if name not in heads or not isinstance(m, Tensor) or m.numel() != heads[name]:
