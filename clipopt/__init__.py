@@ -29,6 +29,7 @@ from ._optimizer import ClippedOptimizer
 from ._policies.adagc import AdaGC
 from ._policies.builtin import AGC, AutoClip, ClipPolicy, ZClip
 from ._policies.stable_spam import StableSPAM
+from ._recovery.qk_clip import QKClip
 from ._recovery.rerun import Rerun
 from ._recovery.rewind import Rewind, RewindEvent
 from ._recovery.spike_guard import SpikeGuard
@@ -49,6 +50,7 @@ __all__ = [
     "Logger",
     "NonFiniteGradientError",
     "PerUpdateScheduler",
+    "QKClip",
     "ReplayResult",
     "Rerun",
     "Rewind",

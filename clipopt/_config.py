@@ -36,6 +36,7 @@ from ._inner import InnerOptimizers
 from ._part import Part
 from ._policies.builtin import ClipPolicy
 from ._recovery.part import check_recovery
+from ._recovery.qk_clip import QKClip
 from ._recovery.rerun import Rerun
 from ._window.groups import check_groups
 from ._window.update_apply import check_update_options
@@ -267,7 +268,10 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
 
 #: Every part (``_part.Part``), in the order a window runs their hooks, whatever order the keywords
 #: are passed in.  Adding a feature is one new module (its part) plus one line here.
-REGISTRY: tuple[type[Part], ...] = (Rerun,)
+REGISTRY: tuple[type[Part], ...] = (
+    Rerun,
+    QKClip,
+)
 
 #: The parts' constructor keywords: ``opt.<keyword>`` reads a part's value, assigning it is checked
 #: by the part before anything changes.

@@ -17,6 +17,7 @@ __all__ = [
     "BATCH_END",
     "BATCH_START",
     "PART_COLUMNS",
+    "PART_NUMBERS",
     "RECOVERY_COLUMNS",
     "RERUN",
     "RERUN_OUTCOMES",
@@ -29,6 +30,7 @@ __all__ = [
     "LOSS",
     "LR",
     "LR_FACTOR",
+    "MAX_LOGIT",
     "MAX_NORM",
     "MICRO_BATCHES",
     "REASON",
@@ -80,9 +82,15 @@ LR_FACTOR = "lr_factor"
 STATE_RESET = "state_reset"
 RECOVERY_COLUMNS = (BATCH_START, BATCH_END, LR_FACTOR, STATE_RESET)
 
+#: ``qk_clip``: the largest attention logit of the window (over the heads QKClip watches; agreed
+#: across the replicas), as softmax sees it; empty or ``nan`` where not measured.
+MAX_LOGIT = "max_logit"
+
 #: The cells of the other parts (``_part.Part.columns``), read as ``StepStats.<column>`` (None when
 #: the part is off) and written after the Rewind's columns.
-PART_COLUMNS: tuple[str, ...] = ("rerun",)
+PART_COLUMNS: tuple[str, ...] = ("rerun", MAX_LOGIT)
+#: Those of :data:`PART_COLUMNS` that hold numbers (the report reads them as such).
+PART_NUMBERS: tuple[str, ...] = (MAX_LOGIT,)
 
 #: ``Rerun``'s column (``StepStats.rerun``) and what it holds where a window was executed again; its
 #: TensorBoard tags are ``clipopt/rerun/<outcome>`` (1 where it happened).

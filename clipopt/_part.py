@@ -56,6 +56,8 @@ class Window:
     replica_group: Any = None
     #: The window's cells for its ``StepStats`` (``StepStats.recovery``), by column name.
     cells: dict[str, Any] = field(default_factory=dict)
+    #: Whether the ranks are data-parallel replicas (``replica_group`` None is then the default group).
+    replicated: bool = False
 
 
 class Part:

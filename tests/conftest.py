@@ -38,6 +38,7 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "distributed/test_distributed.py",
         "distributed/test_distributed_hardening.py",
         "recovery/test_spike_distributed.py",
+        "distributed/test_qk_clip_distributed.py",
         "recovery/test_rewind_fsdp.py",
         "recovery/test_rerun.py::test_two_gloo_ranks_rerun_together_and_name_the_faulty_rank",
         "replay/test_replay.py::test_ddp_rank_files_replay_without_a_process_group",
@@ -77,6 +78,7 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "report/test_report_corpus.py",
         "report/test_report_rates.py",
         "report/test_report_advice.py",
+        "report/test_report_attention.py",
     ),
     "runs benchmarks/stability's --quick smoke run twice (~10 s of CPU; CI's budget for it is 60 s)": (
         "project/test_bench_stability.py::test_quick_run_writes_results_plot_and_page",

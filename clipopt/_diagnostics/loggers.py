@@ -254,13 +254,15 @@ class CSVLogger:
         if self._target is None:  # another rank writes
             return
         per_group, update = stats.has_group_stats, stats.has_update_stats
+        cells = [c for c in stats.recovery if c not in self._recovery]  # a part's first cells (max_logit)
         if self.columns is None:
             self._per_group, self._update = per_group, update
             self._recovery = list(stats.recovery)
             self._set_columns(optimizer, len(stats.lr))
-        elif len(stats.lr) != self._groups or (per_group > self._per_group) or (update > self._update):
+        elif len(stats.lr) != self._groups or per_group > self._per_group or update > self._update or cells:
             self._per_group = self._per_group or per_group  # columns are never taken away
             self._update = self._update or update
+            self._recovery += cells
             self._widen(optimizer, len(stats.lr))
         self._buffer.append(stats)
         self._closed = False
@@ -292,7 +294,8 @@ class CSVLogger:
         self.columns, self._names, self._groups = existing or columns, names, groups
 
     def _widen(self, optimizer: LoggedOptimizer, groups: int) -> None:
-        """Parameter groups were added: write what is buffered, then rewrite the file once with the new
+        """Parameter groups were added (or the first cells of a part, e.g. ``max_logit`` after a first
+        window without gradients): write what is buffered, then rewrite the file once with the new
         columns (in the order a new logger would use, so a resumed run appends), old rows padded.
 
         A failed rewrite warns and keeps the old columns (the new groups are not logged)."""
@@ -350,7 +353,7 @@ class CSVLogger:
         names = [*BASE_COLUMNS[:-2], *(lr_name(g) for g in range(self._groups))]
         cells = dict(zip(names, (format_value(v) for v in (*row, *lr)), strict=True))
         cells[LOSS] = format_value(s.loss) if s.has_loss else ""
-        cells.update({name: format_value(value) for name, value in s.recovery.items()})
+        cells.update({name: format_value(getattr(s, name)) for name in s.recovery})  # a 0-d tensor: read once
         if s.has_update_stats:
             cells[UPDATE_NORM], cells[UPDATE_COEF] = format_value(s.update_norm), format_value(s.update_coef)
         for g, pair in enumerate(zip(s.group_norms, s.group_coefs, strict=True)):

@@ -14,6 +14,7 @@ from .._log_names import (
     CLIPPED,
     MAX_NORM,
     MICRO_BATCHES,
+    PART_NUMBERS,
     RECOVERY_COLUMNS,
     RERUN,
     RERUN_OUTCOMES,
@@ -57,7 +58,9 @@ class GradLog:
     value per row, ``nan`` where not recorded; empty without per-group clipping.
     ``recovery[column]`` holds a Rewind's columns (``clipopt._log_names.RECOVERY_COLUMNS``:
     ``batch_start``, ``batch_end``, ``lr_factor``, ``state_reset``; and ``micro_batches`` in a log
-    with the batch columns), one value per row, ``nan`` where not recorded; only those the log has.
+    with the batch columns), and the other parts' numbers (``PART_NUMBERS``: ``max_logit``), one value
+    per row,
+    ``nan`` where not recorded; only those the log has.
     ``rerun`` maps a row to what a :class:`~clipopt.Rerun` found there (``"persistent"`` or
     ``"transient"``; rows not executed again are absent).
     ``norm_column`` and ``loss_column`` name the column (tag, key) read as the
@@ -165,7 +168,7 @@ def from_records(
         log.groups[g] = {
             k: array("d", (kinds.get(k, {}).get(s, _NAN) for s in log.steps)) for k in ("norm", "coef")
         }
-    for key in (*RECOVERY_COLUMNS, MICRO_BATCHES):  # a Rewind's, where recorded
+    for key in (*RECOVERY_COLUMNS, *PART_NUMBERS, MICRO_BATCHES):  # a Rewind's and the parts', where recorded
         if any(key in records[s] for s in log.steps):
             log.recovery[key] = array("d", (records[s].get(key, _NAN) for s in log.steps))
     return log

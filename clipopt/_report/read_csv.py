@@ -30,6 +30,7 @@ from .._log_names import (
     GROUP_COLUMN,
     MAX_NORM,
     MICRO_BATCHES,
+    PART_NUMBERS,
     REASON,
     RECOVERY_COLUMNS,
     RERUN,
@@ -101,7 +102,7 @@ def _columns(name: str, header: list[str], names: Names) -> _Columns:
     cols.lr = at[lr] if lr is not None else -1
     cols.max_norm, cols.clipped = at.get(MAX_NORM, -1), at.get(CLIPPED, -1)
     cols.skipped, cols.reason, cols.rerun = at.get(SKIPPED, -1), at.get(REASON, -1), at.get(RERUN, -1)
-    cols.recovery = [(c, at[c]) for c in RECOVERY_COLUMNS if c in at]
+    cols.recovery = [(c, at[c]) for c in (*RECOVERY_COLUMNS, *PART_NUMBERS) if c in at]
     if BATCH_START in at and MICRO_BATCHES in at:  # a Rewind's log: the batches each window used
         cols.recovery.append((MICRO_BATCHES, at[MICRO_BATCHES]))
     update, update_coef = pick("update", header), pick("update_coef", header)

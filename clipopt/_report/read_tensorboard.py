@@ -18,6 +18,7 @@ from .._log_names import (
     LAYERS_TAG,
     MAX_NORM,
     MICRO_BATCHES,
+    PART_NUMBERS,
     RECOVERY_COLUMNS,
     RERUN_OUTCOMES,
     SKIPPED,
@@ -35,7 +36,7 @@ __all__ = ["TENSORBOARD", "tensorboard_runs"]
 
 #: clipopt's TensorBoard tags read by exact name (``clipopt/<key>``), besides the norm, loss, lr and
 #: the skip reasons' tags (each reason's ``tag`` in :data:`clipopt._reasons.REASONS`).
-_CLIPOPT_TAGS = (MAX_NORM, CLIPPED, SKIPPED, *RECOVERY_COLUMNS)
+_CLIPOPT_TAGS = (MAX_NORM, CLIPPED, SKIPPED, *RECOVERY_COLUMNS, *PART_NUMBERS)
 
 
 def _read_tensorboard(name: str, names: Names) -> GradLog:

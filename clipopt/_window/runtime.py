@@ -213,7 +213,8 @@ class Runtime:
         decide, apply, record (a due Rewind check and the parts' ``begin`` first, not again when a
         part reran the window)."""
         n, params = self.counters.micro_batches, self.params()
-        w = Window(self.counters.windows + 1, n, params, self.inner, s, closure, self.replicas.process_group)
+        group, active = self.replicas.process_group, self.replicas.active
+        w = Window(self.counters.windows + 1, n, params, self.inner, s, closure, group, replicated=active)
         if not undo.touched and (reason := self._begin(w)) is not None:  # (touched: a part's rerun)
             undo.committed = True  # a Rewind restored a copy, or a part discarded the window
             return self.close_discarded(s, n, loss, reason)

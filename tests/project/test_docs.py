@@ -354,6 +354,16 @@ def test_beyond_clippings_update_clip_cost_is_the_benchmarks() -> None:
     assert round(rows["update-norm-restore"]["held_bytes"] / param_bytes, 2) == 3.0
 
 
+def test_the_qk_clip_cost_is_the_benchmarks() -> None:
+    """docs/qk-clip.md quotes benchmarks/qk_clip_cost.py's record (benchmarks/results/qk_clip_cost.json):
+    the paired ratios of a training step with QKClip, every window and every fourth, to the clipped one."""
+    rows = json.loads((RESULTS / "qk_clip_cost.json").read_text(encoding="utf-8"))["rows"]
+    every, fourth = rows["qk_clip"]["paired"], rows["qk_clip every=4"]["paired"]
+    text = flat(_read("docs/qk-clip.md"))
+    assert f"a training step took {every:.2f}x the plain clipped step's time with `QKClip(model)`" in text
+    assert f"and {fourth:.2f}x with `QKClip(model, every=4)`" in text
+
+
 def _within(cell: str, value: float) -> bool:
     """Whether ``value``, rounded to the cell's decimals, is the cell's figure or inside its range
     (``1.74x-1.81x``: the page gives the spread over runs, one of which is the recorded one)."""

@@ -195,6 +195,14 @@ stretch, every update and gradient spike left out together with the
   updates of a longer run.
 
 The report says how many of the update spikes found each would have bounded.
+
+Attention logits
+----------------
+When the log has ``max_logit`` (``qk_clip=QKClip(model)``), the report's ``attention`` key (None
+without) gives the largest logit's start, end and maximum, and a note says when it grows
+(:mod:`clipopt._report.rules.attention`: the end's median at least
+:data:`~clipopt._report.rules.attention.LOGIT_GROWTH_RATIO` times the start's and at least
+:data:`~clipopt._report.rules.attention.LOGIT_LARGE`).
 """
 
 from __future__ import annotations

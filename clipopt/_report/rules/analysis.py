@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ..read import GradLog
+from .attention import logit_growth, logit_note
 from .common import (
     NORM_OVERFLOW_NAME,
     OVERFLOW_NAME,
@@ -41,9 +42,9 @@ def analyze(log: GradLog) -> dict[str, Any]:
     ``norm`` and ``loss``, and those ``ignored``), ``verdict`` (one of :data:`VERDICTS`), ``findings``
     (most severe first; each ``kind`` -- ``blowup``, ``growth``, ``nonfinite``, ``recovered_blowup``,
     ``spikes``, ``loss_spikes``, ``update_spikes`` or ``vanishing`` --, ``verdict``, ``step``, ``layer``,
-    ``evidence``, ``values``), ``suggested_max_norm``, ``clipping``, ``suggestions``, ``summary``,
-    ``notes``, ``update`` (None: no update norm), ``spike_score`` and ``throttle`` (:mod:`.rates`).
-    """
+    ``evidence``, ``values``), ``suggested_max_norm``, ``clipping``, ``suggestions``, ``summary``, ``notes``,
+    ``update`` (None: no update norm), ``spike_score``/``throttle`` (:mod:`.rates`), ``attention``
+    (:mod:`.attention`: the ``max_logit`` column of ``qk_clip``; None without)."""
     n = len(log)
     norm, loss = as_tensor(log.total_norm), as_tensor(log.loss)
     notes = list(log.notes)
@@ -96,10 +97,12 @@ def _bad_rows(log: GradLog, norm: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
 
 
 def _rates(log: GradLog, norm: Tensor, loss: Tensor, notes: list[str]) -> dict[str, Any]:
-    """The run's rates (:mod:`clipopt._report.rules.rates`); a throttling bound's note joins ``notes``."""
-    throttle = clip_throttle(log, norm)
-    notes += throttle_note(throttle)
-    return {"spike_score": spike_score(log, loss), "throttle": throttle}
+    """The run's rates (:mod:`clipopt._report.rules.rates`) and its attention logits
+    (:mod:`clipopt._report.rules.attention`); a throttling bound's and growing logits' notes join
+    ``notes``."""
+    throttle, attention = clip_throttle(log, norm), logit_growth(log)
+    notes += throttle_note(throttle) + logit_note(attention)
+    return {"spike_score": spike_score(log, loss), "throttle": throttle, "attention": attention}
 
 
 def _verdict(findings: list[dict[str, Any]]) -> str:
