@@ -117,8 +117,9 @@ def get_total_norm(
     whose norm exceeds 65504 give a finite norm, and it cannot overflow: where
     torch's float32 norm of finite gradients is ``inf`` it is taken again,
     max-scaled in float64 (:func:`finite_total`; bit for bit torch's otherwise).
-    Sparse COO gradients are supported.  The result is a 0-d tensor on the device of the first gradient;
-    nothing is read back to the host.
+    Sparse COO gradients are supported.  The result is a 0-d tensor on the device
+    of the first gradient; nothing is read back to the host (but on the CPU, where
+    a read waits for nothing, whether it is ``inf``: :func:`overflowed`).
 
     Args:
         grads: the gradients (``p.grad``), not the parameters.
@@ -234,7 +235,7 @@ def get_norms(
     """
     p = float(norm_type)
     norms = _norms(grads, p, foreach, None)
-    if p != math.inf and norms.numel() and overflowed(norms.amax()):  # a finite tensor's norm overflowed
+    if p != math.inf and overflowed(norms):  # a finite tensor's own norm overflowed
         norms = narrowed(finite_norms(grads, p).to(norms.device), norms)
     return norms
 
@@ -488,10 +489,13 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def overflowed(norm: Tensor) -> bool:
-    """Whether the one-element ``norm`` is ``+inf``, where the host knows it without a sync: read on
-    the CPU (one ``item()``, no device to wait for; ``tests/hostreads.py`` counts it apart), False on
-    an accelerator (not read: the norm stays as it is there)."""
-    return norm.is_cpu and _cpu_value(norm) == math.inf
+    """Whether ``norm`` (a 0-d norm, or a vector of norms: any of them) is ``+inf``, where the host
+    knows it without a sync: read on the CPU (one ``item()``, after an ``amax`` for a vector; no
+    device to wait for; ``tests/hostreads.py`` counts it apart), False on an accelerator (not read,
+    and no kernel launched: the norm stays as it is there)."""
+    if not norm.is_cpu or norm.numel() == 0:
+        return False
+    return _cpu_value(norm if norm.numel() == 1 else norm.amax()) == math.inf
 
 
 def finite_norms(grads: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
@@ -562,8 +566,8 @@ def finite_total(
     ``overflow``: whether the caller read ``total`` as ``+inf`` (None: :func:`overflowed` looks, on
     the CPU only).  Every total norm of clipopt goes through here: one rule for every path.
     """
-    if not (overflowed(total) if overflow is None else overflow):
-        return total
+    if norm_type == math.inf or not (overflowed(total) if overflow is None else overflow):
+        return total  # (a largest element does not overflow: inf is an element's)
     return narrowed(finite_norm_of(finite_norms(grads, norm_type).to(total.device), norm_type), total)
 
 

@@ -368,7 +368,7 @@ def _unit_norms(p: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     acc = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None
     w_norm = torch.linalg.vector_norm(p.detach(), dim=dims, keepdim=True, dtype=acc)
     g_norm = torch.linalg.vector_norm(g, dim=dims, keepdim=True, dtype=acc)
-    if not g.is_complex() and F.overflowed(g_norm.amax()):  # finite units whose float32 norm overflowed
+    if not g.is_complex() and F.overflowed(g_norm):  # finite units whose float32 norm overflowed
         over = tuple(range(g.ndim)) if dims is None else dims  # each unit max-scaled (#35)
         unit = g.abs().amax(dim=over, keepdim=True).double()
         unit = torch.where(unit > 0, unit, torch.ones_like(unit))
