@@ -24,7 +24,9 @@ from hypothesis import strategies as st
 from clipopt import AGC, AdaGC, AutoClip, ClippedOptimizer, CSVLogger, UpdateClip
 from clipopt import functional as F
 
+from ..helpers import spawn_job
 from ..hostreads import count_host_reads
+from ..markers import needs_gloo
 
 NORM_TYPES = (1.0, 2.0, 3.0, math.inf)
 
@@ -334,3 +336,39 @@ def test_update_stats_record_a_finite_norm_for_a_finite_update() -> None:
     assert stats is not None and not stats.skipped and stats.reason is None
     assert stats.update_norm == pytest.approx(_reference(grads, 2.0), rel=_bound(grads), abs=0)
     assert all(torch.equal(p.detach(), torch.full_like(p, 1.0 - 1e20)) for p in params)
+
+
+# ---------------------------------------------------------------- 2 gloo ranks
+
+
+@pytest.fixture(scope="module")
+def gloo(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from .. import norm_overflow_jobs
+
+    return spawn_job(norm_overflow_jobs.norm_overflow_job, "norm_overflow", tmp_path_factory.mktemp("no"), 2)
+
+
+@needs_gloo
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_ddp_and_fsdp2_clip_a_window_whose_float32_norm_overflows(
+    kind: str, gloo: list[dict[str, Any]]
+) -> None:
+    """2 gloo ranks, DDP and FSDP2 (each rank's shards measured, their norms reduced in float64): the
+    second window's loss is scaled by 1e20 (finite gradients, an inf float32 norm).  Every rank
+    records the float64 reference's finite norm, applies the window and ends with the reference's
+    parameters (SGD on the gradient clipped by hand; rtol 1e-5: the ranks average their float32
+    gradients); the ranks alike."""
+    from .. import norm_overflow_jobs
+
+    ranks = gloo
+    want = norm_overflow_jobs.reference()
+    assert want["norms"][1] > 1e19
+    for rank in ranks:
+        got = rank[kind]
+        assert got["skipped"] == [False, False] and got["reasons"] == [None, None]
+        assert got["norms"] == pytest.approx(want["norms"], rel=1e-5)
+        for a, b in zip(got["params"], want["params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    first, second = (rank[kind] for rank in ranks)
+    assert first["norms"] == second["norms"]
+    assert all(torch.equal(a, b) for a, b in zip(first["params"], second["params"], strict=True))
