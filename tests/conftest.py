@@ -47,6 +47,7 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "window/test_update_clip.py::test_ranks_with_another_update_clip_are_refused_on_every_rank",
         "window/test_update_clip.py::test_pipeline_stages_bound_and_put_back_their_update_as_one",
         "window/test_norm_overflow.py::test_ddp_and_fsdp2_clip_a_window_whose_float32_norm_overflows",
+        "window/test_norm_overflow.py::test_pipeline_stages_clip_a_window_whose_float32_norm_overflows",
         "window/test_reasons.py::test_every_reason_reads_back_as_itself_through_every_logger[divergence]",
         "policies/test_policy_fsdp.py",
         "optimizer/test_multi_optimizer.py::test_ddp_and_fsdp2_over_several_inner_optimizers_equal_one_process",

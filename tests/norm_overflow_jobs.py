@@ -53,6 +53,38 @@ def reference() -> dict[str, Any]:
     return {"params": [p.detach().clone() for p in plain.parameters()], "norms": norms}
 
 
+def _stage(rank: int) -> nn.Module:
+    torch.manual_seed(rank)
+    return nn.Linear(6, 3)
+
+
+def stages_reference() -> float:
+    """Pipeline stages: rank r's own layer (:func:`_stage`) on its own micro-batch of the second
+    window; the norm of both stages' gradients in Python floats."""
+    values = []
+    for rank in range(WORLD):
+        layer = _stage(rank)
+        _loss(layer, rank, 1).backward()
+        values += [abs(v) for p in layer.parameters() for v in p.grad.double().reshape(-1).tolist()]
+    m = max(values)
+    return m * math.fsum((v / m) ** 2 for v in values) ** 0.5
+
+
+def _stages(rank: int) -> dict[str, Any]:
+    """Pipeline stages (``norm_group=WORLD``): each rank's own layer, the norm over both."""
+    import torch.distributed as dist
+
+    layer = _stage(rank)
+    opt = ClippedOptimizer(
+        torch.optim.SGD(layer.parameters(), lr=1.0), 1.0, norm_group=dist.group.WORLD, replica_group=None
+    )
+    _loss(layer, rank, 1).backward()
+    opt.step()
+    stats = opt.last_stats
+    assert stats is not None
+    return {"norm": stats.total_norm, "skipped": stats.skipped}
+
+
 def _fsdp(plain: nn.Module) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
@@ -88,5 +120,6 @@ def norm_overflow_job(rank: int, port: int, out_dir: str) -> None:
             "reasons": [s.reason for s in stats],
             "params": _full(model),
         }
+    res["stages"] = _stages(rank)
     torch.save(res, f"{out_dir}/norm_overflow{rank}.pt")
     leave_process_group()

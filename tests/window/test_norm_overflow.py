@@ -372,3 +372,16 @@ def test_ddp_and_fsdp2_clip_a_window_whose_float32_norm_overflows(
     first, second = (rank[kind] for rank in ranks)
     assert first["norms"] == second["norms"]
     assert all(torch.equal(a, b) for a, b in zip(first["params"], second["params"], strict=True))
+
+
+@needs_gloo
+def test_pipeline_stages_clip_a_window_whose_float32_norm_overflows(gloo: list[dict[str, Any]]) -> None:
+    """Pipeline stages (``norm_group``: each rank its own layer, the norm over both reduced in
+    float64): a window of gradients ~1e20 is applied on both stages, its norm the float64
+    reference's."""
+    from ..norm_overflow_jobs import stages_reference
+
+    want = stages_reference()
+    for rank in gloo:
+        assert not rank["stages"]["skipped"]
+        assert rank["stages"]["norm"] == pytest.approx(want, rel=1e-6)
