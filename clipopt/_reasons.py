@@ -116,7 +116,8 @@ REASONS: tuple[Reason, ...] = (
         NORM_OVERFLOW,
         "norm_overflow",
         False,
-        "every gradient element is finite but the float32 total norm overflowed (inf)",
+        "every gradient element is finite but the total norm exceeds float32's range (inf); "
+        "before #35 any float32 norm that overflowed (a smaller one is now taken without overflow)",
         "the gradients are finite but their float32 norm overflows: the training is "
         "exploding; lower the learning rate or check the loss",
     ),

@@ -14,6 +14,9 @@ parts, so that the wrapper can combine, fold and skip them:
 * :func:`nonfinite_flag` — ``1.0`` where the norm is ``nan``/``inf``, else ``0.0``.
 * :func:`nonfinite_grads` — per gradient, ``1.0`` where an element is ``nan``/``inf``
   (a float32 norm can overflow on finite elements: it cannot tell).
+* :func:`finite_total` — the norm that cannot overflow: torch's norm as it is, or, where it
+  overflowed on finite elements, the same norm taken max-scaled in float64 (every total norm
+  here goes through it; see "A norm that cannot overflow" below).
 
 Per-group clipping (a bound per parameter group, see the section at the end):
 :func:`group_norms`, :func:`shared_norm`, :func:`group_clip_coefs`,
@@ -29,21 +32,29 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ._tensors import cpu_value as _cpu_value
 from ._tensors import flat as _flat
 
 __all__ = [
     "EPS",
+    "FLOAT32_MAX",
     "clip_coef",
     "check_value_clippable",
     "clip_grad_groups_",
     "clip_grads_value_",
     "clip_groups_value_",
+    "finite_group_norms",
+    "finite_norm_of",
+    "finite_norms",
+    "finite_total",
     "get_norms",
     "get_total_norm",
     "nonfinite_grads",
     "group_clip_coefs",
     "group_norms",
+    "narrowed",
     "nonfinite_flag",
+    "overflowed",
     "scale_grads_",
     "scale_groups_",
     "shared_norm",
@@ -103,9 +114,12 @@ def get_total_norm(
 
     Unlike ``torch.nn.utils.get_total_norm`` the norm is accumulated in float32
     whatever the gradient dtype (float64 stays float64), so float16 gradients
-    whose norm exceeds 65504 give a finite norm.  Sparse COO gradients are
-    supported.  The result is a 0-d tensor on the device of the first gradient;
-    nothing is read back to the host.
+    whose norm exceeds 65504 give a finite norm, and it cannot overflow: where
+    torch's float32 norm of finite gradients is ``inf`` it is taken again,
+    max-scaled in float64 (:func:`finite_total`; bit for bit torch's otherwise).
+    Sparse COO gradients are supported.  The result is a 0-d tensor on the device
+    of the first gradient; nothing is read back to the host (but on the CPU, where
+    a read waits for nothing, whether it is ``inf``: :func:`overflowed`).
 
     Args:
         grads: the gradients (``p.grad``), not the parameters.
@@ -140,8 +154,7 @@ def _total_norm(grads: Sequence[Tensor], p: float, foreach: bool | None) -> Tens
     if any(n.device != first_device or n.dtype != out_dtype for n in norms):
         norms = [n.to(device=first_device, dtype=out_dtype) for n in norms]
     stacked = torch.stack(norms)
-    total: Tensor = torch.linalg.vector_norm(stacked, p)
-    return total
+    return finite_total(torch.linalg.vector_norm(stacked, p), grads, p)
 
 
 def foreach_total_norm(grads: Sequence[Tensor], p: float, foreach: bool | None) -> Tensor | None:
@@ -169,6 +182,8 @@ def foreach_total_norm(grads: Sequence[Tensor], p: float, foreach: bool | None) 
         ):
             return None
     total: Tensor = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(grads), p, dtype=acc)), p)
+    if cpu and _cpu_value(total) == math.inf:  # finite_total's check, inlined: every plain window
+        return finite_total(total, grads, p, overflow=True)
     return total
 
 
@@ -215,8 +230,14 @@ def get_norms(
     ``norm_type``-norm of this vector, equal to rounding), with the same kernels
     and accumulation dtype; for callers that need each gradient's norm too.
     A 1-d tensor of ``len(grads)`` values on the device of the first gradient.
+    A norm of finite elements that overflowed is taken again without overflow
+    (:func:`finite_norms`; looked at on the CPU only, :func:`overflowed`).
     """
-    return _norms(grads, float(norm_type), foreach, None)
+    p = float(norm_type)
+    norms = _norms(grads, p, foreach, None)
+    if p != math.inf and overflowed(norms):  # a finite tensor's own norm overflowed
+        norms = narrowed(finite_norms(grads, p).to(norms.device), norms)
+    return norms
 
 
 @torch.no_grad()
@@ -451,6 +472,123 @@ def nonfinite_flag(total_norm: Tensor) -> Tensor:
     return diff.ne_(0.0)
 
 
+# ----------------------------------------------------------------------------- a norm that cannot overflow
+#
+# torch's float32 norm kernels (vector_norm, _foreach_norm, dot: on the CPU as on CUDA) sum the
+# p-th powers in float32, so a tensor whose norm exceeds about 1.8e19 (p = 2) has an inf norm
+# however finite its elements, and so has the norm of norms that combines them.  Every total norm
+# here is taken as torch takes it (bit for bit its value where it is finite) and then passes
+# through finite_total: where it is +inf, it is taken again, max-scaled in float64, and narrowed back
+# to the norm's dtype.  Whether it is +inf is known on the host for free on the CPU only (no device
+# to wait for: a read through _tensors.cpu_value); on an accelerator it is not read (that would be a
+# sync): the caller that reads the norm anyway passes what it read (``overflow=``).  The true norm
+# above float32's largest value stays inf: not representable (reason "norm_overflow").
+
+#: float32's largest finite value (3.4e38): a float32 norm above it is ``inf``.
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def overflowed(norm: Tensor) -> bool:
+    """Whether ``norm`` (a 0-d norm, or a vector of norms: any of them) is ``+inf``, where the host
+    knows it without a sync: read on the CPU (one ``item()``, after an ``amax`` for a vector; no
+    device to wait for; ``tests/hostreads.py`` counts it apart), False on an accelerator (not read,
+    and no kernel launched: the norm stays as it is there)."""
+    if not norm.is_cpu or norm.numel() == 0:
+        return False
+    return _cpu_value(norm if norm.numel() == 1 else norm.amax()) == math.inf
+
+
+def finite_norms(grads: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
+    r"""Each gradient's ``norm_type``-norm in float64, taken so that it cannot overflow.
+
+    .. math:: n_i = m_i \, \big\| g_i / m_i \big\|_p, \qquad m_i = \max_j |g_{ij}|
+
+    The quotient's elements lie in ``[-1, 1]``, so the sum of their p-th powers is at most the
+    number of elements, and the largest element ``m_i`` is exact (a maximum does not round).  ``nan``
+    where an element is ``nan`` or ``±inf``.  One more read of each gradient for its maximum and one
+    for its norm, through a float64 copy of one gradient at a time: for a window whose float32 norm
+    overflowed only (:func:`finite_total`).  A 1-d float64 tensor on the first gradient's device.
+    """
+    p = float(norm_type)
+    if len(grads) == 0:
+        return torch.zeros(0, dtype=torch.float64)
+    device = grads[0].device
+    out: list[Tensor] = []
+    for g in grads:
+        t = _real_magnitude(g, p) if g.is_complex() else _dense(g)
+        if t.numel() == 0:
+            out.append(torch.zeros((), dtype=torch.float64, device=t.device))
+            continue
+        m = _abs_max(t).double()
+        if p == math.inf:
+            out.append(m)
+            continue
+        unit = _unit(m)
+        out.append(torch.linalg.vector_norm(t.double().div_(unit), p).mul_(unit))
+    return torch.stack([n.to(device) for n in out])
+
+
+def _unit(m: Tensor) -> Tensor:
+    """``m``, or 1 where it is 0 (every element 0: nothing to divide by)."""
+    return torch.where(m > 0, m, torch.ones_like(m))
+
+
+def finite_norm_of(norms: Tensor, norm_type: float) -> Tensor:
+    """The ``norm_type``-norm of a vector of float64 norms (:func:`finite_norms`), max-scaled: it cannot
+    overflow when they are finite (0 for an empty vector)."""
+    p = float(norm_type)
+    if norms.numel() == 0:
+        return norms.new_zeros(())
+    m = norms.amax()
+    if p == math.inf:
+        return m
+    unit = _unit(m)
+    out: Tensor = torch.linalg.vector_norm(norms / unit, p).mul_(unit)
+    return out
+
+
+def narrowed(wide: Tensor, plain: Tensor) -> Tensor:
+    """``plain`` (torch's norms, any shape), with ``wide`` (the same norms in float64, from
+    :func:`finite_norms`) in ``plain``'s dtype where ``plain`` overflowed (``+inf``) and ``wide``
+    fits: a finite norm stays torch's bit for bit, a norm above float32's largest value or of
+    non-finite elements stays ``inf``/``nan``."""
+    narrow = wide.to(plain.dtype)
+    return torch.where((plain == math.inf) & torch.isfinite(narrow), narrow, plain)
+
+
+def finite_total(
+    total: Tensor, grads: Sequence[Tensor], norm_type: float = 2.0, *, overflow: bool | None = None
+) -> Tensor:
+    """``total``, torch's ``norm_type``-norm of ``grads`` (whatever kernels took it), unless it
+    overflowed: then the same norm without overflow (:func:`finite_norms`, :func:`finite_norm_of`) in
+    ``total``'s dtype, ``inf`` only where it exceeds that dtype's range or an element is not finite.
+
+    ``overflow``: whether the caller read ``total`` as ``+inf`` (None: :func:`overflowed` looks, on
+    the CPU only).  Every total norm of clipopt goes through here: one rule for every path.
+    """
+    if norm_type == math.inf or not (overflowed(total) if overflow is None else overflow):
+        return total  # (a largest element does not overflow: inf is an element's)
+    return narrowed(finite_norm_of(finite_norms(grads, norm_type).to(total.device), norm_type), total)
+
+
+def finite_group_norms(
+    norms: Tensor, sizes: Sequence[int], grads: Sequence[Tensor] | None, norm_type: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The per-tensor ``norms`` of ``grads``, their total norm and each group's norm
+    (:func:`group_norms`; ``sizes``: how many norms belong to each group), none overflowing: where
+    the total is ``+inf`` (:func:`overflowed`) the per-tensor norms are taken again by
+    :func:`finite_norms` and narrowed as :func:`finite_total` narrows (``grads`` None: they are
+    not); every norm of norms is max-scaled where its float32 sum overflowed (:func:`_norm_of`, which
+    :func:`shared_norm` takes too)."""
+    p = float(norm_type)
+    total: Tensor = torch.linalg.vector_norm(norms, p) if norms.numel() else norms.new_zeros(())
+    if p != math.inf and overflowed(total):  # a tensor's own norm, or their combination, overflowed
+        if grads is not None:
+            norms = narrowed(finite_norms(grads, p).to(norms.device), norms)
+        total = _norm_of(norms, p)
+    return norms, total, group_norms(norms, sizes, p)
+
+
 # ----------------------------------------------------------------------------- per-group clipping
 #
 # The gradients come as *groups* (one list per parameter group of the inner optimizer).  Each group
@@ -463,10 +601,14 @@ def nonfinite_flag(total_norm: Tensor) -> Tensor:
 
 
 def _norm_of(norms: Tensor, p: float) -> Tensor:
-    """The p-norm of a vector of norms (0 for an empty one: the inf-norm has no identity)."""
+    """The p-norm of a vector of norms (0 for an empty one: the inf-norm has no identity), as torch
+    combines them (``vector_norm``), max-scaled in float64 where that overflowed (:func:`overflowed`)
+    on finite entries (:func:`finite_norm_of`, :func:`narrowed`)."""
     if norms.numel() == 0:
         return norms.new_zeros(())
     out: Tensor = torch.linalg.vector_norm(norms, p)
+    if p != math.inf and overflowed(out):
+        out = narrowed(finite_norm_of(norms.double(), p), out)
     return out
 
 
@@ -619,8 +761,7 @@ def clip_grad_groups_(
     sizes = [len(g) for g in grad_groups]
     flat = [g for group in grad_groups for g in group]
     norms = get_norms(flat, norm_type, foreach=foreach)
-    pre = group_norms(norms, sizes, norm_type)
-    total = _norm_of(norms, float(norm_type))
+    _, total, pre = finite_group_norms(norms, sizes, flat, norm_type)
     post = pre
     if any(v is not None for v in values):
         clip_groups_value_(grad_groups, values, foreach=foreach)

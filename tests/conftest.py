@@ -48,6 +48,8 @@ SLOW_BY_REASON: dict[str, tuple[str, ...]] = {
         "window/test_update_clip.py::test_an_update_rejected_on_one_rank_is_rejected_on_every_rank",
         "window/test_update_clip.py::test_ranks_with_another_update_clip_are_refused_on_every_rank",
         "window/test_update_clip.py::test_pipeline_stages_bound_and_put_back_their_update_as_one",
+        "window/test_norm_overflow.py::test_ddp_and_fsdp2_clip_a_window_whose_float32_norm_overflows",
+        "window/test_norm_overflow.py::test_pipeline_stages_clip_a_window_whose_float32_norm_overflows",
         "window/test_reasons.py::test_every_reason_reads_back_as_itself_through_every_logger[divergence]",
         "policies/test_policy_fsdp.py",
         "optimizer/test_multi_optimizer.py::test_ddp_and_fsdp2_over_several_inner_optimizers_equal_one_process",
@@ -130,6 +132,7 @@ SLOW = frozenset(entry for entries in SLOW_BY_REASON.values() for entry in entri
 ROUNDING = frozenset(
     (
         "window/test_rounding.py",
+        "window/test_norm_overflow.py",
         "policies/test_per_tensor_policies.py::test_the_policy_reproduces_the_reference_trajectory",
         "policies/test_per_tensor_policies.py::"
         "test_with_accumulation_the_policy_reproduces_the_reference_on_the_mean_gradient",

@@ -10,7 +10,7 @@ patched here.
 Reads made by the inner optimizer's own implementation (``torch/optim/*.py``,
 e.g. single-tensor Adam reading its CPU ``step`` tensor, which is no device
 sync on CUDA) are recorded separately as ``inner``: clipopt's promise is about
-the reads *it* adds.  So are reads through ``clipopt._tensors.cpu_values``, as
+the reads *it* adds.  So are reads through ``clipopt._tensors.cpu_values`` (and ``cpu_value``), as
 ``cpu``: it reads CPU tensors only, on a path that an accelerator does not take
 (the update's put-back on the CPU, ``_window/update_apply.py``).
 """
@@ -50,7 +50,8 @@ class HostReads:
     inner: list[str] = field(default_factory=list)
     """Reads made inside torch/optim/<algorithm>.py (the inner optimizer's own)."""
     cpu: list[str] = field(default_factory=list)
-    """Reads made through ``clipopt._tensors.cpu_values`` (CPU tensors only: no sync anywhere)."""
+    """Reads made through ``clipopt._tensors.cpu_values`` or ``cpu_value`` (CPU tensors only: no sync
+    anywhere)."""
 
     def __len__(self) -> int:
         return len(self.ours)
@@ -69,7 +70,7 @@ def _caller() -> tuple[str, str]:
         if fname.startswith(_TORCH_DIR):
             if fname.startswith(_OPTIM_DIR) and not fname.endswith(("optimizer.py", "lr_scheduler.py")):
                 return f"{os.path.relpath(fname, _TORCH_DIR)}:{frame.f_lineno}", "inner"
-        elif fname.endswith(_CPU_READER) and frame.f_code.co_name == "cpu_values":
+        elif fname.endswith(_CPU_READER) and frame.f_code.co_name in ("cpu_values", "cpu_value"):
             back = frame.f_back
             where = "?" if back is None else f"{os.path.basename(back.f_code.co_filename)}:{back.f_lineno}"
             return where, "cpu"

@@ -97,7 +97,7 @@ def norm_with_row(
         norms, sums = F.get_norms(grads, norm_type, foreach=foreach), None
     else:
         norms, sums = F.norms_and_sums(grads, norm_type, foreach)
-    raw_norm = torch.linalg.vector_norm(norms, norm_type)
+    raw_norm = F.finite_total(torch.linalg.vector_norm(norms, norm_type), grads, norm_type)
     return raw_norm, row_of_norms(norms, grads, params, names, norm_type=norm_type, inv=inv, sums=sums)
 
 

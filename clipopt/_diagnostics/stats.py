@@ -78,7 +78,8 @@ class StepStats:
         reason: why it was skipped (``"nonfinite"``, ``"overflow"``, ``"spike"``,
             ``"divergence"``: data-parallel replicas disagreed, ``"nograd"``: no parameter had a
             gradient, ``"rewind"``: a Rewind restored a copy and discarded the window,
-            ``"norm_overflow"``: every gradient element finite but the float32 norm ``inf``), or None.
+            ``"norm_overflow"``: every gradient element finite but the norm beyond float32's
+            range, ``inf``; a smaller norm is taken without overflow, #35), or None.
         max_norm: the norm bound used for this window (a policy's threshold), or None when off.
         lr: the learning rate of each parameter group when the window closed.
         layers: per-parameter :class:`~clipopt.LayerStats` when they were due

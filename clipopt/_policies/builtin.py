@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import functional as F
 from .._checks import (
     check_choice,
     check_flag,
@@ -366,7 +367,14 @@ def _unit_norms(p: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     dims = tuple(range(1, g.ndim)) if g.ndim > 1 else None
     acc = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None
     w_norm = torch.linalg.vector_norm(p.detach(), dim=dims, keepdim=True, dtype=acc)
-    return w_norm, torch.linalg.vector_norm(g, dim=dims, keepdim=True, dtype=acc), g
+    g_norm = torch.linalg.vector_norm(g, dim=dims, keepdim=True, dtype=acc)
+    if not g.is_complex() and F.overflowed(g_norm):  # finite units whose float32 norm overflowed
+        over = tuple(range(g.ndim)) if dims is None else dims  # each unit max-scaled (#35)
+        unit = g.abs().amax(dim=over, keepdim=True).double()
+        unit = torch.where(unit > 0, unit, torch.ones_like(unit))
+        wide = torch.linalg.vector_norm(g.double() / unit, dim=over, keepdim=True) * unit
+        g_norm = F.narrowed(wide.reshape(g_norm.shape), g_norm)
+    return w_norm, g_norm, g
 
 
 def checked_policy_state(

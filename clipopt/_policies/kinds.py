@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import functional as F
 from .._distributed.collectives import reduce_norm_over
 
 __all__ = [
@@ -145,6 +146,8 @@ def policy_window(
         # reference's bit for bit on any CPU (linalg.vector_norm of the same values rounds
         # differently, by the vector width: #33)
         local = per_tensor.square().sum().sqrt()
+        if F.overflowed(local):  # finite norms whose float32 squares overflowed: the norm's rule (#35)
+            local = F.narrowed(F.finite_norm_of(per_tensor.double(), 2.0), local)
         return local if norm_group is None else reduce_norm_over(local, 2.0, norm_group)
 
     if len(keys) != len(params):

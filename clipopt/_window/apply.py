@@ -191,7 +191,7 @@ def step_host(
 def _read_skip(d: WindowDecision, skip_flag: Tensor, grads: list[Tensor], foreach: bool | None) -> bool:
     """The skip flag, read once (with whether the norm is ``+inf``).  A skipped window whose norm
     is ``+inf`` and whose elements nobody looked at is looked at now, on the device (one more pass
-    over the gradients, only then; no read): all finite means a float32 norm that overflowed,
+    over the gradients, only then; no read): all finite means a norm beyond float32's range,
     reason ``"norm_overflow"``, not non-finite."""
     norm = d.total_norm  # a float32 norm is read as it is (+inf stays +inf): no isposinf kernel
     flags = [skip_flag, norm if norm.dtype == torch.float32 else torch.isposinf(norm), d.bad_elements()]

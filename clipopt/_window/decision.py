@@ -325,17 +325,24 @@ def clip_(
 
 
 def measured_groups(
-    norms: Tensor, sizes: Sequence[int], shared: Sequence[bool], *, norm_type: float, divisor: float
+    norms: Tensor,
+    sizes: Sequence[int],
+    shared: Sequence[bool],
+    grads: Sequence[Tensor] | None,
+    *,
+    norm_type: float,
+    divisor: float,
 ) -> WindowDecision:
     """Stage 2 (measure) with per-group options, from each gradient's norm (``norms``, one read;
     ``sizes``: how many belong to each group): the total norm, each group's norm and the shared
-    groups' common norm are p-norms of those, divided by ``divisor`` (micro-batches, ``mean``).  A
+    groups' common norm are p-norms of those, divided by ``divisor`` (micro-batches, ``mean``),
+    taken so that none overflows on finite gradients (:func:`clipopt.functional.finite_group_norms`;
+    ``grads``: the gradients of ``norms``, None where they are shards of a sharded norm).  A
     policy sees the common norm, ``nan`` when the window is not finite or no shared group has a
     gradient (it never enters a policy's statistics)."""
-    raw: Tensor = torch.linalg.vector_norm(norms, norm_type)
+    _, raw, groups = F.finite_group_norms(norms, sizes, grads, norm_type)
     total = raw / divisor if divisor != 1.0 else raw
     d = WindowDecision(total, F.nonfinite_flag(total))
-    groups = F.group_norms(norms, sizes, norm_type)
     d.group_norms = groups / divisor if divisor != 1.0 else groups
     common = F.shared_norm(d.group_norms, shared, norm_type)
     if not any(s and size for s, size in zip(shared, sizes, strict=True)):  # nothing for a policy to see

@@ -10,7 +10,9 @@ and the wrapper's other features off) closes here: the same stages as the genera
 the general close's bookkeeping for features that are off:
 
 * measure: each gradient's norm (one foreach kernel where it can), their norm (the total, divided
-  by the micro-batches with ``reduction="mean"``) and its non-finite flag;
+  by the micro-batches with ``reduction="mean"``) and its non-finite flag; the total cannot
+  overflow on finite gradients (:func:`clipopt.functional.finite_total`: looked at on the CPU in
+  the kernel, on an accelerator by :func:`decide_host` after its read, not on the fused path);
 * clip: on a fused optimizer the kernel's ``grad_scale = max(1, (total + 1e-6) / max_norm)``
   (times the micro-batches with ``"mean"``), computed directly, by the formula every fused path
   takes (:mod:`clipopt._window.coefficient`); the record's coefficient
@@ -23,7 +25,7 @@ the general close's bookkeeping for features that are off:
   :func:`~clipopt._window.apply.step_fused`); any other optimizer has its gradients scaled after
   one read of the total norm, or, when that norm is not finite, discarded -- an ``inf`` norm has
   its elements looked at on the device, as the general host step does, to tell a non-finite
-  gradient from a float32 norm that overflowed (reason ``"norm_overflow"``).
+  gradient from a norm above float32's range (reason ``"norm_overflow"``).
 
 Nothing changes before the inner step (:func:`~clipopt._window.apply.step_fused` or
 :func:`apply_host`): a failing decision leaves the window open, a failing step discards it (its
@@ -79,6 +81,10 @@ def decide_host(
     torch's, bit for bit: ``clamp(max_norm / (total + 1e-6), max=1)``."""
     total, c, uniform = _measure(s, grads)
     value = total.item() if s.skip_enabled else 0.0  # the one host read
+    if value == math.inf and not total.is_cpu:  # an accelerator's kernel could not look: now it can
+        raw = F.finite_total(total, grads, s.norm_type, overflow=True)
+        total = raw.div(c.divisor) if s.divisor != 1.0 else raw
+        value = total.item()  # a window whose float32 norm overflowed: read once more
     finite = math.isfinite(value)
     d = WindowDecision(total, c.zero if finite else _nonfinite(total, c))
     d.loss = loss

@@ -76,7 +76,8 @@ def measure(
         if names is not None:
             row = row_of_norms(norms, g.grads, g.params, names, norm_type=s.norm_type, inv=inv)
         sizes = [len(group) for group in g.by_group]
-        d = measured_groups(norms, sizes, s.plan.shared, norm_type=s.norm_type, divisor=s.divisor)
+        local = None if g.shards is not None else g.grads  # a sharded norm's shards: not rescued here
+        d = measured_groups(norms, sizes, s.plan.shared, local, norm_type=s.norm_type, divisor=s.divisor)
         if row is not None:
             d.elements = any_nonfinite(row)
         return d, row
@@ -213,8 +214,10 @@ def _signals(
 
 def _nonfinite_signals(s: WindowSettings, d: WindowDecision) -> list[SkipSignal]:
     """The window's norm is not finite: non-finite gradients (``"overflow"`` with a GradScaler), or,
-    where the elements were looked at (``d.elements``) and are all finite, a float32 norm that
-    overflowed (``"norm_overflow"``); skipped alike, but only the former counts as non-finite."""
+    where the elements were looked at (``d.elements``) and are all finite, a norm beyond float32's
+    range (``"norm_overflow"``; a smaller one was taken without overflow where the host could look:
+    :func:`clipopt.functional.finite_total`); skipped alike, but only the former counts as
+    non-finite."""
     code = OVERFLOW if s.scaled else NONFINITE
     if not s.skip_enabled:
         return [SkipSignal(code, None)]

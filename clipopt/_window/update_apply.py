@@ -11,7 +11,9 @@ before the inner step; :meth:`WindowUpdate.finish`, just after it, takes the upd
    difference in a scratch buffer that stays in the core's cache: the update is never
    written to memory), tensor by tensor elsewhere (a DTensor's over its shards, as the
    gradient norm is: :class:`~clipopt._distributed.collectives.ShardedGrads`), and the
-   norm of all (over pipeline stages with ``norm_group``): ``StepStats.update_norm``;
+   norm of all (over pipeline stages with ``norm_group``): ``StepStats.update_norm``, which
+   cannot overflow on a finite update (on the CPU, the gradient norm's rule:
+   :func:`clipopt.functional.finite_group_norms`);
 2. rejects a non-finite update from finite gradients, alike on every rank (under DDP an
    ``all_reduce(MAX)`` of the flag, on the device; FSDP2 and pipeline stages share the
    norm already): the parameters are put back (the inner state too with
@@ -170,6 +172,15 @@ class WindowUpdate:
             return ShardedGrads(self._params).norms(updates, 2.0, None).to(torch.float32)
         return update_norms(now, before, self._scratch)
 
+    def _finite(self, norms: Tensor, now: list[Tensor], before: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """The update's norms and their total, none overflowing on a finite update: the gradient
+        norm's rule (:func:`clipopt.functional.finite_group_norms`), the update taken as a whole
+        only where its float32 norm overflowed (on the CPU; a DTensor's norms are over its shards:
+        left as they are)."""
+        pieces = None if has_dtensor(self._params) else _Updates(now, before)
+        norms, total, _ = F.finite_group_norms(norms, [len(now)], pieces, 2.0)
+        return norms, total
+
     def _agreed(self, bad: Tensor) -> Tensor:
         """``bad``, the largest over the DDP replicas (one collective on the device, no host read)."""
         if self._agree is None:
@@ -186,8 +197,7 @@ class WindowUpdate:
         update, ``d.reason``."""
         now = [local_view(p) for p in self._params]
         before = [local_view(v) for v in self._backup.values]
-        norms = self._norms(now, before)
-        total = torch.linalg.vector_norm(norms)
+        norms, total = self._finite(self._norms(now, before), now, before)
         if self._norm_group is not None:  # pipeline stages: every stage decides alike
             total = reduce_norm_over(total, 2.0, self._norm_group)
         bad = self._agreed((~torch.isfinite(total) & (d.nonfinite == 0)).to(torch.float32))
@@ -249,6 +259,22 @@ class WindowUpdate:
             weights = list(shrink.unbind()) if shrink.dim() else [shrink] * len(now)
             torch._foreach_lerp_(now, before, weights)
         self._backup.restore_where(bad)
+
+
+class _Updates(Sequence[Tensor]):
+    """The update ``now - before`` of each tensor, taken when first asked for (for the norm without
+    overflow: :func:`clipopt.functional.finite_norms` reads each once)."""
+
+    def __init__(self, now: list[Tensor], before: list[Tensor]) -> None:
+        self._now, self._before = now, before
+
+    def __len__(self) -> int:
+        return len(self._now)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [a - b for a, b in zip(self._now[i], self._before[i], strict=True)]
+        return self._now[i] - self._before[i]
 
 
 def _as_flag(skipped: bool | Tensor, device: torch.device) -> Tensor:

@@ -1097,15 +1097,20 @@ _OVERFLOW_SETUPS = {
 }
 
 
+#: Two finite gradient elements whose norm (4.2e38) exceeds float32's range, and whose sum (0) does not.
+HUGE = torch.tensor([3e38, -3e38])
+
+
 @pytest.mark.parametrize("setup", list(_OVERFLOW_SETUPS))
 def test_a_finite_gradient_whose_float32_norm_overflows_is_no_nonfinite_skip(
     setup: str, tmp_path: Path
 ) -> None:
-    """Gradient elements of 1e25 are finite but their float32 norm overflows: the update is skipped
-    (clip_grad_norm_ returns inf too, and clipping by it would zero the update) with reason
-    'norm_overflow', not counted as non-finite (max_consecutive_nonfinite=1 does not raise; before:
-    reason 'nonfinite' and NonFiniteGradientError); an inf element is 'nonfinite' and raises.  On the
-    host path, and on the fused path where per-layer rows or snapshots look at the elements."""
+    """Gradient elements of ±3e38 are finite but their norm exceeds float32's range (4.2e38; #35:
+    smaller norms are taken without overflow and clipped): the update is skipped (clip_grad_norm_
+    returns inf too, and clipping by it would zero the update) with reason 'norm_overflow', not
+    counted as non-finite (max_consecutive_nonfinite=1 does not raise; before: reason 'nonfinite'
+    and NonFiniteGradientError); an inf element is 'nonfinite' and raises.  On the host path, and on
+    the fused path where per-layer rows or snapshots look at the elements."""
     kind, inner_kwargs, extra = _OVERFLOW_SETUPS[setup]
     model = mlp((6, 5, 2))
     loggers = [CSVLogger(tmp_path / "log.csv")] if extra.get("csv") else []
@@ -1118,14 +1123,14 @@ def test_a_finite_gradient_whose_float32_norm_overflows_is_no_nonfinite_skip(
         loggers=loggers,
         snapshot_dir=tmp_path / "snaps" if extra.get("snapshot") else None,
     )
-    for value in (None, None, 1e25, None, math.inf):
+    for value in (None, None, HUGE, None, math.inf):
         model(torch.randn(4, 6)).pow(2).sum().backward()
         if value is not None:
-            model[0].weight.grad.view(-1)[:3] = value
+            model[0].weight.grad.view(-1)[:2] = value
             reference = [p.grad.clone() for p in model.parameters()]
             want = torch.nn.utils.get_total_norm(reference)
         before = [p.detach().clone() for p in model.parameters()]
-        if value == math.inf:
+        if value is not HUGE and value == math.inf:
             with pytest.raises(clipopt.NonFiniteGradientError):
                 opt.step()
         else:
@@ -1134,7 +1139,7 @@ def test_a_finite_gradient_whose_float32_norm_overflows_is_no_nonfinite_skip(
         if value is not None:
             stats = opt.last_stats
             assert stats is not None and stats.skipped and stats.total_norm == float(want) == math.inf
-            assert stats.reason == ("norm_overflow" if value == 1e25 else "nonfinite")
+            assert stats.reason == ("norm_overflow" if value is HUGE else "nonfinite")
             assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert opt.num_skipped == 2
     opt.close()
@@ -1147,9 +1152,10 @@ def test_a_finite_gradient_whose_float32_norm_overflows_is_no_nonfinite_skip(
 
 
 def test_norm_overflow_round_trips_through_tensorboard(tmp_path: Path) -> None:
-    """TensorBoardLogger tags a norm-overflow skip ``clipopt/norm_overflow`` and the report's reader
-    of the event files (written by TensorBoard's own SummaryWriter) gives back that reason, and
-    'nonfinite' for an inf element (before: both read back as 'nonfinite')."""
+    """TensorBoardLogger tags a norm-overflow skip (a norm above float32's range)
+    ``clipopt/norm_overflow`` and the report's reader of the event files (written by TensorBoard's
+    own SummaryWriter) gives back that reason, and 'nonfinite' for an inf element (before: both
+    read back as 'nonfinite')."""
     pytest.importorskip("tensorboard")
     from clipopt import TensorBoardLogger
     from clipopt._report.read import read_log
@@ -1158,10 +1164,10 @@ def test_norm_overflow_round_trips_through_tensorboard(tmp_path: Path) -> None:
     opt = ClippedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01), max_norm=1.0, loggers=[TensorBoardLogger(tmp_path)]
     )
-    for value in (None, 1e25, None, math.inf):
+    for value in (None, HUGE, None, math.inf):
         model(torch.randn(4, 6)).pow(2).sum().backward()
         if value is not None:
-            model[0].weight.grad.view(-1)[:3] = value
+            model[0].weight.grad.view(-1)[:2] = value
         opt.step()
         opt.zero_grad()
     opt.close()
@@ -1175,7 +1181,7 @@ def test_the_candidate_rows_flags_match_the_exact_element_test(norm_type: float)
     ``functional.nonfinite_grads`` (its largest ``|g|``): a ``nan``, a ``+inf``, a ``-inf``, ``+inf``
     beside ``-inf``, finite elements of 1e25 and of 1e30 (the norm overflows, not the elements), an
     ordinary gradient, a sparse one holding a ``nan``; and the documented limit: finite elements of
-    1e38, whose sum overflows too, count as non-finite."""
+    1e38, whose norm exceeds float32's range and whose sum overflows too, count as non-finite."""
     from clipopt._diagnostics.badrow import element_flags
 
     grads = [
@@ -1195,7 +1201,10 @@ def test_the_candidate_rows_flags_match_the_exact_element_test(norm_type: float)
     huge = [torch.full((20,), 1e38)]  # finite, but the float32 sum is inf as well
     huge_norms = F.get_norms(huge, norm_type)
     assert F.nonfinite_grads(huge, huge_norms, norm_type).tolist() == [0.0]
-    assert element_flags(huge, huge_norms, norm_type).tolist() == ([0.0] if norm_type == math.inf else [1.0])
+    # the limit holds where the norm itself is beyond float32's range (p = 1, 2); the 3-norm, 2.7e38,
+    # is taken without overflow (#35): a finite norm, no look at the sum
+    beyond = norm_type in (1.0, 2.0)
+    assert element_flags(huge, huge_norms, norm_type).tolist() == ([1.0] if beyond else [0.0])
 
 
 def test_the_candidate_rows_sums_taken_piece_by_piece_flag_the_same_gradients(

@@ -752,13 +752,38 @@ def test_nonfinite_layer_behind_a_layer_whose_float32_norm_overflows(
     assert shown["nonfinite_parameters"] == ["mid.weight"]
 
 
-def test_a_window_whose_float32_norm_overflows_on_finite_gradients(tmp_path: Path) -> None:
+def test_a_window_whose_float32_norm_overflows_on_finite_gradients_is_clipped(tmp_path: Path) -> None:
     """A real run whose bad batch makes every gradient finite (``mid.weight`` ~1e28) but the float32
-    total norm overflow: the window is skipped with reason 'norm_overflow' (before: 'nonfinite'), and
-    the report calls it an explosion at that step, naming no non-finite layer."""
+    total norm overflow (as clip_grad_norm_ takes it): the norm is taken without overflow (#35), the
+    window is clipped and applied (before: skipped with reason 'norm_overflow'), its finite norm
+    logged; the report finds no skip in it."""
     csv = tmp_path / "run.csv"
     opt = _side_input_run(csv, None, 10, 17, side=1e15)
-    assert opt.num_skipped == 1
+    assert opt.num_skipped == 0
+    log = read_log(csv)
+    assert log.reason == {} and 1e25 < log.total_norm[16] < math.inf
+
+
+def test_an_earlier_logs_norm_overflow_skip_still_reads_as_an_explosion(tmp_path: Path) -> None:
+    """A log written before #35, where such a window was skipped with reason 'norm_overflow' (the
+    real run's row 17 as that version wrote it): the report still calls it an explosion at that
+    step, naming no non-finite layer."""
+    csv = tmp_path / "run.csv"
+    _side_input_run(csv, None, 10, 17, side=1e15)
+    lines = csv.read_text().splitlines()
+    header = lines[0].split(",")
+    row = lines[17].split(",")
+    assert row[0] == "17"
+    for column, value in (
+        ("total_norm", "inf"),
+        ("clip_coef", "0.0"),
+        ("clipped", "1"),
+        ("skipped", "1"),
+        ("reason", "norm_overflow"),
+    ):
+        row[header.index(column)] = value
+    lines[17] = ",".join(row)
+    csv.write_text("\n".join(lines) + "\n")
     log = read_log(csv)
     assert log.reason == {16: "norm_overflow"} and log.total_norm[16] == math.inf
     report = analyze(log)

@@ -27,8 +27,9 @@ from ..optim_db import PLAIN, OptimInfo, params, pick, select
 DENSE = select(exclude=PLAIN)
 
 #: What a micro-batch's gradients hold: ordinary values, large ones (clipped hard), a nan, an inf,
-#: or finite elements whose float32 norm overflows (reason "norm_overflow").
-KINDS = ("normal", "large", "nan", "inf", "overflow")
+#: finite elements whose float32 norm overflows (taken without overflow and clipped, #35), or
+#: finite elements whose norm exceeds float32's range (reason "norm_overflow").
+KINDS = ("normal", "large", "nan", "inf", "overflow", "beyond")
 
 SHAPES = [(3, 4), (4,), (2, 2, 2)]
 
@@ -44,6 +45,8 @@ def _grads(kind: str, seed: int, dtype: torch.dtype) -> list[torch.Tensor]:
         grads[2][0, 1, 0] = -math.inf
     elif kind == "overflow":
         grads[0].fill_(1e25)  # every element finite; the float32 sum of squares is not
+    elif kind == "beyond":
+        grads[0].view(-1)[:2] = torch.tensor([3e38, -3e38]).to(dtype)  # norm 4.2e38: not a float32
     return grads
 
 

@@ -52,10 +52,10 @@ def _plain(grad_at: Callable[[int, nn.Module], None] | None = None) -> Callable:
     return run
 
 
-def _set_grad(value: float) -> Callable[[int, nn.Module], None]:
+def _set_grad(value: float | torch.Tensor) -> Callable[[int, nn.Module], None]:
     def change(i: int, model: nn.Module) -> None:
         if i == 2:
-            model[0].weight.grad.view(-1)[:3] = value
+            model[0].weight.grad.view(-1)[: 3 if isinstance(value, float) else len(value)] = value
 
     return change
 
@@ -183,7 +183,8 @@ RUNS: dict[str, Callable[[Path], list[str | None]]] = {
     "divergence": _diverged,
     "nograd": _in_process(_plain(_no_grad_at_2)),
     "rewind": _in_process(_guarded(rewind=True)),
-    "norm_overflow": _in_process(_plain(_set_grad(1e25))),
+    # finite elements whose norm (4.2e38) exceeds float32's range (a smaller one is taken without overflow)
+    "norm_overflow": _in_process(_plain(_set_grad(torch.tensor([3e38, -3e38])))),
     "nonfinite_update": _in_process(_nonfinite_update),
 }
 

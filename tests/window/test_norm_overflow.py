@@ -1,0 +1,387 @@
+"""A norm that cannot overflow (#35, SPEC §11): the total norm of finite gradients is finite.
+
+torch's float32 norms sum the p-th powers in float32 (on the CPU too: ten elements of 1e20 have
+an ``inf`` 2-norm), so a window of finite gradients whose norm exceeds about 1.8e19 used to be
+skipped (reason ``"norm_overflow"``).  Now such a norm is taken again, max-scaled in float64
+(``functional.finite_total``), and the window is clipped and applied on every path: the plain
+fused and host closes, the general close, per-group clipping; the update's norm alike.  Where
+torch's norm is finite it is kept bit for bit.  References are computed here in Python floats
+(float64), independently of clipopt's kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from clipopt import AGC, AdaGC, AutoClip, ClippedOptimizer, CSVLogger, UpdateClip
+from clipopt import functional as F
+
+from ..helpers import spawn_job
+from ..hostreads import count_host_reads
+from ..markers import needs_gloo
+
+NORM_TYPES = (1.0, 2.0, 3.0, math.inf)
+
+#: Several tensors of finite elements around 1e20: each tensor's float32 2-norm (and 3-norm) is inf.
+SHAPES = [(10,), (3, 4), (5,)]
+
+
+def _reference(grads: list[torch.Tensor], p: float) -> float:
+    """The p-norm of ``grads`` in Python floats (float64): the largest element exactly for p = inf,
+    else the sum of ``(|x| / m) ** p`` times ``m`` (``m``: the largest element; no overflow)."""
+    values = [abs(float(x)) for g in grads for x in g.reshape(-1).tolist()]
+    m = max(values)
+    if p == math.inf or m == 0.0:
+        return m
+    return m * math.fsum((v / m) ** p for v in values) ** (1.0 / p)
+
+
+def _bound(grads: list[torch.Tensor]) -> float:
+    """The relative error allowed against :func:`_reference`: clipopt's float64 norm rounds at most
+    once per element and a few times more (``2**-53`` each, as the reference does), then once to
+    float32 (``2**-24``); a factor 2 for the reference's own rounding."""
+    n = sum(g.numel() for g in grads)
+    return 2**-24 + 2 * (n + 8) * 2**-53
+
+
+def _huge(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen) * 1e20 for shape in SHAPES]
+
+
+def _params() -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES]
+
+
+# ---------------------------------------------------------------- the kernel: bit for bit, or finite
+
+
+@given(
+    p=st.sampled_from(NORM_TYPES),
+    exponent=st.integers(min_value=-20, max_value=11),
+    seed=st.integers(min_value=0, max_value=2**16),
+)
+def test_a_norm_that_does_not_overflow_is_torchs_bit_for_bit(p: float, exponent: int, seed: int) -> None:
+    """On ordinary gradients (elements up to ~1e12: no 3-norm overflows) the total norm, and the
+    per-group form's total, are ``torch.nn.utils.get_total_norm``'s (what ``clip_grad_norm_``
+    returns), bit for bit, for p = 1, 2, 3, inf."""
+    gen = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(shape, generator=gen) * 10.0**exponent for shape in SHAPES]
+    want = torch.nn.utils.get_total_norm(grads, p)
+    assert torch.isfinite(want)
+    assert torch.equal(F.get_total_norm(grads, p), want)
+    _, total, _ = F.finite_group_norms(F.get_norms(grads, p), [1, 2], grads, p)
+    assert torch.equal(total, want)
+
+
+@pytest.mark.parametrize("p", NORM_TYPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_finite_huge_gradients_have_a_finite_norm(p: float, seed: int) -> None:
+    """Elements ~1e20 in several tensors: torch's float32 norm is inf for p = 2 and 3 (every tensor's
+    own norm overflows), clipopt's is finite and equals the float64 reference within the derived
+    bound, through the total-norm kernel and the per-group one (each group's norm too).  For p = 1
+    and inf nothing overflows: torch's norm, bit for bit."""
+    grads = _huge(seed)
+    parts = (grads[:1], grads[1:])
+    norms, total, groups = F.finite_group_norms(F.get_norms(grads, p), [1, 2], grads, p)
+    got = F.get_total_norm(grads, p)
+    assert got.dtype == torch.float32 and torch.isfinite(norms).all()
+    if p in (1.0, math.inf):
+        want = torch.nn.utils.get_total_norm(grads, p)
+        assert torch.equal(got, want) and torch.equal(total, want)
+        assert groups.tolist() == [torch.nn.utils.get_total_norm(g, p).item() for g in parts]
+        return
+    assert torch.nn.utils.get_total_norm(grads, p) == math.inf
+    assert all(torch.linalg.vector_norm(g, p) == math.inf for g in grads)
+    assert float(got) == pytest.approx(_reference(grads, p), rel=_bound(grads), abs=0)
+    assert float(total) == pytest.approx(_reference(grads, p), rel=_bound(grads), abs=0)
+    for group, want_group in zip(groups.tolist(), parts, strict=True):
+        assert group == pytest.approx(_reference(want_group, p), rel=_bound(want_group), abs=0)
+
+
+@pytest.mark.parametrize("p", [2.0, 3.0])
+def test_each_gradients_norm_is_torchs_or_finite(p: float) -> None:
+    """``get_norms`` (per-tensor norms: per-group clipping, per-tensor policies, sharded shards):
+    an ordinary gradient's norm is torch's bit for bit beside a huge one, whose own norm (inf in
+    float32) is finite and the float64 reference's."""
+    grads = [*_huge(2)[:2], torch.randn(7)]
+    got = F.get_norms(grads, p)
+    assert torch.equal(got[2], torch.linalg.vector_norm(grads[2], p))
+    for n, g in zip(got[:2].tolist(), grads[:2], strict=True):
+        assert torch.linalg.vector_norm(g, p) == math.inf
+        assert n == pytest.approx(_reference([g], p), rel=_bound([g]), abs=0)
+
+
+def test_norms_of_norms_that_overflow_only_together_are_finite() -> None:
+    """Each tensor's norm is finite (1.5e19 < 1.8e19) but their float32 combination overflows:
+    the group functions take it max-scaled (``functional.group_norms``, ``shared_norm``)."""
+    grads = [torch.full((1,), 1.5e19) for _ in range(4)]
+    norms = F.get_norms(grads)
+    assert torch.isfinite(norms).all() and torch.linalg.vector_norm(norms) == math.inf
+    assert float(F.group_norms(norms, [4], 2.0)[0]) == pytest.approx(3e19, rel=_bound(grads))
+    assert float(F.shared_norm(norms, [True] * 4, 2.0)) == pytest.approx(3e19, rel=_bound(grads))
+    assert float(F.get_total_norm(grads)) == pytest.approx(3e19, rel=_bound(grads))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_nonfinite_element_keeps_a_nonfinite_norm(bad: float) -> None:
+    """Beside huge finite elements, a nan or an inf element leaves the norm as torch gives it."""
+    grads = _huge(0)
+    grads[1][0, 2] = bad
+    want = torch.nn.utils.get_total_norm(grads)
+    got = F.get_total_norm(grads)
+    assert not math.isfinite(float(got))
+    assert math.isnan(float(got)) == math.isnan(float(want))
+
+
+def test_a_norm_beyond_float32s_range_stays_inf() -> None:
+    """Finite elements whose norm (4.2e38) no float32 holds: inf, as torch's (reason "norm_overflow")."""
+    grads = [torch.tensor([3e38, -3e38, 1.0])]
+    assert F.get_total_norm(grads) == math.inf == torch.nn.utils.get_total_norm(grads)
+
+
+# ---------------------------------------------------------------- the window: clipped and applied
+
+
+def _sgd(**kw: Any) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+    return lambda ps: torch.optim.SGD(ps, lr=1.0, **kw)
+
+
+#: Each path of a window's close, as (inner optimizer, wrapper options): the plain fused close, the
+#: plain host close (foreach and for-loop), the general close with a logger (fused and host steps),
+#: per-layer rows (the candidate bad row's norm pass).
+PATHS: dict[str, tuple[Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], dict[str, Any]]] = {
+    "plain-fused": (_sgd(fused=True), {}),
+    "plain-host": (_sgd(), {}),
+    "plain-for-loop": (_sgd(foreach=False), {}),
+    "general-fused": (_sgd(fused=True), {"csv": True}),
+    "general-host": (_sgd(), {"csv": True}),
+    "rows-fused": (_sgd(fused=True), {"layer_stats": 1}),
+    "mean-accumulation": (_sgd(fused=True), {"accumulation_steps": 2, "reduction": "mean"}),
+}
+
+
+def _wrapper(path: str, params: list[torch.nn.Parameter], tmp_path: Path) -> ClippedOptimizer:
+    make, options = PATHS[path]
+    options = dict(options)
+    if options.pop("csv", False):
+        options["loggers"] = [CSVLogger(tmp_path / "log.csv")]
+    if "layer_stats" in options:
+        options["param_names"] = [(f"p{i}", p) for i, p in enumerate(params)]
+    return ClippedOptimizer(make(params), max_norm=1.0, **options)
+
+
+def _close(opt: ClippedOptimizer, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
+    """One window: each micro-batch's gradients are ``grads`` (summed, divided with "mean")."""
+    for _ in range(opt.accumulation_steps):
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone() if p.grad is None else p.grad + g
+        opt.step()
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_window_whose_float32_norm_overflows_is_clipped_and_applied(path: str, tmp_path: Path) -> None:
+    """Finite gradients ~1e20 (torch's norm: inf): the window is not skipped, its recorded norm is
+    finite and equals the float64 reference, and SGD (lr 1) moves each parameter by
+    ``-g / norm``: the clipped step.  Bound: the reference's, and at most four float32 roundings of
+    the coefficient and the step (``2**-24`` each), twice."""
+    grads = _huge(3)
+    params = _params()
+    opt = _wrapper(path, params, tmp_path)
+    _close(opt, params, grads)
+    stats = opt.last_stats
+    want = _reference(grads, 2.0)
+    assert stats is not None and not stats.skipped and stats.reason is None
+    assert stats.total_norm == pytest.approx(want, rel=_bound(grads), abs=0)
+    assert stats.clipped and stats.clip_coef == pytest.approx(1.0 / want, rel=4 * _bound(grads))
+    for p, g in zip(params, grads, strict=True):
+        expected = torch.tensor([-float(x) / want for x in g.reshape(-1).tolist()], dtype=torch.float64)
+        torch.testing.assert_close(
+            p.detach().reshape(-1).double(), expected, rtol=8 * 2**-24 + _bound(grads), atol=0
+        )
+    assert opt.num_skipped == 0
+    opt.close()
+
+
+def test_fused_adamw_takes_the_clipped_gradient() -> None:
+    """Fused AdamW (the plain fused close): its first moment after the window is ``(1 - beta1)``
+    times the clipped gradient ``g / norm``, not times the raw one (and not skipped)."""
+    grads = _huge(4)
+    params = _params()
+    opt = ClippedOptimizer(torch.optim.AdamW(params, lr=1e-3, fused=True), max_norm=1.0)
+    _close(opt, params, grads)
+    want = _reference(grads, 2.0)
+    assert opt.last_stats is not None and not opt.last_stats.skipped
+    for p, g in zip(params, grads, strict=True):
+        m = opt.optimizer.state[p]["exp_avg"]
+        torch.testing.assert_close(m, 0.1 * g / want, rtol=16 * 2**-24, atol=0)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_per_group_clipping_takes_finite_group_norms(fused: bool) -> None:
+    """Per-group clipping, one group with its own bound (0.5) and two sharing the wrapper's (1.0):
+    each is clipped by its own finite norm, as the float64 reference says."""
+    grads = _huge(5)
+    params = _params()
+    groups = [{"params": params[:1], "max_norm": 0.5}, {"params": params[1:]}]
+    opt = ClippedOptimizer(torch.optim.SGD(groups, lr=1.0, fused=fused), max_norm=1.0)
+    _close(opt, params, grads)
+    stats = opt.last_stats
+    assert stats is not None and not stats.skipped
+    assert stats.total_norm == pytest.approx(_reference(grads, 2.0), rel=_bound(grads), abs=0)
+    for members, bound in ((slice(0, 1), 0.5), (slice(1, 3), 1.0)):
+        norm = _reference(grads[members], 2.0)
+        for p, g in zip(params[members], grads[members], strict=True):
+            torch.testing.assert_close(p.detach(), -bound * g / norm, rtol=16 * 2**-24, atol=0)
+
+
+@pytest.mark.parametrize("policy", ["AutoClip", "AdaGC", "AGC"])
+def test_a_policy_clips_a_window_whose_float32_norm_overflows(policy: str) -> None:
+    """A global policy (AutoClip: its threshold from the finite norm), a per-tensor one
+    (AdaGC: its warm-up bound from the norm of the per-tensor norms) and the unit-wise AGC (each
+    unit's norm) clip a window of gradients ~1e20 after two ordinary ones: applied, every parameter
+    moved by a finite step of at most a few units (before: skipped, or each gradient zeroed by a
+    coefficient of 0 from an inf norm)."""
+    made = {"AutoClip": AutoClip, "AdaGC": AdaGC, "AGC": AGC}
+    params = [torch.nn.Parameter(torch.ones(shape)) for shape in SHAPES]
+    opt = ClippedOptimizer(torch.optim.SGD(params, lr=1.0), max_norm=made[policy]())
+    gen = torch.Generator().manual_seed(0)
+    for window in range(3):
+        before = [p.detach().clone() for p in params]
+        grads = [torch.randn(shape, generator=gen) for shape in SHAPES]
+        _close(opt, params, [g * 1e20 for g in grads] if window == 2 else grads)
+    stats = opt.last_stats
+    assert stats is not None and not stats.skipped and stats.reason is None
+    assert stats.total_norm == pytest.approx(_reference([g * 1e20 for g in grads], 2.0), rel=1e-6)
+    steps = [p.detach() - b for p, b in zip(params, before, strict=True)]
+    assert all(torch.isfinite(s).all() for s in steps)
+    assert all(s.abs().amax() > 0 for s in steps)
+    assert max(float(s.abs().amax()) for s in steps) < 10.0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_nonfinite_gradient_is_still_skipped(path: str, bad: float, tmp_path: Path) -> None:
+    """A nan or inf element beside the huge finite ones: skipped as before, reason "nonfinite"."""
+    grads = _huge(6)
+    grads[2][1] = bad
+    params = _params()
+    opt = _wrapper(path, params, tmp_path)
+    _close(opt, params, grads)
+    stats = opt.last_stats
+    assert stats is not None and stats.skipped and stats.reason == "nonfinite"
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in params)
+    opt.close()
+
+
+@pytest.mark.parametrize("path", ["plain-fused", "plain-host", "general-fused", "general-host"])
+def test_the_overflow_check_adds_no_host_read(path: str, tmp_path: Path) -> None:
+    """Counted by tests/hostreads.py: a healthy window and an overflowing one make the reads they
+    made before (none of clipopt's on the fused path, one on the host path); the check reads the
+    CPU norm through ``_tensors.cpu_value`` (no device to wait for, counted apart)."""
+    params = _params()
+    opt = _wrapper(path, params, tmp_path)
+    counts = []
+    for grads in (_huge(7), [g * 1e-20 for g in _huge(8)], _huge(9)):
+        with count_host_reads() as reads:
+            _close(opt, params, grads)
+        counts.append((len(reads), len(reads.cpu)))
+        opt.zero_grad()
+    ours = 0 if "fused" in path else 1
+    assert [c[0] for c in counts] == [ours] * 3
+    assert all(c[1] >= 1 for c in counts)
+    assert opt.num_skipped == 0
+    opt.close()
+
+
+# ---------------------------------------------------------------- the update's norm
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_an_update_of_minus_1e20_is_bounded_not_rejected(fused: bool) -> None:
+    """SGD (lr 1) on gradients of 1e20 without a gradient bound makes an update of -1e20 per element:
+    its float32 norm overflows, yet it is finite.  UpdateClip(max_norm=1.0) records its norm (the
+    float64 reference's) and bounds it (coefficient 1 / norm), not rejected as "nonfinite_update"
+    (before: put back and skipped); the parameters end within the bound of where they were."""
+    params = [torch.nn.Parameter(torch.ones(shape)) for shape in SHAPES]
+    grads = [torch.full(shape, 1e20) for shape in SHAPES]
+    opt = ClippedOptimizer(
+        torch.optim.SGD(params, lr=1.0, fused=fused), max_norm=None, update_clip=UpdateClip(max_norm=1.0)
+    )
+    _close(opt, params, grads)
+    stats = opt.last_stats
+    want = _reference(grads, 2.0)
+    assert stats is not None and not stats.skipped and stats.reason is None
+    assert stats.update_norm == pytest.approx(want, rel=_bound(grads), abs=0)
+    assert stats.update_coef == pytest.approx(1.0 / want, rel=4 * _bound(grads))
+    moved = torch.linalg.vector_norm(torch.cat([(p.detach() - 1.0).reshape(-1) for p in params]))
+    assert float(moved) <= 1.0 * (1 + 1e-6)
+
+
+def test_update_stats_record_a_finite_norm_for_a_finite_update() -> None:
+    """update_stats=True alone: the update of -1e20 per element is applied, its norm recorded finite."""
+    params = [torch.nn.Parameter(torch.ones(shape)) for shape in SHAPES]
+    grads = [torch.full(shape, 1e20) for shape in SHAPES]
+    opt = ClippedOptimizer(torch.optim.SGD(params, lr=1.0), max_norm=None, update_stats=True)
+    _close(opt, params, grads)
+    stats = opt.last_stats
+    assert stats is not None and not stats.skipped and stats.reason is None
+    assert stats.update_norm == pytest.approx(_reference(grads, 2.0), rel=_bound(grads), abs=0)
+    assert all(torch.equal(p.detach(), torch.full_like(p, 1.0 - 1e20)) for p in params)
+
+
+# ---------------------------------------------------------------- 2 gloo ranks
+
+
+@pytest.fixture(scope="module")
+def gloo(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from .. import norm_overflow_jobs
+
+    return spawn_job(norm_overflow_jobs.norm_overflow_job, "norm_overflow", tmp_path_factory.mktemp("no"), 2)
+
+
+@needs_gloo
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_ddp_and_fsdp2_clip_a_window_whose_float32_norm_overflows(
+    kind: str, gloo: list[dict[str, Any]]
+) -> None:
+    """2 gloo ranks, DDP and FSDP2 (each rank's shards measured, their norms reduced in float64): the
+    second window's loss is scaled by 1e20 (finite gradients, an inf float32 norm).  Every rank
+    records the float64 reference's finite norm, applies the window and ends with the reference's
+    parameters (SGD on the gradient clipped by hand; rtol 1e-5: the ranks average their float32
+    gradients); the ranks alike."""
+    from .. import norm_overflow_jobs
+
+    ranks = gloo
+    want = norm_overflow_jobs.reference()
+    assert want["norms"][1] > 1e19
+    for rank in ranks:
+        got = rank[kind]
+        assert got["skipped"] == [False, False] and got["reasons"] == [None, None]
+        assert got["norms"] == pytest.approx(want["norms"], rel=1e-5)
+        for a, b in zip(got["params"], want["params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    first, second = (rank[kind] for rank in ranks)
+    assert first["norms"] == second["norms"]
+    assert all(torch.equal(a, b) for a, b in zip(first["params"], second["params"], strict=True))
+
+
+@needs_gloo
+def test_pipeline_stages_clip_a_window_whose_float32_norm_overflows(gloo: list[dict[str, Any]]) -> None:
+    """Pipeline stages (``norm_group``: each rank its own layer, the norm over both reduced in
+    float64): a window of gradients ~1e20 is applied on both stages, its norm the float64
+    reference's."""
+    from ..norm_overflow_jobs import stages_reference
+
+    want = stages_reference()
+    for rank in gloo:
+        assert not rank["stages"]["skipped"]
+        assert rank["stages"]["norm"] == pytest.approx(want, rel=1e-6)
