@@ -247,7 +247,7 @@ class ClippedOptimizer(InnerOptimizerView):
         recovery = SpikeRecovery.attach(spike_guard, rewind, params, self._inner)
         run = Runtime(self._inner, cfg.names, replicas, diagnostics, LogTo(self), cfg.stats_history, recovery)
         self._run = run  # the running state and the window's close (_window.runtime)
-        parts.update(update_clip=update_clip, update_stats=update_stats)  # (parts, by their keyword)
+        parts.update(update_clip=update_clip, update_stats=update_stats)  # (parts too, by their keyword)
         run.parts = Parts.build(REGISTRY, parts, self._inner)  # every other part, by its keyword
         if spike_guard is not None:
             run.skip_sources.append(run.recovery)  # reason "spike"
