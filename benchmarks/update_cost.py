@@ -184,12 +184,12 @@ class _OpCount(TorchDispatchMode):
 
 def _held(update: Callable[[], None]) -> int:
     """The bytes held between updates for the update: the wrapper's copy before the inner step
-    (``UpdateCopy.held_bytes``), or a recipe's two buffers."""
+    (``UpdateCopy.held_bytes``, in what the parts share: ``Parts.shared``), or a recipe's two buffers."""
     owner = getattr(update, "__self__", None)
     if isinstance(owner, Recipe):
         return sum(t.numel() * t.element_size() for t in [*owner.copy, *owner.update])
-    copy = getattr(owner, "_update_copy", None)
-    return int(getattr(copy, "held_bytes", 0))
+    shared = getattr(getattr(getattr(owner, "_run", None), "parts", None), "shared", {})
+    return sum(int(getattr(getattr(work, "copy", None), "held_bytes", 0)) for work in shared.values())
 
 
 def measure(model: ParamModel, methods: dict[str, Callable[[], None]], rounds: int) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 
 from ._distributed.collectives import Unsynced
 from ._inner import InnerOptimizers, inner_optimizers, inner_state_dicts
-from ._part import Parts
+from ._part import Held, Parts
 from ._policies.builtin import ClipPolicy, checked_policy_state
 from ._recovery.part import SpikeRecovery
 from ._state import (
@@ -43,7 +43,6 @@ from ._state import (
 )
 from ._window.groups import check_groups, group_keys, kept_options
 from ._window.loss import LossSum
-from ._window.update_clip import UpdateClip, checked_update_state
 
 __all__ = [
     "ENTRY",
@@ -112,7 +111,6 @@ def wrapper_entry(
     policy: ClipPolicy | None,
     unsynced: Unsynced | None,
     recovery: SpikeRecovery | None = None,
-    update_clip: UpdateClip | None = None,
     parts: Parts | None = None,
 ) -> dict[str, Any]:
     """The ``"clipopt"`` entry; mid-window it holds a copy of the gradients accumulated so far.
@@ -128,8 +126,6 @@ def wrapper_entry(
     entry["unsynced"] = None if unsynced is None else unsynced.to_dict()
     if recovery is not None:  # "spike_guard" and "rewind" (the Rewind's copies included)
         entry.update(recovery.state_dict())
-    if update_clip is not None:  # the history of UpdateClip(z=...)
-        entry["update_clip"] = update_clip.state_dict()
     if parts is not None:
         entry.update(parts.state_dict())
     return entry
@@ -157,8 +153,6 @@ class Checkpoint(NamedTuple):
     #: groups are checked once loaded (its ``kept_options`` is empty then), with this ``norm_group``.
     own_layout: tuple[bool, ...] = ()
     norm_group: Any = None
-    #: The checked ``"update_clip"`` entry and the UpdateClip that loads it (None: nothing to load).
-    update: tuple[Any, UpdateClip | None] = (None, None)
     #: Whether the wrapper loading it is mid-window (:meth:`with_open_window`): its window's
     #: gradients go unless the state dict has some (:func:`_take_grads`).
     open_window: bool = False
@@ -208,9 +202,6 @@ class Checkpoint(NamedTuple):
             policy.load_state_dict(self.policy_state)
         if self.counters is not None:
             recovery.load(self.recovery)
-        saved, update_clip = self.update
-        if saved is not None and update_clip is not None:
-            update_clip.load_state_dict(saved)
         if parts is not None:  # (empty for a plain optimizer's state dict)
             parts.load_state(self.parts)
         return counters
@@ -238,12 +229,12 @@ def read_checkpoint(
 ) -> Checkpoint:
     """Validate ``state_dict`` completely (``ValueError``, touching nothing) and return its parts;
     ``c``: the wrapper's settings by name (``accumulation_steps``, ``max_norm``, ``scaler``,
-    ``norm_group``, ``update_clip``).
+    ``norm_group``).
 
     An inner entry in the inner optimizer's own layout (pytorch_optimizer's ``Lookahead``) is left to
     the inner optimizer's own ``load_state_dict``, which :meth:`Checkpoint.take_over` undoes when it,
     or the check of the groups it loaded, fails; so is each such part of ``state_dict["optimizers"]``."""
-    scaler, norm_group, update_clip = c["scaler"], c["norm_group"], c["update_clip"]
+    scaler, norm_group = c["scaler"], c["norm_group"]
     policy = c["max_norm"] if isinstance(c["max_norm"], ClipPolicy) else None
     inners = inner_state_dicts(state_dict, inner) if isinstance(state_dict, dict) else []
     own = tuple(isinstance(part, dict) and has_own_layout(part, o) for part, o in inners)
@@ -260,12 +251,12 @@ def read_checkpoint(
     if wrapper is not None and isinstance(ext, dict):  # older state dicts have no loss: an empty sum
         loss_sum = LossSum.from_dict(ext, wrapper[0].micro_batches)
         if recovery is not None:
-            checked = recovery.validate(ext, _copied_wrapper_check(policy, scaler, update_clip))
+            held = parts.held(inner) if parts else None  # the parts a Rewind copy holds
+            checked = recovery.validate(ext, _copied_wrapper_check(policy, scaler, held))
         checked_parts = parts.check_state(ext, inner) if parts else {}
     inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
     counters, pending, scaler_state = wrapper if wrapper is not None else (None, None, None)
-    update = (checked_update_state(ext, update_clip), update_clip)
-    entries = (policy_state, loss_sum, unsynced, kept, checked, own, norm_group, update)
+    entries = (policy_state, loss_sum, unsynced, kept, checked, own, norm_group)
     return Checkpoint(inner_sd, counters, pending, scaler_state, *entries, parts=checked_parts)
 
 
@@ -326,16 +317,18 @@ def _checked_kept_options(
 
 
 def _copied_wrapper_check(
-    policy: ClipPolicy | None, scaler: torch.amp.GradScaler | None, update_clip: UpdateClip | None
+    policy: ClipPolicy | None, scaler: torch.amp.GradScaler | None, held: Held | None
 ) -> Any:
-    """A check of the policy, scaler and update-clip state inside a Rewind copy (loaded at a rewind,
-    after the parameters are restored: it must be loadable before anything changes)."""
+    """A check of the policy, scaler and held parts' state (``Parts.held``) inside a Rewind copy
+    (loaded at a rewind, after the parameters are restored: it must be loadable before anything
+    changes)."""
 
     def check(extra: Any) -> None:
         if not isinstance(extra, dict):
             return
         checked_policy_state(extra.get("policy"), policy)
         check_scaler_matches(extra.get("scaler"), scaler)
-        checked_update_state(extra, update_clip)
+        if held is not None:
+            held.check(extra)
 
     return check

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from numbers import Real
 from typing import Any
@@ -39,7 +40,8 @@ from ._recovery.part import check_recovery
 from ._recovery.qk_clip import QKClip
 from ._recovery.rerun import Rerun
 from ._window.groups import check_groups
-from ._window.update_apply import check_update_options
+from ._window.update_apply import UpdateStats
+from ._window.update_clip import UpdateClip
 
 __all__ = [
     "KEYWORDS",
@@ -269,6 +271,8 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
 #: Every part (``_part.Part``), in the order a window runs their hooks, whatever order the keywords
 #: are passed in.  Adding a feature is one new module (its part) plus one line here.
 REGISTRY: tuple[type[Part], ...] = (
+    UpdateClip,  # before UpdateStats: it starts and finishes the update they share
+    UpdateStats,
     Rerun,
     QKClip,
 )
@@ -296,8 +300,6 @@ ASSIGNABLE = frozenset(
         "max_snapshots",
         "norm_group",
         "backward_passes_per_step",
-        "update_clip",
-        "update_stats",
     }
 )
 
@@ -310,8 +312,6 @@ ASSIGNED_WITH = (
     "norm_group",
     "skip_nonfinite",
     "max_consecutive_nonfinite",
-    "update_clip",
-    "update_stats",
     "spike_guard",
     "rewind",
 )
@@ -346,8 +346,6 @@ def check_assignment(name: str, value: Any, current: dict[str, Any], inner: Opti
     if name in ("skip_nonfinite", "max_consecutive_nonfinite"):
         skip, limit = _check_skipping(new["skip_nonfinite"], new["max_consecutive_nonfinite"])
         return skip if name == "skip_nonfinite" else limit
-    if name in ("update_clip", "update_stats"):
-        return check_update_options(new["update_clip"], new["update_stats"], inner)[name == "update_stats"]
     return _SIMPLE_CHECKS[name](value)
 
 
@@ -384,19 +382,19 @@ _SIMPLE_CHECKS: dict[str, Any] = {
 }
 
 
-def describe(opt: Any, inner: Any) -> str:
+def describe(opt: Any, inner: Any, parts: Iterable[Part] = ()) -> str:
     """The ``repr`` of a :class:`~clipopt.ClippedOptimizer` ``opt``: its settings (and the parts
-    that are on), then its ``inner`` optimizer(s), indented."""
+    that are on: ``parts``, each as ``keyword=value``), then its ``inner`` optimizer(s), indented."""
     opts = (
         f"max_norm={opt.max_norm}, norm_type={opt.norm_type}, clip_value={opt.clip_value}, "
         f"accumulation_steps={opt.accumulation_steps}, reduction={opt.reduction!r}, "
         f"skip_nonfinite={opt.skip_nonfinite}"
     )
-    for name in ("spike_guard", "rewind", "update_clip"):
+    for name in ("spike_guard", "rewind"):
         part = getattr(opt, name)
         if part is not None:
             opts += f", {name}={part!r}"
-    if opt.update_stats:
-        opts += ", update_stats=True"
+    for part in parts:
+        opts += f", {part.keyword}={part.value()!r}"
     text = "\n".join("  " + line for line in repr(inner).splitlines())
     return f"ClippedOptimizer({opts},\n{text}\n)"

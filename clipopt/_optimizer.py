@@ -51,7 +51,6 @@ from ._window.diagnose import Diagnostics
 from ._window.loss import check_loss, loss_of_closure
 from ._window.plan import PLANNED
 from ._window.runtime import Runtime
-from ._window.update_apply import check_update_options
 from ._window.update_clip import UpdateClip
 from ._wrapping import STORED, InnerOptimizerView
 
@@ -237,7 +236,6 @@ class ClippedOptimizer(InnerOptimizerView):
         options = {name: value for name, value in locals().items() if name not in ("self", "parts")}
         cfg = configure(optimizer, ClippedOptimizer, options)  # raises before any state exists
         check_recovery(spike_guard, rewind, cfg.policy)
-        self.update_clip, self.update_stats = check_update_options(update_clip, update_stats, cfg.inner)
         self.__dict__.update(cfg.settings())  # (max_norm: _policy and _bound)
         # the optimizer, or an _inner.InnerOptimizers over several; with a slot for the entry (_checkpoint)
         self._inner = add_entry_slot(cfg.inner)
@@ -249,6 +247,7 @@ class ClippedOptimizer(InnerOptimizerView):
         recovery = SpikeRecovery.attach(spike_guard, rewind, params, self._inner)
         run = Runtime(self._inner, cfg.names, replicas, diagnostics, LogTo(self), cfg.stats_history, recovery)
         self._run = run  # the running state and the window's close (_window.runtime)
+        parts.update(update_clip=update_clip, update_stats=update_stats)  # (parts too, by their keyword)
         run.parts = Parts.build(REGISTRY, parts, self._inner)  # every other part, by its keyword
         if spike_guard is not None:
             run.skip_sources.append(run.recovery)  # reason "spike"
@@ -279,7 +278,7 @@ class ClippedOptimizer(InnerOptimizerView):
                 p.grad = g
 
     def __repr__(self) -> str:
-        return describe(self, self._inner)
+        return describe(self, self._inner, self._run.parts)
 
     if not TYPE_CHECKING:  # (as InnerOptimizerView's: hidden from mypy)
 
@@ -326,7 +325,6 @@ class ClippedOptimizer(InnerOptimizerView):
     def _settings_changed(self) -> None:
         """A setting changed: the window plan gets the settings as they are now (values, by name)."""
         self._run.plan.reset({name: getattr(self, name) for name in _CONFIG})
-        self._run.update_copy.keep(self.update_clip is not None or self.update_stats is not False)
 
     # ------------------------------------------------------------------ signals
 
@@ -603,7 +601,6 @@ class ClippedOptimizer(InnerOptimizerView):
             policy=self._policy,
             unsynced=pending_unsynced(self._run.unsynced, self._run.counters.micro_batches),
             recovery=self._run.recovery,
-            update_clip=self.update_clip,
             parts=self._run.parts,
         )
         return with_entry(self._inner.state_dict(), entry)

@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["Part", "Parts", "Window"]
+__all__ = ["Held", "Part", "Parts", "Window"]
 
 
 @dataclass
@@ -58,6 +58,8 @@ class Window:
     cells: dict[str, Any] = field(default_factory=dict)
     #: Whether the ranks are data-parallel replicas (``replica_group`` None is then the default group).
     replicated: bool = False
+    #: What the active parts share (:attr:`Part.shares`), by class: kept from window to window.
+    shared: Mapping[type, Any] = field(default_factory=dict)
 
 
 class Part:
@@ -89,6 +91,13 @@ class Part:
     observer: ClassVar[bool] = False
     #: The columns its cells may hold (``_log_names``), for the loggers' headers.
     columns: ClassVar[tuple[str, ...]] = ()
+    #: What ``opt.<keyword>`` reads while the part is off (``update_stats``: False).
+    off: ClassVar[Any] = None
+    #: The class of what it shares with the other active parts naming the same class (the update's
+    #: copy of ``UpdateClip`` and ``update_stats``): one instance (``shares()``) for all of them, made
+    #: when the first of them is on, kept from window to window and across assignments while one is,
+    #: dropped when none is; a hook finds it in ``w.shared[shares]``.  None: nothing.
+    shares: ClassVar[type | None] = None
 
     # ------------------------------------------------------------------ settings
 
@@ -217,12 +226,24 @@ class _Flag:
 class Parts:
     """The active parts of one wrapper, in registry order; built from the constructor's keywords."""
 
-    def __init__(self, registry: Sequence[type[Part]], parts: Mapping[str, Part]) -> None:
+    def __init__(
+        self,
+        registry: Sequence[type[Part]],
+        parts: Mapping[str, Part],
+        shared: Mapping[type, Any] | None = None,
+    ) -> None:
         #: Every part class, in the order their hooks run (``_config.REGISTRY``).
         self.registry = tuple(registry)
         self._by_keyword = {c.keyword: parts[c.keyword] for c in self.registry if c.keyword in parts}
         #: The active parts, in the order their hooks run.
         self.active: tuple[Part, ...] = tuple(self._by_keyword.values())
+        #: What they share (:attr:`Part.shares`), by class: ``shared``'s (the parts before an
+        #: assignment) kept, a new one made for a class no part shared before.
+        self.shared: dict[type, Any] = {}
+        for p in self.active:
+            kind = p.shares
+            if kind is not None and kind not in self.shared:
+                self.shared[kind] = shared[kind] if shared and kind in shared else kind()
 
     @classmethod
     def build(cls, registry: Sequence[type[Part]], options: Mapping[str, Any], inner: Optimizer) -> Parts:
@@ -249,9 +270,11 @@ class Parts:
         return bool(self.active)
 
     def value(self, keyword: str) -> Any:
-        """What ``opt.<keyword>`` returns: the part's value, or None when it is off."""
+        """What ``opt.<keyword>`` returns: the part's value, or its class's :attr:`Part.off` (None)."""
         part = self._by_keyword.get(keyword)
-        return None if part is None else part.value()
+        if part is None:
+            return next(c.off for c in self.registry if c.keyword == keyword)
+        return part.value()
 
     def assigned(self, keyword: str, value: Any, inner: Optimizer) -> Parts:
         """The parts with ``keyword`` set to ``value`` mid-run: checked as the constructor checks it
@@ -261,7 +284,7 @@ class Parts:
         parts = {k: p for k, p in self._by_keyword.items() if k != keyword}
         if part is not None:
             parts[keyword] = part
-        return Parts(self.registry, parts)
+        return Parts(self.registry, parts, self.shared)
 
     def plain(self, window: int) -> bool:
         """Whether window number ``window`` may close as a plain one: no part acts at it."""
@@ -332,6 +355,10 @@ class Parts:
         for keyword, state in checked.items():
             self._by_keyword[keyword].load_state(state)
 
+    def held(self, inner: Optimizer) -> Held:
+        """The active parts whose state a Rewind copy holds (:attr:`Part.held`)."""
+        return Held(tuple(p for p in self.active if p.held), inner)
+
     def undo_state(self) -> list[tuple[Part, Any]]:
         saved = []
         for p in self.active:  # (a loop: a walrus in a comprehension breaks torch.compile's graph)
@@ -344,3 +371,35 @@ class Parts:
     def restore_undo(saved: list[tuple[Part, Any]]) -> None:
         for part, state in saved:
             part.restore_undo(state)
+
+
+@dataclass(frozen=True)
+class Held:
+    """The parts whose state a Rewind copy holds beside the training state (:attr:`Part.held`), each
+    under its keyword (an empty state as None), with the inner optimizer their checks take."""
+
+    parts: tuple[Part, ...]
+    inner: Optimizer
+
+    def state(self) -> dict[str, Any]:
+        """Each part's :meth:`Part.state_dict` by keyword, for a copy (an empty one: None)."""
+        return {p.keyword: p.state_dict() or None for p in self.parts}
+
+    def check(self, copied: Mapping[str, Any]) -> None:
+        """``ValueError`` unless each part can load its state in ``copied`` (a copy's wrapper state
+        read from a state dict: loaded at a rewind, so it must be loadable before anything changes)."""
+        for p in self.parts:
+            if copied.get(p.keyword) is not None:
+                p.check_state(copied[p.keyword], self.inner)
+
+    def restore(self, copied: Mapping[str, Any]) -> None:
+        """Load each part's state in ``copied`` (the copy a rewind went back to); a state the part
+        cannot load (it was replaced since the copy was taken) leaves it as it is."""
+        for p in self.parts:
+            if copied.get(p.keyword) is None:
+                continue
+            try:
+                checked = p.check_state(copied[p.keyword], self.inner)
+            except ValueError:
+                continue
+            p.load_state(checked)

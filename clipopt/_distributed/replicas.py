@@ -494,7 +494,6 @@ def settings_of(
         ("windows closed", float(counters[0])),
         ("micro_batches pending", float(counters[1])),
         *_group_settings(groups),
-        ("update_stats", float(c["update_stats"])),  # a bool: checked where it was set
     ]
     return settings_record(core, parts)
 

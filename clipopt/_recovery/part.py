@@ -27,7 +27,6 @@ from torch.optim import Optimizer
 
 from .._reasons import SPIKE
 from .._window.decision import WindowDecision
-from .._window.update_clip import fits
 from .lr_cut import cut_applied
 from .rewind import Rewind, RewindEvent
 from .spike_guard import SpikeGuard
@@ -35,7 +34,7 @@ from .spike_guard import SpikeGuard
 __all__ = ["SpikeRecovery", "WrapperParts", "check_recovery"]
 
 #: The wrapper's parts whose state a Rewind copy holds beside the guard's: its policy (None: a float
-#: bound), its GradScaler and its UpdateClip (or None).
+#: bound), its GradScaler and the parts that a copy holds (``_part.Held``).
 WrapperParts = tuple[Any, Any, Any]
 
 #: What stage 6 returns (``apply_window``): ``step()``'s result, the outcome, whether fused.
@@ -183,30 +182,28 @@ class SpikeRecovery:
         return {} if self.rewind is None else self.rewind.window_record(factor, rewound)
 
     def wrapper_state(self, wrapper: WrapperParts) -> dict[str, Any]:
-        """The wrapper state a Rewind copy holds: policy, SpikeGuard, scaler and the history of
-        ``UpdateClip(z=...)`` (device tensors)."""
-        policy, scaler, update_clip = wrapper
+        """The wrapper state a Rewind copy holds: policy, SpikeGuard, scaler and the held parts'
+        states by keyword (``_part.Held``: the history of ``UpdateClip(z=...)``, device tensors)."""
+        policy, scaler, held = wrapper
         return {
             "policy": None if policy is None else policy.state_dict(),
             "spike_guard": None if self.guard is None else self.guard.state_dict(),
             "scaler": None if scaler is None else scaler.state_dict(),
-            "update_clip": (update_clip.state_dict() or None) if update_clip is not None else None,
+            **held.state(),
         }
 
     def restore_wrapper(self, restored: dict[str, Any], wrapper: WrapperParts) -> None:
         """Load the wrapper state of the copy a rewind went back to (see :meth:`wrapper_state`); a copy
-        without an update-clip history (or one of another window: ``opt.update_clip`` was replaced
-        since) leaves the current one as it is."""
-        policy, scaler, update_clip = wrapper
+        without a held part's state (or one it cannot load: an ``UpdateClip`` of another window
+        was assigned since) leaves that part as it is."""
+        policy, scaler, held = wrapper
         if restored.get("policy") is not None and policy is not None:
             policy.load_state_dict(restored["policy"])
         if restored.get("spike_guard") is not None and self.guard is not None:
             self.guard.load_state_dict(restored["spike_guard"])
         if restored.get("scaler") is not None and scaler is not None:
             scaler.load_state_dict(restored["scaler"])
-        saved = restored.get("update_clip")
-        if saved is not None and update_clip is not None and fits(update_clip, saved):
-            update_clip.load_state_dict(saved)
+        held.restore(restored)
 
     # ------------------------------------------------------------------ checkpoints
 

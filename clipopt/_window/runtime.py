@@ -45,8 +45,6 @@ from .rollback import UndoPoint, note_discarded
 from .settings import WindowSettings
 from .skip_run import SkipRun
 from .stages import agree, check_clippable, clip_and_decide, measure, reclip
-from .update_apply import start_update
-from .update_copy import UpdateCopy
 
 __all__ = ["UNDO_FIELDS", "Runtime"]
 
@@ -83,8 +81,7 @@ class Runtime:
         self.loss = LossSum()  # the open window's micro-batch losses
         self.update_applied: bool | None = False  # None: read last_skipped
         self.last_skipped: bool | Tensor = False
-        # whether the fused path may skip (_window.apply); the update's copy (_window.update_copy)
-        self.readiness, self.update_copy = StateReadiness(), UpdateCopy()
+        self.readiness = StateReadiness()  # whether the fused path may skip (_window.apply)
         # the parameters in group order (_window.grads); what a window does, per settings (_window.plan)
         self.index, self.plan = ParamIndex(), WindowPlan()
         self.unsynced: Unsynced | None = None  # the latest micro-batch that skipped its sync (no_sync)
@@ -117,15 +114,16 @@ class Runtime:
         ``settings()`` record under its keyword (``_distributed.agreement``)."""
         c, r = self.plan.config, self.recovery
         parts: list[tuple[str, object]] = [("policy", c["max_norm"]), ("spike_guard", r.guard)]
-        parts += [("rewind", r.rewind), ("update_clip", c["update_clip"]), *self.parts.settings_pairs()]
+        parts += [("rewind", r.rewind), *self.parts.settings_pairs()]
         counters = (self.counters.windows, self.counters.micro_batches)
         return settings_of(c, counters, self.inner.param_groups, parts)
 
     def wrapper_parts(self) -> tuple[Any, Any, Any]:
-        """What a Rewind copy holds of the wrapper beside the guard (see ``_recovery.part``)."""
+        """What a Rewind copy holds of the wrapper beside the guard (see ``_recovery.part``): the
+        policy, the scaler, the parts it holds (``Parts.held``)."""
         c = self.plan.config
         policy = c["max_norm"] if not isinstance(c["max_norm"], (int, float, type(None))) else None
-        return policy, c["scaler"], c["update_clip"]
+        return policy, c["scaler"], self.parts.held(self.inner)
 
     def params(self) -> list[Tensor]:
         """All parameters, in group order; cached until the groups change."""
@@ -179,8 +177,8 @@ class Runtime:
         """Whether this window closes as a plain one (:mod:`clipopt._window.plain`): its settings
         need a norm bound at most, and none of the wrapper's other features is on."""
         r, c = self.recovery, s.config
-        features = c["loggers"] or c["update_stats"] or self.skip_sources or self.parts.active
-        off = r.guard is None and r.rewind is None and c["update_clip"] is None and not features
+        features = c["loggers"] or self.skip_sources or self.parts.active
+        off = r.guard is None and r.rewind is None and not features
         off = off and self.diagnostics.writer is None and self.unsynced is None
         plain = s.plain or s.between_stats(self.counters.windows + 1)  # (no call in the common case)
         return plain and off and not (self.index.has_dtensor or self.replicas.active or is_compiling())
@@ -215,6 +213,7 @@ class Runtime:
         n, params = self.counters.micro_batches, self.params()
         group, active = self.replicas.process_group, self.replicas.active
         w = Window(self.counters.windows + 1, n, params, self.inner, s, closure, group, replicated=active)
+        w.shared = self.parts.shared  # (Part.shares)
         if not undo.touched and (reason := self._begin(w)) is not None:  # (touched: a part's rerun)
             undo.committed = True  # a Rewind restored a copy, or a part discarded the window
             return self.close_discarded(s, n, loss, reason)
@@ -341,10 +340,6 @@ class Runtime:
         """Stage 6 (apply): the inner step or the skip (see :mod:`clipopt._window.apply`; with a Rewind,
         through its lr_cut; in the parts' contexts), then the counters; returns ``step()``'s result
         and whether the fused (host-read-free) path ran."""
-        c = s.config
-        policy, agree_over = s.policy, (self.replicas.group,) if self.replicas.active else None
-        on = (c["update_clip"], c["update_stats"])
-        upd = start_update(on, w.params, self.inner, (self.update_copy, agree_over), (s.norm_group, policy))
         run = partial(apply_window, self.inner, s, d, g, call, self.reclip, self.readiness)
         if self.parts and self.parts.host_step(w):
             run = partial(run, host=True)
@@ -352,7 +347,6 @@ class Runtime:
             for part in self.parts.active:
                 part.before_step(w, d)
             out, skipped, fused = self.recovery.apply(self.inner, run) if self.recovery.rewind else run()
-        skipped = skipped if upd is None else upd.finish(d, skipped)  # measured, bounded, or put back
         for part in self.parts.active:
             skipped = part.after_step(w, d, skipped)
         self.last_skipped = skipped

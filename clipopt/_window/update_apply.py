@@ -37,8 +37,9 @@ reads the flag once: putting it back means removing that state).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -47,16 +48,15 @@ from torch.optim import Optimizer
 from .. import functional as F
 from .._checks import check_flag
 from .._distributed.collectives import ShardedGrads, has_dtensor, reduce_norm_over
-from .._inner import inner_optimizers, reevaluates
+from .._part import Part, Window
 from .._policies.builtin import ClipPolicy
 from .._reasons import NONFINITE_UPDATE
 from .._tensors import cpu_values
 from .decision import WindowDecision
 from .rollback import InnerBackup, local_view
-from .update_clip import UpdateClip
 from .update_copy import UpdateCopy
 
-__all__ = ["HOST_DECIDED", "PIECE_NUMEL", "WindowUpdate", "check_update_options", "start_update"]
+__all__ = ["HOST_DECIDED", "PIECE_NUMEL", "UpdateStats", "UpdateWork", "WindowUpdate", "start_update"]
 
 #: Device types whose update is decided on the host (reading a flag there waits for nothing).
 HOST_DECIDED = frozenset({"cpu"})
@@ -66,47 +66,99 @@ HOST_DECIDED = frozenset({"cpu"})
 PIECE_NUMEL = 1 << 16
 
 
-def check_update_options(update_clip: Any, update_stats: Any, optimizer: Optimizer) -> tuple[Any, bool]:
-    """``update_clip`` must be an :class:`UpdateClip` or None, ``update_stats`` a bool; an optimizer
-    that re-evaluates its closure (LBFGS) cannot have its step bounded afterwards."""
-    if update_clip is not None and not isinstance(update_clip, UpdateClip):
-        raise TypeError(
-            f"update_clip must be an UpdateClip or None, got {type(update_clip).__name__}; "
-            "pass e.g. update_clip=UpdateClip(max_rms=1e-3) (a bound on the update, after the "
-            "learning rate)"
-        )
-    check_flag("update_stats", update_stats)
-    lbfgs = [type(o).__name__ for o in inner_optimizers(optimizer) if reevaluates(o)]
-    if update_clip is not None and lbfgs:
-        raise ValueError(
-            f"update_clip={update_clip!r} cannot bound the step of {lbfgs[0]}: its line search and "
-            "curvature pairs assume the step it took; pass update_clip=None "
-            "(update_stats=True records the update norm)"
-        )
-    return update_clip, update_stats
+class Bound(Protocol):
+    """What bounds an update (:class:`~clipopt._window.update_clip.UpdateClip`, which imports this
+    module)."""
+
+    restore_state: bool
+
+    def coefficients(self, norms: Tensor, numels: Sequence[int], total: Tensor) -> Tensor: ...
+
+    def remember(self, total: Tensor, applied: Tensor) -> None: ...
 
 
 def start_update(
-    on: tuple[UpdateClip | None, bool],
+    clip: Bound | None,
     params: list[Tensor],
     optimizer: Optimizer,
     parts: tuple[UpdateCopy, tuple[Any] | None],
     window: tuple[Any, ClipPolicy | None],
-) -> WindowUpdate | None:
-    """None when neither of ``on`` (the ``UpdateClip`` or None, ``update_stats``; checked where
-    they were set) is on; else copy ``params`` (and, with ``restore_state=True``, their inner
+) -> WindowUpdate:
+    """Copy ``params`` (and, with ``clip`` an ``UpdateClip(restore_state=True)``, their inner
     state) just before the inner step of ``optimizer``, into the buffers of ``parts`` (the
-    wrapper's :class:`UpdateCopy`, reused from window to window, and ``(group,)``, the DDP replicas'
-    process group (None: the default one), or None without replicas: the ranks agree on a rejected
-    update).  ``window``: the pipeline stages' ``norm_group``
-    and the window's policy (it takes back a window put back)."""
-    clip, stats = on
-    if clip is None and not stats:
-        return None
+    :class:`UpdateCopy` reused from window to window, and ``(group,)``, the DDP replicas' process
+    group (None: the default one), or None without replicas: the ranks agree on a rejected
+    update).  ``window``: the pipeline stages' ``norm_group`` and the window's policy (it takes back
+    a window put back)."""
     buffers, replicas = parts
     backup = buffers.take(optimizer, params, clip is not None and clip.restore_state)
     agree = replicas if replicas is not None and not has_dtensor(params) else None
     return WindowUpdate(clip, params, backup, (*window, agree), buffers.scratch)
+
+
+class UpdateWork:
+    """What :class:`~clipopt._window.update_clip.UpdateClip` and :class:`UpdateStats` share
+    (:attr:`~clipopt._part.Part.shares`): the copy's buffers (:class:`UpdateCopy`, kept from
+    window to window while one of them is on, dropped with it when both are off) and the window's
+    update from the inner step's start to its end.  The first of them in the registry's order
+    (``UpdateClip``) starts and finishes it, the other finds it done: with both on the update is
+    copied and measured once.  Copying it (the wrapper's ``deepcopy``, pickling) copies nothing."""
+
+    __slots__ = ("_started", "_update", "copy")
+
+    def __init__(self) -> None:
+        self.copy = UpdateCopy()  #: the buffers
+        self._update: WindowUpdate | None = None  # started, not finished
+        self._started: weakref.ref[Window] | None = None  # the window it was started for
+
+    def __reduce__(self) -> tuple[type[UpdateWork], tuple[()]]:
+        return UpdateWork, ()
+
+    def start(self, clip: Bound | None, w: Window) -> None:
+        """Just before the inner step of window ``w``: copy what the update is taken from (once per
+        window: a second call for the same window does nothing)."""
+        if self._started is not None and self._started() is w:
+            return
+        s = w.settings
+        agree = (w.replica_group,) if w.replicated else None
+        self._update = start_update(clip, w.params, w.inner, (self.copy, agree), (s.norm_group, s.policy))
+        self._started = weakref.ref(w)
+
+    def finish(self, w: Window, d: WindowDecision, skipped: bool | Tensor) -> bool | Tensor:
+        """Just after the inner step of window ``w``: the update measured, bounded or put back
+        (:meth:`WindowUpdate.finish`), once; the window's outcome."""
+        update, self._update = self._update, None
+        if update is None or self._started is None or self._started() is not w:
+            return skipped
+        return update.finish(d, skipped)
+
+
+class UpdateStats(Part):
+    """``update_stats=True``: the update's norm recorded (``StepStats.update_norm``) without a bound,
+    from the same copy as :class:`~clipopt._window.update_clip.UpdateClip`'s (a non-finite update
+    from finite gradients is put back, reason ``"nonfinite_update"``)."""
+
+    keyword = "update_stats"
+    off = False
+    shares = UpdateWork
+
+    @classmethod
+    def build(cls, value: Any, inner: Optimizer) -> UpdateStats | None:
+        """A bool (``TypeError`` otherwise); None when False."""
+        return cls() if check_flag(cls.keyword, value) else None
+
+    def value(self) -> bool:
+        return True
+
+    def settings(self) -> dict[str, object]:
+        return {}
+
+    def before_step(self, w: Window, d: Any) -> None:
+        w.shared[UpdateWork].start(None, w)
+
+    def after_step(self, w: Window, d: Any, skipped: bool | Tensor) -> bool | Tensor:
+        out: bool | Tensor = w.shared[UpdateWork].finish(w, d, skipped)
+        return out
 
 
 def _piece_norm(a: Tensor, b: Tensor, scratch: Tensor) -> Tensor:
@@ -152,7 +204,7 @@ class WindowUpdate:
 
     def __init__(
         self,
-        clip: UpdateClip | None,
+        clip: Bound | None,
         params: list[Tensor],
         backup: InnerBackup,
         context: tuple[Any, Any, tuple[Any] | None],
@@ -225,7 +277,7 @@ class WindowUpdate:
         d.update_norm = total
         d.update_coef = torch.where(on, 0.0, coef.min())
         if self._clip is not None:  # a non-finite norm (skip_nonfinite=False) never enters the history
-            self._clip.commit(total, (1.0 - outcome) * torch.isfinite(total))
+            self._clip.remember(total, (1.0 - outcome) * torch.isfinite(total))
         if rejected is not None and isinstance(skipped, bool):  # the host knows it: no read later
             return skipped or rejected
         return outcome

@@ -33,14 +33,16 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from .._checks import check_flag, check_int_at_least, check_optional_positive_float
+from .._inner import inner_optimizers, reevaluates
+from .._part import Part, Window
+from .update_apply import UpdateWork
 
 __all__ = [
     "MODES",
     "UpdateClip",
-    "checked_update_state",
-    "fits",
     "global_coef",
     "rms_coefs",
     "z_bound",
@@ -88,7 +90,7 @@ def z_coef(norm: Tensor, bound: Tensor) -> Tensor:
     return torch.where(norm > bound, bound / torch.clamp(norm, min=_EPS), torch.ones_like(norm))
 
 
-class UpdateClip:
+class UpdateClip(Part):
     """Bound the update the inner optimizer makes (``ClippedOptimizer(..., update_clip=UpdateClip(...))``).
 
     Give exactly one of ``max_rms``, ``max_norm`` or ``z``.  The bound is on the
@@ -117,7 +119,17 @@ class UpdateClip:
     included); the coefficient applied is ``StepStats.update_coef`` (with
     ``max_rms`` the smallest over the tensors) and the norm before clipping
     ``StepStats.update_norm``.  See docs/update-clipping.md.
+
+    As a part (:class:`~clipopt._part.Part`, keyword ``update_clip``): the parameters are copied
+    just before the inner step (:meth:`before_step`, into the buffers it shares with
+    ``update_stats``: :class:`~clipopt._window.update_apply.UpdateWork`), the update measured,
+    bounded or put back just after it (:meth:`after_step`, before the other parts' hooks), its
+    ``z`` history is its state-dict entry and is held by a Rewind copy.
     """
+
+    keyword = "update_clip"
+    held = True
+    shares = UpdateWork
 
     def __init__(
         self,
@@ -169,7 +181,7 @@ class UpdateClip:
         """The coefficient of each tensor (``max_rms``: a vector) or of all (0-d), on the device.
 
         ``norms``: each tensor's update norm (float32), ``numels`` their sizes, ``total`` the
-        norm of the whole update.  Reads the history (``z``); :meth:`commit` adds to it.
+        norm of the whole update.  Reads the history (``z``); :meth:`remember` adds to it.
         """
         if self.mode == "max_rms":
             return rms_coefs(norms, numels, self.limit)
@@ -178,7 +190,46 @@ class UpdateClip:
         self._to(total.device)
         return z_coef(total, z_bound(self._history, self._count, self.limit, self.window))
 
-    def commit(self, total: Tensor, applied: Tensor) -> None:
+    @classmethod
+    def build(cls, value: Any, inner: Optimizer) -> UpdateClip | None:
+        """An ``UpdateClip`` or None (``TypeError``); an inner optimizer that re-evaluates its
+        closure (LBFGS) cannot have its step bounded afterwards (``ValueError``)."""
+        if value is None:
+            return None
+        if not isinstance(value, UpdateClip):
+            raise TypeError(
+                f"update_clip must be an UpdateClip or None, got {type(value).__name__}; "
+                "pass e.g. update_clip=UpdateClip(max_rms=1e-3) (a bound on the update, after the "
+                "learning rate)"
+            )
+        lbfgs = [type(o).__name__ for o in inner_optimizers(inner) if reevaluates(o)]
+        if lbfgs:
+            raise ValueError(
+                f"update_clip={value!r} cannot bound the step of {lbfgs[0]}: its line search and "
+                "curvature pairs assume the step it took; pass update_clip=None "
+                "(update_stats=True records the update norm)"
+            )
+        return value
+
+    def before_step(self, w: Window, d: Any) -> None:
+        """Copy the parameters (and, with ``restore_state=True``, the inner state) just before the
+        inner step."""
+        w.shared[UpdateWork].start(self, w)
+
+    def after_step(self, w: Window, d: Any, skipped: bool | Tensor) -> bool | Tensor:
+        """Measure, reject or bound the update the inner step made; the window's outcome."""
+        out: bool | Tensor = w.shared[UpdateWork].finish(w, d, skipped)
+        return out
+
+    def check_state(self, saved: Any, inner: Optimizer) -> Any:
+        """``ValueError`` unless this UpdateClip can load ``saved`` (loaded into a copy)."""
+        copy.deepcopy(self).load_state_dict(saved)
+        return saved
+
+    def load_state(self, checked: Any) -> None:
+        self.load_state_dict(checked)
+
+    def remember(self, total: Tensor, applied: Tensor) -> None:
         """Add the window's update norm ``total`` (before clipping) to the history when ``applied``
         (a 0/1 flag on the device): a skipped window made no update.  No host read."""
         if self.mode != "z":
@@ -235,14 +286,14 @@ class UpdateClip:
         self._next = torch.zeros((), dtype=torch.int64)
         self._fresh = True
 
-    def settings(self) -> list[tuple[str, float]]:
+    def settings(self) -> dict[str, object]:
         """What data-parallel ranks must share: the mode as a code (plus 3 with ``restore_state``:
         ranks that put the state back differently would drift), the limit, the window."""
-        return [
-            ("update_clip.mode", float(MODES.index(self.mode) + 3 * self.restore_state)),
-            ("update_clip.limit", self.limit),
-            ("update_clip.window", float(self.window)),
-        ]
+        return {
+            f"{self.keyword}.mode": float(MODES.index(self.mode) + 3 * self.restore_state),
+            f"{self.keyword}.limit": self.limit,
+            f"{self.keyword}.window": float(self.window),
+        }
 
     def __repr__(self) -> str:
         window = f", window={self.window}" if self.mode == "z" else ""
@@ -275,23 +326,3 @@ def _checked_ring(state: Any, window: int) -> tuple[Tensor, Tensor, Tensor]:
             f"invalid UpdateClip state: the history holds a norm that is not finite and >= 0; {fix}"
         )
     return history, count, nxt
-
-
-def checked_update_state(entry: Any, update_clip: UpdateClip | None) -> Any:
-    """The ``"update_clip"`` part of a saved ``"clipopt"`` entry, checked by loading it into a copy
-    of ``update_clip`` (``ValueError``, nothing changed); None when none was saved or there is no
-    ``update_clip`` (an older state dict: the history stays as it is)."""
-    saved = entry.get("update_clip") if isinstance(entry, dict) else None
-    if saved is None or update_clip is None:
-        return None
-    copy.deepcopy(update_clip).load_state_dict(saved)
-    return saved
-
-
-def fits(update_clip: UpdateClip, saved: Any) -> bool:
-    """Whether ``update_clip`` can load ``saved`` (a state of its mode and window), changing nothing."""
-    try:
-        copy.deepcopy(update_clip).load_state_dict(saved)
-    except ValueError:
-        return False
-    return True

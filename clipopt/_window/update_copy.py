@@ -14,8 +14,9 @@ piece by piece through that scratch buffer (:mod:`clipopt._window.update_apply`)
 tensors (for AdamW twice the parameters' bytes more), into buffers kept the same
 way; an inner state that holds something other than tensors (a custom optimizer's
 numbers or lists) is copied as :class:`~clipopt._window.rollback.InnerBackup`
-copies it, anew each window.  :meth:`UpdateCopy.release` frees everything (the
-wrapper calls it when ``update_clip`` and ``update_stats`` are turned off).
+copies it, anew each window.  The buffers are held by the
+:class:`~clipopt._window.update_apply.UpdateWork` that ``UpdateClip`` and
+``update_stats`` share, which the wrapper's parts drop when both are turned off.
 """
 
 from __future__ import annotations
@@ -81,11 +82,6 @@ class UpdateCopy:
         self._state_layout: Hashable = None
         self._state: dict[Tensor, dict[str, Any]] = {}
         self._scratch: dict[torch.dtype, Tensor] = {}
-
-    def keep(self, on: bool) -> None:
-        """:meth:`release` unless ``on`` (whether ``update_clip`` or ``update_stats`` is on)."""
-        if not on:
-            self.release()
 
     def release(self) -> None:
         """Hold nothing (the next :meth:`take` allocates anew)."""

@@ -151,7 +151,7 @@ def test_the_wrapper_puts_every_part_in_the_record() -> None:
     assert {"update_clip.mode", "update_clip.limit", "accumulation_steps", "max_norm"} <= set(record)
 
 
-@pytest.mark.parametrize("part", ["spike_guard", "rewind", "update_clip"])
+@pytest.mark.parametrize("part", ["spike_guard", "rewind", "update_clip", "update_stats"])
 def test_a_wrapper_without_a_part_records_it_as_off(part: str) -> None:
     model = model_for()
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), max_norm=1.0)

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from clipopt import ClippedOptimizer, UpdateClip
-from clipopt._window import update_apply
+from clipopt._window import update_apply, update_copy
 
 from ..helpers import ZeroDivideSGD, batches_for, model_for, mse
 
@@ -256,3 +256,67 @@ def test_the_update_norms_taken_piece_by_piece_are_the_norms_of_the_differences(
     assert got.dtype == torch.float32
     assert got.tolist() == pytest.approx(want, rel=1e-5)
     assert kept and all(t.numel() == update_apply.PIECE_NUMEL for t in kept.values())  # the pieces ran
+
+
+def test_with_both_update_options_the_update_is_copied_and_measured_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """update_clip and update_stats=True together: each window copies the parameters once and takes
+    the update's norms once (counted at UpdateCopy.take and update_norms), and records what
+    update_clip alone records, bit for bit."""
+    calls = collections.Counter()
+    take, norms = update_copy.UpdateCopy.take, update_apply.update_norms
+
+    def counted_take(self: Any, *args: Any) -> Any:
+        calls["take"] += 1
+        return take(self, *args)
+
+    def counted_norms(*args: Any) -> Any:
+        calls["norms"] += 1
+        return norms(*args)
+
+    monkeypatch.setattr(update_copy.UpdateCopy, "take", counted_take)
+    monkeypatch.setattr(update_apply, "update_norms", counted_norms)
+    runs = []
+    for options in ({"update_stats": True}, {}):
+        model = model_for()
+        opt = ClippedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=0.01), update_clip=UpdateClip(max_rms=1e-3), **options
+        )
+        calls.clear()
+        for batch in batches_for(4, seed=3):
+            _window(opt, model, batch)
+        assert calls == {"take": 4, "norms": 4}, (options, calls)
+        runs.append([(float(s.update_norm), float(s.update_coef)) for s in opt.stats])
+    assert runs[0] == runs[1]
+
+
+def test_the_copy_is_kept_while_one_update_option_stays_on() -> None:
+    """The copy's buffers outlive the assignments that leave one update option on: update_stats
+    turned on beside an UpdateClip, the UpdateClip replaced by another, then turned off: the
+    window after each assignment allocates less than a tenth of the parameters' bytes (the
+    buffers are refilled, not made anew; a new copy would allocate all of them)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 256)
+    opt = ClippedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.01, fused=True),
+        max_norm=1.0,
+        update_clip=UpdateClip(max_rms=1e-3),
+    )
+    pbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for _ in range(2):  # the state and the buffers
+        model(torch.randn(8, 1024)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for assign in (
+        lambda: setattr(opt, "update_stats", True),
+        lambda: setattr(opt, "update_clip", UpdateClip(max_norm=1.0)),
+        lambda: setattr(opt, "update_clip", None),
+    ):
+        assign()
+        model(torch.randn(8, 1024)).pow(2).mean().backward()
+        with _NewBytes() as mode:
+            opt.step()
+        opt.zero_grad()
+        assert mode.bytes < pbytes / 10, (mode.bytes, pbytes)
+        assert opt.last_stats is not None and opt.last_stats.update_norm is not None
