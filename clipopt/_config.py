@@ -28,7 +28,7 @@ from ._checks import (
     check_positive_int,
 )
 from ._diagnostics.layers import resolve_param_names
-from ._diagnostics.loggers import Logger
+from ._diagnostics.loggers import Loggers
 from ._diagnostics.snapshot import DTENSOR_DIAGNOSTICS
 from ._distributed.collectives import has_dtensor
 from ._distributed.replicas import check_norm_group, check_replica_group
@@ -38,6 +38,7 @@ from ._policies.builtin import ClipPolicy
 from ._recovery.part import check_recovery
 from ._recovery.qk_clip import QKClip
 from ._recovery.rerun import Rerun
+from ._window.diagnose import LayerStatistics
 from ._window.groups import check_groups
 from ._window.update_apply import check_update_options
 
@@ -68,8 +69,6 @@ class WrapperConfig:
     skip_nonfinite: bool
     max_consecutive_nonfinite: int | None
     stats_history: int
-    layer_stats: int  #: 0: off; k: every k windows
-    loggers: list[Logger]
     max_snapshots: int
     norm_group: Any
     replica_group: Any  #: ``"auto"``, a process group, or None
@@ -141,35 +140,6 @@ def check_inner(optimizer: Any, wrapper_type: type) -> Optimizer:
     return optimizer[0] if len(optimizer) == 1 else InnerOptimizers(optimizer)
 
 
-def check_layer_stats(value: Any) -> int:
-    """``layer_stats``: False -> 0 (off), True -> 1, k -> every k windows."""
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int) and value >= 1:
-        return value
-    raise (TypeError if not isinstance(value, int) else ValueError)(
-        f"layer_stats must be True, False or an int >= 1, got {value!r}; "
-        "pass e.g. layer_stats=10 for statistics every 10 updates"
-    )
-
-
-def check_loggers(loggers: Any) -> list[Logger]:
-    """``loggers``: an iterable of objects with ``log`` and ``close``."""
-    if isinstance(loggers, (str, bytes)) or not hasattr(loggers, "__iter__"):
-        raise TypeError(
-            f"loggers must be a list of loggers, got {type(loggers).__name__}; "
-            "pass e.g. loggers=[CSVLogger('grads.csv')]"
-        )
-    out = list(loggers)
-    for logger in out:
-        if not isinstance(logger, Logger):
-            raise TypeError(
-                f"loggers must hold objects with log(stats, optimizer) and close() methods, "
-                f"got {type(logger).__name__}; pass e.g. loggers=[CSVLogger('grads.csv')]"
-            )
-    return out
-
-
 def _check_skipping(skip_nonfinite: Any, max_consecutive_nonfinite: Any) -> tuple[bool, int | None]:
     skip = check_flag("skip_nonfinite", skip_nonfinite)
     limit = check_optional_positive_int("max_consecutive_nonfinite", max_consecutive_nonfinite)
@@ -235,8 +205,6 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
     skip_nonfinite, max_consecutive = _check_skipping(o["skip_nonfinite"], o["max_consecutive_nonfinite"])
     _check_scaler_and_foreach(o["scaler"], o["foreach"])
     stats_history = check_positive_int("stats_history", o["stats_history"])
-    layer_stats = check_layer_stats(o["layer_stats"])
-    loggers = check_loggers(o["loggers"])
     _check_snapshot_dir(o["snapshot_dir"])
     max_snapshots = check_positive_int("max_snapshots", o["max_snapshots"])
     norm_group = check_norm_group(o["norm_group"])
@@ -255,8 +223,6 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
         skip_nonfinite,
         max_consecutive,
         stats_history,
-        layer_stats,
-        loggers,
         max_snapshots,
         norm_group,
         replica_group,
@@ -269,6 +235,8 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
 #: Every part (``_part.Part``), in the order a window runs their hooks, whatever order the keywords
 #: are passed in.  Adding a feature is one new module (its part) plus one line here.
 REGISTRY: tuple[type[Part], ...] = (
+    Loggers,
+    LayerStatistics,
     Rerun,
     QKClip,
 )
@@ -291,8 +259,6 @@ ASSIGNABLE = frozenset(
         "scaler",
         "stats_history",
         "foreach",
-        "layer_stats",
-        "loggers",
         "max_snapshots",
         "norm_group",
         "backward_passes_per_step",
@@ -377,8 +343,6 @@ _SIMPLE_CHECKS: dict[str, Any] = {
     "scaler": _check_scaler,
     "stats_history": lambda v: check_positive_int("stats_history", v),
     "foreach": _check_foreach,
-    "layer_stats": check_layer_stats,
-    "loggers": check_loggers,
     "max_snapshots": lambda v: check_positive_int("max_snapshots", v),
     "backward_passes_per_step": lambda v: check_positive_int("backward_passes_per_step", v),
 }

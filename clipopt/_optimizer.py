@@ -238,6 +238,8 @@ class ClippedOptimizer(InnerOptimizerView):
         cfg = configure(optimizer, ClippedOptimizer, options)  # raises before any state exists
         check_recovery(spike_guard, rewind, cfg.policy)
         self.update_clip, self.update_stats = check_update_options(update_clip, update_stats, cfg.inner)
+        observers = {"layer_stats": layer_stats, "loggers": loggers}
+        built = Parts.build(REGISTRY, {**parts, **observers}, cfg.inner)  # every part, by its keyword
         self.__dict__.update(cfg.settings())  # (max_norm: _policy and _bound)
         # the optimizer, or an _inner.InnerOptimizers over several; with a slot for the entry (_checkpoint)
         self._inner = add_entry_slot(cfg.inner)
@@ -249,7 +251,7 @@ class ClippedOptimizer(InnerOptimizerView):
         recovery = SpikeRecovery.attach(spike_guard, rewind, params, self._inner)
         run = Runtime(self._inner, cfg.names, replicas, diagnostics, LogTo(self), cfg.stats_history, recovery)
         self._run = run  # the running state and the window's close (_window.runtime)
-        run.parts = Parts.build(REGISTRY, parts, self._inner)  # every other part, by its keyword
+        run.use(built)
         if spike_guard is not None:
             run.skip_sources.append(run.recovery)  # reason "spike"
         self._forwarding = True  # the inner optimizer's public attributes: read, not hidden (_wrapping)
@@ -305,7 +307,7 @@ class ClippedOptimizer(InnerOptimizerView):
     def _assigning(self, name: str, value: Any) -> Any:
         """A setting assigned mid-run, checked as the constructor checks it, before anything changes."""
         if name in KEYWORDS:  # a part: checked by its class, held by the parts
-            self._run.parts = self._run.parts.assigned(name, value, self._inner)
+            self._run.use(self._run.parts.assigned(name, value, self._inner))
             self._settings_changed()
             return STORED
         value = check_assignment(name, value, {n: getattr(self, n) for n in ASSIGNED_WITH}, self._inner)
@@ -571,9 +573,7 @@ class ClippedOptimizer(InnerOptimizerView):
 
     def close(self) -> None:
         """Close every logger (flushes buffered rows)."""
-        for logger in self.loggers:
-            logger.close()
-        for part in self._run.parts.active:
+        for part in self._run.parts.active:  # (the loggers first: _config.REGISTRY)
             part.close()
         self._run.skip_run.advance()  # the windows the loggers' last rows read
 
