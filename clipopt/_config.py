@@ -9,7 +9,6 @@ policies and the loggers.
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass, fields
 from numbers import Real
@@ -29,7 +28,7 @@ from ._checks import (
 )
 from ._diagnostics.layers import resolve_param_names
 from ._diagnostics.loggers import Loggers
-from ._diagnostics.snapshot import DTENSOR_DIAGNOSTICS
+from ._diagnostics.snapshot import DTENSOR_DIAGNOSTICS, Snapshots, check_snapshot_dir
 from ._distributed.collectives import has_dtensor
 from ._distributed.replicas import check_norm_group, check_replica_group
 from ._inner import InnerOptimizers
@@ -162,14 +161,6 @@ def _check_scaler_and_foreach(scaler: Any, foreach: Any) -> None:
         check_flag("foreach", foreach)
 
 
-def _check_snapshot_dir(snapshot_dir: Any) -> None:
-    if snapshot_dir is not None and not isinstance(snapshot_dir, (str, os.PathLike)):
-        raise TypeError(
-            f"snapshot_dir must be a path or None, got {type(snapshot_dir).__name__}; "
-            "pass e.g. snapshot_dir='anomalies/'"
-        )
-
-
 def _check_names(
     optimizer: Optimizer, param_names: Any, clip_value: float | None, snapshot_dir: Any
 ) -> dict[Tensor, str]:
@@ -205,7 +196,7 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
     skip_nonfinite, max_consecutive = _check_skipping(o["skip_nonfinite"], o["max_consecutive_nonfinite"])
     _check_scaler_and_foreach(o["scaler"], o["foreach"])
     stats_history = check_positive_int("stats_history", o["stats_history"])
-    _check_snapshot_dir(o["snapshot_dir"])
+    check_snapshot_dir(o["snapshot_dir"])
     max_snapshots = check_positive_int("max_snapshots", o["max_snapshots"])
     norm_group = check_norm_group(o["norm_group"])
     replica_group = check_replica_group(o["replica_group"])
@@ -237,6 +228,7 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
 REGISTRY: tuple[type[Part], ...] = (
     Loggers,
     LayerStatistics,
+    Snapshots,
     Rerun,
     QKClip,
 )

@@ -32,7 +32,6 @@ from ._config import (
     describe,
 )
 from ._diagnostics.loggers import Logger, LogTo
-from ._diagnostics.snapshot import SnapshotWriter
 from ._diagnostics.stats import StepStats
 from ._distributed.no_sync import (
     check_checkpointable,
@@ -238,15 +237,17 @@ class ClippedOptimizer(InnerOptimizerView):
         cfg = configure(optimizer, ClippedOptimizer, options)  # raises before any state exists
         check_recovery(spike_guard, rewind, cfg.policy)
         self.update_clip, self.update_stats = check_update_options(update_clip, update_stats, cfg.inner)
-        observers = {"layer_stats": layer_stats, "loggers": loggers}
+        observers = {"layer_stats": layer_stats, "loggers": loggers, "snapshot_dir": snapshot_dir}
         built = Parts.build(REGISTRY, {**parts, **observers}, cfg.inner)  # every part, by its keyword
         self.__dict__.update(cfg.settings())  # (max_norm: _policy and _bound)
         # the optimizer, or an _inner.InnerOptimizers over several; with a slot for the entry (_checkpoint)
         self._inner = add_entry_slot(cfg.inner)
         self.scaler, self.foreach = scaler, foreach
         self._init_hooks()
-        writer = None if snapshot_dir is None else SnapshotWriter(snapshot_dir, self.max_snapshots)
-        replicas, diagnostics = ReplicaDecision(cfg.replica_group), Diagnostics(writer)
+        replicas, diagnostics = (
+            ReplicaDecision(cfg.replica_group),
+            Diagnostics(max_snapshots=self.max_snapshots),
+        )
         params = [p for group in self._inner.param_groups for p in group["params"]]
         recovery = SpikeRecovery.attach(spike_guard, rewind, params, self._inner)
         run = Runtime(self._inner, cfg.names, replicas, diagnostics, LogTo(self), cfg.stats_history, recovery)
@@ -313,8 +314,8 @@ class ClippedOptimizer(InnerOptimizerView):
         value = check_assignment(name, value, {n: getattr(self, n) for n in ASSIGNED_WITH}, self._inner)
         if name == "stats_history":  # the newest statistics that fit stay
             self._run.stats = collections.deque(self._run.stats, maxlen=value)
-        if name == "max_snapshots" and self._run.diagnostics.writer is not None:
-            self._run.diagnostics.writer.max_snapshots = value
+        if name == "max_snapshots":
+            self._run.diagnostics.limit(value)
         return value
 
     def add_param_group(self, param_group: dict[str, Any], optimizer: int | None = None) -> None:

@@ -164,12 +164,21 @@ class Diagnostics:
     every: int = 0
     logged: bool = False
     rows: bool = False
+    max_snapshots: int = 10  #: the writer's limit per reason (the wrapper's ``max_snapshots``)
 
     def configure(self, parts: Any) -> None:
-        """The active ``parts`` (``_part.Parts``) say what this stage does (:meth:`Part.configure`)."""
-        self.every, self.logged = 0, False
+        """The active ``parts`` (``_part.Parts``) say what this stage does (:meth:`Part.configure`):
+        per-layer statistics, a logger, the snapshot writer."""
+        self.every, self.logged, self.writer = 0, False, None
         parts.configure(self)
         self.rows = bool(self.every) and self.logged
+        self.limit(self.max_snapshots)
+
+    def limit(self, max_snapshots: int) -> None:
+        """At most ``max_snapshots`` snapshots per reason from now on."""
+        self.max_snapshots = max_snapshots
+        if self.writer is not None:
+            self.writer.max_snapshots = max_snapshots
 
     @property
     def on(self) -> bool:
