@@ -244,10 +244,8 @@ class ClippedOptimizer(InnerOptimizerView):
         self._inner = add_entry_slot(cfg.inner)
         self.scaler, self.foreach = scaler, foreach
         self._init_hooks()
-        replicas, diagnostics = (
-            ReplicaDecision(cfg.replica_group),
-            Diagnostics(max_snapshots=self.max_snapshots),
-        )
+        replicas = ReplicaDecision(cfg.replica_group)
+        diagnostics = Diagnostics(max_snapshots=self.max_snapshots)  # (the observers: run.use below)
         params = [p for group in self._inner.param_groups for p in group["params"]]
         recovery = SpikeRecovery.attach(spike_guard, rewind, params, self._inner)
         run = Runtime(self._inner, cfg.names, replicas, diagnostics, LogTo(self), cfg.stats_history, recovery)
