@@ -126,7 +126,7 @@ def _ddp(plain: nn.Module) -> tuple[nn.parallel.DistributedDataParallel, list[in
 
 def _count_flush_all_reduces() -> list[int]:
     """Count the all-reduces clipopt does itself (flush() after an unsynchronised micro-batch)."""
-    import clipopt._optimizer as impl
+    import clipopt._window.runtime as impl
 
     count = [0]
     original = impl.allreduce_mean_
