@@ -96,11 +96,11 @@ def test_an_observer_leaves_a_policy_run_bit_identical(kind: str, tmp_path: Path
         assert torch.equal(a, b), (kind, (a - b).abs().max().item())
 
 
-def test_every_observer_part_is_checked_here() -> None:
+def test_every_observer_part_is_checked_here(tmp_path: Path) -> None:
     """Each part that declares itself an observer (``Part.observer``: left out of the ranks'
     agreement, trusted to leave the run alone) is one of OBSERVERS above, so its promise is tested."""
     from clipopt._config import REGISTRY
 
     declared = {c.keyword for c in REGISTRY if c.observer}
-    tested = {keyword for make in OBSERVERS.values() for keyword in make(Path("unused"))}
+    tested = {keyword for make in OBSERVERS.values() for keyword in make(tmp_path)}
     assert declared and declared <= tested, declared - tested
