@@ -9,7 +9,6 @@ policies and the loggers.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
@@ -29,8 +28,8 @@ from ._checks import (
     check_positive_int,
 )
 from ._diagnostics.layers import resolve_param_names
-from ._diagnostics.loggers import Logger
-from ._diagnostics.snapshot import DTENSOR_DIAGNOSTICS
+from ._diagnostics.loggers import Loggers
+from ._diagnostics.snapshot import DTENSOR_DIAGNOSTICS, Snapshots, check_snapshot_dir
 from ._distributed.collectives import has_dtensor
 from ._distributed.replicas import check_norm_group, check_replica_group
 from ._inner import InnerOptimizers
@@ -39,6 +38,7 @@ from ._policies.builtin import ClipPolicy
 from ._recovery.part import check_recovery
 from ._recovery.qk_clip import QKClip
 from ._recovery.rerun import Rerun
+from ._window.diagnose import LayerStatistics
 from ._window.groups import check_groups
 from ._window.update_apply import UpdateStats
 from ._window.update_clip import UpdateClip
@@ -70,8 +70,6 @@ class WrapperConfig:
     skip_nonfinite: bool
     max_consecutive_nonfinite: int | None
     stats_history: int
-    layer_stats: int  #: 0: off; k: every k windows
-    loggers: list[Logger]
     max_snapshots: int
     norm_group: Any
     replica_group: Any  #: ``"auto"``, a process group, or None
@@ -143,35 +141,6 @@ def check_inner(optimizer: Any, wrapper_type: type) -> Optimizer:
     return optimizer[0] if len(optimizer) == 1 else InnerOptimizers(optimizer)
 
 
-def check_layer_stats(value: Any) -> int:
-    """``layer_stats``: False -> 0 (off), True -> 1, k -> every k windows."""
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int) and value >= 1:
-        return value
-    raise (TypeError if not isinstance(value, int) else ValueError)(
-        f"layer_stats must be True, False or an int >= 1, got {value!r}; "
-        "pass e.g. layer_stats=10 for statistics every 10 updates"
-    )
-
-
-def check_loggers(loggers: Any) -> list[Logger]:
-    """``loggers``: an iterable of objects with ``log`` and ``close``."""
-    if isinstance(loggers, (str, bytes)) or not hasattr(loggers, "__iter__"):
-        raise TypeError(
-            f"loggers must be a list of loggers, got {type(loggers).__name__}; "
-            "pass e.g. loggers=[CSVLogger('grads.csv')]"
-        )
-    out = list(loggers)
-    for logger in out:
-        if not isinstance(logger, Logger):
-            raise TypeError(
-                f"loggers must hold objects with log(stats, optimizer) and close() methods, "
-                f"got {type(logger).__name__}; pass e.g. loggers=[CSVLogger('grads.csv')]"
-            )
-    return out
-
-
 def _check_skipping(skip_nonfinite: Any, max_consecutive_nonfinite: Any) -> tuple[bool, int | None]:
     skip = check_flag("skip_nonfinite", skip_nonfinite)
     limit = check_optional_positive_int("max_consecutive_nonfinite", max_consecutive_nonfinite)
@@ -192,14 +161,6 @@ def _check_scaler_and_foreach(scaler: Any, foreach: Any) -> None:
         )
     if foreach is not None:
         check_flag("foreach", foreach)
-
-
-def _check_snapshot_dir(snapshot_dir: Any) -> None:
-    if snapshot_dir is not None and not isinstance(snapshot_dir, (str, os.PathLike)):
-        raise TypeError(
-            f"snapshot_dir must be a path or None, got {type(snapshot_dir).__name__}; "
-            "pass e.g. snapshot_dir='anomalies/'"
-        )
 
 
 def _check_names(
@@ -237,9 +198,7 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
     skip_nonfinite, max_consecutive = _check_skipping(o["skip_nonfinite"], o["max_consecutive_nonfinite"])
     _check_scaler_and_foreach(o["scaler"], o["foreach"])
     stats_history = check_positive_int("stats_history", o["stats_history"])
-    layer_stats = check_layer_stats(o["layer_stats"])
-    loggers = check_loggers(o["loggers"])
-    _check_snapshot_dir(o["snapshot_dir"])
+    check_snapshot_dir(o["snapshot_dir"])
     max_snapshots = check_positive_int("max_snapshots", o["max_snapshots"])
     norm_group = check_norm_group(o["norm_group"])
     replica_group = check_replica_group(o["replica_group"])
@@ -257,8 +216,6 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
         skip_nonfinite,
         max_consecutive,
         stats_history,
-        layer_stats,
-        loggers,
         max_snapshots,
         norm_group,
         replica_group,
@@ -273,6 +230,9 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
 REGISTRY: tuple[type[Part], ...] = (
     UpdateClip,  # before UpdateStats: it starts and finishes the update they share
     UpdateStats,
+    Loggers,
+    LayerStatistics,
+    Snapshots,
     Rerun,
     QKClip,
 )
@@ -295,8 +255,6 @@ ASSIGNABLE = frozenset(
         "scaler",
         "stats_history",
         "foreach",
-        "layer_stats",
-        "loggers",
         "max_snapshots",
         "norm_group",
         "backward_passes_per_step",
@@ -375,8 +333,6 @@ _SIMPLE_CHECKS: dict[str, Any] = {
     "scaler": _check_scaler,
     "stats_history": lambda v: check_positive_int("stats_history", v),
     "foreach": _check_foreach,
-    "layer_stats": check_layer_stats,
-    "loggers": check_loggers,
     "max_snapshots": lambda v: check_positive_int("max_snapshots", v),
     "backward_passes_per_step": lambda v: check_positive_int("backward_passes_per_step", v),
 }

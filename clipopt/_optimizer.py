@@ -32,7 +32,6 @@ from ._config import (
     describe,
 )
 from ._diagnostics.loggers import Logger, LogTo
-from ._diagnostics.snapshot import SnapshotWriter
 from ._diagnostics.stats import StepStats
 from ._distributed.no_sync import (
     check_checkpointable,
@@ -236,19 +235,21 @@ class ClippedOptimizer(InnerOptimizerView):
         options = {name: value for name, value in locals().items() if name not in ("self", "parts")}
         cfg = configure(optimizer, ClippedOptimizer, options)  # raises before any state exists
         check_recovery(spike_guard, rewind, cfg.policy)
+        observers = {"layer_stats": layer_stats, "loggers": loggers, "snapshot_dir": snapshot_dir}
+        updates = {"update_clip": update_clip, "update_stats": update_stats}
+        built = Parts.build(REGISTRY, {**parts, **observers, **updates}, cfg.inner)  # every part, by keyword
         self.__dict__.update(cfg.settings())  # (max_norm: _policy and _bound)
         # the optimizer, or an _inner.InnerOptimizers over several; with a slot for the entry (_checkpoint)
         self._inner = add_entry_slot(cfg.inner)
         self.scaler, self.foreach = scaler, foreach
         self._init_hooks()
-        writer = None if snapshot_dir is None else SnapshotWriter(snapshot_dir, self.max_snapshots)
-        replicas, diagnostics = ReplicaDecision(cfg.replica_group), Diagnostics(writer)
+        replicas = ReplicaDecision(cfg.replica_group)
+        diagnostics = Diagnostics(max_snapshots=self.max_snapshots)  # (the observers: run.use below)
         params = [p for group in self._inner.param_groups for p in group["params"]]
         recovery = SpikeRecovery.attach(spike_guard, rewind, params, self._inner)
         run = Runtime(self._inner, cfg.names, replicas, diagnostics, LogTo(self), cfg.stats_history, recovery)
         self._run = run  # the running state and the window's close (_window.runtime)
-        parts.update(update_clip=update_clip, update_stats=update_stats)  # (parts too, by their keyword)
-        run.parts = Parts.build(REGISTRY, parts, self._inner)  # every other part, by its keyword
+        run.use(built)
         if spike_guard is not None:
             run.skip_sources.append(run.recovery)  # reason "spike"
         self._forwarding = True  # the inner optimizer's public attributes: read, not hidden (_wrapping)
@@ -304,14 +305,14 @@ class ClippedOptimizer(InnerOptimizerView):
     def _assigning(self, name: str, value: Any) -> Any:
         """A setting assigned mid-run, checked as the constructor checks it, before anything changes."""
         if name in KEYWORDS:  # a part: checked by its class, held by the parts
-            self._run.parts = self._run.parts.assigned(name, value, self._inner)
+            self._run.use(self._run.parts.assigned(name, value, self._inner))
             self._settings_changed()
             return STORED
         value = check_assignment(name, value, {n: getattr(self, n) for n in ASSIGNED_WITH}, self._inner)
         if name == "stats_history":  # the newest statistics that fit stay
             self._run.stats = collections.deque(self._run.stats, maxlen=value)
-        if name == "max_snapshots" and self._run.diagnostics.writer is not None:
-            self._run.diagnostics.writer.max_snapshots = value
+        if name == "max_snapshots":
+            self._run.diagnostics.limit(value)
         return value
 
     def add_param_group(self, param_group: dict[str, Any], optimizer: int | None = None) -> None:
@@ -569,9 +570,7 @@ class ClippedOptimizer(InnerOptimizerView):
 
     def close(self) -> None:
         """Close every logger (flushes buffered rows)."""
-        for logger in self.loggers:
-            logger.close()
-        for part in self._run.parts.active:
+        for part in self._run.parts.active:  # (the loggers first: _config.REGISTRY)
             part.close()
         self._run.skip_run.advance()  # the windows the loggers' last rows read
 

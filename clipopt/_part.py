@@ -78,6 +78,7 @@ class Part:
     :meth:`after_step`        stage 6, just after it (may reject or bound the update)
     :meth:`commit`            the outcome stands (applied or skipped)
     :meth:`record`            stage 7, the window's cells
+    :meth:`report`            stage 7, the window's ``StepStats`` to the loggers
     :meth:`logged`            stage 7, the window's ``StepStats`` once built
     ========================  =======================================================
     """
@@ -118,6 +119,12 @@ class Part:
     def value(self) -> Any:
         """What ``opt.<keyword>`` returns: the object the user passed (by default the part itself)."""
         return self
+
+    @classmethod
+    def unset(cls) -> Any:
+        """What ``opt.<keyword>`` returns while the part is off: :attr:`off` by default
+        (``update_stats``: False; ``layer_stats``: 0)."""
+        return cls.off
 
     def settings(self) -> Mapping[str, object]:
         """What every data-parallel rank must share, by name (each name starts with the keyword)."""
@@ -180,11 +187,21 @@ class Part:
     def record(self, w: Window) -> None:
         """Stage 7: put this window's cells into ``w.cells`` (host numbers or 0-d device tensors)."""
 
+    def report(self, stats: Any, optimizer: Any) -> None:
+        """Stage 7: hand the window's ``StepStats`` to objects of the user's that take the wrapper
+        (``optimizer``; None once it is gone), before anything else reads the record: the loggers'
+        ``log(stats, optimizer)``.  Called for every window, plain ones included."""
+
     def logged(self, stats: Any) -> None:
         """Stage 7: the window's ``StepStats`` is built."""
 
     def close(self) -> None:
         """``opt.close()``: flush and release what the part holds open."""
+
+    def configure(self, diagnostics: Any) -> None:
+        """Say what stage 3 (diagnose) does for this part: an observer sets its fields of the
+        runtime's :class:`~clipopt._window.diagnose.Diagnostics` (called whenever the parts change,
+        after they were all reset)."""
 
     # ------------------------------------------------------------------ undo and checkpoints
 
@@ -231,6 +248,7 @@ class Parts:
         registry: Sequence[type[Part]],
         parts: Mapping[str, Part],
         shared: Mapping[type, Any] | None = None,
+        unset: Mapping[str, Any] | None = None,
     ) -> None:
         #: Every part class, in the order their hooks run (``_config.REGISTRY``).
         self.registry = tuple(registry)
@@ -244,6 +262,11 @@ class Parts:
             kind = p.shares
             if kind is not None and kind not in self.shared:
                 self.shared[kind] = shared[kind] if shared and kind in shared else kind()
+        #: The active parts that override :meth:`Part.report` (read at every window: no call).
+        self.reporting = tuple(p for p in self.active if type(p).report is not Part.report)
+        #: What ``opt.<keyword>`` read for the parts that are off (:meth:`Part.unset`), kept: the
+        #: same object at every read (a list stays the same list).
+        self._unset: dict[str, Any] = {k: v for k, v in (unset or {}).items() if k not in self._by_keyword}
 
     @classmethod
     def build(cls, registry: Sequence[type[Part]], options: Mapping[str, Any], inner: Optimizer) -> Parts:
@@ -272,9 +295,11 @@ class Parts:
     def value(self, keyword: str) -> Any:
         """What ``opt.<keyword>`` returns: the part's value, or its class's :attr:`Part.off` (None)."""
         part = self._by_keyword.get(keyword)
-        if part is None:
-            return next(c.off for c in self.registry if c.keyword == keyword)
-        return part.value()
+        if part is not None:
+            return part.value()
+        if keyword not in self._unset:
+            self._unset[keyword] = next(c for c in self.registry if c.keyword == keyword).unset()
+        return self._unset[keyword]
 
     def assigned(self, keyword: str, value: Any, inner: Optimizer) -> Parts:
         """The parts with ``keyword`` set to ``value`` mid-run: checked as the constructor checks it
@@ -284,11 +309,14 @@ class Parts:
         parts = {k: p for k, p in self._by_keyword.items() if k != keyword}
         if part is not None:
             parts[keyword] = part
-        return Parts(self.registry, parts, self.shared)
+        return Parts(self.registry, parts, self.shared, self._unset)
 
     def plain(self, window: int) -> bool:
         """Whether window number ``window`` may close as a plain one: no part acts at it."""
-        return all(p.plain(window) for p in self.active)
+        for p in self.active:  # noqa: SIM110 (a loop: no generator calls on the plain path)
+            if not p.plain(window):
+                return False
+        return True
 
     # ------------------------------------------------------------------ the window's hooks
 
@@ -318,6 +346,14 @@ class Parts:
                 return again
         return None
 
+    def report(self, stats: Any, optimizer: Any) -> None:
+        for p in self.reporting:
+            p.report(stats, optimizer)
+
+    def configure(self, diagnostics: Any) -> None:
+        for p in self.active:
+            p.configure(diagnostics)
+
     def flags(self, w: Window) -> list[_Flag]:
         return [_Flag(p, w) for p in self.active if type(p).flag is not Part.flag]
 
@@ -328,8 +364,9 @@ class Parts:
         return stack
 
     def settings_pairs(self) -> list[tuple[str, object]]:
-        """``(keyword, part)`` for every registered part (None when off): the ranks' agreement."""
-        return [(c.keyword, self._by_keyword.get(c.keyword)) for c in self.registry]
+        """``(keyword, part)`` for every registered part (None when off): the ranks' agreement.
+        Observers are left out: they may differ by rank (a logger on rank 0 only)."""
+        return [(c.keyword, self._by_keyword.get(c.keyword)) for c in self.registry if not c.observer]
 
     # ------------------------------------------------------------------ checkpoints
 

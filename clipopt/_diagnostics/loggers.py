@@ -1,4 +1,10 @@
-"""Loggers: where each window's statistics go (``loggers=[...]``)."""
+"""Loggers: where each window's statistics go (``loggers=[...]``).
+
+:class:`Loggers` is the part that ``loggers=[...]`` builds (an observer, :mod:`clipopt._part`): its
+check, the stage it runs at (stage 7, :meth:`Loggers.report`, before anything else reads the
+window's record) and what it asks of the diagnose stage (the candidate per-layer row of a bad
+window, with ``layer_stats``).  It is off with no logger: a plain run calls nothing here.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,9 @@ import os
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from torch.optim import Optimizer
 
 from .._caller import user_stacklevel
 from .._checks import check_path, check_positive_int
@@ -29,11 +37,22 @@ from .._log_names import (
     layer_column,
     lr_name,
 )
+from .._part import Part
 from .files import WarnOnce, check_file_path, remove_stale_temps, write_atomic
 from .layers import LAYER_FIELDS
 from .stats import StepStats, materialize
 
-__all__ = ["BASE_COLUMNS", "CSVLogger", "LogTo", "LoggedOptimizer", "Logger", "format_value", "log_window"]
+__all__ = [
+    "BASE_COLUMNS",
+    "CSVLogger",
+    "LogTo",
+    "LoggedOptimizer",
+    "Logger",
+    "Loggers",
+    "check_loggers",
+    "format_value",
+    "log_window",
+]
 
 
 class LoggedOptimizer(Protocol):
@@ -133,22 +152,77 @@ def log_window(loggers: list[Logger], stats: StepStats, optimizer: LoggedOptimiz
 
 
 class LogTo:
-    """Hands a window's statistics to the loggers of the optimizer it refers to (weakly: the window's
-    runtime does not keep the optimizer alive); a copy refers to nothing until its optimizer binds
-    a new one (``ClippedOptimizer.__setstate__``)."""
+    """The optimizer the loggers are handed with each window's statistics, referred to weakly (the
+    window's runtime does not keep the optimizer alive); a copy refers to nothing until its
+    optimizer binds a new one (``ClippedOptimizer.__setstate__``).  Called: the optimizer, or None."""
 
     __slots__ = ("_ref",)
 
     def __init__(self, optimizer: Any = None) -> None:
         self._ref = None if optimizer is None else weakref.ref(optimizer)
 
-    def __call__(self, stats: StepStats) -> None:
-        optimizer = None if self._ref is None else self._ref()
-        if optimizer is not None and optimizer.loggers:
-            log_window(optimizer.loggers, stats, optimizer)
+    def __call__(self) -> Any:
+        return None if self._ref is None else self._ref()
 
     def __reduce__(self) -> tuple[type[LogTo], tuple[()]]:
         return (LogTo, ())
+
+
+def check_loggers(loggers: Any) -> list[Logger]:
+    """``loggers``: an iterable of objects with ``log`` and ``close``."""
+    if isinstance(loggers, (str, bytes)) or not hasattr(loggers, "__iter__"):
+        raise TypeError(
+            f"loggers must be a list of loggers, got {type(loggers).__name__}; "
+            "pass e.g. loggers=[CSVLogger('grads.csv')]"
+        )
+    out = list(loggers)
+    for logger in out:
+        if not isinstance(logger, Logger):
+            raise TypeError(
+                f"loggers must hold objects with log(stats, optimizer) and close() methods, "
+                f"got {type(logger).__name__}; pass e.g. loggers=[CSVLogger('grads.csv')]"
+            )
+    return out
+
+
+class Loggers(Part):
+    """The part ``loggers=[...]`` builds: every window's :class:`StepStats` handed to each logger.
+
+    Off without a logger (``opt.loggers`` then reads ``[]``); ``opt.loggers`` is the list the
+    loggers are called from, assignable mid-run (checked as the constructor checks it).  Never part
+    of the ranks' agreement (a logger on rank 0 only is usual), no state-dict entry.
+    """
+
+    keyword: ClassVar[str] = "loggers"
+    observer: ClassVar[bool] = True
+
+    def __init__(self, loggers: list[Logger]) -> None:
+        self.loggers = loggers
+
+    @classmethod
+    def build(cls, value: Any, inner: Optimizer) -> Part | None:
+        loggers = check_loggers(value)
+        return cls(loggers) if loggers else None
+
+    def value(self) -> list[Logger]:
+        return self.loggers
+
+    @classmethod
+    def unset(cls) -> list[Logger]:
+        return []
+
+    def configure(self, diagnostics: Any) -> None:
+        diagnostics.logged = True  # a bad window's per-layer row is kept for them (with layer_stats)
+
+    def report(self, stats: StepStats, optimizer: Any) -> None:
+        """Hand ``stats`` to the loggers (``optimizer``: the wrapper, None once it is gone); an
+        ``OSError`` warns (:func:`log_window`)."""
+        if optimizer is not None and self.loggers:
+            log_window(self.loggers, stats, optimizer)
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.close()
 
 
 def format_value(value: Any) -> str:

@@ -1,4 +1,9 @@
-"""Anomaly snapshots: what is needed to reproduce an update that went bad."""
+"""Anomaly snapshots: what is needed to reproduce an update that went bad.
+
+:class:`Snapshots` is the part ``snapshot_dir=...`` builds (an observer, :mod:`clipopt._part`): its
+check, ``opt.snapshot_dir``, and the :class:`SnapshotWriter` it hands the diagnose stage
+(:class:`~clipopt._window.diagnose.Diagnostics`, which decides when a window is saved).
+"""
 
 from __future__ import annotations
 
@@ -8,18 +13,23 @@ import platform
 import stat
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from .._caller import user_stacklevel
+from .._distributed.collectives import has_dtensor
+from .._part import Part
 from .files import WarnOnce, remove_stale_temps, write_atomic
 
 __all__ = [
     "DTENSOR_DIAGNOSTICS",
     "SNAPSHOT_FORMAT",
     "SnapshotWriter",
+    "Snapshots",
+    "check_snapshot_dir",
     "check_saveable",
     "load_snapshot",
     "process_rank",
@@ -173,6 +183,47 @@ class SnapshotWriter:
             return None
         saved.append(str(path))
         return str(path)
+
+
+def check_snapshot_dir(snapshot_dir: Any) -> None:
+    """``snapshot_dir``: a path or None."""
+    if snapshot_dir is not None and not isinstance(snapshot_dir, (str, os.PathLike)):
+        raise TypeError(
+            f"snapshot_dir must be a path or None, got {type(snapshot_dir).__name__}; "
+            "pass e.g. snapshot_dir='anomalies/'"
+        )
+
+
+class Snapshots(Part):
+    """The part ``snapshot_dir=...`` builds: a :class:`SnapshotWriter` into that folder, which the
+    diagnose stage writes an anomalous window's snapshot with (at most ``max_snapshots`` per reason:
+    the wrapper's setting, handed over by ``Diagnostics.configure``).
+
+    ``opt.snapshot_dir`` reads the folder as given (None when off).  Never part of the ranks'
+    agreement, no state-dict entry.
+    """
+
+    keyword: ClassVar[str] = "snapshot_dir"
+    observer: ClassVar[bool] = True
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = directory
+        self.writer = SnapshotWriter(directory, max_snapshots=10)  # (its limit: configure)
+
+    @classmethod
+    def build(cls, value: Any, inner: Optimizer) -> Part | None:
+        check_snapshot_dir(value)
+        if value is None:
+            return None
+        if has_dtensor([p for g in inner.param_groups for p in g["params"]]):
+            raise ValueError(DTENSOR_DIAGNOSTICS)
+        return cls(value)
+
+    def value(self) -> str | os.PathLike[str]:
+        return self.directory
+
+    def configure(self, diagnostics: Any) -> None:
+        diagnostics.writer = self.writer
 
 
 def load_snapshot(path: str | os.PathLike[str]) -> dict[str, Any]:

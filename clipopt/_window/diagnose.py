@@ -1,6 +1,8 @@
 """Diagnostics of a window: parameter names, per-layer statistics, the candidate bad row, snapshots.
 
-:class:`Diagnostics` is the wrapper's diagnostics state (the snapshot writer,
+:class:`LayerStatistics` is the part ``layer_stats=k`` builds (an observer, :mod:`clipopt._part`):
+its check, the windows it leaves plain (those between two statistics windows) and the period it
+sets for this stage.  :class:`Diagnostics` is the wrapper's diagnostics state (the snapshot writer,
 :meth:`~Diagnostics.attach`-ed tensors, the window's candidate row, the
 snapshots written) and its stage of a window's close, stage 3 (diagnose) of
 docs/design.md, 'Order of operations': :meth:`~Diagnostics.diagnose`, per-layer
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -25,12 +27,13 @@ from torch.optim import Optimizer
 
 from .._diagnostics.layers import LayerStats, compute_layer_stats, sharded_layer_stats
 from .._diagnostics.snapshot import SnapshotWriter, check_saveable, now, process_rank, to_saveable, versions
+from .._part import Part
 from .._reasons import NONFINITE_NAMES, NORM_OVERFLOW, by_code
 from .._state import WrapperState
 from .decision import WindowDecision, read_anomaly
 from .settings import WindowSettings
 
-__all__ = ["Diagnostics", "layer_names", "snapshot_payload"]
+__all__ = ["Diagnostics", "LayerStatistics", "check_layer_stats", "layer_names", "snapshot_payload"]
 
 
 def layer_names(param_groups: list[dict[str, Any]], names: Mapping[Tensor, str]) -> list[str]:
@@ -93,6 +96,52 @@ def snapshot_payload(
     }
 
 
+def check_layer_stats(value: Any) -> int:
+    """``layer_stats``: False -> 0 (off), True -> 1, k -> every k windows."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int) and value >= 1:
+        return value
+    raise (TypeError if not isinstance(value, int) else ValueError)(
+        f"layer_stats must be True, False or an int >= 1, got {value!r}; "
+        "pass e.g. layer_stats=10 for statistics every 10 updates"
+    )
+
+
+class LayerStatistics(Part):
+    """The part ``layer_stats=k`` builds: per-parameter statistics (``StepStats.layers``) every
+    ``k``-th window, computed by :meth:`Diagnostics.diagnose` on the pre-clip gradients.
+
+    ``opt.layer_stats`` reads ``k`` (0 when off); assigning it mid-run is checked as the constructor
+    checks it.  The windows between two statistics windows close plain (:meth:`plain`).  Never part
+    of the ranks' agreement, no state-dict entry.
+    """
+
+    keyword: ClassVar[str] = "layer_stats"
+    observer: ClassVar[bool] = True
+
+    def __init__(self, every: int) -> None:
+        self.every = every  #: statistics at every ``every``-th window
+
+    @classmethod
+    def build(cls, value: Any, inner: Optimizer) -> Part | None:
+        every = check_layer_stats(value)
+        return cls(every) if every else None
+
+    def value(self) -> int:
+        return self.every
+
+    @classmethod
+    def unset(cls) -> int:
+        return 0
+
+    def plain(self, window: int) -> bool:
+        return window % self.every != 0  # no statistics due at it
+
+    def configure(self, diagnostics: Any) -> None:
+        diagnostics.every = self.every
+
+
 def _look_at_elements(d: WindowDecision, layers: LayerStats) -> None:
     """The window's elements as the full statistics counted them (a non-finite window): whether
     any is nan/inf, on the device (``d.elements``; kept when the candidate row set it already)."""
@@ -110,6 +159,31 @@ class Diagnostics:
     bad_row: LayerStats | None = None  #: the window's candidate per-layer row (_diagnostics/badrow.py)
     last_snapshot: str | None = None  #: the latest snapshot written, or None
     last_nonfinite_snapshot: str | None = None  #: the latest non-finite/overflow one (the error names it)
+    #: What the observers ask (:meth:`configure`): per-layer statistics every ``every`` windows (0:
+    #: never), a logger (``logged``), so the measure keeps each gradient's norm (``rows``).
+    every: int = 0
+    logged: bool = False
+    rows: bool = False
+    max_snapshots: int = 10  #: the writer's limit per reason (the wrapper's ``max_snapshots``)
+
+    def configure(self, parts: Any) -> None:
+        """The active ``parts`` (``_part.Parts``) say what this stage does (:meth:`Part.configure`):
+        per-layer statistics, a logger, the snapshot writer."""
+        self.every, self.logged, self.writer = 0, False, None
+        parts.configure(self)
+        self.rows = bool(self.every) and self.logged
+        self.limit(self.max_snapshots)
+
+    def limit(self, max_snapshots: int) -> None:
+        """At most ``max_snapshots`` snapshots per reason from now on."""
+        self.max_snapshots = max_snapshots
+        if self.writer is not None:
+            self.writer.max_snapshots = max_snapshots
+
+    @property
+    def on(self) -> bool:
+        """Whether the stage runs: per-layer statistics or snapshots are on."""
+        return bool(self.every) or self.writer is not None
 
     def attach(self, tensors: Mapping[str, Any]) -> None:
         """Keep ``tensors`` for this window's snapshot; every value is checked before any is kept."""
@@ -138,7 +212,7 @@ class Diagnostics:
         from the device, once (``read_anomaly``).
         """
         step = window[0]
-        due = bool(s.layer_stats) and step % s.layer_stats == 0
+        due = bool(self.every) and step % self.every == 0
         if due:
             self.bad_row = None  # the full statistics are this window's row
         if not due and self.writer is None:
@@ -175,7 +249,7 @@ class Diagnostics:
         inv = 1.0 / s.divisor
         if layers is None:
             layers = compute_layer_stats(params, names, inv, bad)
-            self.bad_row = layers if s.layer_stats else None  # the full row, computed anyway
+            self.bad_row = layers if self.every else None  # the full row, computed anyway
             if bad:
                 _look_at_elements(d, layers)
         if bad and not any(row[3] > 0 for row in layers.rows()):  # read for the payload anyway

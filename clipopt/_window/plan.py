@@ -40,8 +40,6 @@ PLANNED = frozenset(
         "skip_nonfinite",
         "scaler",
         "norm_group",
-        "layer_stats",
-        "loggers",
     }
 )
 
@@ -67,8 +65,8 @@ class WindowPlan:
         self.config: Mapping[str, Any] = {}
         self._by_n: dict[int, WindowSettings] = {}  #: the settings per window size, since the last change
         #: What the plan was made from (compared by identity; kept alive so no identity is reused):
-        #: the groups, which clipping options the defaults have, whether loggers are on, and each
-        #: group's values of ``_FOLLOWED``; ``()``: decide again.
+        #: the groups, which clipping options the defaults have, and each group's values of
+        #: ``_FOLLOWED``; ``()``: decide again.
         self._values: tuple[Any, ...] = ()
         self.groups: GroupPlan | None = None  #: the groups' own options (None: no group has one)
 
@@ -84,12 +82,11 @@ class WindowPlan:
         """The settings of a window of ``n`` micro-batches over the ``inner`` optimizer(s); the groups'
         options are checked again (before anything changes) when one was set since the last window."""
         groups, defaults = inner.param_groups, inner.defaults  # (over several inner optimizers a new dict)
-        if self._changed(groups, defaults, self.config["loggers"]):
+        if self._changed(groups, defaults):
             values = (
                 groups,
                 "max_norm" in defaults,  # which of GROUP_KEYS are clipping options (group_keys)
                 "clip_value" in defaults,
-                bool(self.config["loggers"]),
                 *[g.get(k, _ABSENT) for g in groups for k in _FOLLOWED],
             )
             self.groups = self.check_groups(groups, defaults)  # raises before the plan changes
@@ -100,7 +97,7 @@ class WindowPlan:
             s = self._by_n[n] = WindowSettings.read(self.config, n, self.groups, inner)
         return s
 
-    def _changed(self, groups: list[dict[str, Any]], defaults: dict[str, Any], loggers: list[Any]) -> bool:
+    def _changed(self, groups: list[dict[str, Any]], defaults: dict[str, Any]) -> bool:
         """Whether what the plan was made from changed (compared by identity, one by one: this runs
         at every window)."""
         v = self._values
@@ -109,10 +106,9 @@ class WindowPlan:
             or groups is not v[0]
             or ("max_norm" in defaults) is not v[1]
             or ("clip_value" in defaults) is not v[2]
-            or bool(loggers) is not v[3]
         ):
             return True
-        i = 4
+        i = 3
         for g in groups:
             for k in _FOLLOWED:
                 if g.get(k, _ABSENT) is not v[i]:

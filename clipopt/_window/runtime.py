@@ -66,7 +66,7 @@ class Runtime:
         names: dict[Tensor, str],
         replicas: ReplicaDecision,
         diagnostics: Diagnostics,
-        log: Callable[[StepStats], None],
+        log: Callable[[], Any],
         stats_history: int,
         recovery: Any,
     ) -> None:
@@ -74,7 +74,7 @@ class Runtime:
         self.names = names  #: the parameters' names (``param_names``)
         self.replicas = replicas  #: the data-parallel ranks' decision
         self.diagnostics = diagnostics  #: snapshots, attachments, the candidate bad row
-        self.log = log  #: hands a window's ``StepStats`` to the loggers (I/O errors warn)
+        self.log = log  #: the wrapper (weakly), which the loggers are handed with each ``StepStats``
         self.stats: collections.deque[StepStats] = collections.deque(maxlen=stats_history)
         self.last_stats: StepStats | None = None
         self.counters = WrapperState()
@@ -108,6 +108,12 @@ class Runtime:
         self.window_guard.reset()  # loaded gradients are new tensors
         self.update_applied, self.last_skipped = False, False
         self.replicas.loaded(state_dict)  # the next window compares the ranks' states
+
+    def use(self, parts: Parts) -> None:
+        """The parts are ``parts`` from now on (built by the constructor, or one assigned mid-run); the
+        observers among them say what the diagnose stage does (``Diagnostics.configure``)."""
+        self.parts = parts
+        self.diagnostics.configure(parts)
 
     def agreed(self) -> list[Setting]:
         """What the data-parallel ranks compare: the wrapper's settings, then each part's own
@@ -176,11 +182,11 @@ class Runtime:
     def is_plain(self, s: WindowSettings) -> bool:
         """Whether this window closes as a plain one (:mod:`clipopt._window.plain`): its settings
         need a norm bound at most, and none of the wrapper's other features is on."""
-        r, c = self.recovery, s.config
-        features = c["loggers"] or self.skip_sources or self.parts.active
-        off = r.guard is None and r.rewind is None and not features
+        r = self.recovery
+        off = r.guard is None and r.rewind is None and not self.skip_sources
         off = off and self.diagnostics.writer is None and self.unsynced is None
-        plain = s.plain or s.between_stats(self.counters.windows + 1)  # (no call in the common case)
+        # no part, or none acts at this window (layer_stats=k: not due); no call in the common case
+        plain = s.plain and (not self.parts.active or self.parts.plain(self.counters.windows + 1))
         return plain and off and not (self.index.has_dtensor or self.replicas.active or is_compiling())
 
     def close_plain(self, s: WindowSettings, n: int, loss: Any) -> Any:
@@ -301,7 +307,7 @@ class Runtime:
     def _measure(self, s: WindowSettings, g: WindowGrads, n: int) -> WindowDecision:
         """Stage 2 (measure): the decision's norms and flag (agreed by DDP replicas), the window's loss."""
         loss = self.loss.combined(s.config["reduction"])  # kept in the sum until the close commits
-        rows = s.rows and g.shards is None  # the candidate bad row: plain tensors only
+        rows = self.diagnostics.rows and g.shards is None  # the candidate bad row: plain tensors only
         window = self.counters.windows + 1
         if self.replicas.active:  # the ranks' check (data parallelism only)
             self.replicas.prepare(self.params(), s.norm_group, self.agreed(), g.shards, n, window)
@@ -321,7 +327,7 @@ class Runtime:
         all see the pre-clip gradients."""
         for part in self.parts.active:
             part.diagnose(w, d)
-        if not s.layer_stats and self.diagnostics.writer is None:  # neither is on
+        if not self.diagnostics.on:  # neither per-layer statistics nor snapshots
             return None
         return self.diagnostics.diagnose(
             s,
@@ -407,7 +413,8 @@ class Runtime:
         )
         self.last_stats = stats
         self.stats.append(stats)
-        self.log(stats)  # I/O failures warn; the window is complete either way
+        if self.parts.reporting:  # the loggers (Part.report): I/O failures warn; the window is complete
+            self.parts.report(stats, self.log())
         self.diagnostics.attached.clear()
         self.skip_run.follow(stats)  # after the loggers, which may have read it
         for part in self.parts.active:

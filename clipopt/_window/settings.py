@@ -35,8 +35,6 @@ class WindowSettings:
     scaled: bool  #: a GradScaler unscaled the gradients: a non-finite window is an ``"overflow"``
     norm_group: Any  #: the pipeline stages' process group, or None
     plan: GroupPlan | None  #: the groups' own ``max_norm``/``clip_value`` (None: no group has one)
-    layer_stats: int  #: per-layer statistics every ``layer_stats`` windows (0: never)
-    rows: bool  #: a logger writes per-layer rows: the measure keeps each gradient's norm (a candidate row)
     fused: bool = (
         False  #: the inner step takes ``grad_scale``/``found_inf`` (fused Adam, AdamW, SGD, Adagrad)
     )
@@ -44,22 +42,14 @@ class WindowSettings:
     #: ...), as it was when this record was made.
     config: Mapping[str, Any] = field(default_factory=dict, compare=False)
     #: Nothing but a norm bound (at most) clips: no per-group options, policy, value clipping, pipeline
-    #: norm group, per-layer statistics or GradScaler (a plain window, :mod:`clipopt._window.plain`).
+    #: norm group or GradScaler (a plain window, :mod:`clipopt._window.plain`, when no part acts at it
+    #: either: ``Part.plain``).
     plain: bool = field(init=False)
-    #: The same but with per-layer statistics every ``layer_stats`` windows: the windows between
-    #: two statistics windows are plain ones (:meth:`between_stats`).
-    plain_between_stats: bool = field(init=False)
 
     def __post_init__(self) -> None:
         plain = self.plan is None and self.policy is None and self.clip_value is None
         plain = plain and self.norm_group is None and not self.scaled
-        object.__setattr__(self, "plain", plain and not self.layer_stats)  # (frozen: set once, here)
-        object.__setattr__(self, "plain_between_stats", plain and bool(self.layer_stats))
-
-    def between_stats(self, window: int) -> bool:
-        """Whether window number ``window`` (counted from 1) has plain settings although
-        :attr:`plain` is false: plain but for per-layer statistics, which are not due at it."""
-        return self.plain_between_stats and window % self.layer_stats != 0
+        object.__setattr__(self, "plain", plain)  # (frozen: set once, here)
 
     @classmethod
     def read(cls, c: Mapping[str, Any], n: int, plan: GroupPlan | None, inner: Optimizer) -> WindowSettings:
@@ -78,8 +68,6 @@ class WindowSettings:
             scaled=c["scaler"] is not None,
             norm_group=c["norm_group"],
             plan=plan,
-            layer_stats=c["layer_stats"],
-            rows=bool(c["layer_stats"] and c["loggers"]),
             fused=all(is_fused(o) for o in inner_optimizers(inner)),
             config=c,
         )

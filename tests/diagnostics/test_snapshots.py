@@ -437,6 +437,30 @@ def test_max_snapshots_keeps_the_first_ones(tmp_path: Path) -> None:
     assert opt.num_skipped == 5
 
 
+def test_snapshot_dir_assigned_mid_run_keeps_max_snapshots(tmp_path: Path) -> None:
+    """``opt.snapshot_dir`` reads the folder (None when off); assigned mid-run, its writer takes the
+    wrapper's ``max_snapshots`` (1 here: one file of three non-finite windows), and so does a
+    ``max_snapshots`` assigned later (2: one more)."""
+    model = make_model()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), max_snapshots=1)
+    assert opt.snapshot_dir is None
+    nan_window(model, opt)  # off: nothing written
+    opt.snapshot_dir = tmp_path
+    assert opt.snapshot_dir == tmp_path
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the limit's warning
+        for _ in range(3):
+            nan_window(model, opt)
+        assert snapshot_files(tmp_path) == ["anomaly-step00000002-nonfinite.pt"]
+        opt.max_snapshots = 2
+        nan_window(model, opt)
+        nan_window(model, opt)
+    assert snapshot_files(tmp_path) == [
+        "anomaly-step00000002-nonfinite.pt",
+        "anomaly-step00000005-nonfinite.pt",
+    ]
+
+
 def test_nonfinite_error_names_the_latest_snapshot(tmp_path: Path) -> None:
     """max_consecutive_nonfinite=2: the error at the 2nd bad window in a row names that window's snapshot."""
     model = make_model()

@@ -157,3 +157,19 @@ def test_a_wrapper_without_a_part_records_it_as_off(part: str) -> None:
     opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), max_norm=1.0)
     record = opt._run.agreed()
     assert (part, None) in record and not any(name.startswith(part + ".") for name, _ in record)
+
+
+def test_observers_are_not_compared_across_ranks(tmp_path: Any) -> None:
+    """Loggers and per-layer statistics may differ by rank (a logger on rank 0 only): a wrapper with
+    them records exactly what one without them records (the agreement would otherwise refuse a run
+    logging on rank 0 only)."""
+    from clipopt import CSVLogger
+
+    def record(**observers: Any) -> list[Any]:
+        model = model_for()
+        opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), max_norm=1.0, **observers)
+        return opt._run.agreed()
+
+    bare = record()
+    assert record(loggers=[CSVLogger(tmp_path / "g.csv")], layer_stats=3) == bare
+    assert not any(name.startswith(("loggers", "layer_stats")) for name, _ in bare)

@@ -37,6 +37,7 @@ BAD: list[tuple[str, Any, dict[str, Any]]] = [
     ("layer_stats", -1, {}),
     ("stats_history", 0, {}),
     ("max_snapshots", 0, {}),
+    ("snapshot_dir", 5, {}),
     ("backward_passes_per_step", 0, {}),
     ("scaler", object(), {}),
     ("foreach", "x", {}),

@@ -674,7 +674,7 @@ def _inject(monkeypatch: pytest.MonkeyPatch, opt: ClippedOptimizer, stage: str) 
     elif stage == "layer_stats":
         monkeypatch.setattr("clipopt._window.diagnose.compute_layer_stats", boom)
     elif stage == "snapshot":
-        monkeypatch.setattr("clipopt._optimizer.SnapshotWriter.save", boom)
+        monkeypatch.setattr("clipopt._diagnostics.snapshot.SnapshotWriter.save", boom)
     elif stage == "policy":
         policy = opt._policy
         assert policy is not None

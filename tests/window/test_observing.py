@@ -94,3 +94,13 @@ def test_an_observer_leaves_a_policy_run_bit_identical(kind: str, tmp_path: Path
     observed = _train(kind, logger, AutoClip(percentile=10), 1, least_clipped=WINDOWS // 2)
     for a, b in zip(bare, observed, strict=True):
         assert torch.equal(a, b), (kind, (a - b).abs().max().item())
+
+
+def test_every_observer_part_is_checked_here(tmp_path: Path) -> None:
+    """Each part that declares itself an observer (``Part.observer``: left out of the ranks'
+    agreement, trusted to leave the run alone) is one of OBSERVERS above, so its promise is tested."""
+    from clipopt._config import REGISTRY
+
+    declared = {c.keyword for c in REGISTRY if c.observer}
+    tested = {keyword for make in OBSERVERS.values() for keyword in make(tmp_path)}
+    assert declared and declared <= tested, declared - tested

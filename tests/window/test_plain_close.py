@@ -322,8 +322,6 @@ def test_get_total_norm_matches_the_plain_norm() -> None:
             scaled=False,
             norm_group=None,
             plan=None,
-            layer_stats=0,
-            rows=False,
         )
         norm, _, uniform = _measure(s, grads)
         assert uniform and torch.equal(norm, F.get_total_norm(grads, p))
