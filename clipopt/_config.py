@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from numbers import Real
 from typing import Any
@@ -35,9 +36,10 @@ from ._distributed.replicas import check_norm_group, check_replica_group
 from ._inner import InnerOptimizers
 from ._part import Part
 from ._policies.builtin import ClipPolicy
-from ._recovery.part import check_recovery
 from ._recovery.qk_clip import QKClip
 from ._recovery.rerun import Rerun
+from ._recovery.rewind import Rewind
+from ._recovery.spike_guard import GuardPart
 from ._window.groups import check_groups
 from ._window.update_apply import check_update_options
 
@@ -269,6 +271,8 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
 #: Every part (``_part.Part``), in the order a window runs their hooks, whatever order the keywords
 #: are passed in.  Adding a feature is one new module (its part) plus one line here.
 REGISTRY: tuple[type[Part], ...] = (
+    GuardPart,
+    Rewind,
     Rerun,
     QKClip,
 )
@@ -312,8 +316,6 @@ ASSIGNED_WITH = (
     "max_consecutive_nonfinite",
     "update_clip",
     "update_stats",
-    "spike_guard",
-    "rewind",
 )
 
 
@@ -327,8 +329,7 @@ def check_assignment(name: str, value: Any, current: dict[str, Any], inner: Opti
     if name in ("max_norm", "clip_value", "norm_group"):
         checked: Any
         if name == "max_norm":
-            checked = check_max_norm(value)
-            check_recovery(new["spike_guard"], new["rewind"], checked[0])
+            checked = check_max_norm(value)  # (the parts beside it: ``Parts.check_with``)
         elif name == "clip_value":
             checked = new["clip_value"] = check_optional_positive_float("clip_value", value, "0.5")
             _check_complex(inner, checked)
@@ -384,18 +385,17 @@ _SIMPLE_CHECKS: dict[str, Any] = {
 }
 
 
-def describe(opt: Any, inner: Any) -> str:
+def describe(opt: Any, inner: Any, parts: Sequence[str] = ()) -> str:
     """The ``repr`` of a :class:`~clipopt.ClippedOptimizer` ``opt``: its settings (and the parts
-    that are on), then its ``inner`` optimizer(s), indented."""
+    that are on: ``parts``, their texts), then its ``inner`` optimizer(s), indented."""
     opts = (
         f"max_norm={opt.max_norm}, norm_type={opt.norm_type}, clip_value={opt.clip_value}, "
         f"accumulation_steps={opt.accumulation_steps}, reduction={opt.reduction!r}, "
         f"skip_nonfinite={opt.skip_nonfinite}"
     )
-    for name in ("spike_guard", "rewind", "update_clip"):
-        part = getattr(opt, name)
-        if part is not None:
-            opts += f", {name}={part!r}"
+    opts += "".join(f", {text}" for text in parts)
+    if opt.update_clip is not None:
+        opts += f", update_clip={opt.update_clip!r}"
     if opt.update_stats:
         opts += ", update_stats=True"
     text = "\n".join("  " + line for line in repr(inner).splitlines())

@@ -36,10 +36,11 @@ from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["Part", "Parts", "Window"]
+__all__ = ["Part", "Parts", "Window", "outcome_flag"]
 
 
 @dataclass
@@ -58,6 +59,19 @@ class Window:
     cells: dict[str, Any] = field(default_factory=dict)
     #: Whether the ranks are data-parallel replicas (``replica_group`` None is then the default group).
     replicated: bool = False
+    #: Stage 2: the window's loss as the data-parallel ranks agreed it (the largest over them, the
+    #: same on each) when a part reads it (:meth:`Part.agrees_loss`); None: the decision's ``d.loss``.
+    agreed_loss: Tensor | None = None
+    #: What a Rewind copy holds beside the parameters (``_window.held.Held``), or None.
+    held: Any = None
+
+
+def outcome_flag(skipped: bool | Tensor, device: torch.device) -> Tensor:
+    """A window's outcome (``skipped``: a bool, or a 0/1 device flag) as a float32 0/1 tensor on
+    ``device``; a bool becomes a fill on the device (no host-to-device copy), a flag is not read."""
+    if isinstance(skipped, Tensor):
+        return skipped.to(device, torch.float32)
+    return torch.full((), float(skipped), dtype=torch.float32, device=device)
 
 
 class Part:
@@ -89,6 +103,11 @@ class Part:
     observer: ClassVar[bool] = False
     #: The columns its cells may hold (``_log_names``), for the loggers' headers.
     columns: ClassVar[tuple[str, ...]] = ()
+    #: Its :meth:`record` runs for an empty or discarded window too (else for measured ones only).
+    records_unmeasured: ClassVar[bool] = False
+    #: Its state-dict entry is each data-parallel rank's own (a Rewind's copies of its shards): left
+    #: out of the ranks' comparison of a loaded state.
+    rank_own: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ settings
 
@@ -119,6 +138,20 @@ class Part:
         that does nothing at that window); False by default."""
         return False
 
+    def check_with(self, active: Mapping[str, Part], max_norm: Any) -> None:
+        """``ValueError`` unless it can run beside the ``active`` parts (by keyword, itself included)
+        and the wrapper's ``max_norm`` (a bound or a clip policy); called by the constructor and
+        when a part or ``max_norm`` is assigned mid-run, before anything changes."""
+
+    def describe(self) -> str | None:
+        """Its text in the wrapper's ``repr`` (``keyword=...``), or None: not shown."""
+        return None
+
+    def agrees_loss(self) -> bool:
+        """Whether it reads the window's loss as the ranks agree it (:attr:`Window.agreed_loss`):
+        under data parallelism the ranks then agree on the loss in stage 2."""
+        return False
+
     # ------------------------------------------------------------------ the window's hooks
 
     def before_closure(self, closure: Callable[[], Any], index: int, window: int) -> None:
@@ -134,6 +167,11 @@ class Part:
 
     def diagnose(self, w: Window, d: Any) -> None:
         """Stage 3: the pre-clip gradients and the decision's norms (``d``: ``WindowDecision``)."""
+
+    def is_spike(self, w: Window, d: Any) -> Tensor | None:
+        """Stage 3: its spike rule for the window as a 0/1 device flag, remembering nothing (the
+        anomaly snapshots' spike), or None: it has no spike rule."""
+        return None
 
     def flag(self, w: Window, d: Any) -> Tensor | None:
         """Stage 5: a 0/1 float tensor on the device (never read on the host) that skips the
@@ -168,6 +206,10 @@ class Part:
     def commit(self, w: Window, d: Any, skipped: bool | Tensor) -> None:
         """The window's outcome stands (``skipped``: a bool, or a 0/1 device flag)."""
 
+    def closed(self, windows: int) -> None:
+        """Window number ``windows`` has closed, applied, skipped, empty or discarded (after
+        :meth:`commit` when the window was measured)."""
+
     def record(self, w: Window) -> None:
         """Stage 7: put this window's cells into ``w.cells`` (host numbers or 0-d device tensors)."""
 
@@ -198,7 +240,13 @@ class Part:
     def load_state(self, checked: Any) -> None:
         """Load what :meth:`check_state` returned."""
 
-    #: Whether a Rewind copy holds its state (training state, not a record).
+    def check_held(self, checked: Any, check: Callable[[Any], None]) -> None:
+        """A part whose state holds copies of the held training state (a Rewind's copies): run
+        ``check`` (``ValueError``) on each copy's held state in ``checked`` (what
+        :meth:`check_state` returned)."""
+
+    #: Whether a Rewind copy holds its state (training state, not a record): its
+    #: :meth:`state_dict` is copied along and loaded back (:meth:`load_state`) at a rewind.
     held: ClassVar[bool] = False
 
 
@@ -267,6 +315,27 @@ class Parts:
         """Whether window number ``window`` may close as a plain one: no part acts at it."""
         return all(p.plain(window) for p in self.active)
 
+    def check_with(self, max_norm: Any) -> None:
+        """Each active part's :meth:`Part.check_with` against the others and ``max_norm``."""
+        for p in self.active:
+            p.check_with(self._by_keyword, max_norm)
+
+    def describe(self) -> list[str]:
+        """The active parts' texts in the wrapper's ``repr`` (:meth:`Part.describe`)."""
+        return [text for p in self.active if (text := p.describe()) is not None]
+
+    def agrees_loss(self) -> bool:
+        """Whether a part reads the ranks' agreed loss (:meth:`Part.agrees_loss`)."""
+        return any(p.agrees_loss() for p in self.active)
+
+    def rank_own(self) -> frozenset[str]:
+        """The keywords whose state-dict entries are each rank's own (:attr:`Part.rank_own`), on or off."""
+        return frozenset(c.keyword for c in self.registry if c.rank_own)
+
+    def held(self) -> tuple[Part, ...]:
+        """The active parts whose state a Rewind copy holds (:attr:`Part.held`)."""
+        return tuple(p for p in self.active if p.held)
+
     # ------------------------------------------------------------------ the window's hooks
 
     def begin(self, w: Window) -> int | None:
@@ -275,6 +344,25 @@ class Parts:
             if code is not None:
                 return code
         return None
+
+    def is_spike(self, w: Window, d: Any) -> Tensor | None:
+        """The first part's spike rule for the window (:meth:`Part.is_spike`), or None."""
+        for p in self.active:
+            spike = p.is_spike(w, d)
+            if spike is not None:
+                return spike
+        return None
+
+    def closed(self, windows: int) -> None:
+        for p in self.active:
+            p.closed(windows)
+
+    def record(self, w: Window, measured: bool) -> None:
+        """Stage 7: the parts' cells (:meth:`Part.record`); a window that was not ``measured`` (empty,
+        or discarded) only by the parts that record such windows (:attr:`Part.records_unmeasured`)."""
+        for p in self.active:
+            if measured or p.records_unmeasured:
+                p.record(w)
 
     def host_step(self, w: Window) -> bool:
         """Whether a part needs this window's inner step on the host path (:meth:`Part.host_step`)."""
@@ -305,8 +393,10 @@ class Parts:
         return stack
 
     def settings_pairs(self) -> list[tuple[str, object]]:
-        """``(keyword, part)`` for every registered part (None when off): the ranks' agreement."""
-        return [(c.keyword, self._by_keyword.get(c.keyword)) for c in self.registry]
+        """``(keyword, value)`` for every registered part (None when off): the ranks' agreement, which
+        records the class of its value (:meth:`Part.value`, the object the user passed) and that
+        object's ``settings()``."""
+        return [(c.keyword, self.value(c.keyword)) for c in self.registry]
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -319,14 +409,31 @@ class Parts:
                 out[keyword] = state
         return out
 
-    def check_state(self, entry: Mapping[str, Any], inner: Optimizer) -> dict[str, Any]:
+    def check_state(
+        self, entry: Mapping[str, Any], inner: Optimizer, wrapper_check: Callable[[Any], None] | None = None
+    ) -> dict[str, Any]:
         """Each active part's saved entry checked (``ValueError``, nothing changed); an entry of a
-        part that is off here, or missing from the state dict, is ignored."""
-        return {
+        part that is off here, or missing from the state dict, is ignored.  The held state inside
+        a part's copies (:meth:`Part.check_held`) is checked too: each held part's own entry of it,
+        then the rest by ``wrapper_check`` (the policy, scaler and update-clip history)."""
+        checked = {
             keyword: part.check_state(entry[keyword], inner)
             for keyword, part in self._by_keyword.items()
             if entry.get(keyword) is not None
         }
+
+        def check_copy(extra: Any) -> None:
+            if not isinstance(extra, dict):
+                return
+            for p in self.held():
+                if extra.get(p.keyword) is not None:
+                    p.check_state(extra[p.keyword], inner)
+            if wrapper_check is not None:
+                wrapper_check(extra)
+
+        for keyword, state in checked.items():
+            self._by_keyword[keyword].check_held(state, check_copy)
+        return checked
 
     def load_state(self, checked: Mapping[str, Any]) -> None:
         for keyword, state in checked.items():
