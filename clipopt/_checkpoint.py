@@ -26,9 +26,8 @@ from torch.optim import Optimizer
 
 from ._distributed.collectives import Unsynced
 from ._inner import InnerOptimizers, inner_optimizers, inner_state_dicts
-from ._part import Held, Parts
+from ._part import Parts
 from ._policies.builtin import ClipPolicy, checked_policy_state
-from ._recovery.part import SpikeRecovery
 from ._state import (
     StateDictError,
     WrapperState,
@@ -110,7 +109,6 @@ def wrapper_entry(
     loss_sum: LossSum,
     policy: ClipPolicy | None,
     unsynced: Unsynced | None,
-    recovery: SpikeRecovery | None = None,
     parts: Parts | None = None,
 ) -> dict[str, Any]:
     """The ``"clipopt"`` entry; mid-window it holds a copy of the gradients accumulated so far.
@@ -124,8 +122,6 @@ def wrapper_entry(
     entry["policy"] = policy.state_dict() if policy is not None else None
     # DDP: the saved gradients are this rank's, not yet averaged
     entry["unsynced"] = None if unsynced is None else unsynced.to_dict()
-    if recovery is not None:  # "spike_guard" and "rewind" (the Rewind's copies included)
-        entry.update(recovery.state_dict())
     if parts is not None:
         entry.update(parts.state_dict())
     return entry
@@ -147,8 +143,6 @@ class Checkpoint(NamedTuple):
     #: Per inner optimizer, per group, the clipping options set now that the saved group lacks (put
     #: back after loading).
     kept_options: list[list[dict[str, Any]]]
-    #: The SpikeGuard's and Rewind's checked state (see ``SpikeRecovery.validate``).
-    recovery: tuple[Any, Any] = (None, None)
     #: Per inner optimizer, whether its entry is in its own layout (``_state.has_own_layout``): its
     #: groups are checked once loaded (its ``kept_options`` is empty then), with this ``norm_group``.
     own_layout: tuple[bool, ...] = ()
@@ -169,12 +163,11 @@ class Checkpoint(NamedTuple):
         params: list[Tensor],
         c: Mapping[str, Any],
         *,
-        recovery: SpikeRecovery,
         parts: Parts | None = None,
     ) -> WrapperState:
         """Load the checked state: the inner optimizer's (the groups' current clipping options
         kept; a failure leaves it as it was), the open window's gradients into ``params`` (or none:
-        :func:`_take_grads`), the scaler's, the policy's and the recovery's; return the counters to
+        :func:`_take_grads`), the scaler's, the policy's and the parts'; return the counters to
         take over."""
         scaler, policy = c["scaler"], c["max_norm"] if isinstance(c["max_norm"], ClipPolicy) else None
         optimizers = inner_optimizers(inner)
@@ -200,8 +193,6 @@ class Checkpoint(NamedTuple):
             scaler.load_state_dict(self.scaler_state)
         if self.policy_state is not None and policy is not None:
             policy.load_state_dict(self.policy_state)
-        if self.counters is not None:
-            recovery.load(self.recovery)
         if parts is not None:  # (empty for a plain optimizer's state dict)
             parts.load_state(self.parts)
         return counters
@@ -224,7 +215,6 @@ def read_checkpoint(
     c: Mapping[str, Any],
     *,
     inner: Optimizer,
-    recovery: SpikeRecovery | None = None,
     parts: Parts | None = None,
 ) -> Checkpoint:
     """Validate ``state_dict`` completely (``ValueError``, touching nothing) and return its parts;
@@ -247,16 +237,14 @@ def read_checkpoint(
     unsynced = Unsynced.from_dict(
         ext.get("unsynced") if isinstance(ext, dict) else None, wrapper[0].micro_batches if wrapper else 0
     )
-    loss_sum, checked, checked_parts = LossSum(), (None, None), {}  # (the recovery's, the parts')
+    loss_sum, checked_parts = LossSum(), {}
     if wrapper is not None and isinstance(ext, dict):  # older state dicts have no loss: an empty sum
         loss_sum = LossSum.from_dict(ext, wrapper[0].micro_batches)
-        if recovery is not None:
-            held = parts.held(inner) if parts else None  # the parts a Rewind copy holds
-            checked = recovery.validate(ext, _copied_wrapper_check(policy, scaler, held))
-        checked_parts = parts.check_state(ext, inner) if parts else {}
+        copied = _copied_wrapper_check(policy, scaler)  # (inside a Rewind's copies)
+        checked_parts = parts.check_state(ext, inner, copied) if parts else {}
     inner_sd = {k: v for k, v in state_dict.items() if k != "clipopt"}
     counters, pending, scaler_state = wrapper if wrapper is not None else (None, None, None)
-    entries = (policy_state, loss_sum, unsynced, kept, checked, own, norm_group)
+    entries = (policy_state, loss_sum, unsynced, kept, own, norm_group)
     return Checkpoint(inner_sd, counters, pending, scaler_state, *entries, parts=checked_parts)
 
 
@@ -316,19 +304,15 @@ def _checked_kept_options(
     return kept
 
 
-def _copied_wrapper_check(
-    policy: ClipPolicy | None, scaler: torch.amp.GradScaler | None, held: Held | None
-) -> Any:
-    """A check of the policy, scaler and held parts' state (``Parts.held``) inside a Rewind copy
-    (loaded at a rewind, after the parameters are restored: it must be loadable before anything
-    changes)."""
+def _copied_wrapper_check(policy: ClipPolicy | None, scaler: torch.amp.GradScaler | None) -> Any:
+    """A check of the policy's and the scaler's state inside a Rewind copy (loaded at a rewind, after
+    the parameters are restored: it must be loadable before anything changes); the held parts' own
+    state in it is checked by ``Parts.check_state``."""
 
     def check(extra: Any) -> None:
         if not isinstance(extra, dict):
             return
         checked_policy_state(extra.get("policy"), policy)
         check_scaler_matches(extra.get("scaler"), scaler)
-        if held is not None:
-            held.check(extra)
 
     return check

@@ -10,7 +10,7 @@ policies and the loggers.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from numbers import Real
 from typing import Any
@@ -35,9 +35,10 @@ from ._distributed.replicas import check_norm_group, check_replica_group
 from ._inner import InnerOptimizers
 from ._part import Part
 from ._policies.builtin import ClipPolicy
-from ._recovery.part import check_recovery
 from ._recovery.qk_clip import QKClip
 from ._recovery.rerun import Rerun
+from ._recovery.rewind import Rewind
+from ._recovery.spike_guard import GuardPart
 from ._window.diagnose import LayerStatistics
 from ._window.groups import check_groups
 from ._window.update_apply import UpdateStats
@@ -228,6 +229,8 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
 #: Every part (``_part.Part``), in the order a window runs their hooks, whatever order the keywords
 #: are passed in.  Adding a feature is one new module (its part) plus one line here.
 REGISTRY: tuple[type[Part], ...] = (
+    GuardPart,
+    Rewind,
     UpdateClip,  # before UpdateStats: it starts and finishes the update they share
     UpdateStats,
     Loggers,
@@ -270,8 +273,6 @@ ASSIGNED_WITH = (
     "norm_group",
     "skip_nonfinite",
     "max_consecutive_nonfinite",
-    "spike_guard",
-    "rewind",
 )
 
 
@@ -285,8 +286,7 @@ def check_assignment(name: str, value: Any, current: dict[str, Any], inner: Opti
     if name in ("max_norm", "clip_value", "norm_group"):
         checked: Any
         if name == "max_norm":
-            checked = check_max_norm(value)
-            check_recovery(new["spike_guard"], new["rewind"], checked[0])
+            checked = check_max_norm(value)  # (the parts beside it: ``Parts.check_with``)
         elif name == "clip_value":
             checked = new["clip_value"] = check_optional_positive_float("clip_value", value, "0.5")
             _check_complex(inner, checked)
@@ -338,19 +338,14 @@ _SIMPLE_CHECKS: dict[str, Any] = {
 }
 
 
-def describe(opt: Any, inner: Any, parts: Iterable[Part] = ()) -> str:
+def describe(opt: Any, inner: Any, parts: Sequence[str] = ()) -> str:
     """The ``repr`` of a :class:`~clipopt.ClippedOptimizer` ``opt``: its settings (and the parts
-    that are on: ``parts``, each as ``keyword=value``), then its ``inner`` optimizer(s), indented."""
+    that are on: ``parts``, their texts), then its ``inner`` optimizer(s), indented."""
     opts = (
         f"max_norm={opt.max_norm}, norm_type={opt.norm_type}, clip_value={opt.clip_value}, "
         f"accumulation_steps={opt.accumulation_steps}, reduction={opt.reduction!r}, "
         f"skip_nonfinite={opt.skip_nonfinite}"
     )
-    for name in ("spike_guard", "rewind"):
-        part = getattr(opt, name)
-        if part is not None:
-            opts += f", {name}={part!r}"
-    for part in parts:
-        opts += f", {part.keyword}={part.value()!r}"
+    opts += "".join(f", {text}" for text in parts)
     text = "\n".join("  " + line for line in repr(inner).splitlines())
     return f"ClippedOptimizer({opts},\n{text}\n)"

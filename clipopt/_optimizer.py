@@ -43,7 +43,6 @@ from ._distributed.replicas import ReplicaDecision
 from ._hooks import step_hooked
 from ._part import Parts
 from ._policies.builtin import ClipPolicy
-from ._recovery.part import SpikeRecovery, check_recovery
 from ._recovery.rewind import Rewind
 from ._recovery.spike_guard import SpikeGuard
 from ._window.diagnose import Diagnostics
@@ -234,10 +233,11 @@ class ClippedOptimizer(InnerOptimizerView):
     ) -> None:
         options = {name: value for name, value in locals().items() if name not in ("self", "parts")}
         cfg = configure(optimizer, ClippedOptimizer, options)  # raises before any state exists
-        check_recovery(spike_guard, rewind, cfg.policy)
         observers = {"layer_stats": layer_stats, "loggers": loggers, "snapshot_dir": snapshot_dir}
-        updates = {"update_clip": update_clip, "update_stats": update_stats}
-        built = Parts.build(REGISTRY, {**parts, **observers, **updates}, cfg.inner)  # every part, by keyword
+        others: dict[str, Any] = {"update_clip": update_clip, "update_stats": update_stats}
+        others.update(spike_guard=spike_guard, rewind=rewind)
+        built = Parts.build(REGISTRY, {**parts, **observers, **others}, cfg.inner)  # every part, by keyword
+        built.check_with(cfg.policy)  # (a Rewind needs spike skips: a guard, or the policy's)
         self.__dict__.update(cfg.settings())  # (max_norm: _policy and _bound)
         # the optimizer, or an _inner.InnerOptimizers over several; with a slot for the entry (_checkpoint)
         self._inner = add_entry_slot(cfg.inner)
@@ -245,13 +245,9 @@ class ClippedOptimizer(InnerOptimizerView):
         self._init_hooks()
         replicas = ReplicaDecision(cfg.replica_group)
         diagnostics = Diagnostics(max_snapshots=self.max_snapshots)  # (the observers: run.use below)
-        params = [p for group in self._inner.param_groups for p in group["params"]]
-        recovery = SpikeRecovery.attach(spike_guard, rewind, params, self._inner)
-        run = Runtime(self._inner, cfg.names, replicas, diagnostics, LogTo(self), cfg.stats_history, recovery)
+        run = Runtime(self._inner, cfg.names, replicas, diagnostics, LogTo(self), cfg.stats_history)
         self._run = run  # the running state and the window's close (_window.runtime)
         run.use(built)
-        if spike_guard is not None:
-            run.skip_sources.append(run.recovery)  # reason "spike"
         self._forwarding = True  # the inner optimizer's public attributes: read, not hidden (_wrapping)
         self._settings_changed()
 
@@ -279,7 +275,7 @@ class ClippedOptimizer(InnerOptimizerView):
                 p.grad = g
 
     def __repr__(self) -> str:
-        return describe(self, self._inner, self._run.parts)
+        return describe(self, self._inner, self._run.parts.describe())
 
     if not TYPE_CHECKING:  # (as InnerOptimizerView's: hidden from mypy)
 
@@ -305,10 +301,14 @@ class ClippedOptimizer(InnerOptimizerView):
     def _assigning(self, name: str, value: Any) -> Any:
         """A setting assigned mid-run, checked as the constructor checks it, before anything changes."""
         if name in KEYWORDS:  # a part: checked by its class, held by the parts
-            self._run.use(self._run.parts.assigned(name, value, self._inner))
+            parts = self._run.parts.assigned(name, value, self._inner)
+            parts.check_with(self._policy)  # beside the other parts
+            self._run.use(parts)
             self._settings_changed()
             return STORED
         value = check_assignment(name, value, {n: getattr(self, n) for n in ASSIGNED_WITH}, self._inner)
+        if name == "max_norm":  # the parts beside the new policy
+            self._run.parts.check_with(value[0])
         if name == "stats_history":  # the newest statistics that fit stay
             self._run.stats = collections.deque(self._run.stats, maxlen=value)
         if name == "max_snapshots":
@@ -371,21 +371,10 @@ class ClippedOptimizer(InnerOptimizerView):
         self._run.diagnostics.last_snapshot = path
 
     @property
-    def spike_guard(self) -> SpikeGuard | None:
-        """The :class:`SpikeGuard` given as ``spike_guard``, or None."""
-        guard: SpikeGuard | None = self._run.recovery.guard
-        return guard
-
-    @property
-    def rewind(self) -> Rewind | None:
-        """The :class:`Rewind` given as ``rewind`` (``opt.rewind.batches(loader)``), or None."""
-        rewind: Rewind | None = self._run.recovery.rewind
-        return rewind
-
-    @property
     def rewinds(self) -> int:
-        """Rewinds so far (0 without a ``rewind``)."""
-        return 0 if self._run.recovery.rewind is None else self._run.recovery.rewind.rewinds
+        """Rewinds so far (0 without a :class:`Rewind`)."""
+        rewind: Rewind | None = self._run.parts.value("rewind")
+        return 0 if rewind is None else rewind.rewinds
 
     # ------------------------------------------------------------------ step
 
@@ -599,7 +588,6 @@ class ClippedOptimizer(InnerOptimizerView):
             loss_sum=self._run.loss,
             policy=self._policy,
             unsynced=pending_unsynced(self._run.unsynced, self._run.counters.micro_batches),
-            recovery=self._run.recovery,
             parts=self._run.parts,
         )
         return with_entry(self._inner.state_dict(), entry)
@@ -615,11 +603,9 @@ class ClippedOptimizer(InnerOptimizerView):
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = entry_at_top(state_dict, self._inner)  # a saver may have kept only the group's copy
         run, params, c = self._run, self._params(), self._run.plan.config
-        ckpt = read_checkpoint(
-            state_dict, params, c, inner=self._inner, recovery=run.recovery, parts=run.parts
-        )
+        ckpt = read_checkpoint(state_dict, params, c, inner=self._inner, parts=run.parts)
         ckpt = ckpt.with_open_window(run.counters.micro_batches > 0)  # (its gradients go, unless saved)
-        counters = ckpt.take_over(self._inner, params, c, recovery=run.recovery, parts=run.parts)
+        counters = ckpt.take_over(self._inner, params, c, parts=run.parts)
         run.loaded(counters, ckpt.loss_sum, ckpt.unsynced, state_dict)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ClippedOptimizer:

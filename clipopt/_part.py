@@ -36,10 +36,11 @@ from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["Held", "Part", "Parts", "Window"]
+__all__ = ["Part", "Parts", "Window", "outcome_flag"]
 
 
 @dataclass
@@ -60,6 +61,19 @@ class Window:
     replicated: bool = False
     #: What the active parts share (:attr:`Part.shares`), by class: kept from window to window.
     shared: Mapping[type, Any] = field(default_factory=dict)
+    #: Stage 2: the window's loss as the data-parallel ranks agreed it (the largest over them, the
+    #: same on each) when a part reads it (:meth:`Part.agrees_loss`); None: the decision's ``d.loss``.
+    agreed_loss: Tensor | None = None
+    #: What a Rewind copy holds beside the parameters (``_window.held.Held``), or None.
+    held: Any = None
+
+
+def outcome_flag(skipped: bool | Tensor, device: torch.device) -> Tensor:
+    """A window's outcome (``skipped``: a bool, or a 0/1 device flag) as a float32 0/1 tensor on
+    ``device``; a bool becomes a fill on the device (no host-to-device copy), a flag is not read."""
+    if isinstance(skipped, Tensor):
+        return skipped.to(device, torch.float32)
+    return torch.full((), float(skipped), dtype=torch.float32, device=device)
 
 
 class Part:
@@ -99,6 +113,11 @@ class Part:
     #: when the first of them is on, kept from window to window and across assignments while one is,
     #: dropped when none is; a hook finds it in ``w.shared[shares]``.  None: nothing.
     shares: ClassVar[type | None] = None
+    #: Its :meth:`record` runs for an empty or discarded window too (else for measured ones only).
+    records_unmeasured: ClassVar[bool] = False
+    #: Its state-dict entry is each data-parallel rank's own (a Rewind's copies of its shards): left
+    #: out of the ranks' comparison of a loaded state.
+    rank_own: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ settings
 
@@ -135,6 +154,20 @@ class Part:
         that does nothing at that window); False by default."""
         return False
 
+    def check_with(self, active: Mapping[str, Part], max_norm: Any) -> None:
+        """``ValueError`` unless it can run beside the ``active`` parts (by keyword, itself included)
+        and the wrapper's ``max_norm`` (a bound or a clip policy); called by the constructor and
+        when a part or ``max_norm`` is assigned mid-run, before anything changes."""
+
+    def describe(self) -> str | None:
+        """Its text in the wrapper's ``repr``: ``keyword=value`` (None: not shown, an observer's)."""
+        return None if self.observer else f"{self.keyword}={self.value()!r}"
+
+    def agrees_loss(self) -> bool:
+        """Whether it reads the window's loss as the ranks agree it (:attr:`Window.agreed_loss`):
+        under data parallelism the ranks then agree on the loss in stage 2."""
+        return False
+
     # ------------------------------------------------------------------ the window's hooks
 
     def before_closure(self, closure: Callable[[], Any], index: int, window: int) -> None:
@@ -150,6 +183,11 @@ class Part:
 
     def diagnose(self, w: Window, d: Any) -> None:
         """Stage 3: the pre-clip gradients and the decision's norms (``d``: ``WindowDecision``)."""
+
+    def is_spike(self, w: Window, d: Any) -> Tensor | None:
+        """Stage 3: its spike rule for the window as a 0/1 device flag, remembering nothing (the
+        anomaly snapshots' spike), or None: it has no spike rule."""
+        return None
 
     def flag(self, w: Window, d: Any) -> Tensor | None:
         """Stage 5: a 0/1 float tensor on the device (never read on the host) that skips the
@@ -183,6 +221,10 @@ class Part:
 
     def commit(self, w: Window, d: Any, skipped: bool | Tensor) -> None:
         """The window's outcome stands (``skipped``: a bool, or a 0/1 device flag)."""
+
+    def closed(self, windows: int) -> None:
+        """Window number ``windows`` has closed, applied, skipped, empty or discarded (after
+        :meth:`commit` when the window was measured)."""
 
     def record(self, w: Window) -> None:
         """Stage 7: put this window's cells into ``w.cells`` (host numbers or 0-d device tensors)."""
@@ -224,7 +266,13 @@ class Part:
     def load_state(self, checked: Any) -> None:
         """Load what :meth:`check_state` returned."""
 
-    #: Whether a Rewind copy holds its state (training state, not a record).
+    def check_held(self, checked: Any, check: Callable[[Any], None]) -> None:
+        """A part whose state holds copies of the held training state (a Rewind's copies): run
+        ``check`` (``ValueError``) on each copy's held state in ``checked`` (what
+        :meth:`check_state` returned)."""
+
+    #: Whether a Rewind copy holds its state (training state, not a record): its
+    #: :meth:`state_dict` is copied along and loaded back (:meth:`load_state`) at a rewind.
     held: ClassVar[bool] = False
 
 
@@ -318,6 +366,28 @@ class Parts:
                 return False
         return True
 
+    def check_with(self, max_norm: Any) -> None:
+        """Each active part's :meth:`Part.check_with` against the others and ``max_norm``."""
+        for p in self.active:
+            p.check_with(self._by_keyword, max_norm)
+
+    def describe(self) -> list[str]:
+        """The active parts' texts in the wrapper's ``repr`` (:meth:`Part.describe`)."""
+        texts = (p.describe() for p in self.active)
+        return [text for text in texts if text is not None]
+
+    def agrees_loss(self) -> bool:
+        """Whether a part reads the ranks' agreed loss (:meth:`Part.agrees_loss`)."""
+        return any(p.agrees_loss() for p in self.active)
+
+    def rank_own(self) -> frozenset[str]:
+        """The keywords whose state-dict entries are each rank's own (:attr:`Part.rank_own`), on or off."""
+        return frozenset(c.keyword for c in self.registry if c.rank_own)
+
+    def held(self) -> tuple[Part, ...]:
+        """The active parts whose state a Rewind copy holds (:attr:`Part.held`)."""
+        return tuple(p for p in self.active if p.held)
+
     # ------------------------------------------------------------------ the window's hooks
 
     def begin(self, w: Window) -> int | None:
@@ -326,6 +396,25 @@ class Parts:
             if code is not None:
                 return code
         return None
+
+    def is_spike(self, w: Window, d: Any) -> Tensor | None:
+        """The first part's spike rule for the window (:meth:`Part.is_spike`), or None."""
+        for p in self.active:
+            spike = p.is_spike(w, d)
+            if spike is not None:
+                return spike
+        return None
+
+    def closed(self, windows: int) -> None:
+        for p in self.active:
+            p.closed(windows)
+
+    def record(self, w: Window, measured: bool) -> None:
+        """Stage 7: the parts' cells (:meth:`Part.record`); a window that was not ``measured`` (empty,
+        or discarded) only by the parts that record such windows (:attr:`Part.records_unmeasured`)."""
+        for p in self.active:
+            if measured or p.records_unmeasured:
+                p.record(w)
 
     def host_step(self, w: Window) -> bool:
         """Whether a part needs this window's inner step on the host path (:meth:`Part.host_step`)."""
@@ -364,9 +453,18 @@ class Parts:
         return stack
 
     def settings_pairs(self) -> list[tuple[str, object]]:
-        """``(keyword, part)`` for every registered part (None when off): the ranks' agreement.
+        """``(keyword, value)`` for every registered part but the observers (None when off): the ranks'
+        agreement, which records the class of the object the user passed (:meth:`Part.value`) and that
+        object's ``settings()`` (a part whose value has none, ``update_stats=True``: the part's own).
         Observers are left out: they may differ by rank (a logger on rank 0 only)."""
-        return [(c.keyword, self._by_keyword.get(c.keyword)) for c in self.registry if not c.observer]
+        out: list[tuple[str, object]] = []
+        for c in self.registry:
+            if c.observer:
+                continue
+            part = self._by_keyword.get(c.keyword)
+            value = None if part is None else part.value()
+            out.append((c.keyword, value if callable(getattr(value, "settings", None)) else part))
+        return out
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -379,22 +477,35 @@ class Parts:
                 out[keyword] = state
         return out
 
-    def check_state(self, entry: Mapping[str, Any], inner: Optimizer) -> dict[str, Any]:
+    def check_state(
+        self, entry: Mapping[str, Any], inner: Optimizer, wrapper_check: Callable[[Any], None] | None = None
+    ) -> dict[str, Any]:
         """Each active part's saved entry checked (``ValueError``, nothing changed); an entry of a
-        part that is off here, or missing from the state dict, is ignored."""
-        return {
+        part that is off here, or missing from the state dict, is ignored.  The held state inside
+        a part's copies (:meth:`Part.check_held`) is checked too: each held part's own entry of it,
+        then the rest by ``wrapper_check`` (the policy and the scaler)."""
+        checked = {
             keyword: part.check_state(entry[keyword], inner)
             for keyword, part in self._by_keyword.items()
             if entry.get(keyword) is not None
         }
 
+        def check_copy(extra: Any) -> None:
+            if not isinstance(extra, dict):
+                return
+            for p in self.held():
+                if extra.get(p.keyword) is not None:
+                    p.check_state(extra[p.keyword], inner)
+            if wrapper_check is not None:
+                wrapper_check(extra)
+
+        for keyword, state in checked.items():
+            self._by_keyword[keyword].check_held(state, check_copy)
+        return checked
+
     def load_state(self, checked: Mapping[str, Any]) -> None:
         for keyword, state in checked.items():
             self._by_keyword[keyword].load_state(state)
-
-    def held(self, inner: Optimizer) -> Held:
-        """The active parts whose state a Rewind copy holds (:attr:`Part.held`)."""
-        return Held(tuple(p for p in self.active if p.held), inner)
 
     def undo_state(self) -> list[tuple[Part, Any]]:
         saved = []
@@ -408,35 +519,3 @@ class Parts:
     def restore_undo(saved: list[tuple[Part, Any]]) -> None:
         for part, state in saved:
             part.restore_undo(state)
-
-
-@dataclass(frozen=True)
-class Held:
-    """The parts whose state a Rewind copy holds beside the training state (:attr:`Part.held`), each
-    under its keyword (an empty state as None), with the inner optimizer their checks take."""
-
-    parts: tuple[Part, ...]
-    inner: Optimizer
-
-    def state(self) -> dict[str, Any]:
-        """Each part's :meth:`Part.state_dict` by keyword, for a copy (an empty one: None)."""
-        return {p.keyword: p.state_dict() or None for p in self.parts}
-
-    def check(self, copied: Mapping[str, Any]) -> None:
-        """``ValueError`` unless each part can load its state in ``copied`` (a copy's wrapper state
-        read from a state dict: loaded at a rewind, so it must be loadable before anything changes)."""
-        for p in self.parts:
-            if copied.get(p.keyword) is not None:
-                p.check_state(copied[p.keyword], self.inner)
-
-    def restore(self, copied: Mapping[str, Any]) -> None:
-        """Load each part's state in ``copied`` (the copy a rewind went back to); a state the part
-        cannot load (it was replaced since the copy was taken) leaves it as it is."""
-        for p in self.parts:
-            if copied.get(p.keyword) is None:
-                continue
-            try:
-                checked = p.check_state(copied[p.keyword], self.inner)
-            except ValueError:
-                continue
-            p.load_state(checked)

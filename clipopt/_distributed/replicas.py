@@ -220,13 +220,14 @@ class ReplicaDecision:
 
     # ------------------------------------------------------------------ the state, after a load
 
-    def loaded(self, state_dict: dict[str, Any]) -> None:
+    def loaded(self, state_dict: dict[str, Any], own: frozenset[str] = frozenset()) -> None:
         """After ``load_state_dict``: the checksum of what every rank must hold alike, carried by the
         next window's check (no collective here).  Left out: what is each rank's own (an open
-        window's gradients and loss, the unsynced marker, Rewind's copies, DTensor shards)."""
+        window's gradients and loss, the unsynced marker, DTensor shards, the parts' entries named
+        in ``own``: a Rewind's copies)."""
         dist = torch.distributed  # not resolve(): a load may come before init_process_group
         if self.option is not None and dist.is_available() and dist.is_initialized():
-            entry = {k: v for k, v in (state_dict.get("clipopt") or {}).items() if k not in _RANK_OWN}
+            entry = {k: v for k, v in (state_dict.get("clipopt") or {}).items() if k not in _RANK_OWN | own}
             inner = {k: v for k, v in state_dict.items() if k != "clipopt"}
             self._loaded = state_checksum([inner, entry])
 
@@ -399,7 +400,7 @@ class ReplicaDecision:
 
 
 #: "clipopt" entries that are each rank's own under data parallelism (not compared after a load)
-_RANK_OWN = frozenset({"pending_grads", "loss_sum", "loss_count", "unsynced", "rewind"})
+_RANK_OWN = frozenset({"pending_grads", "loss_sum", "loss_count", "unsynced"})
 
 _FLUSH_ON_SOME = (
     "flush() was called on some ranks of the replica group only: one rank's flush() met another "

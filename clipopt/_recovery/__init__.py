@@ -1,6 +1,6 @@
 """Spike recovery, run inside ``step()``.
 
-* :mod:`.part` — the optimizer's recovery part: its SpikeGuard and Rewind together.
-* :mod:`.spike_guard`, :mod:`.spike_stats` — skipping z-score outliers.
-* :mod:`.rewind`, :mod:`.host_copy` — going back to a copy of the training state.
+* :mod:`.spike_guard`, :mod:`.spike_stats` — skipping z-score outliers (the part ``spike_guard=``).
+* :mod:`.rewind`, :mod:`.host_copy` — going back to a copy of the training state
+  (the part ``rewind=``).
 """

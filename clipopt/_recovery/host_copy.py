@@ -283,7 +283,7 @@ def _check_plain(tensors: Sequence[Tensor]) -> None:
         if not plain(t):
             raise TypeError(
                 f"Rewind copies dense tensors only, got a {type(t).__name__} with layout {t.layout}; "
-                "pass rewind=None for sparse or other tensor-subclass state"
+                "a Rewind cannot hold sparse or other tensor-subclass state: leave it out for them"
             )
 
 
@@ -419,8 +419,8 @@ def _check_restorable(tree: Any, target: TrainingState, leaves: list[Tensor]) ->
             for t, s in zip(locals_of(live), saved, strict=True)
         ):
             raise ValueError(
-                f"cannot rewind: the {name} changed since the copy was taken (count, shape or dtype); "
-                "a Rewind needs the same model and parameter groups throughout training"
+                f"a Rewind cannot restore its copy: the {name} changed since the copy was taken (count, "
+                "shape or dtype); a Rewind needs the same model and parameter groups throughout training"
             )
     problems: list[str] = []
     state = target.optimizer.state
@@ -435,6 +435,6 @@ def _check_restorable(tree: Any, target: TrainingState, leaves: list[Tensor]) ->
         _place(entry, check, state.get(like))
     if problems:
         raise ValueError(
-            f"cannot rewind: {problems[0]}; a Rewind needs the same model, sharding and optimizer "
-            "throughout training"
+            f"a Rewind cannot restore its copy: {problems[0]}; a Rewind needs the same model, sharding "
+            "and optimizer throughout training"
         )

@@ -35,7 +35,10 @@ from torch import Tensor
 
 __all__ = ["LrCut", "check_lr_cut", "cut_applied"]
 
-_EXAMPLE = "lr_cut=(0.5, 100) (halve the learning rate for the 100 updates after a rewind), or lr_cut=None"
+_EXAMPLE = (
+    "lr_cut=(0.5, 100) (halve the learning rate for the 100 updates after a Rewind restores a copy), "
+    "or lr_cut=None"
+)
 
 
 def check_lr_cut(value: Any) -> tuple[float, int] | None:

@@ -26,12 +26,15 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from .._caller import user_stacklevel
 from .._checks import check_int_at_least
+from .._part import Part, Window, outcome_flag
+from .._reasons import SPIKE
 from .spike_stats import push_history, spike_scores
 
-__all__ = ["SIGNALS", "SpikeGuard"]
+__all__ = ["SIGNALS", "GuardPart", "SpikeGuard"]
 
 #: The signals a guard can watch, in the order they are stored.
 SIGNALS = ("loss", "grad_norm")
@@ -271,3 +274,67 @@ class SpikeGuard:
             f"SpikeGuard(z_thresh={self.z_thresh:g}, window={self.window}, signals={self.signals!r}, "
             f"warmup={self.warmup})"
         )
+
+
+class GuardPart(Part):
+    """A :class:`SpikeGuard` as a part of the wrapper (``spike_guard=``): a skip source (reason
+    ``"spike"``) scoring the window's loss -- as the ranks agree it -- and pre-clip norm in stage 5,
+    its history committed once the outcome stands, its state in the checkpoint and in each Rewind
+    copy.  (A part of its own: ``SpikeGuard.commit`` keeps its public signature.)"""
+
+    keyword = "spike_guard"
+    code = SPIKE
+    held = True
+
+    def __init__(self, guard: SpikeGuard) -> None:
+        self.guard = guard
+
+    @classmethod
+    def build(cls, value: Any, inner: Optimizer) -> GuardPart | None:
+        if value is None:
+            return None
+        if not isinstance(value, SpikeGuard):
+            raise TypeError(
+                f"spike_guard must be a SpikeGuard or None, got {type(value).__name__}; "
+                "pass e.g. spike_guard=SpikeGuard(z_thresh=6.0, window=128)"
+            )
+        return cls(value)
+
+    def value(self) -> SpikeGuard:
+        return self.guard
+
+    def settings(self) -> dict[str, object]:
+        return self.guard.settings()
+
+    def describe(self) -> str:
+        return f"{self.keyword}={self.guard!r}"
+
+    def agrees_loss(self) -> bool:
+        return "loss" in self.guard.signals
+
+    @staticmethod
+    def _loss(w: Window, d: Any) -> Tensor | float | None:
+        """The loss scored: the ranks' agreed one when there is one, else the window's own."""
+        return w.agreed_loss if w.agreed_loss is not None else d.loss
+
+    def is_spike(self, w: Window, d: Any) -> Tensor:
+        return self.guard.is_spike(self._loss(w, d), d.total_norm)
+
+    def flag(self, w: Window, d: Any) -> Tensor:
+        return self.guard.decide(self._loss(w, d), d.total_norm)
+
+    def commit(self, w: Window, d: Any, skipped: bool | Tensor) -> None:
+        """The window's values enter the history unless it was skipped (no host read)."""
+        self.guard.commit(outcome_flag(skipped, d.total_norm.device))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.guard.state_dict()
+
+    def check_state(self, saved: Any, inner: Optimizer) -> Any:
+        """``ValueError`` (touching the guard not at all) unless it could load ``saved``."""
+        probe = SpikeGuard(window=self.guard.window, signals=self.guard.signals, warmup=2)
+        probe.load_state_dict(saved)
+        return saved
+
+    def load_state(self, checked: Any) -> None:
+        self.guard.load_state_dict(checked)

@@ -2,7 +2,7 @@
 
 :class:`Runtime` is what a :class:`~clipopt.ClippedOptimizer` runs on: the counters, the open
 window's loss, the latest outcome and statistics, and the components each stage calls (the window
-plan, the gradients' index, diagnostics, the replicas' decision, the spike recovery, the parts).
+plan, the gradients' index, diagnostics, the replicas' decision, the parts).
 The wrapper keeps the ``torch.optim`` face and hands this object values (a window's
 :class:`~clipopt._window.settings.WindowSettings`, ``step()``'s closure and result); nothing here
 reads the wrapper.  :meth:`Runtime.close` is the window's close: the plain close when nothing but a
@@ -31,13 +31,14 @@ from .._distributed.collectives import Unsynced, allreduce_mean_
 from .._distributed.no_sync import check_reducible, pending_unsynced
 from .._distributed.replicas import ReplicaDecision, settings_of
 from .._part import Parts, Window
-from .._reasons import NOGRAD, REWIND
+from .._reasons import NOGRAD
 from .._state import WrapperState
 from .apply import StateReadiness, apply_window
 from .decision import SkipSource, WindowDecision
 from .diagnose import Diagnostics, layer_names
 from .grads import ParamIndex, WindowGrads
 from .guard import WindowGuard
+from .held import Held
 from .loss import LossSum
 from .plain import close_plain
 from .plan import WindowPlan
@@ -68,7 +69,6 @@ class Runtime:
         diagnostics: Diagnostics,
         log: Callable[[], Any],
         stats_history: int,
-        recovery: Any,
     ) -> None:
         self.inner = inner  #: the inner optimizer (several: one ``InnerOptimizers``)
         self.names = names  #: the parameters' names (``param_names``)
@@ -88,7 +88,6 @@ class Runtime:
         self.window_guard = WindowGuard()  # outside clearing and stacked accumulation (_window.guard)
         self.skip_sources: list[SkipSource] = []  # skip signals after the built-in ones (_window.decision)
         self.skip_run = SkipRun()  # warns after 10 skipped windows in a row (_window.skip_run)
-        self.recovery = recovery  # the SpikeGuard and Rewind (``_recovery.part.SpikeRecovery``)
         self.parts = Parts((), {})  # the registry's parts (_part)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -107,7 +106,7 @@ class Runtime:
         self.plan.reset()  # the groups' options came from the checkpoint
         self.window_guard.reset()  # loaded gradients are new tensors
         self.update_applied, self.last_skipped = False, False
-        self.replicas.loaded(state_dict)  # the next window compares the ranks' states
+        self.replicas.loaded(state_dict, self.parts.rank_own())  # the next window compares the ranks' states
 
     def use(self, parts: Parts) -> None:
         """The parts are ``parts`` from now on (built by the constructor, or one assigned mid-run); the
@@ -118,18 +117,17 @@ class Runtime:
     def agreed(self) -> list[Setting]:
         """What the data-parallel ranks compare: the wrapper's settings, then each part's own
         ``settings()`` record under its keyword (``_distributed.agreement``)."""
-        c, r = self.plan.config, self.recovery
-        parts: list[tuple[str, object]] = [("policy", c["max_norm"]), ("spike_guard", r.guard)]
-        parts += [("rewind", r.rewind), *self.parts.settings_pairs()]
+        c = self.plan.config
+        parts: list[tuple[str, object]] = [("policy", c["max_norm"]), *self.parts.settings_pairs()]
         counters = (self.counters.windows, self.counters.micro_batches)
         return settings_of(c, counters, self.inner.param_groups, parts)
 
-    def wrapper_parts(self) -> tuple[Any, Any, Any]:
-        """What a Rewind copy holds of the wrapper beside the guard (see ``_recovery.part``): the
-        policy, the scaler, the parts it holds (``Parts.held``)."""
+    def held(self) -> Held:
+        """What a Rewind copy holds beside the parameters: the held parts (UpdateClip's history, the
+        SpikeGuard's), the policy and the scaler (``_window.held``)."""
         c = self.plan.config
         policy = c["max_norm"] if not isinstance(c["max_norm"], (int, float, type(None))) else None
-        return policy, c["scaler"], self.parts.held(self.inner)
+        return Held(self.parts.held(), policy, c["scaler"], self.inner)
 
     def params(self) -> list[Tensor]:
         """All parameters, in group order; cached until the groups change."""
@@ -182,9 +180,7 @@ class Runtime:
     def is_plain(self, s: WindowSettings) -> bool:
         """Whether this window closes as a plain one (:mod:`clipopt._window.plain`): its settings
         need a norm bound at most, and none of the wrapper's other features is on."""
-        r = self.recovery
-        off = r.guard is None and r.rewind is None and not self.skip_sources
-        off = off and self.diagnostics.writer is None and self.unsynced is None
+        off = not self.skip_sources and self.diagnostics.writer is None and self.unsynced is None
         # no part, or none acts at this window (layer_stats=k: not due); no call in the common case
         plain = s.plain and (not self.parts.active or self.parts.plain(self.counters.windows + 1))
         return plain and off and not (self.index.has_dtensor or self.replicas.active or is_compiling())
@@ -219,18 +215,18 @@ class Runtime:
         n, params = self.counters.micro_batches, self.params()
         group, active = self.replicas.process_group, self.replicas.active
         w = Window(self.counters.windows + 1, n, params, self.inner, s, closure, group, replicated=active)
-        w.shared = self.parts.shared  # (Part.shares)
-        if not undo.touched and (reason := self._begin(w)) is not None:  # (touched: a part's rerun)
-            undo.committed = True  # a Rewind restored a copy, or a part discarded the window
-            return self.close_discarded(s, n, loss, reason)
+        w.shared, w.held = self.parts.shared, self.held()  # (Part.shares; what a Rewind copy holds)
+        if not undo.touched and self.parts and (reason := self.parts.begin(w)) is not None:
+            undo.committed = True  # (touched: a part's rerun) a Rewind restored a copy, or a part said so
+            return self.close_discarded(s, n, loss, reason, w)
         g = self._combine(s, params, undo)
         if g is None:
             undo.committed = True
-            return self.close_empty(s, n, loss)
+            return self.close_empty(s, n, loss, w=w)
         scaler = s.config["scaler"]
         try:
             with torch.no_grad():
-                d = self._measure(s, g, n)
+                d = self._measure(s, g, n, w)
                 layers = self._diagnose(s, d, params, w)
                 undo.touched |= s.clips_in_place
                 sources = [*self.skip_sources, *self.parts.flags(w)] if self.parts else self.skip_sources
@@ -241,10 +237,9 @@ class Runtime:
             self.next_window()
             loss, fused = self._apply(s, d, g, (loss, closure), w)
             undo.committed = True
-            if self.recovery.guard is not None or self.recovery.rewind is not None:
-                self.recovery.commit(d, self.counters.windows, self.last_skipped)
             for part in self.parts.active:
                 part.commit(w, d, self.last_skipped)
+            self.parts.closed(self.counters.windows)
         finally:  # also after an error: an unscaled scaler without update() would refuse every later window
             self.window_guard.reset()
             if scaler is not None:
@@ -260,17 +255,6 @@ class Runtime:
         counters; ``touched``: the gradients are not the first execution's)."""
         undo.touched, self.counters, self.loss = True, self.counters.copy(), LossSum.of(outs)
         return outs[-1]
-
-    def _begin(self, w: Window) -> int | None:
-        """Before the window is combined: a due Rewind check (a copy, or back to one: reason
-        ``"rewind"``), then the parts' :meth:`~clipopt._part.Part.begin`; the reason that discards
-        the window, or None."""
-        if self.recovery.due(self.counters.windows):
-            hit = self.recovery.check(self.counters.windows, w.params, self.inner, self.wrapper_parts())
-            if hit is not None:  # the training state was restored: this window is discarded
-                self.recovery.restore_wrapper(hit[1], self.wrapper_parts())
-                return REWIND
-        return self.parts.begin(w) if self.parts else None
 
     def next_window(self) -> None:
         """The window's micro-batches and loss are taken: the next window starts empty."""
@@ -304,7 +288,7 @@ class Runtime:
             scaler.unscale_(self.inner)
         return g
 
-    def _measure(self, s: WindowSettings, g: WindowGrads, n: int) -> WindowDecision:
+    def _measure(self, s: WindowSettings, g: WindowGrads, n: int, w: Window) -> WindowDecision:
         """Stage 2 (measure): the decision's norms and flag (agreed by DDP replicas), the window's loss."""
         loss = self.loss.combined(s.config["reduction"])  # kept in the sum until the close commits
         rows = self.diagnostics.rows and g.shards is None  # the candidate bad row: plain tensors only
@@ -312,10 +296,8 @@ class Runtime:
         if self.replicas.active:  # the ranks' check (data parallelism only)
             self.replicas.prepare(self.params(), s.norm_group, self.agreed(), g.shards, n, window)
         d, self.diagnostics.bad_row = measure(s, g, self.layer_names() if rows else None)
-        watch, sharded = self.recovery.watches_loss(), self.index.has_dtensor
-        d, self.recovery.shared_loss = agree(
-            self.replicas, d, n, window, loss, watch_loss=watch, sharded=sharded
-        )
+        watch, sharded = bool(self.parts) and self.parts.agrees_loss(), self.index.has_dtensor
+        d, w.agreed_loss = agree(self.replicas, d, n, window, loss, watch_loss=watch, sharded=sharded)
         d.loss = loss  # before the decision: SpikeGuard scores it
         return d
 
@@ -336,7 +318,7 @@ class Runtime:
             self.layer_names,
             window=(w.number, w.micro_batches),
             sharded=self.index.has_dtensor,
-            spike=lambda: self.recovery.is_spike(d, self.recovery.shared_loss),
+            spike=lambda: self.parts.is_spike(w, d),
             saved=(self.inner, self.counters, s.config["scaler"]),
         )
 
@@ -352,7 +334,7 @@ class Runtime:
         with self.parts.step_context(w) if self.parts else nullcontext():
             for part in self.parts.active:
                 part.before_step(w, d)
-            out, skipped, fused = self.recovery.apply(self.inner, run) if self.recovery.rewind else run()
+            out, skipped, fused = run()
         for part in self.parts.active:
             skipped = part.after_step(w, d, skipped)
         self.last_skipped = skipped
@@ -366,16 +348,18 @@ class Runtime:
         g = WindowGrads.of(params, self.inner.param_groups, self.index, self.inner, split=s.plan is not None)
         return reclip(s, g, self.inner.param_groups, max_norm)
 
-    def close_discarded(self, s: WindowSettings, n: int, loss: Any, reason: int) -> Any:
+    def close_discarded(self, s: WindowSettings, n: int, loss: Any, reason: int, w: Window) -> Any:
         """A window discarded before it was measured: a Rewind restored an earlier copy (the window was
         computed on the abandoned state), or a part's :meth:`~clipopt._part.Part.begin` said so; it is
         recorded as skipped with ``reason``."""
         self.readiness.reset()  # the inner state may hold new tensors
         self.window_guard.reset()
         self.diagnostics.attached.clear()
-        return self.close_empty(s, n, loss, reason)
+        return self.close_empty(s, n, loss, reason, w)
 
-    def close_empty(self, s: WindowSettings, n: int, loss: Any, reason: int = NOGRAD) -> Any:
+    def close_empty(
+        self, s: WindowSettings, n: int, loss: Any, reason: int = NOGRAD, w: Window | None = None
+    ) -> Any:
         """A window in which no parameter has a gradient: nothing to apply, so the inner step is not
         called; it is recorded as skipped with reason ``"nograd"`` (not a non-finite skip).
         ``reason=REWIND``: a window a rewind discarded (its gradients are gone)."""
@@ -387,20 +371,24 @@ class Runtime:
         self.next_window()
         self.last_skipped, self.update_applied = True, False
         self.counters.record(True, False)
-        self.recovery.closed(self.counters.windows)
-        self.record(d, n, None)
+        self.parts.closed(self.counters.windows)
+        self.record(d, n, None, w, measured=False)
         return loss
 
     def record(
-        self, d: WindowDecision, n: int, layers: LayerStats | None, w: Window | None = None
+        self,
+        d: WindowDecision,
+        n: int,
+        layers: LayerStats | None,
+        w: Window | None = None,
+        measured: bool = True,
     ) -> StepStats:
-        """Stage 7 (record): the window's :class:`StepStats` (with the parts' cells), its history, the
-        loggers, then the parts that read it."""
-        cells = {} if self.recovery.rewind is None else self.recovery.record()
+        """Stage 7 (record): the window's :class:`StepStats` (with the parts' cells; ``measured``: not
+        an empty or discarded window), its history, the loggers, then the parts that read it."""
+        cells: dict[str, Any] = {}
         if w is not None:
-            for part in self.parts.active:
-                part.record(w)
-            cells.update(w.cells)
+            self.parts.record(w, measured)
+            cells = dict(w.cells)
         stats = StepStats(
             step=self.counters.windows,
             micro_batches=n,

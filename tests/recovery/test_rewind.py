@@ -146,8 +146,8 @@ def test_restore_refuses_changed_parameters() -> None:
     wrong = TrainingState(list(other.parameters()), [], torch.optim.SGD(other.parameters(), lr=0.1))
     before = [p.detach().clone() for p in other.parameters()]
     message = (
-        "cannot rewind: the parameters changed since the copy was taken (count, shape or dtype); "
-        "a Rewind needs the same model and parameter groups throughout training"
+        "a Rewind cannot restore its copy: the parameters changed since the copy was taken (count, shape or "
+        "dtype); a Rewind needs the same model and parameter groups throughout training"
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         restore(copy, wrong)

@@ -330,6 +330,43 @@ def test_arguments_are_checked() -> None:
     assert opt.rewind is not None and opt.spike_guard is None and opt.rewinds == 0
 
 
+def test_the_guard_and_rewind_are_assigned_mid_run_as_the_constructor_checks_them() -> None:
+    """``opt.spike_guard`` and ``opt.rewind`` are parts (#32): assigned mid-run, they are checked as the
+    constructor checks them -- beside each other and the policy, an assigned ``max_norm`` included --
+    and a refused assignment changes nothing."""
+    model = model_for()
+    guard, rewind = _guard(), Rewind()
+    opt = ClippedOptimizer(optim.SGD(model.parameters(), lr=0.1), spike_guard=guard, rewind=rewind)
+    message = "rewind=Rewind(...) rewinds after spike skips, but nothing skips spikes here; "
+    with pytest.raises(TypeError, match=re.escape("spike_guard must be a SpikeGuard or None, got float; ")):
+        opt.spike_guard = 6.0
+    with pytest.raises(ValueError, match=re.escape(message)):
+        opt.spike_guard = None  # the Rewind would be left without spike skips
+    assert opt.spike_guard is guard and opt.rewind is rewind
+    opt.rewind = None
+    opt.spike_guard = None
+    assert opt.rewind is None and opt.spike_guard is None and opt.rewinds == 0
+    with pytest.raises(ValueError, match=re.escape(message)):
+        opt.rewind = Rewind()
+    assert opt.rewind is None
+    opt.max_norm = ZClip(skip_spikes=True)
+    again = Rewind(keep=3)
+    opt.rewind = again  # ZClip skips spikes: a Rewind may go without a guard
+    assert opt.rewind is again and "rewind=Rewind(every=100, keep=3," in repr(opt)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        opt.max_norm = 1.0
+    assert isinstance(opt.max_norm, ZClip)
+
+
+def test_the_repr_lists_the_guard_then_the_rewind() -> None:
+    model = model_for()
+    opt = ClippedOptimizer(optim.SGD(model.parameters(), lr=0.1), spike_guard=_guard(), rewind=Rewind())
+    text = repr(opt)
+    guard = "SpikeGuard(z_thresh=50, window=8, signals=('loss', 'grad_norm'), warmup=4)"
+    assert f", spike_guard={guard}, " in text
+    assert "warmup=4), rewind=Rewind(every=100, keep=2, spikes=3, within=50, skip_batches=200, " in text
+
+
 def test_guard_spike_writes_a_snapshot(tmp_path: Path) -> None:
     """With snapshot_dir, a window the guard skips is saved with reason 'spike' (step, params, grads)."""
     from clipopt import load_snapshot

@@ -24,7 +24,8 @@ PACKAGE = str(Path(clipopt.__file__).parent)
 
 #: Entry points of features that are off in a plain run (module file, function name).
 OFF_FEATURES = {
-    ("_recovery/part.py", "commit"),  # SpikeGuard / Rewind
+    ("_recovery/spike_guard.py", "commit"),  # SpikeGuard
+    ("_recovery/rewind.py", "commit"),  # Rewind
     ("_distributed/replicas.py", "end_window"),  # replica agreement
     ("_window/runtime.py", "sync_unsynced"),  # no_sync()
     ("_window/diagnose.py", "diagnose"),  # layer statistics, anomaly snapshots
