@@ -151,6 +151,19 @@ def log_window(loggers: list[Logger], stats: StepStats, optimizer: LoggedOptimiz
             )
 
 
+class NoLoggers(list):  # type: ignore[type-arg]
+    """What ``opt.loggers`` reads while no logger is on: an empty list that refuses to grow, since a
+    logger appended to it would never be called (logging is turned on by assigning a list)."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            "opt.loggers is off (the wrapper was built without loggers), so a logger added to it "
+            "would never be called; assign a list instead: opt.loggers = [CSVLogger('grads.csv')]"
+        )
+
+    append = extend = insert = __iadd__ = __setitem__ = _refuse
+
+
 class LogTo:
     """The optimizer the loggers are handed with each window's statistics, referred to weakly (the
     window's runtime does not keep the optimizer alive); a copy refers to nothing until its
@@ -209,7 +222,7 @@ class Loggers(Part):
 
     @classmethod
     def unset(cls) -> list[Logger]:
-        return []
+        return NoLoggers()
 
     def configure(self, diagnostics: Any) -> None:
         diagnostics.logged = True  # a bad window's per-layer row is kept for them (with layer_stats)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -66,3 +68,18 @@ def test_the_parts_run_in_the_registrys_order_whatever_order_the_keywords_come_i
         qk.remove()
     registry = [c for c in REGISTRY if c in (clipopt.QKClip, clipopt.Rerun)]
     assert orders == [registry, registry]
+
+
+def test_a_logger_appended_while_logging_is_off_is_refused_not_lost(tmp_path: Any) -> None:
+    """``opt.loggers`` of a wrapper built without loggers reads ``[]``; a logger appended to it would
+    never be called (logging is a part, turned on by assigning a list), so appending says so."""
+    model = _model()
+    opt = ClippedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert opt.loggers == []
+    with pytest.raises(TypeError, match=r"assign a list instead: opt.loggers = \["):
+        opt.loggers.append(clipopt.CSVLogger(tmp_path / "grads.csv"))
+    opt.loggers = [clipopt.CSVLogger(tmp_path / "grads.csv")]
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    opt.close()
+    assert (tmp_path / "grads.csv").read_text().count("\n") == 2  # the header and one window
