@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling
 
 from ._tensors import cpu_value as _cpu_value
 from ._tensors import flat as _flat
@@ -136,9 +137,9 @@ def _total_norm(grads: Sequence[Tensor], p: float, foreach: bool | None) -> Tens
     """:func:`get_total_norm` (``p``: the norm type), with autograd off."""
     if len(grads) == 0:
         return torch.zeros((), dtype=torch.float32)
-    plain_total = foreach_total_norm(grads, p, foreach)
+    plain_total = foreach_total_norm(grads, p, foreach, check=False)
     if plain_total is not None:  # the common case, without host checks per gradient
-        return plain_total
+        return finite_total(plain_total, grads, p)  # (overflowed(): not read under torch.compile)
     first_device = grads[0].device
     out_dtype = torch.float32
     norms: list[Tensor] = []
@@ -157,13 +158,16 @@ def _total_norm(grads: Sequence[Tensor], p: float, foreach: bool | None) -> Tens
     return finite_total(torch.linalg.vector_norm(stacked, p), grads, p)
 
 
-def foreach_total_norm(grads: Sequence[Tensor], p: float, foreach: bool | None) -> Tensor | None:
+def foreach_total_norm(
+    grads: Sequence[Tensor], p: float, foreach: bool | None, check: bool = True
+) -> Tensor | None:
     """The ``p``-norm of ``grads`` from one ``torch._foreach_norm`` (and the norm of those norms) when
     they are all dense, real, of one device and dtype that the foreach kernels support, and none is
     large enough for :func:`_direct_cpu_norms`; else None (the general path of
     :func:`get_total_norm` decides).  Checked before the kernel runs: a kernel that refused a
     gradient part-way would have read the ones before it for nothing, every window.  Used by
-    clipopt's plain window; not part of the public API (not in ``__all__``)."""
+    clipopt's plain window (``check``: an overflowed norm is taken again, :func:`finite_total`, read
+    on the CPU; the plain window never runs under ``torch.compile``); not part of the public API."""
     first = grads[0]
     dtype, device = first.dtype, first.device
     if foreach is False or dtype.is_complex or device.type not in _FOREACH_DEVICES:
@@ -182,7 +186,9 @@ def foreach_total_norm(grads: Sequence[Tensor], p: float, foreach: bool | None) 
         ):
             return None
     total: Tensor = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(grads), p, dtype=acc)), p)
-    if cpu and _cpu_value(total) == math.inf:  # finite_total's check, inlined: every plain window
+    # finite_total's check, inlined (every plain window); not read while torch.compile traces (a frame
+    # it compiles inside the plain close, after an eager fallback, would break there)
+    if check and cpu and not is_compiling() and _cpu_value(total) == math.inf:
         return finite_total(total, grads, p, overflow=True)
     return total
 
@@ -492,8 +498,9 @@ def overflowed(norm: Tensor) -> bool:
     """Whether ``norm`` (a 0-d norm, or a vector of norms: any of them) is ``+inf``, where the host
     knows it without a sync: read on the CPU (one ``item()``, after an ``amax`` for a vector; no
     device to wait for; ``tests/hostreads.py`` counts it apart), False on an accelerator (not read,
-    and no kernel launched: the norm stays as it is there)."""
-    if not norm.is_cpu or norm.numel() == 0:
+    and no kernel launched: the norm stays as it is there) and under ``torch.compile`` (a read would
+    break the graph: as on an accelerator)."""
+    if not norm.is_cpu or norm.numel() == 0 or is_compiling():
         return False
     return _cpu_value(norm if norm.numel() == 1 else norm.amax()) == math.inf
 
