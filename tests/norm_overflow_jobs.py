@@ -17,7 +17,7 @@ from torch import nn
 
 from clipopt import ClippedOptimizer
 
-from .distributed_jobs import WORLD, init_world, leave_process_group
+from .distributed_jobs import WORLD, _fsdp, init_world, leave_process_group
 from .helpers import mlp
 
 #: The loss of the second window is multiplied by this: its gradients are finite, ~1e20.
@@ -83,17 +83,6 @@ def _stages(rank: int) -> dict[str, Any]:
     stats = opt.last_stats
     assert stats is not None
     return {"norm": stats.total_norm, "skipped": stats.skipped}
-
-
-def _fsdp(plain: nn.Module) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    model = copy.deepcopy(plain)
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
-    return model
 
 
 def _full(model: nn.Module) -> list[torch.Tensor]:
