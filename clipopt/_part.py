@@ -34,13 +34,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 __all__ = ["Part", "Parts", "Window", "outcome_flag"]
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -126,14 +128,24 @@ class Part:
         """The part the keyword's ``value`` builds for ``inner``, or None when it is off; raises the
         ``TypeError``/``ValueError`` that names the keyword, the value and the fix.  Called by the
         constructor and by an assignment mid-run, before anything changes."""
-        if value is None:
-            return None
-        if not isinstance(value, cls):
-            raise TypeError(
-                f"{cls.keyword} must be a {cls.__name__} or None, got {type(value).__name__}; "
-                f"pass e.g. {cls.keyword}={cls.__name__}()"
-            )
-        return value
+        return cls.checked(value, cls)
+
+    #: For the keyword's ``TypeError``: what it takes (default ``"a <class>"``) and a value to pass
+    #: (default ``"<class>()"``).
+    takes: ClassVar[str] = ""
+    example: ClassVar[str] = ""
+
+    @classmethod
+    def checked(cls, value: Any, kind: type[_T]) -> _T | None:
+        """``value`` when it is None or a ``kind`` (the class a user passes); else the ``TypeError``
+        that names the keyword, the value's type and what to pass."""
+        if value is None or isinstance(value, kind):
+            return value
+        takes, example = cls.takes or f"a {kind.__name__}", cls.example or f"{kind.__name__}()"
+        raise TypeError(
+            f"{cls.keyword} must be {takes} or None, got {type(value).__name__}; "
+            f"pass e.g. {cls.keyword}={example}"
+        )
 
     def value(self) -> Any:
         """What ``opt.<keyword>`` returns: the object the user passed (by default the part itself)."""

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from .._checks import check_positive_int
 from .._log_names import MAX_LOGIT
 from .._part import Part, Window
 
@@ -113,7 +114,7 @@ class QKClip(Part):
     ) -> None:
         self.threshold = _check_threshold(threshold)
         self.alpha = _check_alpha(alpha)
-        self.every = _check_every(every)
+        self.every = check_positive_int("every", every, 1)
         if not isinstance(measure, bool):
             raise TypeError(f"measure must be a bool, got {measure!r}; pass measure=False for observe() only")
         if not isinstance(model, nn.Module):
@@ -508,11 +509,3 @@ def _check_alpha(value: Any) -> float:
             "eta**(1 - alpha) of the cap, e.g. alpha=0.5 (an even split)"
         )
     return float(value)
-
-
-def _check_every(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"every must be an int >= 1, got {value!r}; pass e.g. every=1 (every window)")
-    if int(value) < 1:
-        raise ValueError(f"every must be an int >= 1, got {value!r}; pass every=1 to measure every window")
-    return value

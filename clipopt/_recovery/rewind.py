@@ -496,6 +496,7 @@ class Rewind(Part):
     # ------------------------------------------------------------------ the part (``rewind=``)
 
     keyword = "rewind"
+    example = "Rewind(every=100, keep=2, spikes=3, within=50)"
     columns = RECOVERY_COLUMNS
     #: It records the batch columns of every window, an empty or discarded one included.
     records_unmeasured = True
@@ -505,15 +506,11 @@ class Rewind(Part):
     @classmethod
     def build(cls, value: Any, inner: Optimizer) -> Rewind | None:
         """``value`` (a Rewind or None), bound to ``inner``'s parameters (DTensors: their shards)."""
-        if value is None:
+        rewind = cls.checked(value, Rewind)
+        if rewind is None:
             return None
-        if not isinstance(value, Rewind):
-            raise TypeError(
-                f"rewind must be a Rewind or None, got {type(value).__name__}; "
-                "pass e.g. rewind=Rewind(every=100, keep=2, spikes=3, within=50)"
-            )
-        value.bind([p for group in inner.param_groups for p in group["params"]], inner)
-        return value
+        rewind.bind([p for group in inner.param_groups for p in group["params"]], inner)
+        return rewind
 
     def check_with(self, active: Mapping[str, Part], max_norm: Any) -> None:
         """It rewinds after spike skips: a part must skip spikes (a SpikeGuard), or the policy."""

@@ -283,6 +283,7 @@ class GuardPart(Part):
     copy.  (A part of its own: ``SpikeGuard.commit`` keeps its public signature.)"""
 
     keyword = "spike_guard"
+    example = "SpikeGuard(z_thresh=6.0, window=128)"
     code = SPIKE
     held = True
 
@@ -291,14 +292,7 @@ class GuardPart(Part):
 
     @classmethod
     def build(cls, value: Any, inner: Optimizer) -> GuardPart | None:
-        if value is None:
-            return None
-        if not isinstance(value, SpikeGuard):
-            raise TypeError(
-                f"spike_guard must be a SpikeGuard or None, got {type(value).__name__}; "
-                "pass e.g. spike_guard=SpikeGuard(z_thresh=6.0, window=128)"
-            )
-        return cls(value)
+        return None if cls.checked(value, SpikeGuard) is None else cls(value)
 
     def value(self) -> SpikeGuard:
         return self.guard

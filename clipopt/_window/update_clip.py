@@ -128,6 +128,8 @@ class UpdateClip(Part):
     """
 
     keyword = "update_clip"
+    takes = "an UpdateClip"
+    example = "UpdateClip(max_rms=1e-3) (a bound on the update, after the learning rate)"
     held = True
     shares = UpdateWork
 
@@ -194,22 +196,17 @@ class UpdateClip(Part):
     def build(cls, value: Any, inner: Optimizer) -> UpdateClip | None:
         """An ``UpdateClip`` or None (``TypeError``); an inner optimizer that re-evaluates its
         closure (LBFGS) cannot have its step bounded afterwards (``ValueError``)."""
-        if value is None:
+        clip = cls.checked(value, UpdateClip)
+        if clip is None:
             return None
-        if not isinstance(value, UpdateClip):
-            raise TypeError(
-                f"update_clip must be an UpdateClip or None, got {type(value).__name__}; "
-                "pass e.g. update_clip=UpdateClip(max_rms=1e-3) (a bound on the update, after the "
-                "learning rate)"
-            )
         lbfgs = [type(o).__name__ for o in inner_optimizers(inner) if reevaluates(o)]
         if lbfgs:
             raise ValueError(
-                f"update_clip={value!r} cannot bound the step of {lbfgs[0]}: its line search and "
+                f"update_clip={clip!r} cannot bound the step of {lbfgs[0]}: its line search and "
                 "curvature pairs assume the step it took; pass update_clip=None "
                 "(update_stats=True records the update norm)"
             )
-        return value
+        return clip
 
     def before_step(self, w: Window, d: Any) -> None:
         """Copy the parameters (and, with ``restore_state=True``, the inner state) just before the
