@@ -7,14 +7,19 @@ sees, over every (query, key) pair of the batch (masked pairs included: an upper
 mask).  Forward hooks find it for ``nn.MultiheadAttention`` (``batch_first`` or not, the packed
 ``in_proj_weight`` or the separate ``q_proj_weight``/``k_proj_weight``, ``add_bias_kv``) and for
 modules with ``q_proj``/``k_proj`` ``nn.Linear`` children (``num_heads``, ``num_key_value_heads``,
-``head_dim`` ... read from the module, grouped-query heads included).  The hooks recompute the
+``head_dim`` ... read from the module, grouped-query heads included), and for modules with one fused
+``nn.Linear`` child named in :data:`FUSED_QKV` whose output stacks the queries, the keys and the
+values in that order (``[q; k; v]``: the layout of timm's ``qkv``, nanoGPT's ``c_attn``, MPT's
+``Wqkv``, Phi-3's ``qkv_proj``; a per-head interleaved layout such as GPT-NeoX's
+``query_key_value`` is another name, not found).  The hooks recompute the
 projections (``nn.MultiheadAttention``) and ``QK^T`` for the watched heads: one more attention
 matrix per layer, under ``no_grad``, with no host read.  Only forward passes with gradients
 enabled are measured (an evaluation under ``no_grad`` is not training), and with ``every=k`` only
 every k-th window.  A custom kernel reports its own maxima with :meth:`QKClip.observe`
 (``measure=False`` turns the hooks off).  A module that applies rotary embeddings between its
 projections and the product (HF Llama) is measured before the rotation: pass the kernel's maxima
-to :meth:`~QKClip.observe` for the rotated logits.
+to :meth:`~QKClip.observe` for the rotated logits; likewise one that normalises its queries and keys
+(qk-layernorm) is measured before the normalisation.
 
 **Applying.**  After each *applied* update (the skip flag may be a 0/1 device tensor: it is read
 with ``torch.where``, never on the host), per key-value group ``g`` (a query head alone without
@@ -52,7 +57,11 @@ __all__ = ["QKClip"]
 
 #: Where a module's head counts are read, in order (the first one present is taken).
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
-KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
+KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "kv_n_heads")
+#: A module's own logit scale, in order (else ``1/sqrt(head_dim)``).
+SCALE_ATTRS = ("scaling", "scale")
+#: The names of a fused query-key-value projection (an ``nn.Linear`` child whose output is ``[q; k; v]``).
+FUSED_QKV = ("qkv", "qkv_proj", "c_attn", "Wqkv")
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,7 @@ class _Attention:
     head_dim: int
     scale: float
     rows: tuple[_Rows, ...]
+    fused: str = ""  #: the fused ``[q; k; v]`` projection child's name (else separate projections)
     params: list[Tensor] = field(default_factory=list)  #: ``rows``' parameters, bound by build()
 
     @property
@@ -92,8 +102,9 @@ class QKClip(Part):
     :mod:`clipopt._recovery.qk_clip` and docs/qk-clip.md.
 
     Args:
-        model: the model whose attention modules are watched (``nn.MultiheadAttention`` and modules
-            with ``q_proj``/``k_proj`` children); its query and key weights must be parameters of
+        model: the model whose attention modules are watched (``nn.MultiheadAttention``, modules
+            with ``q_proj``/``k_proj`` children, and modules with a fused ``[q; k; v]`` projection
+            named in :data:`FUSED_QKV`); its query and key weights must be parameters of
             the inner optimizer (build the optimizer over the model's parameters, after ``fully_shard``).
         threshold: the largest logit left alone (> 0).
         alpha: the share of the cap taken by the query rows (in [0, 1]; the key rows take ``1 - alpha``).
@@ -346,8 +357,9 @@ def _local_rows(p: Tensor) -> tuple[Tensor, int]:
 
 
 def find_attention(model: nn.Module) -> list[_Attention]:
-    """Every ``nn.MultiheadAttention`` and every module with ``q_proj``/``k_proj`` ``nn.Linear``
-    children of ``model``, in model order; a ``ValueError`` when there is none."""
+    """Every ``nn.MultiheadAttention``, every module with ``q_proj``/``k_proj`` ``nn.Linear``
+    children and every module with a fused projection (:data:`FUSED_QKV`) of ``model``, in model
+    order; a ``ValueError`` when there is none."""
     found = []
     for name, module in model.named_modules():
         if isinstance(module, nn.MultiheadAttention):
@@ -356,12 +368,20 @@ def find_attention(model: nn.Module) -> list[_Attention]:
             getattr(module, "k_proj", None), nn.Linear
         ):
             found.append(_projections(name or "(model)", module))
+        elif (fused := _fused_child(module)) is not None:
+            found.append(_fused(name or "(model)", module, fused))
     if not found:
         raise ValueError(
             f"model has no attention QKClip can watch ({type(model).__name__}: no nn.MultiheadAttention, no "
-            "module with q_proj/k_proj nn.Linear children); pass the model that holds the attention layers"
+            f"module with q_proj/k_proj nn.Linear children or a fused {'/'.join(FUSED_QKV)} nn.Linear "
+            "child); pass the model that holds the attention layers"
         )
     return found
+
+
+def _fused_child(module: nn.Module) -> str | None:
+    """The name of ``module``'s fused query-key-value ``nn.Linear`` child, or None."""
+    return next((n for n in FUSED_QKV if isinstance(getattr(module, n, None), nn.Linear)), None)
 
 
 def _mha(name: str, m: nn.MultiheadAttention) -> _Attention:
@@ -405,11 +425,47 @@ def _projections(name: str, m: nn.Module) -> _Attention:
             f"key-value heads of {head_dim} features, but q_proj has {q.out_features} outputs and "
             f"k_proj {k.out_features}; fix the module's num_heads/num_key_value_heads/head_dim"
         )
-    scaling = getattr(m, "scaling", None)
-    scale = float(scaling) if isinstance(scaling, Real) and not isinstance(scaling, bool) else head_dim**-0.5
     rows = [_Rows(q, "weight", 0, q.out_features, False), _Rows(k, "weight", 0, k.out_features, True)]
     rows += [_Rows(p, "bias", 0, p.out_features, p is k) for p in (q, k) if p.bias is not None]
-    return _Attention(name, m, heads, kv, head_dim, scale, tuple(rows))
+    return _Attention(name, m, heads, kv, head_dim, _scale(m, head_dim), tuple(rows))
+
+
+def _scale(m: nn.Module, head_dim: int) -> float:
+    """The module's own logit scale (:data:`SCALE_ATTRS`), else ``1/sqrt(head_dim)``."""
+    for attr in SCALE_ATTRS:
+        v = getattr(m, attr, None)
+        if isinstance(v, Real) and not isinstance(v, bool):
+            return float(v)
+    return float(head_dim**-0.5)
+
+
+def _fused(name: str, m: nn.Module, child: str) -> _Attention:
+    """A module whose fused projection ``child`` outputs ``[q; k; v]``: ``heads * head_dim`` query
+    features, then ``kv_heads * head_dim`` key features, then as many value features."""
+    qkv = cast(nn.Linear, getattr(m, child))
+    out = qkv.out_features
+    heads, kv, head_dim = _attr_int(m, HEAD_ATTRS), _attr_int(m, KV_HEAD_ATTRS), _attr_int(m, ("head_dim",))
+    if heads is None:
+        raise ValueError(
+            f"qk_clip: cannot tell the heads of {name!r} ({type(m).__name__}, fused projection {child!r}): "
+            f"it has none of the attributes {', '.join(HEAD_ATTRS)}; set one on the module (e.g. "
+            "module.num_heads = 8)"
+        )
+    kv = kv or heads
+    if head_dim is None and out % (heads + 2 * kv) == 0:
+        head_dim = out // (heads + 2 * kv)
+    if head_dim is None or (heads + 2 * kv) * head_dim != out or heads % kv:
+        raise ValueError(
+            f"qk_clip: the heads of {name!r} do not fit its fused projection {child!r}: {heads} query heads "
+            f"and {kv} key-value heads of {head_dim} features make a [q; k; v] of "
+            f"{(heads + 2 * kv) * (head_dim or 0)} outputs, but it has {out}; fix the module's "
+            "num_heads/num_key_value_heads/head_dim (QKClip reads a fused projection as [q; k; v])"
+        )
+    q_rows, k_rows = heads * head_dim, kv * head_dim
+    rows = [_Rows(qkv, "weight", 0, q_rows, False), _Rows(qkv, "weight", q_rows, k_rows, True)]
+    if qkv.bias is not None:
+        rows += [_Rows(qkv, "bias", 0, q_rows, False), _Rows(qkv, "bias", q_rows, k_rows, True)]
+    return _Attention(name, m, heads, kv, head_dim, _scale(m, head_dim), tuple(rows), fused=child)
 
 
 # ---------------------------------------------------------------------- the forward hooks
@@ -465,6 +521,17 @@ def _hooks(a: _Attention, measuring: Callable[[], bool], seen: Callable[[Tensor]
                     seen(head_maxima(q, k, a.kv_heads, a.head_dim, a.scale))
 
         yield mha.register_forward_pre_hook(pre, with_kwargs=True)
+        return
+    if a.fused:
+        q_end, k_end = a.heads * a.head_dim, (a.heads + a.kv_heads) * a.head_dim
+
+        def stacked(module: nn.Module, args: Any, output: Tensor) -> None:
+            if measuring():
+                with torch.no_grad():
+                    q, k = output[..., :q_end], output[..., q_end:k_end]
+                    seen(head_maxima(q, k, a.kv_heads, a.head_dim, a.scale))
+
+        yield getattr(a.module, a.fused).register_forward_hook(stacked)
         return
     slot: dict[str, Tensor] = {}
     for which in ("q_proj", "k_proj"):

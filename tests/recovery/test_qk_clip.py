@@ -52,6 +52,32 @@ class GQAttention(nn.Module):
         return self.o_proj((att @ v).transpose(1, 2).reshape(b, n, -1))
 
 
+class FusedAttention(nn.Module):
+    """A timm/nanoGPT-style attention block: one ``qkv`` projection whose output is ``[q; k; v]``
+    (``heads * head_dim`` query features, then ``kv_heads * head_dim`` key and as many value
+    features), grouped-query heads when ``kv_heads < heads``."""
+
+    def __init__(self, dim: int = E, heads: int = 4, kv_heads: int | None = None, name: str = "qkv") -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = heads, dim // heads
+        if kv_heads is not None:
+            self.num_key_value_heads = kv_heads
+        self.kv = kv_heads or heads
+        self.name = name
+        setattr(self, name, nn.Linear(dim, (heads + 2 * self.kv) * self.head_dim))
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        d, rep = self.head_dim, self.num_heads // self.kv
+        q, k, v = getattr(self, self.name)(x).split([self.num_heads * d, self.kv * d, self.kv * d], dim=-1)
+        q = q.view(b, n, self.num_heads, d).transpose(1, 2)
+        k = k.view(b, n, self.kv, d).transpose(1, 2).repeat_interleave(rep, dim=1)
+        v = v.view(b, n, self.kv, d).transpose(1, 2).repeat_interleave(rep, dim=1)
+        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d), dim=-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(b, n, -1))
+
+
 # ---------------------------------------------------------------------- independent references
 
 
@@ -203,6 +229,56 @@ def test_grouped_query_heads_share_their_key_heads_cap_as_in_megatron() -> None:
     assert_rows(m.q_proj.weight.detach(), scaled_rows(wq, q_f, 4), wq, q_f, 4)
     assert_rows(m.k_proj.weight.detach(), scaled_rows(wk, k_f, 4), wk, k_f, 4)
     assert opt.last_stats.max_logit == pytest.approx(max(maxima), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("name", "kv_heads"), [("qkv", None), ("c_attn", None), ("Wqkv", 2), ("qkv_proj", 1)]
+)
+def test_a_fused_qkv_projection_is_found_and_capped_as_in_megatron(name: str, kv_heads: int | None) -> None:
+    """The rows of one fused ``[q; k; v]`` weight: the query block by ``eta ** alpha`` per query head,
+    the key block by ``eta ** (1 - alpha)`` per key head, the value block never."""
+    torch.manual_seed(3)
+    m = FusedAttention(heads=4, kv_heads=kv_heads, name=name)
+    kv, d = m.kv, m.head_dim
+    with torch.no_grad():
+        getattr(m, name).weight.mul_(6.0)
+    x = torch.randn(2, L, E)
+    w = getattr(m, name).weight.detach().double()
+    b = getattr(m, name).bias.detach().double()
+    q = (x.double() @ w[: 4 * d].T + b[: 4 * d]).reshape(2, L, 4, d)
+    k = (x.double() @ w[4 * d : (4 + kv) * d].T + b[4 * d : (4 + kv) * d]).reshape(2, L, kv, d)
+    maxima = [
+        float((torch.einsum("bld,bsd->bls", q[:, :, h], k[:, :, h // (4 // kv)]) / math.sqrt(d)).max())
+        for h in range(4)
+    ]
+    groups = [max(maxima[g * (4 // kv) : (g + 1) * (4 // kv)]) for g in range(kv)]
+    threshold = min(maxima) - 1.0 if kv == 1 else sorted(groups)[len(groups) // 2 - 1] + 1e-3
+    qk = QKClip(m, threshold=threshold, alpha=0.3)
+    assert qk.modules == ["(model)"] and dict(qk.settings())["qk_clip.heads"] == 4
+    opt = ClippedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), qk_clip=qk)
+    before_w = getattr(m, name).weight.detach().clone()
+    before_b = getattr(m, name).bias.detach().clone()
+    _step(m, opt, m(x).sum())
+    q_f, k_f = megatron_factors(maxima, kv, threshold, 0.3)
+    assert any(f != 1.0 for f in k_f)
+    got_w, got_b = getattr(m, name).weight.detach(), getattr(m, name).bias.detach()
+    qs, ks = slice(0, 4 * d), slice(4 * d, (4 + kv) * d)
+    for got, before in ((got_w, before_w), (got_b, before_b)):
+        assert_rows(got[qs], scaled_rows(before[qs], q_f, d), before[qs], q_f, d)
+        assert_rows(got[ks], scaled_rows(before[ks], k_f, d), before[ks], k_f, d)
+        assert torch.equal(got[(4 + kv) * d :], before[(4 + kv) * d :])  # the value rows: never
+    assert opt.last_stats.max_logit == pytest.approx(max(maxima), rel=1e-5)
+
+
+def test_a_fused_projection_that_does_not_fit_its_heads_is_refused() -> None:
+    headless = nn.Module()
+    headless.qkv = nn.Linear(8, 24)
+    with pytest.raises(ValueError, match=r"cannot tell the heads of '\(model\)'.*fused projection 'qkv'"):
+        QKClip(headless)
+    bad = FusedAttention(heads=4)
+    bad.num_key_value_heads = 2  # says grouped-query, but the projection has 4 key heads
+    with pytest.raises(ValueError, match=r"do not fit its fused projection 'qkv'.*\[q; k; v\] of 32 outputs"):
+        QKClip(bad)
 
 
 def test_heads_and_scale_are_read_from_the_modules_config_head_dim_and_scaling() -> None:
