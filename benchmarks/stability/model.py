@@ -30,7 +30,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.heads = cfg.heads
+        self.num_heads = cfg.heads  #: (the name QKClip reads)
         self.head_dim = cfg.width // cfg.heads
         self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=False)
         self.out = nn.Linear(cfg.width, cfg.width, bias=False)
@@ -42,7 +42,7 @@ class Attention(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         b, t, w = h.shape
-        q, k, v = self.qkv(h).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(h).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         logits = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)

@@ -58,7 +58,6 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     lrs, seeds = settings["lrs"], settings["seeds"]
     per_seed = {name: _per_seed(cells, settings, name) for name in settings["treatments"]}
     base = per_seed.get("none", {})
-    speed_none = _seconds_per_window(cells, "none")
     treatments: dict[str, Any] = {}
     for name in settings["treatments"]:
         mine = [cells[k] for lr in lrs for seed in seeds if (k := sweep_key(name, lr, seed)) in cells]
@@ -88,7 +87,6 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             "update_clipped": sum(c["update_clipped"] for c in mine),
             "undone": sum(c["undone"] for c in mine),
             "windows": sum(c["windows"] for c in mine),
-            "time_ratio": _r(_seconds_per_window(cells, name) / speed_none, 2),
         }
         if name != "none" and common:
             verdict = helps([ps[s][:2] for s in common], [base[s][:2] for s in common], min_seeds=len(seeds))
@@ -113,15 +111,6 @@ def planned_cells(settings: dict[str, Any]) -> int:
     sweep = len(settings["treatments"]) * len(settings["lrs"]) * len(settings["seeds"])
     faults = len(settings["fault_treatments"]) * len(settings["faults"]) * len(settings["fault_seeds"])
     return sweep + faults
-
-
-def _seconds_per_window(cells: dict[str, Any], name: str) -> float:
-    times = [
-        c["seconds"] / c["windows"]
-        for k, c in cells.items()
-        if k.startswith(f"sweep/{name}/") and c["windows"]
-    ]
-    return statistics.median(times) if times else math.nan
 
 
 def _fault_table(results: dict[str, Any]) -> dict[str, Any]:

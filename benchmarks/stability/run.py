@@ -5,10 +5,14 @@
     python -m benchmarks.stability --quick         # smoke run: 1 seed, 3 learning rates, 8 updates
     python -m benchmarks.stability --report-only   # rewrite summary, plots and page from the file
 
+The full run into benchmarks/results/ also writes the digest that ``clipopt report``'s advice quotes
+(``clipopt/_report/evidence.json``, :mod:`benchmarks.stability.evidence`).
+
 Every finished cell is written to the results file at once (atomically), keyed by
 (treatment, lr, seed) or (treatment, fault, seed); a later run skips the cells the file holds,
 so an interrupted run resumes where it stopped.  A file written under other settings is refused
-(``--fresh`` starts it over).
+(``--fresh`` starts it over), except that treatments added to the end of the list extend it: their
+cells are the ones missing.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 import clipopt
 from benchmarks.bench import cpu_name
 
+from . import evidence
 from .data import Corpus, corpus
 from .page import render_page
 from .report import fault_key, fault_table_markdown, plot_logits, plot_sweep, summarize, sweep_key
@@ -74,6 +79,8 @@ def _settings_json(s: Settings) -> dict[str, Any]:
 def load(path: Path, s: Settings, fresh: bool) -> dict[str, Any]:
     if path.exists() and not fresh:
         results: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        if _only_added_treatments(results.get("settings"), _settings_json(s)):
+            results["settings"] = _settings_json(s)  # the new treatments' cells are missing: run next
         if results.get("settings") != _settings_json(s):
             raise SystemExit(
                 f"{path} was written under other settings; pass --fresh to start it over, or --out to "
@@ -87,6 +94,16 @@ def load(path: Path, s: Settings, fresh: bool) -> dict[str, Any]:
         "cells": {},
         "sessions": [],
     }
+
+
+def _only_added_treatments(old: Any, new: dict[str, Any]) -> bool:
+    """Whether settings ``old`` are ``new`` but for treatments added to the end of the list (a
+    results file that such a run extends: every cell it holds was measured under the new settings)."""
+    if not isinstance(old, dict) or old.keys() != new.keys():
+        return False
+    rest_same = all(old[k] == new[k] for k in new if k != "treatments")
+    had, has = list(old["treatments"]), list(new["treatments"])
+    return rest_same and len(had) < len(has) and has[: len(had)] == had
 
 
 def save(path: Path, results: dict[str, Any]) -> None:
@@ -257,6 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if image != path.with_name(image.name):
             image.write_bytes(path.with_name(image.name).read_bytes())
     page.write_text(render_page(results, f"{path.stem}_lr.png", f"{path.stem}_logits.png"), encoding="utf-8")
+    if not args.quick and args.out == RESULTS:  # the run the package's advice quotes
+        evidence.write(results)
     summary = results["summary"]
     print(
         f"{summary['cells_measured']} of {summary['cells_planned']} cells measured; "

@@ -119,6 +119,11 @@ TREATMENTS: tuple[Treatment, ...] = (
     Treatment(
         "muon", "[Muon(matrices), AdamW(rest)], max_norm=None", lambda m, r: {"max_norm": None}, muon=True
     ),
+    Treatment(
+        "qk-clip",
+        "qk_clip=QKClip(model) (threshold 100, alpha 0.5), max_norm=None",
+        lambda m, r: {"max_norm": None, "qk_clip": clipopt.QKClip(m)},
+    ),
 )
 
 BY_NAME = {t.name: t for t in TREATMENTS}

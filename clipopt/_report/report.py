@@ -180,12 +180,18 @@ def _threshold_lines(report: Mapping[str, Any]) -> list[str]:
     lines = [
         f"Suggested max_norm: {_num(suggested) if suggested is not None else 'none (no finite norm)'}",
         f"  clipping: {report['clipping']['advice']}",
+        *_evidence_line(report["clipping"].get("evidence")),
     ]
     if report["suggestions"]:
         lines.append("  for reference:")
         rows = [[sug["name"], _suggestion_value(sug), sug["rule"]] for sug in report["suggestions"]]
         lines += ["  " + line for line in _table(rows)]
     return lines + _update_clip_lines(report.get("update"))
+
+
+def _evidence_line(sentence: str | None) -> list[str]:
+    """``  evidence: ...``: what the stability benchmark measured for that advice (none: nothing)."""
+    return [f"  evidence: {sentence}"] if sentence else []
 
 
 def _update_clip_lines(update: Mapping[str, Any] | None) -> list[str]:
@@ -217,7 +223,7 @@ def _update_clip_lines(update: Mapping[str, Any] | None) -> list[str]:
             f"  of the {sug['spikes']} update spike(s) found, max_norm bounds {bounded['max_norm']}"
             + (f" and z bounds {bounded['z']}" if sug["z"] is not None else "")
         )
-    return lines
+    return lines + _evidence_line(update.get("evidence"))
 
 
 def _suggestion_value(sug: Mapping[str, Any]) -> str:

@@ -3,6 +3,7 @@ docs/which-tool.md against the results file it is written from."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -15,7 +16,8 @@ import torch
 from benchmarks.stability.metrics import helps, lr_sensitivity
 from benchmarks.stability.page import render_page
 from benchmarks.stability.report import summarize
-from benchmarks.stability.run import main
+from benchmarks.stability.run import load, main
+from benchmarks.stability.train import QUICK
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results" / "stability.json"
@@ -202,3 +204,42 @@ def test_treatments_get_verdicts_only_when_the_controls_lower_the_baselines_sens
     partial["summary"] = {**summarize(partial), "fault_start": 6, "fault_length": 1}
     assert partial["summary"]["reproduced"] is None
     assert "**Incomplete.**" in render_page(partial, "x.png")
+
+
+def _file(settings: Any, cells: dict[str, Any]) -> str:
+    return json.dumps({"settings": json.loads(json.dumps(dataclasses.asdict(settings))), "cells": cells})
+
+
+def test_a_results_file_is_extended_by_treatments_added_to_the_end_only(tmp_path: Path) -> None:
+    """A treatment added to the end of the list extends an existing results file (its cells are the
+    missing ones); any other change of the settings is refused."""
+    s = QUICK
+    path = tmp_path / "stability_quick.json"
+    cells = {"sweep/none/0.001/0": {"heldout": 2.5}}
+    path.write_text(_file(dataclasses.replace(s, treatments=s.treatments[:-1]), cells))
+    results = load(path, s, fresh=False)
+    assert results["settings"]["treatments"] == list(s.treatments) and results["cells"] == cells
+    changed = (dataclasses.replace(s, lrs=s.lrs[:-1]), dataclasses.replace(s, treatments=s.treatments[1:]))
+    for other in changed:
+        path.write_text(_file(other, {}))
+        with pytest.raises(SystemExit, match="written under other settings"):
+            load(path, s, fresh=False)
+
+
+def test_the_readmes_claims_of_benefit_quote_the_results_file() -> None:
+    """Every README paragraph that cites docs/which-tool.md (the claims of what a tool fixed) has only
+    numbers of benchmarks/results/stability.json, spelled as the page spells them."""
+    results = json.loads(RESULTS.read_text(encoding="utf-8"))
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    paragraphs = [p for p in readme.split("\n\n") if "which-tool.md" in p]
+    assert len(paragraphs) >= 2 and any("SpikeGuard" in p for p in paragraphs)
+    for p in paragraphs:
+        assert numbers_not_in_results(p, results) == [], p
+    text = " ".join(" ".join(paragraphs).split())
+    faults, rows = results["summary"]["faults"], results["summary"]["treatments"]
+    cost = {n: f"{faults[n]['random']['vs_clean']:+.3f}" for n in ("none", "spikeguard", "spikeguard+rewind")}
+    assert f"plain run {cost['none']} nats" in text and f"SpikeGuard {cost['spikeguard']};" in text
+    assert f"Rewind gave {cost['spikeguard+rewind']}" in text
+    for name, words in (("qk-clip", "on every seed ("), ("qk-layernorm", "qk-layernorm's ")):
+        v = rows[name]["verdict"]
+        assert v["lower_on_every_seed"] and f"{words}{v['mean_difference']:+.3f} ± {v['spread']:.3f}" in text

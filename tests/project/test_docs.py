@@ -300,19 +300,6 @@ def table_after(text: str, header_start: str) -> list[list[str]]:
     return rows
 
 
-def test_the_readmes_spikeguard_claim_is_the_benchmarks() -> None:
-    """The README's SpikeGuard sentence quotes benchmarks/spikes.py's medians (before: 1.530 -> 1.428,
-    from a run the table no longer shows)."""
-    rows = spike_rows()
-    claim = flat((REPO / "README.md").read_text(encoding="utf-8"))
-    expected = (
-        f"SpikeGuard cut the held-out loss from {rows['clip']['heldout_median']:.3f} (clipping alone) to "
-        f"{rows['spikeguard']['heldout_median']:.3f}; adding Rewind gave "
-        f"{rows['spikeguard+rewind']['heldout_median']:.3f}"
-    )
-    assert expected in claim
-
-
 def test_the_spike_tables_are_the_benchmarks() -> None:
     """docs/beyond-clipping.md's table (every configuration, in the script's order) and
     docs/spike-recovery.md's (four of them) quote benchmarks/results/spikes.json."""

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from clipopt import ClippedOptimizer, CSVLogger, Rewind, SpikeGuard, TensorBoardLogger
+from clipopt._report import evidence
 from clipopt._report.report import analyze, format_report, read_log
 
 from ..helpers import one_thread
@@ -177,7 +178,11 @@ def test_a_loss_that_blew_up_and_came_back_gets_the_learning_rate_advice(run: Ru
     assert clipping["assessment"] == "learning rate"
     assert "lower the learning rate (lr 1 at step" in clipping["advice"]
     assert "warm-up" in clipping["advice"] and "use max_norm" not in clipping["advice"]
-    assert format_report(report).startswith("verdict: spikes (the loss blew up and came back; step ")
+    text = format_report(report)
+    assert text.startswith("verdict: spikes (the loss blew up and came back; step ")
+    # what fixed such runs in the stability benchmark, with its page (#34)
+    assert clipping["evidence"] == evidence.learning_rate() and "docs/which-tool.md" in clipping["evidence"]
+    assert f"  clipping: {clipping['advice']}\n  evidence: {clipping['evidence']}\n" in text
 
 
 def test_loss_spikes_of_a_bad_shard_under_clipping_get_spike_guard(run: Run) -> None:
@@ -194,6 +199,8 @@ def test_loss_spikes_of_a_bad_shard_under_clipping_get_spike_guard(run: Run) -> 
     clipping = report["clipping"]
     assert clipping["assessment"] == "bad data"
     assert "spike_guard=SpikeGuard()" in clipping["advice"] and "looks right" not in clipping["advice"]
+    assert clipping["evidence"] == evidence.bad_data() and "spikeguard" in clipping["evidence"]
+    assert f"  evidence: {clipping['evidence']}" in format_report(report)
 
 
 def test_spikes_that_spike_guard_skipped_are_handled(run: Run) -> None:

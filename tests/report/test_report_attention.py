@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from clipopt import ClippedOptimizer, CSVLogger, QKClip, TensorBoardLogger
+from clipopt._report import evidence
 from clipopt._report.report import analyze, format_report, read_log
 
 V, STEPS = 32, 40
@@ -78,7 +79,9 @@ def test_growing_attention_logits_are_flagged_with_their_figures(runs: dict[str,
     assert attention["end"] == statistics.median(values[-k:])
     assert attention["max"] == max(values) and attention["recorded"] == STEPS
     assert attention["growing"] and attention["end"] >= 4 * attention["start"]
-    assert any("largest attention logit grew" in n and "qk_clip=QKClip" in n for n in report["notes"])
+    note = next(n for n in report["notes"] if "largest attention logit grew" in n)
+    assert "qk_clip=QKClip" in note
+    assert note.endswith(f"; {evidence.attention()}") and "docs/which-tool.md" in note  # the benchmark (#34)
     assert "largest attention logit grew" in format_report(report)
 
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from clipopt import ClippedOptimizer, CSVLogger, TensorBoardLogger, UpdateClip
+from clipopt._report import evidence
 from clipopt._report.plot import plot_log
 from clipopt._report.report import analyze, format_report, read_log
 
@@ -207,6 +208,11 @@ def test_an_update_spike_without_a_gradient_spike_is_a_finding(
         "ignored: micro_batches, clip_coef"
     )
     assert expected_evidence(c) in lines
+    # the run went wrong: the UpdateClip suggestion quotes the stability benchmark (#34); a healthy
+    # run's does not (test_a_healthy_run_gets_no_finding_and_an_update_clip_suggestion)
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("Suggested update_clip:"))
+    said = next(ln for ln in lines[at:] if ln.startswith("  evidence: "))
+    assert said == f"  evidence: {evidence.update_clip()}" and "docs/which-tool.md" in said
     _, out_tb, _ = run_cli(capsys, "report", str(folder / "tb"))
     assert out_tb.splitlines()[0] == lines[0]
     assert out_tb.splitlines()[2] == (

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import evidence
 from ..read import GradLog
 from .attention import logit_growth, logit_note
 from .common import (
@@ -82,7 +83,7 @@ def analyze(log: GradLog) -> dict[str, Any]:
         "suggestions": suggestions(norm[finite]) if references is None else references,
         "summary": _summary(log, norm, loss, finite, n_overflow, len(handled), guarded),
         "notes": notes,
-        "update": update_summary(log, update, stretch_end),
+        "update": _with_evidence(update_summary(log, update, stretch_end), verdict),
         **_rates(log, norm, loss, notes),
     }
 
@@ -103,6 +104,14 @@ def _rates(log: GradLog, norm: Tensor, loss: Tensor, notes: list[str]) -> dict[s
     throttle, attention = clip_throttle(log, norm), logit_growth(log)
     notes += throttle_note(throttle) + logit_note(attention)
     return {"spike_score": spike_score(log, loss), "throttle": throttle, "attention": attention}
+
+
+def _with_evidence(update: dict[str, Any] | None, verdict: str) -> dict[str, Any] | None:
+    """The update summary, with what UpdateClip did in the stability benchmark (``evidence``) when the
+    run went wrong (a healthy run's suggestion needs no case made for it)."""
+    if update is not None and verdict in ("exploding", "spikes", "nonfinite"):
+        update["evidence"] = evidence.update_clip()
+    return update
 
 
 def _verdict(findings: list[dict[str, Any]]) -> str:

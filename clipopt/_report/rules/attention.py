@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..._log_names import MAX_LOGIT
+from .. import evidence
 from ..log import GradLog
 from .common import as_tensor, block, median_of, start_level
 
@@ -74,4 +75,5 @@ def logit_note(attention: dict[str, Any] | None) -> list[str]:
         f"(medians of the first and last recorded windows; {attention['max']:.3g} at step "
         f"{attention['max_step']}): attention-logit growth precedes loss spikes in transformers; cap "
         "it with qk_clip=QKClip(model, threshold=...) or normalise the queries and keys (qk-layernorm)"
+        + (f"; {measured}" if (measured := evidence.attention()) else "")
     ]

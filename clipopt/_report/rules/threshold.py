@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import evidence
 from ..read import GradLog
 from ..text import fmt_num as _num
 from .common import (
@@ -93,7 +94,18 @@ def clipping_advice(
         "max_norm": used,
         "assessment": assessment,
         "advice": advice,
+        "evidence": _EVIDENCE.get(assessment, str)(),
     }
+
+
+#: The benchmark's evidence for each assessment whose advice is a tool or a change (docs/which-tool.md).
+_EVIDENCE = {
+    "learning rate": evidence.learning_rate,
+    "bad data": evidence.bad_data,
+    "missing": evidence.clipping,
+    "too loose": evidence.clipping,
+    "too tight": evidence.clipping,
+}
 
 
 def _assess_clipping(

@@ -1,0 +1,172 @@
+"""What clipopt's stability benchmark measured, quoted in ``clipopt report``'s advice (#34).
+
+The figures are a digest of the benchmark's results file, ``evidence.json`` beside this module,
+written by ``python -m benchmarks.stability`` from ``benchmarks/results/stability.json``; the page
+that shows them all is ``docs/which-tool.md``.  Each advice of the report (lower the learning rate,
+SpikeGuard for bad data, clip, UpdateClip, cap the attention logits) gets one sentence: the tools
+that fixed that kind of run there, or that none did, with the numbers and the page.  A tool *fixed*:
+
+- a learning rate too large, when it lowered the loss's sensitivity to the learning rate
+  (Wortsman et al. 2023, §2) on every seed of the sweep, by more than the benchmark's tolerance
+  (``tolerance``, 0.01 nats: a smaller difference is no difference there) on average;
+- bad batches, when it cut the held-out loss they cost the plain run (``none``) at least in half
+  (:data:`FIXED_SHARE`); bad batches that cost no more than the tolerance needed no fixing.
+
+Nothing here is computed from a user's log: the sentences say what happened in that benchmark, a
+2-layer GPT trained for a few hundred updates, not what will happen in the user's run.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from importlib import resources
+from typing import Any
+
+__all__ = ["FIXED_SHARE", "attention", "bad_data", "clipping", "learning_rate", "update_clip"]
+
+#: A tool fixed a data fault when the loss it cost is at most this share of the plain run's.
+FIXED_SHARE = 0.5
+
+#: The data faults' names in words.
+_FAULTS = {"random": "random tokens", "repeat": "a repeated batch", "shuffled": "a label-shuffled shard"}
+
+#: UpdateClip's treatments and their mode's argument.
+_UPDATE = {"update-rms": "max_rms", "update-norm": "max_norm", "update-z": "z"}
+
+
+@cache
+def load() -> dict[str, Any] | None:
+    """The digest, or None when it is missing or unreadable (then the advice has no evidence line)."""
+    try:
+        text = resources.files(__package__).joinpath("evidence.json").read_text(encoding="utf-8")
+        data = json.loads(text)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("treatments"), dict) else None
+
+
+def _where(d: dict[str, Any], what: str = "") -> str:
+    lrs = d["lrs"]
+    shape = what or f"learning rates {min(lrs):g} to {max(lrs):g}, {d['seeds']} seeds"
+    run = f"a {d['layers']}-layer GPT, {d['updates']} updates"
+    return f"in clipopt's stability benchmark ({run}, {shape}; {d['page']})"
+
+
+def _d(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.3f}"
+
+
+def _f(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def _listed(names: list[str], t: dict[str, Any]) -> str:
+    return ", ".join(f"{n} ({_d(t[n]['vs_none'])})" for n in names)
+
+
+def _lowered(e: dict[str, Any], tolerance: float) -> bool:
+    """Whether a treatment lowered the sensitivity on every seed, and by more than ``tolerance``."""
+    return bool(e["lower_on_every_seed"]) and e["vs_none"] is not None and e["vs_none"] < -tolerance
+
+
+def learning_rate() -> str:
+    """What fixed runs at too large a learning rate there (the learning-rate advice), or ``""``."""
+    d = load()
+    if d is None or "none" not in d["treatments"]:
+        return ""
+    t = d["treatments"]
+    lowered = [n for n, e in t.items() if _lowered(e, d["tolerance"])]
+    tools = [n for n in lowered if n not in d["controls"]]
+    models = [n for n in lowered if n in d["controls"]]
+    said = (
+        f"{_listed(tools, t)} lowered the loss's sensitivity to the learning rate on every seed"
+        if tools
+        else "no clipopt tool lowered the loss's sensitivity to the learning rate on every seed"
+    )
+    if models:
+        said += f"; of the model changes, {_listed(models, t)} did"
+    ends = {n: e["loss_at_largest_lr"] for n, e in t.items() if e["loss_at_largest_lr"] is not None}
+    best = min(ends, key=lambda n: ends[n]) if ends else None
+    if best is not None and "none" in ends:
+        said += (
+            f"; at lr {max(d['lrs']):g} the plain run ended at {_f(ends['none'])} nats, {best} at "
+            f"{_f(ends[best])}"
+        )
+    return f"{_where(d)}, {said}"
+
+
+def bad_data() -> str:
+    """What fixed a run fed bad batches there (the SpikeGuard advice), or ``""``."""
+    d = load()
+    faults = d["faults"] if d is not None else {}
+    plain = faults.get("none")
+    if d is None or not plain:
+        return ""
+    parts = []
+    for fault, cost in plain.items():
+        others = {n: row[fault] for n, row in faults.items() if n != "none" and row.get(fault) is not None}
+        if cost is None or not others:
+            continue
+        fixed = [n for n, v in others.items() if v <= FIXED_SHARE * cost]
+        best = min(others, key=lambda n: others[n])
+        by = f"fixed by {', '.join(fixed)}" if fixed else "fixed by no tool"
+        if cost <= d["tolerance"]:
+            by = f"no more than {d['tolerance']:g}: nothing to fix"
+        parts.append(
+            f"{_FAULTS.get(fault, fault)} cost the plain run {_d(cost)} nats, {by} (best: {best} "
+            f"{_d(others[best])})"
+        )
+    what = f"{d['fault_length']} bad batches at update {d['fault_start']}"
+    return f"{_where(d, what)}: " + "; ".join(parts) if parts else ""
+
+
+def clipping() -> str:
+    """What ``max_norm=1.0`` did there (the advice to clip, or to clip otherwise), or ``""``."""
+    d = load()
+    t = d["treatments"] if d is not None else {}
+    if d is None or "clip" not in t or "none" not in t:
+        return ""
+    clip, none = t["clip"], t["none"]
+    best = "lowered" if clip["mean_best_loss"] < none["mean_best_loss"] else "did not lower"
+    sens = "raised" if (clip["vs_none"] or 0.0) > 0 else "did not raise"
+    return (
+        f"{_where(d)}, max_norm=1.0 {best} the best-lr loss ({_f(none['mean_best_loss'])} -> "
+        f"{_f(clip['mean_best_loss'])} nats) and {sens} the loss's sensitivity to the learning rate "
+        f"({_d(clip['vs_none'])}); at lr {max(d['lrs']):g} it ended at {_f(clip['loss_at_largest_lr'])} "
+        f"against the plain run's {_f(none['loss_at_largest_lr'])}"
+    )
+
+
+def update_clip() -> str:
+    """What UpdateClip's modes did there (the UpdateClip suggestion), or ``""``."""
+    d = load()
+    t = d["treatments"] if d is not None else {}
+    modes = [n for n in _UPDATE if n in t]
+    if d is None or not modes:
+        return ""
+    said = "; ".join(
+        f"UpdateClip({_UPDATE[n]}=...) bounded {t[n]['update_clipped']} of {t[n]['windows']} updates, "
+        f"sensitivity to the learning rate {_d(t[n]['vs_none'])}"
+        + (", lower on every seed" if _lowered(t[n], d["tolerance"]) else "")
+        for n in modes
+    )
+    return f"{_where(d)}: {said}"
+
+
+def attention() -> str:
+    """What capped the attention logits there (the attention note), or ``""``."""
+    d = load()
+    t = d["treatments"] if d is not None else {}
+    if d is None or "none" not in t:
+        return ""
+    shown = [n for n in ("qk-clip", "qk-layernorm") if n in t]
+    if not shown:
+        return ""
+    said = "; ".join(
+        f"{n}: largest logit {t[n]['max_logit']:.0f}, sensitivity to the learning rate {_d(t[n]['vs_none'])}"
+        + (" (lower on every seed)" if _lowered(t[n], d["tolerance"]) else "")
+        for n in shown
+    )
+    plain = f"the plain run's largest attention logit reached {t['none']['max_logit']:.0f}"
+    return f"{_where(d)}, {plain}; {said}"
