@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from numbers import Integral, Real
 from typing import Any
 
 __all__ = [
     "check_choice",
     "check_flag",
+    "check_float_between",
     "check_int_at_least",
+    "check_names",
     "check_norm_type",
     "check_optional_positive_float",
     "check_optional_positive_int",
@@ -42,11 +45,42 @@ def check_optional_positive_float(name: str, value: Any, example: str) -> float 
     return v
 
 
-def check_positive_float(name: str, value: Any, example: str) -> float:
-    """A finite float > 0 (None refused)."""
-    v = check_optional_positive_float(name, value, example)
-    if v is None:
-        raise TypeError(f"{name} must be a positive float, got None; pass e.g. {name}={example}")
+def _fix(name: str, example: str, hint: str) -> str:
+    """The fix a message ends with: a value to pass, and why when ``hint`` says it."""
+    return f"pass e.g. {name}={example}" + (f" ({hint})" if hint else "")
+
+
+def check_positive_float(name: str, value: Any, example: str, hint: str = "") -> float:
+    """A finite float > 0 (None refused); ``hint``: what the argument is, after the example."""
+    if value is None:
+        raise TypeError(f"{name} must be a positive float, got None; {_fix(name, example, hint)}")
+    if not _is_real(value):
+        raise TypeError(
+            f"{name} must be a positive float, got {value!r} ({type(value).__name__}); "
+            f"{_fix(name, example, hint)}"
+        )
+    v = float(value)
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(
+            f"{name} must be a positive finite number, got {value!r}; {_fix(name, example, hint)}"
+        )
+    return v
+
+
+def check_float_between(
+    name: str, value: Any, low: float, high: float, example: str, hint: str = "", *, open_high: bool = False
+) -> float:
+    """A float in ``[low, high]`` (``open_high``: ``[low, high)``; bool refused); ``hint``: what the
+    argument is, after the example."""
+    interval = f"[{low:g}, {high:g}{')' if open_high else ']'}"
+    if not _is_real(value):
+        raise TypeError(
+            f"{name} must be a float in {interval}, got {value!r} ({type(value).__name__}); "
+            f"{_fix(name, example, hint)}"
+        )
+    v = float(value)
+    if not (low <= v < high if open_high else low <= v <= high):
+        raise ValueError(f"{name} must be in {interval}, got {value!r}; {_fix(name, example, hint)}")
     return v
 
 
@@ -125,3 +159,18 @@ def check_flag(name: str, value: Any) -> bool:
             f"pass {name}=True or {name}=False"
         )
     return value
+
+
+def check_names(name: str, value: Any, allowed: tuple[str, ...], example: str = "") -> tuple[str, ...]:
+    """A tuple (or list) of names from ``allowed``, each at most once and at least one, in the order
+    given; ``example``: a value to pass (default: ``allowed`` itself)."""
+    fix = f"pass e.g. {name}={example or repr(allowed)}"
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a tuple of names from {allowed!r}, got {value!r}; {fix}")
+    out = tuple(value)
+    unknown = [v for v in out if v not in allowed]
+    if not out or unknown or len(set(out)) != len(out):
+        raise ValueError(
+            f"{name} must name each of {allowed!r} at most once, and at least one, got {value!r}; {fix}"
+        )
+    return out
