@@ -521,6 +521,8 @@ class RewindPart(Part):
     records_unmeasured = True
     #: Its entry (the copies, of this rank's shards under FSDP2) is each rank's own.
     rank_own = True
+    #: Its checks take copies, which hold every held part's state (``Window.held``).
+    takes_copies = True
 
     def __init__(self, rewind: Rewind) -> None:
         self.rewind = rewind
