@@ -18,6 +18,7 @@ __all__ = [
     "check_optional_positive_float",
     "check_optional_positive_int",
     "check_path",
+    "check_positive_finite",
     "check_positive_float",
     "check_positive_int",
 ]
@@ -27,22 +28,24 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
+def check_positive_finite(name: str, value: Any, fix: str, *, or_none: bool = False) -> float:
+    """A finite float > 0 (bool refused; the caller handles None); the messages end with ``fix``
+    and, with ``or_none``, say that None is taken too."""
+    what, none = ("a float or None", " or None") if or_none else ("a positive float", "")
+    if not _is_real(value):
+        raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__}); {fix}")
+    v = float(value)
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"{name} must be a positive finite number{none}, got {value!r}; {fix}")
+    return v
+
+
 def check_optional_positive_float(name: str, value: Any, example: str) -> float | None:
     """None, or a finite float > 0."""
     if value is None:
         return None
-    if not _is_real(value):
-        raise TypeError(
-            f"{name} must be a float or None, got {value!r} ({type(value).__name__}); "
-            f"pass e.g. {name}={example}, or {name}=None to turn it off"
-        )
-    v = float(value)
-    if not (v > 0 and math.isfinite(v)):
-        raise ValueError(
-            f"{name} must be a positive finite number or None, got {value!r}; "
-            f"pass e.g. {name}={example}, or {name}=None to turn it off"
-        )
-    return v
+    fix = f"pass e.g. {name}={example}, or {name}=None to turn it off"
+    return check_positive_finite(name, value, fix, or_none=True)
 
 
 def _fix(name: str, example: str, hint: str) -> str:
@@ -52,19 +55,10 @@ def _fix(name: str, example: str, hint: str) -> str:
 
 def check_positive_float(name: str, value: Any, example: str, hint: str = "") -> float:
     """A finite float > 0 (None refused); ``hint``: what the argument is, after the example."""
+    fix = _fix(name, example, hint)
     if value is None:
-        raise TypeError(f"{name} must be a positive float, got None; {_fix(name, example, hint)}")
-    if not _is_real(value):
-        raise TypeError(
-            f"{name} must be a positive float, got {value!r} ({type(value).__name__}); "
-            f"{_fix(name, example, hint)}"
-        )
-    v = float(value)
-    if not (v > 0 and math.isfinite(v)):
-        raise ValueError(
-            f"{name} must be a positive finite number, got {value!r}; {_fix(name, example, hint)}"
-        )
-    return v
+        raise TypeError(f"{name} must be a positive float, got None; {fix}")
+    return check_positive_finite(name, value, fix)
 
 
 def check_float_between(
