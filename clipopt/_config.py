@@ -37,7 +37,7 @@ from ._part import Part
 from ._policies.builtin import ClipPolicy
 from ._recovery.qk_clip import QKClip
 from ._recovery.rerun import Rerun
-from ._recovery.rewind import Rewind
+from ._recovery.rewind import RewindPart
 from ._recovery.spike_guard import GuardPart
 from ._window.diagnose import LayerStatistics
 from ._window.groups import check_groups
@@ -230,7 +230,7 @@ def configure(optimizer: Any, wrapper_type: type, options: dict[str, Any]) -> Wr
 #: are passed in.  Adding a feature is one new module (its part) plus one line here.
 REGISTRY: tuple[type[Part], ...] = (
     GuardPart,
-    Rewind,
+    RewindPart,
     UpdateClip,  # before UpdateStats: it starts and finishes the update they share
     UpdateStats,
     Loggers,

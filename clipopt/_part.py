@@ -66,7 +66,8 @@ class Window:
     #: Stage 2: the window's loss as the data-parallel ranks agreed it (the largest over them, the
     #: same on each) when a part reads it (:meth:`Part.agrees_loss`); None: the decision's ``d.loss``.
     agreed_loss: Tensor | None = None
-    #: What a Rewind copy holds beside the parameters (``_window.held.Held``), or None.
+    #: What a Rewind copy holds beside the parameters (``_window.held.Held``); None unless a part
+    #: takes copies (:attr:`Part.takes_copies`).
     held: Any = None
 
 
@@ -286,6 +287,9 @@ class Part:
     #: Whether a Rewind copy holds its state (training state, not a record): its
     #: :meth:`state_dict` is copied along and loaded back (:meth:`load_state`) at a rewind.
     held: ClassVar[bool] = False
+    #: Whether it takes copies of the training state (a Rewind): only then does a window build what
+    #: a copy holds beside the parameters (:attr:`Window.held`).
+    takes_copies: ClassVar[bool] = False
 
 
 class _Flag:
@@ -322,6 +326,9 @@ class Parts:
             kind = p.shares
             if kind is not None and kind not in self.shared:
                 self.shared[kind] = shared[kind] if shared and kind in shared else kind()
+        #: Whether an active part takes copies (:attr:`Part.takes_copies`): a window then builds
+        #: what a copy holds (:attr:`Window.held`).
+        self.take_copies = any(p.takes_copies for p in self.active)
         #: The active parts that override :meth:`Part.report` (read at every window: no call).
         self.reporting = tuple(p for p in self.active if type(p).report is not Part.report)
         #: What ``opt.<keyword>`` read for the parts that are off (:meth:`Part.unset`), kept: the

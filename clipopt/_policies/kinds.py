@@ -27,13 +27,13 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from numbers import Real
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .. import functional as F
+from .._checks import check_float_between
 from .._distributed.collectives import reduce_norm_over
 
 __all__ = [
@@ -166,15 +166,7 @@ def policy_window(
 
 def check_decay(name: str, value: Any, example: str) -> float:
     """A decay rate of an exponential moving average: a float in [0, 1)."""
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(
-            f"{name} must be a float in [0, 1), got {value!r} ({type(value).__name__}); "
-            f"pass e.g. {name}={example}"
-        )
-    v = float(value)
-    if not 0.0 <= v < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {value!r}; pass e.g. {name}={example}")
-    return v
+    return check_float_between(name, value, 0.0, 1.0, example, open_high=True)
 
 
 def check_dense(name: str, grads: Sequence[Tensor]) -> None:

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from .._checks import check_positive_int
+from .._checks import check_float_between, check_positive_float, check_positive_int
 from .._log_names import MAX_LOGIT
 from .._part import Part, Window
 
@@ -123,8 +123,10 @@ class QKClip(Part):
         every: int = 1,
         measure: bool = True,
     ) -> None:
-        self.threshold = _check_threshold(threshold)
-        self.alpha = _check_alpha(alpha)
+        logit = "the largest attention logit left alone; Kimi K2 and Megatron-LM use 100"
+        self.threshold = check_positive_float("threshold", threshold, "100.0", logit)
+        split = "the query rows take eta**alpha of the cap, the key rows eta**(1 - alpha): 0.5, an even split"
+        self.alpha = check_float_between("alpha", alpha, 0.0, 1.0, "0.5", split)
         self.every = check_positive_int("every", every, 1)
         if not isinstance(measure, bool):
             raise TypeError(f"measure must be a bool, got {measure!r}; pass measure=False for observe() only")
@@ -549,30 +551,3 @@ def _hooks(a: _Attention, measuring: Callable[[], bool], seen: Callable[[Tensor]
                 seen(head_maxima(q, k, a.kv_heads, a.head_dim, a.scale))
 
     yield a.module.register_forward_hook(after)
-
-
-# ---------------------------------------------------------------------- arguments
-
-
-def _check_threshold(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(
-            f"threshold must be a positive float, got {value!r}; pass e.g. QKClip(model, threshold=100.0)"
-        )
-    if not (math.isfinite(float(value)) and float(value) > 0):
-        raise ValueError(
-            f"threshold must be a finite float > 0, got {value!r}; it is the largest attention logit left "
-            "alone, e.g. threshold=100.0 (Kimi K2, Megatron-LM)"
-        )
-    return float(value)
-
-
-def _check_alpha(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"alpha must be a float in [0, 1], got {value!r}; pass e.g. QKClip(model, alpha=0.5)")
-    if not 0.0 <= float(value) <= 1.0:
-        raise ValueError(
-            f"alpha must be in [0, 1], got {value!r}; the query rows take eta**alpha and the key rows "
-            "eta**(1 - alpha) of the cap, e.g. alpha=0.5 (an even split)"
-        )
-    return float(value)

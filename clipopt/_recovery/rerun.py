@@ -48,6 +48,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .._caller import user_stacklevel
+from .._checks import check_names
 from .._log_names import RERUN, RERUN_OUTCOMES
 from .._part import Part, Window
 from .._reasons import SPIKE
@@ -60,21 +61,6 @@ TRIGGERS = ("nonfinite", "spike")
 OUTCOMES = RERUN_OUTCOMES
 #: The column of ``StepStats.rerun`` and the logs.
 COLUMN = RERUN
-
-
-def _check_on(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str) or not isinstance(value, Sequence):
-        raise TypeError(
-            f"on must be a tuple of trigger names, got {value!r}; pass e.g. on=('nonfinite', 'spike')"
-        )
-    out = tuple(value)
-    unknown = [t for t in out if t not in TRIGGERS]
-    if not out or unknown or len(set(out)) != len(out):
-        raise ValueError(
-            f"on must name each of {TRIGGERS} at most once, and at least one, got {value!r}; "
-            "pass e.g. on=('nonfinite', 'spike') or on=('nonfinite',)"
-        )
-    return out
 
 
 def _check_tolerance(value: Any) -> float:
@@ -161,7 +147,7 @@ class Rerun(Part):
         tolerance: float = 0.0,
         tracker: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.on = _check_on(on)
+        self.on = check_names("on", on, TRIGGERS, "('nonfinite',)")
         self.tolerance = _check_tolerance(tolerance)
         self.tracker = _check_tracker(tracker)
         #: Every event: those read from :attr:`tracker` at construction, then this run's.

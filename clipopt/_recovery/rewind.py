@@ -59,7 +59,7 @@ from .host_copy import (
 from .lr_cut import LrCut, check_lr_cut, cut_applied
 from .state_reset import reset_moments
 
-__all__ = ["Rewind", "RewindEvent", "rewind_target"]
+__all__ = ["Rewind", "RewindEvent", "RewindPart", "rewind_target"]
 
 T = TypeVar("T")
 
@@ -107,16 +107,14 @@ def rewind_target(
     return first, (max(older) if older else -1)
 
 
-class Rewind(Part):
+class Rewind:
     """Keep copies of the training state; after repeated spike skips, restore one.
 
-    As a part of the wrapper (``rewind=``): every ``check_every`` windows the close of the next
-    window starts with its check (:meth:`begin`: a copy, or back to one, and that window is
-    discarded, reason ``"rewind"``); it sees each window's outcome (:meth:`commit`), copies the
-    module's buffers at the close before a check (:meth:`closed`), runs the inner step under an
-    active learning-rate cut (:meth:`step_context`, on the host path) and records the batch
-    columns (:meth:`record`).  A copy holds, beside the parameters and the inner state, every held
-    part's state (``_window.held.Held``).
+    The object the user passes (``rewind=``) and reads back (``opt.rewind``): its settings, its
+    copies, :meth:`batches` and its state dict.  In the wrapper it runs as :class:`RewindPart`: every
+    ``check_every`` windows the close of the next window starts with its :meth:`check` (a copy, or
+    back to one, and that window is discarded, reason ``"rewind"``).  A copy holds, beside the
+    parameters and the inner state, every held part's state (``_window.held.Held``).
 
     Args:
         every: take a copy every ``every`` applied updates (at the next check).
@@ -182,7 +180,6 @@ class Rewind(Part):
         self._target: TrainingState | None = None
         self._staged: HostTensors | None = None  # the module's buffers at the close before a check
         self._warned = False
-        self._window: tuple[float | None, bool] = (None, False)  # this window's lr factor, rewound
 
     def bind(self, params: list[Tensor], optimizer: Optimizer) -> None:
         """Called by the optimizer: the parameters and inner optimizer to copy."""
@@ -493,102 +490,6 @@ class Rewind(Part):
             self._cut.left = min(cut_left, self._cut.updates)
         self._count.load((count[0], count[1], count[2]))
 
-    # ------------------------------------------------------------------ the part (``rewind=``)
-
-    keyword = "rewind"
-    example = "Rewind(every=100, keep=2, spikes=3, within=50)"
-    columns = RECOVERY_COLUMNS
-    #: It records the batch columns of every window, an empty or discarded one included.
-    records_unmeasured = True
-    #: Its entry (the copies, of this rank's shards under FSDP2) is each rank's own.
-    rank_own = True
-
-    @classmethod
-    def build(cls, value: Any, inner: Optimizer) -> Rewind | None:
-        """``value`` (a Rewind or None), bound to ``inner``'s parameters (DTensors: their shards)."""
-        rewind = cls.checked(value, Rewind)
-        if rewind is None:
-            return None
-        rewind.bind([p for group in inner.param_groups for p in group["params"]], inner)
-        return rewind
-
-    def check_with(self, active: Mapping[str, Part], max_norm: Any) -> None:
-        """It rewinds after spike skips: a part must skip spikes (a SpikeGuard), or the policy."""
-        guarded = any(p.code == SPIKE and type(p).flag is not Part.flag for p in active.values())
-        if not guarded and not getattr(max_norm, "skip_spikes", False):
-            raise ValueError(
-                "rewind=Rewind(...) rewinds after spike skips, but nothing skips spikes here; "
-                "pass spike_guard=SpikeGuard() (or max_norm=ZClip(skip_spikes=True))"
-            )
-
-    def describe(self) -> str:
-        return f"{self.keyword}={self!r}"
-
-    def due(self, closed: int) -> bool:
-        """Whether the close of the next window starts with a check (``closed`` windows so far)."""
-        return closed > 0 and closed % self.check_every == 0
-
-    def begin(self, w: Window) -> int | None:
-        """A due check after ``w.number - 1`` windows: a copy (holding ``w.held``'s state), or a
-        rewind (then ``w.held`` is loaded from the copy and this window is discarded)."""
-        closed = w.number - 1
-        if not self.due(closed):
-            return None
-        self.bind(w.params, w.inner)  # parameter groups may have been added since
-        hit = self.check(closed, w.held.state)
-        if hit is None:
-            return None
-        # the check runs in the close of window closed + 1, the one discarded (StepStats, CSV: "rewind")
-        self.log[-1] = dataclasses.replace(hit[0], step=closed + 1)
-        self._window = (None, True)
-        w.held.restore(hit[1])
-        return REWIND
-
-    def host_step(self, w: Window) -> bool:
-        """An active cut's window takes the host path: its outcome is read there."""
-        return self.lr_factor() is not None
-
-    def step_context(self, w: Window) -> AbstractContextManager[Any]:
-        """The learning-rate cut when one is active: every group's lr multiplied by its factor around
-        the inner step only (:func:`~clipopt._recovery.lr_cut.cut_applied`); :meth:`commit` counts it."""
-        factor = self.lr_factor()
-        self._window = (factor, False)
-        return nullcontext() if factor is None else cut_applied(factor, w.inner.param_groups)
-
-    def commit(self, w: Window, d: Any, skipped: bool | Tensor) -> None:
-        """The window's flags (spike skip, applied), not read; on a window with an active cut its
-        final outcome (an update put back is not applied) is read and counted against the cut."""
-        device = d.total_norm.device
-        skip = outcome_flag(skipped, device)
-        if self._window[0] is not None:  # a cut: applied updates count
-            self.lr_counted(bool(skipped))  # read on a cut window only (put back: a device flag)
-        if isinstance(d.reason, Tensor):
-            spike = (d.reason == SPIKE).to(torch.float32)
-        else:  # decided on the host
-            spike = torch.full((), float(d.reason == SPIKE), dtype=torch.float32, device=device)
-        self.observe(w.number, spike * (skip > 0), 1.0 - skip)
-
-    def closed(self, windows: int) -> None:
-        """When the next close starts with a check, copy the module's buffers now, at this close."""
-        if self.due(windows):
-            self.stage_buffers(windows)
-
-    def record(self, w: Window) -> None:
-        """The window's batch columns (and the cut's factor, the state reset, when on)."""
-        factor, rewound = self._window
-        self._window = (None, False)
-        w.cells.update(self.window_record(factor, rewound))
-
-    def check_state(self, saved: Any, inner: Optimizer) -> Any:
-        return saved, self.validate_state(saved)
-
-    def check_held(self, checked: Any, check: Callable[[Any], None]) -> None:
-        for c in checked[1][-3]:  # the copies (see _parse_state)
-            check(copy_extra(c.spec, c.leaves))
-
-    def load_state(self, checked: Any) -> None:
-        self.load_state_dict(*checked)
-
     def __getstate__(self) -> dict[str, Any]:
         """Pickling / deep copies: the copies' pending events are waited for (events do not travel)."""
         for c in self._copies:
@@ -603,6 +504,121 @@ class Rewind(Part):
             f"skip_batches={self.skip_batches}, check_every={self.check_every}, lr_cut={self.lr_cut}, "
             f"reset_state={self.reset_state})"
         )
+
+
+class RewindPart(Part):
+    """A :class:`Rewind` as a part of the wrapper (``rewind=``): every ``check_every`` windows the
+    close of the next window starts with its check (:meth:`begin`: a copy, or back to one, and that
+    window is discarded, reason ``"rewind"``); it sees each window's outcome (:meth:`commit`), copies
+    the module's buffers at the close before a check (:meth:`closed`), runs the inner step under an
+    active learning-rate cut (:meth:`step_context`, on the host path) and records the batch columns
+    (:meth:`record`).  Its state-dict entry is the Rewind's own (:meth:`Rewind.state_dict`)."""
+
+    keyword = "rewind"
+    example = "Rewind(every=100, keep=2, spikes=3, within=50)"
+    columns = RECOVERY_COLUMNS
+    #: It records the batch columns of every window, an empty or discarded one included.
+    records_unmeasured = True
+    #: Its entry (the copies, of this rank's shards under FSDP2) is each rank's own.
+    rank_own = True
+    #: Its checks take copies, which hold every held part's state (``Window.held``).
+    takes_copies = True
+
+    def __init__(self, rewind: Rewind) -> None:
+        self.rewind = rewind
+        self._window: tuple[float | None, bool] = (None, False)  # this window's lr factor, rewound
+
+    @classmethod
+    def build(cls, value: Any, inner: Optimizer) -> RewindPart | None:
+        """``value`` (a Rewind or None), bound to ``inner``'s parameters (DTensors: their shards)."""
+        rewind = cls.checked(value, Rewind)
+        if rewind is None:
+            return None
+        rewind.bind([p for group in inner.param_groups for p in group["params"]], inner)
+        return cls(rewind)
+
+    def value(self) -> Rewind:
+        return self.rewind
+
+    def settings(self) -> dict[str, object]:
+        return self.rewind.settings()
+
+    def check_with(self, active: Mapping[str, Part], max_norm: Any) -> None:
+        """It rewinds after spike skips: a part must skip spikes (a SpikeGuard), or the policy."""
+        guarded = any(p.code == SPIKE and type(p).flag is not Part.flag for p in active.values())
+        if not guarded and not getattr(max_norm, "skip_spikes", False):
+            raise ValueError(
+                "rewind=Rewind(...) rewinds after spike skips, but nothing skips spikes here; "
+                "pass spike_guard=SpikeGuard() (or max_norm=ZClip(skip_spikes=True))"
+            )
+
+    def due(self, closed: int) -> bool:
+        """Whether the close of the next window starts with a check (``closed`` windows so far)."""
+        return closed > 0 and closed % self.rewind.check_every == 0
+
+    def begin(self, w: Window) -> int | None:
+        """A due check after ``w.number - 1`` windows: a copy (holding ``w.held``'s state), or a
+        rewind (then ``w.held`` is loaded from the copy and this window is discarded)."""
+        closed = w.number - 1
+        if not self.due(closed):
+            return None
+        self.rewind.bind(w.params, w.inner)  # parameter groups may have been added since
+        hit = self.rewind.check(closed, w.held.state)
+        if hit is None:
+            return None
+        # the check runs in the close of window closed + 1, the one discarded (StepStats, CSV: "rewind")
+        self.rewind.log[-1] = dataclasses.replace(hit[0], step=closed + 1)
+        self._window = (None, True)
+        w.held.restore(hit[1])
+        return REWIND
+
+    def host_step(self, w: Window) -> bool:
+        """An active cut's window takes the host path: its outcome is read there."""
+        return self.rewind.lr_factor() is not None
+
+    def step_context(self, w: Window) -> AbstractContextManager[Any]:
+        """The learning-rate cut when one is active: every group's lr multiplied by its factor around
+        the inner step only (:func:`~clipopt._recovery.lr_cut.cut_applied`); :meth:`commit` counts it."""
+        factor = self.rewind.lr_factor()
+        self._window = (factor, False)
+        return nullcontext() if factor is None else cut_applied(factor, w.inner.param_groups)
+
+    def commit(self, w: Window, d: Any, skipped: bool | Tensor) -> None:
+        """The window's flags (spike skip, applied), not read; on a window with an active cut its
+        final outcome (an update put back is not applied) is read and counted against the cut."""
+        device = d.total_norm.device
+        skip = outcome_flag(skipped, device)
+        if self._window[0] is not None:  # a cut: applied updates count
+            self.rewind.lr_counted(bool(skipped))  # read on a cut window only (put back: a device flag)
+        if isinstance(d.reason, Tensor):
+            spike = (d.reason == SPIKE).to(torch.float32)
+        else:  # decided on the host
+            spike = torch.full((), float(d.reason == SPIKE), dtype=torch.float32, device=device)
+        self.rewind.observe(w.number, spike * (skip > 0), 1.0 - skip)
+
+    def closed(self, windows: int) -> None:
+        """When the next close starts with a check, copy the module's buffers now, at this close."""
+        if self.due(windows):
+            self.rewind.stage_buffers(windows)
+
+    def record(self, w: Window) -> None:
+        """The window's batch columns (and the cut's factor, the state reset, when on)."""
+        factor, rewound = self._window
+        self._window = (None, False)
+        w.cells.update(self.rewind.window_record(factor, rewound))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.rewind.state_dict()
+
+    def check_state(self, saved: Any, inner: Optimizer) -> Any:
+        return saved, self.rewind.validate_state(saved)
+
+    def check_held(self, checked: Any, check: Callable[[Any], None]) -> None:
+        for c in checked[1][-3]:  # the copies (see _parse_state)
+            check(copy_extra(c.spec, c.leaves))
+
+    def load_state(self, checked: Any) -> None:
+        self.rewind.load_state_dict(*checked)
 
 
 _BAD_STATE = (

@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .._caller import user_stacklevel
-from .._checks import check_int_at_least
+from .._checks import check_int_at_least, check_names, check_positive_float
 from .._part import Part, Window, outcome_flag
 from .._reasons import SPIKE
 from .spike_stats import push_history, spike_scores
@@ -38,33 +38,6 @@ __all__ = ["SIGNALS", "GuardPart", "SpikeGuard"]
 
 #: The signals a guard can watch, in the order they are stored.
 SIGNALS = ("loss", "grad_norm")
-
-
-def _check_z_thresh(value: Any) -> float:
-    if not isinstance(value, Real) or isinstance(value, bool):
-        raise TypeError(
-            f"z_thresh must be a positive float, got {value!r} ({type(value).__name__}); "
-            "pass e.g. z_thresh=6.0"
-        )
-    if not (float(value) > 0 and math.isfinite(float(value))):
-        raise ValueError(f"z_thresh must be a positive finite number, got {value!r}; pass e.g. z_thresh=6.0")
-    return float(value)
-
-
-def _check_signals(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str) or not isinstance(value, Sequence):
-        raise TypeError(
-            f"signals must be a tuple of signal names, got {value!r}; "
-            "pass e.g. signals=('loss', 'grad_norm') or signals=('grad_norm',)"
-        )
-    out = tuple(value)
-    unknown = [s for s in out if s not in SIGNALS]
-    if not out or unknown or len(set(out)) != len(out):
-        raise ValueError(
-            f"signals must name 'loss' and/or 'grad_norm' once each, got {value!r}; "
-            "pass e.g. signals=('loss', 'grad_norm') or signals=('grad_norm',)"
-        )
-    return tuple(s for s in SIGNALS if s in out)
 
 
 def _check_warmup(value: Any, window: int) -> int:
@@ -109,9 +82,10 @@ class SpikeGuard:
         warmup: int | None = None,
         eps: float = 1e-8,
     ) -> None:
-        self.z_thresh = _check_z_thresh(z_thresh)
+        self.z_thresh = check_positive_float("z_thresh", z_thresh, "6.0")
         self.window = check_int_at_least("window", window, 2, 128)
-        self.signals = _check_signals(signals)
+        named = check_names("signals", signals, SIGNALS, "('grad_norm',)")
+        self.signals = tuple(s for s in SIGNALS if s in named)  # in the order they are stored
         self.warmup = _check_warmup(warmup, self.window)
         if not isinstance(eps, Real) or isinstance(eps, bool):
             raise TypeError(

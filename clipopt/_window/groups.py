@@ -17,12 +17,11 @@ anything is touched.  The host-side result of reading them is a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from numbers import Real
 from typing import Any
 
+from .._checks import check_positive_finite
 from .._policies.builtin import ClipPolicy
 
 __all__ = [
@@ -91,17 +90,7 @@ def _check_option(index: int, key: str, value: Any) -> float | None:
             f"groups without their own 'max_norm': pass it as ClippedOptimizer(..., max_norm={value!r}), "
             f"and {fix}"
         )
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(
-            f"parameter group {index}: '{key}' must be a float or None, got {value!r} "
-            f"({type(value).__name__}); {fix}"
-        )
-    v = float(value)
-    if not (v > 0 and math.isfinite(v)):
-        raise ValueError(
-            f"parameter group {index}: '{key}' must be a positive finite number or None, got {value!r}; {fix}"
-        )
-    return v
+    return check_positive_finite(f"parameter group {index}: '{key}'", value, fix, or_none=True)
 
 
 def check_group(group: Any, index: int, keys: Sequence[str]) -> None:

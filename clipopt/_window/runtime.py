@@ -215,7 +215,9 @@ class Runtime:
         n, params = self.counters.micro_batches, self.params()
         group, active = self.replicas.process_group, self.replicas.active
         w = Window(self.counters.windows + 1, n, params, self.inner, s, closure, group, replicated=active)
-        w.shared, w.held = self.parts.shared, self.held()  # (Part.shares; what a Rewind copy holds)
+        w.shared = self.parts.shared  # (Part.shares)
+        if self.parts.take_copies:  # what a Rewind copy holds: built only when a part takes copies
+            w.held = self.held()
         if not undo.touched and self.parts and (reason := self.parts.begin(w)) is not None:
             undo.committed = True  # (touched: a part's rerun) a Rewind restored a copy, or a part said so
             return self.close_discarded(s, n, loss, reason, w)

@@ -163,7 +163,7 @@ def test_a_tensor_marked_unseen_by_gamma_alone_starts_its_warm_up_when_seen() ->
         (
             {"lambda_rel": 0},
             ValueError,
-            "lambda_rel must be a positive finite number or None, got 0; pass e.g. lambda_rel=1.05",
+            "lambda_rel must be a positive finite number, got 0; pass e.g. lambda_rel=1.05",
         ),
         (
             {"lambda_abs": None},

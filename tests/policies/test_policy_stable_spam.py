@@ -126,7 +126,7 @@ def test_stable_spam_state_values_are_checked_before_loading(key: str, value: fl
         (
             {"eps": 0.0},
             ValueError,
-            "eps must be a positive finite number or None, got 0.0; pass e.g. eps=1e-8",
+            "eps must be a positive finite number, got 0.0; pass e.g. eps=1e-8",
         ),
     ],
 )

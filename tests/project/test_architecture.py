@@ -241,6 +241,25 @@ def test_the_optimizer_class_stays_orchestration() -> None:
     assert _code_lines(cls, source.splitlines()) <= MAX_OPTIMIZER_CODE_LINES
 
 
+#: Every class of the package: at most as long as the optimizer class (a part's hooks live in a part
+#: class beside the object the user passes, as ``GuardPart`` and ``RewindPart`` do).
+MAX_CLASS_CODE_LINES = MAX_OPTIMIZER_CODE_LINES
+
+
+def test_no_class_is_longer_than_the_budget() -> None:
+    """Every class of the package holds at most MAX_CLASS_CODE_LINES lines of code (docstrings,
+    comments and blank lines not counted)."""
+    long = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef):
+                size = _code_lines(node, source.splitlines())
+                if size > MAX_CLASS_CODE_LINES:
+                    long[f"{path.relative_to(PACKAGE)}:{node.name}"] = size
+    assert long == {}
+
+
 def test_the_window_runs_on_values_never_on_the_wrapper() -> None:
     """Nothing the window's close runs holds the wrapper: every object reachable by strong
     references from its runtime (``_window.runtime.Runtime``: the plan, the parts, the recovery, the

@@ -504,7 +504,7 @@ def test_a_run_without_qk_clip_has_no_max_logit_and_no_hooks() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"threshold": 0.0}, ValueError, "threshold must be a finite float > 0, got 0.0"),
+        ({"threshold": 0.0}, ValueError, "threshold must be a positive finite number, got 0.0"),
         ({"threshold": -1.0}, ValueError, "threshold"),
         ({"threshold": math.inf}, ValueError, "threshold"),
         ({"threshold": "100"}, TypeError, "threshold"),

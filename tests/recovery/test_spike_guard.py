@@ -252,14 +252,14 @@ def test_load_state_dict_rejects_mismatch_and_keeps_state() -> None:
         (
             {"signals": ("loss", "lr")},
             ValueError,
-            "signals must name 'loss' and/or 'grad_norm' once each, got ('loss', 'lr'); "
-            "pass e.g. signals=('loss', 'grad_norm') or signals=('grad_norm',)",
+            "signals must name each of ('loss', 'grad_norm') at most once, and at least one, "
+            "got ('loss', 'lr'); pass e.g. signals=('grad_norm',)",
         ),
         (
             {"signals": "loss"},
             TypeError,
-            "signals must be a tuple of signal names, got 'loss'; "
-            "pass e.g. signals=('loss', 'grad_norm') or signals=('grad_norm',)",
+            "signals must be a tuple of names from ('loss', 'grad_norm'), got 'loss'; "
+            "pass e.g. signals=('grad_norm',)",
         ),
         (
             {"window": 10, "warmup": 11},

@@ -801,3 +801,93 @@ def test_a_buffer_a_copy_cannot_hold_is_refused_at_the_check_not_after_an_update
         _window(CASES[0], opt, model, second)
     assert opt.num_windows == 1
     _assert_identical(_state(opt, model), before)
+
+
+def _old_rewind_entry() -> dict[str, Any]:
+    """A ``"rewind"`` entry as the Rewind wrote it before its part moved to ``RewindPart``, written out
+    literally: two copies (windows 2 and 4) of a ``Linear(2, 1, bias=False)`` under SGD with momentum,
+    each holding its SpikeGuard's history, and window 5's unchecked flags (applied)."""
+
+    def spec() -> tuple[Any, ...]:
+        guard = ("d", [("signals", ("l", [("v", "grad_norm")])), ("window", ("v", 2))])
+        guard[1].extend([("buffer", ("t", 2)), ("count", ("t", 3))])
+        extra = ("d", [("policy", ("v", None)), ("scaler", ("v", None)), ("spike_guard", guard)])
+        state = ("l", [("u", [("v", 0), ("d", [("momentum_buffer", ("t", 1))])])])
+        return (
+            "d",
+            [("params", ("l", [("t", 0)])), ("buffers", ("l", [])), ("state", state), ("extra", extra)],
+        )
+
+    def copy_at(
+        step: int, weight: list[float], momentum: list[float], history: list[float]
+    ) -> dict[str, Any]:
+        leaves = [
+            torch.tensor([weight]),
+            torch.tensor([momentum]),
+            torch.tensor([history], dtype=torch.float64),
+        ]
+        leaves.append(torch.tensor([step]))
+        return {"step": step, "applied": step, "spec": spec(), "leaves": leaves, "devices": ["cpu"] * 4}
+
+    return {
+        "format": 1,
+        "rewinds": 0,
+        "pending_skip": 0,
+        "batches_dropped": 0,
+        "copies_taken": 2,
+        "applied": 4,
+        "spike_steps": [],
+        "flags": [[5, torch.tensor([0.0, 1.0])]],
+        "log": [],
+        "copies": [
+            copy_at(2, [0.25, 0.75], [0.5, 1.0], [1.0, 1.5]),
+            copy_at(4, [0.5, -0.25], [1.0, 2.0], [2.0, 3.0]),
+        ],
+        "lr_cut_left": 0,
+        "batch_next": 0,
+        "batch_window_start": 0,
+        "batches_listed": 0,
+    }
+
+
+def test_a_rewind_entry_of_the_old_layout_loads_and_rewinds_to_its_copy() -> None:
+    """A checkpoint's ``"rewind"`` entry in the layout written before the Rewind's part hooks moved
+    to their own class loads into a fresh wrapper, saves back with the same keys and values, and a
+    rewind restores its copy: the parameter, the momentum and the guard's history written there."""
+
+    def wrapper() -> tuple[nn.Module, ClippedOptimizer]:
+        model = nn.Linear(2, 1, bias=False)
+        guard = SpikeGuard(window=2, signals=("grad_norm",), warmup=2)
+        rewind = Rewind(every=1, keep=2, spikes=2, within=4, skip_batches=0, check_every=2)
+        inner = optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
+        return model, ClippedOptimizer(inner, max_norm=1000.0, spike_guard=guard, rewind=rewind)
+
+    def window(model: nn.Module, opt: ClippedOptimizer, x: list[float]) -> None:
+        model(torch.tensor([x])).sum().backward()  # the gradient is x
+        opt.step()
+        opt.zero_grad()
+
+    model, opt = wrapper()
+    for _ in range(5):
+        window(model, opt, [1.0, 2.0])
+    saved = opt.state_dict()
+    saved["clipopt"]["rewind"] = _old_rewind_entry()
+    model, opt = wrapper()
+    opt.load_state_dict(copy.deepcopy(saved))
+    assert opt.rewind is not None and opt.rewind.copies == [(2, 2), (4, 4)] and opt.rewind.applied == 4
+    again = opt.state_dict()["clipopt"]["rewind"]
+    old = _old_rewind_entry()
+    assert list(again) == list(old)
+    assert {k: v for k, v in again.items() if k not in ("flags", "copies")} == {
+        k: v for k, v in old.items() if k not in ("flags", "copies")
+    }
+    for mine, theirs in zip(again["copies"], old["copies"], strict=True):
+        assert list(mine) == list(theirs) and mine["spec"] == theirs["spec"]
+        assert all(torch.equal(a, b) for a, b in zip(mine["leaves"], theirs["leaves"], strict=True))
+    for x in ([100.0, 0.0], [100.0, 0.0], [1.0, 2.0], [1.0, 2.0]):  # windows 6-7 spike; 9's check rewinds
+        window(model, opt, x)
+    assert [(e.step, e.restored) for e in opt.rewind.log] == [(9, 4)]
+    assert opt.last_stats is not None and opt.last_stats.reason == "rewind"
+    assert torch.equal(model.weight.detach(), torch.tensor([[0.5, -0.25]]))
+    assert torch.equal(opt.state[model.weight]["momentum_buffer"], torch.tensor([[1.0, 2.0]]))
+    assert opt.spike_guard is not None and opt.spike_guard.history == {"grad_norm": [2.0, 3.0]}

@@ -85,3 +85,38 @@ def test_a_rewind_copy_keeps_its_layout_with_the_guard_as_a_part() -> None:
     assert torch.equal(extra["spike_guard"]["buffer"], history["buffer"])
     assert torch.equal(extra["spike_guard"]["count"], history["count"])
     assert history["count"].tolist() == [3, 3]  # windows 1-3, both signals
+
+
+def _count_helds(monkeypatch: Any) -> list[int]:
+    """Count the ``Held`` records the runtime builds (its constructor, wrapped)."""
+    import clipopt._window.runtime as runtime
+
+    built = [0]
+
+    def counting(*args: Any) -> Held:
+        built[0] += 1
+        return Held(*args)
+
+    monkeypatch.setattr(runtime, "Held", counting)
+    return built
+
+
+def test_a_window_builds_what_a_copy_holds_only_when_a_part_takes_copies(monkeypatch: Any) -> None:
+    """Without a Rewind no window builds a ``Held`` record (a SpikeGuard, a held part, is on: its
+    windows close by the general path); with one, every measured window does, and the copy holds it."""
+    built = _count_helds(monkeypatch)
+    for rewind in (None, Rewind(every=2, check_every=1)):
+        model = model_for()
+        opt = ClippedOptimizer(
+            optim.SGD(model.parameters(), lr=0.1), spike_guard=SpikeGuard(window=8, warmup=4), rewind=rewind
+        )
+        built[0] = 0
+        for x, y in batches_for(4, seed=3):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step(loss=torch.tensor(1.0))
+            opt.zero_grad()
+        assert opt.num_windows == 4
+        if rewind is None:
+            assert built[0] == 0
+        else:
+            assert built[0] == 4 and rewind.copies_taken > 0
