@@ -379,7 +379,7 @@ def overhead(w: Workload, data: tuple[torch.Tensor, torch.Tensor, int], windows:
         inner = torch.optim.AdamW(model.parameters(), lr=clean.lr, weight_decay=0.01)
         kwargs: dict[str, Any] = {}
         if name != "clip":
-            kwargs["spike_guard"] = clipopt.SpikeGuard()
+            kwargs["spike_guard"] = clipopt.SpikeGuard(window=128)  # the recorded runs' window
         if name == "spikeguard+rewind":
             kwargs["rewind"] = clipopt.Rewind(module=model)
         runs.append((name, model, ClippedOptimizer(inner, max_norm=1.0, **kwargs), []))
@@ -409,7 +409,7 @@ def overhead(w: Workload, data: tuple[torch.Tensor, torch.Tensor, int], windows:
 
 def guard_cost(calls: int = 2000) -> float:
     """Median seconds of one SpikeGuard decide + commit (both signals, window 128), alone."""
-    guard = clipopt.SpikeGuard()
+    guard = clipopt.SpikeGuard(window=128)
     loss, norm = torch.tensor(2.0), torch.tensor(1.0)
     times = []
     for i in range(calls + 200):

@@ -178,10 +178,11 @@ def render_page(results: dict[str, Any], image: str, logits: str | None = None) 
         f"({_f(cal.get('norm_per_lr'), '.1f')}): a bound a healthy run exceeds about one update in twenty.",
         "",
         "**What these runs cannot show.** Each run is short (the paper trains for far longer), so the "
-        "tools that wait for a history act late or not at all: SpikeGuard scores nothing before "
-        "`warmup=64` updates, `UpdateClip(z=3.0)` bounds nothing before its history holds "
-        "`window // 2 = 64` norms, and AdaGC clips globally at `lambda_abs=1.0` for its first "
-        "`warmup=100`. They are measured at their defaults, as a user would first meet them.",
+        "tools that wait for a history act late or not at all: SpikeGuard with `window=128` scores nothing "
+        "before `warmup=64` updates (with `window=32`, `warmup=20`), `UpdateClip(z=3.0)` bounds nothing "
+        "before its history holds `window // 2 = 64` norms, and AdaGC clips globally at `lambda_abs=1.0` "
+        "for its first `warmup=100`. They are measured at their defaults, as a user would first meet "
+        "them; SpikeGuard at its former default (`window=128`) and its current one (`window=32`).",
         "",
         "## Per tool",
         "",

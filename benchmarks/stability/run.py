@@ -11,7 +11,7 @@ The full run into benchmarks/results/ also writes the digest that ``clipopt repo
 Every finished cell is written to the results file at once (atomically), keyed by
 (treatment, lr, seed) or (treatment, fault, seed); a later run skips the cells the file holds,
 so an interrupted run resumes where it stopped.  A file written under other settings is refused
-(``--fresh`` starts it over), except that treatments added to the end of the list extend it: their
+(``--fresh`` starts it over), except that treatments added to the end of the lists extend it: their
 cells are the ones missing.
 """
 
@@ -96,14 +96,18 @@ def load(path: Path, s: Settings, fresh: bool) -> dict[str, Any]:
     }
 
 
+#: The settings a later run may extend at their end (new treatments: their cells are the missing ones).
+EXTENSIBLE = ("treatments", "fault_treatments")
+
+
 def _only_added_treatments(old: Any, new: dict[str, Any]) -> bool:
-    """Whether settings ``old`` are ``new`` but for treatments added to the end of the list (a
-    results file that such a run extends: every cell it holds was measured under the new settings)."""
-    if not isinstance(old, dict) or old.keys() != new.keys():
+    """Whether settings ``old`` are ``new`` but for treatments added to the end of the lists
+    (:data:`EXTENSIBLE`): a results file that such a run extends, since every cell it holds was
+    measured under the new settings."""
+    if not isinstance(old, dict) or old.keys() != new.keys() or old == new:
         return False
-    rest_same = all(old[k] == new[k] for k in new if k != "treatments")
-    had, has = list(old["treatments"]), list(new["treatments"])
-    return rest_same and len(had) < len(has) and has[: len(had)] == had
+    rest_same = all(old[k] == new[k] for k in new if k not in EXTENSIBLE)
+    return rest_same and all(list(new[k][: len(old[k])]) == list(old[k]) for k in EXTENSIBLE)
 
 
 def save(path: Path, results: dict[str, Any]) -> None:

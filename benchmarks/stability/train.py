@@ -48,6 +48,7 @@ class Settings:
         "update-z",
         "spikeguard",
         "spikeguard+rewind",
+        "spikeguard-w32",
     )
     faults: tuple[str, ...] = ("clean", "random", "repeat", "shuffled")
     calibration_updates: int = 100

@@ -108,13 +108,18 @@ TREATMENTS: tuple[Treatment, ...] = (
     ),
     Treatment(
         "spikeguard",
-        "spike_guard=SpikeGuard()",
-        lambda m, r: {"max_norm": None, "spike_guard": clipopt.SpikeGuard()},
+        "spike_guard=SpikeGuard(window=128) (SpikeGuard() before #34)",
+        lambda m, r: {"max_norm": None, "spike_guard": clipopt.SpikeGuard(window=128)},
     ),
     Treatment(
         "spikeguard+rewind",
-        "spike_guard=SpikeGuard(), rewind=Rewind(every=U/8, keep=2, spikes=3, within=U/8, skip_batches=U/10)",
-        lambda m, r: {"max_norm": None, "spike_guard": clipopt.SpikeGuard(), "rewind": _rewind(m, r)},
+        "spike_guard=SpikeGuard(window=128), rewind=Rewind(every=U/8, keep=2, spikes=3, within=U/8, "
+        "skip_batches=U/10)",
+        lambda m, r: {
+            "max_norm": None,
+            "spike_guard": clipopt.SpikeGuard(window=128),
+            "rewind": _rewind(m, r),
+        },
     ),
     Treatment(
         "muon", "[Muon(matrices), AdamW(rest)], max_norm=None", lambda m, r: {"max_norm": None}, muon=True
@@ -123,6 +128,11 @@ TREATMENTS: tuple[Treatment, ...] = (
         "qk-clip",
         "qk_clip=QKClip(model) (threshold 100, alpha 0.5), max_norm=None",
         lambda m, r: {"max_norm": None, "qk_clip": clipopt.QKClip(m)},
+    ),
+    Treatment(
+        "spikeguard-w32",
+        "spike_guard=SpikeGuard(window=32) (SpikeGuard() since #34)",
+        lambda m, r: {"max_norm": None, "spike_guard": clipopt.SpikeGuard(window=32)},
     ),
 )
 

@@ -343,3 +343,29 @@ def test_guard_does_not_warn_about_a_gap_after_losses_were_given() -> None:
         guard.commit(guard.decide(torch.tensor(1.0), torch.tensor(1.0)))
         guard.commit(guard.decide(None, torch.tensor(1.0)))
     assert [w for w in caught if issubclass(w.category, UserWarning)] == []
+
+
+def test_the_default_history_is_short_enough_to_see_a_shard_early_in_a_run() -> None:
+    """The loss of the stability benchmark's healthy run (#34, docs/which-tool.md): an early descent
+    from 5.9 towards 2.3 (here ``2.3 + 3.6 * exp(-t / 15)`` with 1 % noise), then at update 120 a
+    label-shuffled batch at 3.9.  ``window=128`` holds the descent, whose spread hides the shard
+    (z < 6); the default history of 32 updates sees it (z > 6), and flags none of the healthy
+    updates before it."""
+    gen = torch.Generator().manual_seed(0)
+    healthy = [2.3 + 3.6 * math.exp(-t / 15) for t in range(120)]
+    healthy = [x * (1 + 0.01 * float(torch.randn((), generator=gen))) for x in healthy]
+    norm = torch.tensor(1.0)
+
+    def flags(guard: SpikeGuard) -> tuple[list[float], float]:
+        seen = []
+        for x in healthy:
+            flag = guard.decide(torch.tensor(x), norm)
+            seen.append(float(flag))
+            guard.commit(flag)
+        return seen, float(guard.decide(torch.tensor(3.9), norm))
+
+    assert SpikeGuard().window == 32 and SpikeGuard().warmup == 20
+    before, shard = flags(SpikeGuard())
+    assert before == [0.0] * 120 and shard == 1.0
+    _, shard_128 = flags(SpikeGuard(window=128))
+    assert shard_128 == 0.0  # the former default (window=128) misses it
