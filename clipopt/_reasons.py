@@ -116,8 +116,9 @@ REASONS: tuple[Reason, ...] = (
         NORM_OVERFLOW,
         "norm_overflow",
         False,
-        "every gradient element is finite but the total norm exceeds float32's range (inf); "
-        "before #35 any float32 norm that overflowed (a smaller one is now taken without overflow)",
+        "every gradient element is finite but the total norm exceeds float32's range (inf), or its "
+        "float32 norm overflowed (taken again without overflow) and no bound clips it back below "
+        "1.8e19 (2-norm); before #35 any float32 norm that overflowed",
         "the gradients are finite but their float32 norm overflows: the training is "
         "exploding; lower the learning rate or check the loss",
     ),

@@ -51,9 +51,11 @@ __all__ = [
     "get_norms",
     "get_total_norm",
     "nonfinite_grads",
+    "norm_range",
     "group_clip_coefs",
     "group_norms",
     "narrowed",
+    "beyond_range",
     "nonfinite_flag",
     "overflowed",
     "scale_grads_",
@@ -503,6 +505,29 @@ def overflowed(norm: Tensor) -> bool:
     if not norm.is_cpu or norm.numel() == 0 or is_compiling():
         return False
     return _cpu_value(norm if norm.numel() == 1 else norm.amax()) == math.inf
+
+
+def norm_range(norm_type: float, dtype: torch.dtype = torch.float32) -> float:
+    """The largest ``norm_type``-norm torch's kernels can take in ``dtype`` (a norm's: float32, or
+    float64 for float64 gradients) without overflow: ``finfo(dtype).max ** (1 / p)`` (1.8e19 for
+    p = 2 in float32; ``inf`` for the inf-norm, a largest element).  A gradient whose norm is below
+    it has every element below it too: for p = 2 its squares, which Adam's second moment takes,
+    are finite."""
+    p = float(norm_type)
+    largest = FLOAT32_MAX if dtype == torch.float32 else torch.finfo(dtype).max
+    return math.inf if p == math.inf else float(largest ** (1.0 / p))
+
+
+def beyond_range(norm: Tensor, norm_type: float, divisor: float = 1.0) -> bool:
+    """Whether the 0-d norm ``norm`` times ``divisor`` (a window's norm of summed gradients, taken
+    divided by its micro-batches) is finite and at least :func:`norm_range` in its dtype: a norm
+    torch's kernels overflow on, which :func:`finite_total` took again.  Known where the host knows
+    it without a sync: read on the CPU (:func:`overflowed`'s read), False on an accelerator and
+    under ``torch.compile``."""
+    if not norm.is_cpu or is_compiling():
+        return False
+    value = _cpu_value(norm) * divisor
+    return math.isfinite(value) and value >= norm_range(norm_type, norm.dtype)
 
 
 def finite_norms(grads: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:

@@ -11,6 +11,7 @@ torch's norm is finite it is kept bit for bit.  References are computed here in 
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from clipopt import AGC, AdaGC, AutoClip, ClippedOptimizer, CSVLogger, UpdateClip
+from clipopt import AGC, AdaGC, AutoClip, ClippedOptimizer, CSVLogger, UpdateClip, ZClip
 from clipopt import functional as F
 
 from ..helpers import spawn_job
@@ -302,21 +303,132 @@ def test_the_overflow_check_adds_no_host_read(path: str, tmp_path: Path) -> None
     opt.close()
 
 
+# ---------------------------------------------------------------- a window that no bound clips
+
+
+#: The closes a window of real AdamW takes: the plain fused and host closes, the general close
+#: (a logger) with the fused and the host step.
+ADAMW_PATHS = {
+    "plain-fused": (True, False),
+    "plain-host": (False, False),
+    "general-fused": (True, True),
+    "general-host": (False, True),
+}
+
+#: Bounds that leave a window of norm ~4e20 beyond float32's range (1.8e19): none, ZClip in its
+#: warm-up (it bounds nothing before its 25th window), a bound larger than the norm, and AutoClip
+#: after one ordinary window (its 10th percentile of [~3, 4e20] is ~4e19).
+UNCLIPPED: dict[str, Callable[[], Any]] = {
+    "none": lambda: None,
+    "zclip-warmup": ZClip,
+    "bound-1e30": lambda: 1e30,
+    "autoclip": AutoClip,
+}
+
+
+def _adamw_window(
+    path: str, max_norm: Any, tmp_path: Path
+) -> tuple[ClippedOptimizer, list[torch.nn.Parameter], dict[str, Any]]:
+    """Real AdamW on the close ``path``, one ordinary window applied, then a window of finite
+    gradients of 1e20 per element (float32 norm: inf); returns the wrapper, the parameters and a
+    copy of the parameters, AdamW's state and the policy's state from before that window."""
+    fused, logged = ADAMW_PATHS[path]
+    gen = torch.Generator().manual_seed(11)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in SHAPES]
+    loggers = [CSVLogger(tmp_path / "log.csv")] if logged else []
+    inner = torch.optim.AdamW(params, lr=1e-3, fused=fused)
+    opt = ClippedOptimizer(inner, max_norm=max_norm, loggers=loggers)
+    _close(opt, params, [torch.randn(shape, generator=gen) for shape in SHAPES])
+    opt.zero_grad()
+    policy = max_norm if isinstance(max_norm, (ZClip, AutoClip)) else None
+    before = {
+        "params": [p.detach().clone() for p in params],
+        "state": copy.deepcopy(opt.optimizer.state_dict()["state"]),
+        "policy": None if policy is None else copy.deepcopy(policy.state_dict()),
+    }
+    _close(opt, params, [torch.full(shape, 1e20) for shape in SHAPES])
+    return opt, params, before
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Identical nested states (tensors element for element, nan equal to nan)."""
+    if isinstance(a, torch.Tensor):
+        same = isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
+        return same and torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("bound", list(UNCLIPPED))
+@pytest.mark.parametrize("path", list(ADAMW_PATHS))
+def test_a_window_beyond_float32s_range_that_no_bound_clips_is_skipped(
+    path: str, bound: str, tmp_path: Path
+) -> None:
+    """Finite gradients of 1e20 per element that no bound clips below float32's range of norms
+    (no ``max_norm``, ZClip in its warm-up, a bound of 1e30, AutoClip's 4e19): applied unclipped,
+    AdamW's second moment would overflow (0.001 * 1e40 > 3.4e38) and the parameter stop for good.
+    Skipped as before #35, reason "norm_overflow" (not counted as non-finite): the parameters,
+    AdamW's state and the policy's statistics bit-identical to before the window."""
+    opt, params, before = _adamw_window(path, UNCLIPPED[bound](), tmp_path)
+    stats = opt.last_stats
+    assert stats is not None and stats.skipped and stats.reason == "norm_overflow"
+    assert stats.total_norm == pytest.approx(_reference([torch.full(s, 1e20) for s in SHAPES], 2.0), rel=1e-6)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before["params"], strict=True))
+    assert _same(opt.optimizer.state_dict()["state"], before["state"])
+    if before["policy"] is not None:  # the very policy object the wrapper holds
+        assert opt.max_norm is not None and _same(opt.max_norm.state_dict(), before["policy"])
+    assert opt.num_skipped == 1
+    opt.close()
+
+
+@pytest.mark.parametrize("path", list(ADAMW_PATHS))
+def test_a_window_beyond_float32s_range_clipped_below_it_leaves_adamw_finite(
+    path: str, tmp_path: Path
+) -> None:
+    """The same window with ``max_norm=1.0``: clipped (coefficient 1 / 4e20) and applied, AdamW's
+    moments finite and the parameters moved by a finite step."""
+    opt, params, before = _adamw_window(path, 1.0, tmp_path)
+    stats = opt.last_stats
+    assert stats is not None and not stats.skipped and stats.clipped
+    assert all(torch.isfinite(v).all() for state in opt.optimizer.state.values() for v in state.values())
+    steps = [p.detach() - b for p, b in zip(params, before["params"], strict=True)]
+    assert all(torch.isfinite(s).all() and s.abs().amax() > 0 for s in steps)
+    opt.close()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_group_left_out_of_norm_clipping_leaves_the_window_beyond_range(fused: bool) -> None:
+    """Per-group clipping, the first group left out of norm clipping (its own ``max_norm: None``),
+    the others clipped by 1.0: the first group's gradients of ~1e20 would be applied unclipped, so
+    the window is skipped ("norm_overflow"), the parameters untouched."""
+    grads = _huge(5)
+    params = _params()
+    groups = [{"params": params[:1], "max_norm": None}, {"params": params[1:]}]
+    opt = ClippedOptimizer(torch.optim.SGD(groups, lr=1.0, fused=fused), max_norm=1.0)
+    _close(opt, params, grads)
+    stats = opt.last_stats
+    assert stats is not None and stats.skipped and stats.reason == "norm_overflow"
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in params)
+
+
 # ---------------------------------------------------------------- the update's norm
 
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_an_update_of_minus_1e20_is_bounded_not_rejected(fused: bool) -> None:
-    """SGD (lr 1) on gradients of 1e20 without a gradient bound makes an update of -1e20 per element:
+    """SGD (lr 1e20) on gradients of 1 without a gradient bound makes an update of -1e20 per element:
     its float32 norm overflows, yet it is finite.  UpdateClip(max_norm=1.0) records its norm (the
     float64 reference's) and bounds it (coefficient 1 / norm), not rejected as "nonfinite_update"
     (before: put back and skipped); the parameters end within the bound of where they were."""
     params = [torch.nn.Parameter(torch.ones(shape)) for shape in SHAPES]
     grads = [torch.full(shape, 1e20) for shape in SHAPES]
     opt = ClippedOptimizer(
-        torch.optim.SGD(params, lr=1.0, fused=fused), max_norm=None, update_clip=UpdateClip(max_norm=1.0)
+        torch.optim.SGD(params, lr=1e20, fused=fused), max_norm=None, update_clip=UpdateClip(max_norm=1.0)
     )
-    _close(opt, params, grads)
+    _close(opt, params, [torch.ones(shape) for shape in SHAPES])
     stats = opt.last_stats
     want = _reference(grads, 2.0)
     assert stats is not None and not stats.skipped and stats.reason is None
@@ -327,11 +439,12 @@ def test_an_update_of_minus_1e20_is_bounded_not_rejected(fused: bool) -> None:
 
 
 def test_update_stats_record_a_finite_norm_for_a_finite_update() -> None:
-    """update_stats=True alone: the update of -1e20 per element is applied, its norm recorded finite."""
+    """update_stats=True alone: the update of -1e20 per element (SGD, lr 1e20, gradients of 1) is
+    applied, its norm recorded finite."""
     params = [torch.nn.Parameter(torch.ones(shape)) for shape in SHAPES]
     grads = [torch.full(shape, 1e20) for shape in SHAPES]
-    opt = ClippedOptimizer(torch.optim.SGD(params, lr=1.0), max_norm=None, update_stats=True)
-    _close(opt, params, grads)
+    opt = ClippedOptimizer(torch.optim.SGD(params, lr=1e20), max_norm=None, update_stats=True)
+    _close(opt, params, [torch.ones(shape) for shape in SHAPES])
     stats = opt.last_stats
     assert stats is not None and not stats.skipped and stats.reason is None
     assert stats.update_norm == pytest.approx(_reference(grads, 2.0), rel=_bound(grads), abs=0)
