@@ -22,7 +22,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from clipopt import AGC, AdaGC, AutoClip, ClippedOptimizer, CSVLogger, UpdateClip, ZClip
+from clipopt import AGC, AdaGC, AutoClip, ClippedOptimizer, CSVLogger, StableSPAM, UpdateClip, ZClip
 from clipopt import functional as F
 
 from ..helpers import spawn_job
@@ -412,6 +412,39 @@ def test_a_group_left_out_of_norm_clipping_leaves_the_window_beyond_range(fused:
     stats = opt.last_stats
     assert stats is not None and stats.skipped and stats.reason == "norm_overflow"
     assert all(torch.equal(p, torch.zeros_like(p)) for p in params)
+
+
+def _run(policy: Any, windows: list[list[torch.Tensor]], fused: bool) -> tuple[list[torch.Tensor], Any, Any]:
+    """Real AdamW under ``max_norm=policy`` stepped on each window of ``windows``: the parameters,
+    AdamW's state and the policy's state after them."""
+    params = [torch.nn.Parameter(torch.ones(shape)) for shape in SHAPES]
+    opt = ClippedOptimizer(torch.optim.AdamW(params, lr=1e-2, fused=fused), max_norm=policy)
+    for grads in windows:
+        _close(opt, params, grads)
+        opt.zero_grad()
+    state = copy.deepcopy(opt.optimizer.state_dict()["state"])
+    return [p.detach().clone() for p in params], state, None if policy is None else policy.state_dict()
+
+
+#: The policies whose statistics would take a window of norm ~4e20 that is skipped: StableSPAM (its
+#: float32 EMA of squared norms overflows at any history), ZClip in its warm-up (no bound yet).
+POLICIES: dict[str, Callable[[], Any]] = {"stablespam": StableSPAM, "zclip": ZClip}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_a_window_beyond_range_is_as_if_it_never_happened_for_a_policy(policy: str, fused: bool) -> None:
+    """Three ordinary windows, one of gradients of 1e20 per element (its float32 norm overflows),
+    three more: the parameters, AdamW's state and the policy's statistics are those of the six
+    ordinary windows alone, bit for bit.  Before: StableSPAM's float32 EMA of the squared norm
+    overflowed to inf and the window was applied with its gradients zeroed (AdamW's moments decayed
+    and its step counted); ZClip's warm-up sums took 4e20 (fixed with the rule above)."""
+    gen = torch.Generator().manual_seed(21)
+    ordinary = [[torch.randn(shape, generator=gen) for shape in SHAPES] for _ in range(6)]
+    huge = [torch.full(shape, 1e20) for shape in SHAPES]
+    with_huge = _run(POLICIES[policy](), [*ordinary[:3], huge, *ordinary[3:]], fused)
+    without = _run(POLICIES[policy](), ordinary, fused)
+    assert _same(list(with_huge), list(without))
 
 
 # ---------------------------------------------------------------- the update's norm
