@@ -190,7 +190,7 @@ def foreach_total_norm(
     total: Tensor = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(grads), p, dtype=acc)), p)
     # finite_total's check, inlined (every plain window); not read while torch.compile traces (a frame
     # it compiles inside the plain close, after an eager fallback, would break there)
-    if check and cpu and not is_compiling() and _cpu_value(total) == math.inf:
+    if check and cpu and host_reads(total) and _cpu_value(total) == math.inf:
         return finite_total(total, grads, p, overflow=True)
     return total
 
@@ -495,6 +495,17 @@ def nonfinite_flag(total_norm: Tensor) -> Tensor:
 #: float32's largest finite value (3.4e38): a float32 norm above it is ``inf``.
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
+#: Whether the host reads a CPU norm's value to look for an overflow (it waits for no device).
+#: False makes the CPU take an accelerator's path, which reads nothing (the tests set it to run
+#: the accelerators' closes here).
+READ_CPU_NORMS = True
+
+
+def host_reads(norm: Tensor) -> bool:
+    """Whether the host may read ``norm``'s value without a sync: a CPU tensor
+    (:data:`READ_CPU_NORMS`), outside ``torch.compile`` (a read would break the graph)."""
+    return norm.is_cpu and READ_CPU_NORMS and not is_compiling()
+
 
 def overflowed(norm: Tensor) -> bool:
     """Whether ``norm`` (a 0-d norm, or a vector of norms: any of them) is ``+inf``, where the host
@@ -502,7 +513,7 @@ def overflowed(norm: Tensor) -> bool:
     device to wait for; ``tests/hostreads.py`` counts it apart), False on an accelerator (not read,
     and no kernel launched: the norm stays as it is there) and under ``torch.compile`` (a read would
     break the graph: as on an accelerator)."""
-    if not norm.is_cpu or norm.numel() == 0 or is_compiling():
+    if norm.numel() == 0 or not host_reads(norm):
         return False
     return _cpu_value(norm if norm.numel() == 1 else norm.amax()) == math.inf
 
@@ -524,7 +535,7 @@ def beyond_range(norm: Tensor, norm_type: float, divisor: float = 1.0) -> bool:
     torch's kernels overflow on, which :func:`finite_total` took again.  Known where the host knows
     it without a sync: read on the CPU (:func:`overflowed`'s read), False on an accelerator and
     under ``torch.compile``."""
-    if not norm.is_cpu or is_compiling():
+    if not host_reads(norm):
         return False
     value = _cpu_value(norm) * divisor
     return math.isfinite(value) and value >= norm_range(norm_type, norm.dtype)

@@ -41,7 +41,6 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from torch.compiler import is_compiling
 from torch.optim import Optimizer
 
 from .. import functional as F
@@ -87,7 +86,7 @@ def decide_host(
     torch's, bit for bit: ``clamp(max_norm / (total + 1e-6), max=1)``."""
     total, c, uniform, beyond = _measure(s, grads)
     value = total.item() if s.skip_enabled else 0.0  # the one host read
-    if value == math.inf and not total.is_cpu:  # an accelerator's kernel could not look: now it can
+    if value == math.inf and not F.host_reads(total):  # an accelerator's kernel could not look: now it can
         raw = F.finite_total(total, grads, s.norm_type, overflow=True)
         total = raw.div(c.divisor) if s.divisor != 1.0 else raw
         value = total.item()  # a window whose float32 norm overflowed: read once more
@@ -178,7 +177,7 @@ def _measure(s: WindowSettings, grads: list[Tensor]) -> tuple[Tensor, Constants,
     if raw is None:
         raw = F.get_total_norm(grads, p, foreach=s.foreach)  # (taken again inside where it overflowed)
         beyond = F.beyond_range(raw, p)
-    elif raw.is_cpu and not is_compiling() and _cpu_value(raw) == math.inf:  # foreach_total_norm's check
+    elif F.host_reads(raw) and _cpu_value(raw) == math.inf:  # foreach_total_norm's check
         raw = F.finite_total(raw, grads, p, overflow=True)
         beyond = F.beyond_range(raw, p)
     c = constants(raw, s.max_norm, s.divisor)

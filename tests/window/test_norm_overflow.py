@@ -447,6 +447,75 @@ def test_a_window_beyond_range_is_as_if_it_never_happened_for_a_policy(policy: s
     assert _same(list(with_huge), list(without))
 
 
+# ---------------------------------------------------------------- an accelerator's path
+
+
+@pytest.fixture
+def accelerator_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU takes an accelerator's path: no norm is read to look for an overflow
+    (``functional.READ_CPU_NORMS``), as on a device where a read is a sync."""
+    monkeypatch.setattr(F, "READ_CPU_NORMS", False)
+
+
+#: What an accelerator's close records for a window of gradients ~1e20 that it cannot rescue: the
+#: fused plain close decides on the device from the norm alone ("nonfinite"); the general host
+#: step looks at the elements of a skipped window whose norm is +inf ("norm_overflow").
+UNRESCUED = {"plain-fused": "nonfinite", "general-fused": "nonfinite", "general-host": "norm_overflow"}
+
+
+@pytest.mark.usefixtures("accelerator_path")
+@pytest.mark.parametrize("path", list(UNRESCUED))
+def test_an_accelerators_fused_and_general_closes_skip_it_without_a_read(path: str, tmp_path: Path) -> None:
+    """On an accelerator's path the fused and general closes do not read the norm, so a window whose
+    float32 norm overflowed on finite gradients is skipped as before #35 (the parameters untouched);
+    a healthy window and that one make the same host reads as before (none on the fused path, one
+    on the host step), and none through the CPU reader."""
+    params = _params()
+    opt = _wrapper(path, params, tmp_path)
+    counts = []
+    for grads in ([g * 1e-20 for g in _huge(8)], _huge(7)):
+        before = [p.detach().clone() for p in params]
+        with count_host_reads() as reads:
+            _close(opt, params, grads)
+        counts.append((len(reads), len(reads.cpu)))
+        opt.zero_grad()
+    stats = opt.last_stats
+    assert stats is not None and stats.skipped and stats.reason == UNRESCUED[path]
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
+    ours = 0 if "fused" in path else 1
+    assert counts == [(ours, 0), (ours, 0)]
+    opt.close()
+
+
+@pytest.mark.usefixtures("accelerator_path")
+@pytest.mark.parametrize(("max_norm", "applied"), [(1.0, True), (None, False), (1e30, False)])
+def test_an_accelerators_plain_host_step_rescues_after_its_read(
+    max_norm: float | None, applied: bool
+) -> None:
+    """On an accelerator's path the plain host step reads the norm anyway: an inf norm is taken again
+    without overflow and read once more (two host reads in that window, one in a healthy one), then
+    the rule of the CPU: clipped by 1.0 and applied with the reference's norm; no bound, or a bound of
+    1e30, leaves it beyond float32's range: skipped, "norm_overflow", the parameters untouched."""
+    grads = _huge(3)
+    params = _params()
+    opt = ClippedOptimizer(torch.optim.SGD(params, lr=1.0), max_norm=max_norm)
+    with count_host_reads() as healthy:
+        _close(opt, params, [g * 1e-20 for g in grads])
+    opt.zero_grad()
+    before = [p.detach().clone() for p in params]
+    with count_host_reads() as reads:
+        _close(opt, params, grads)
+    stats = opt.last_stats
+    assert (len(healthy), len(healthy.cpu), len(reads), len(reads.cpu)) == (1, 0, 2, 0)
+    assert stats is not None and stats.skipped is not applied
+    assert stats.total_norm == pytest.approx(_reference(grads, 2.0), rel=_bound(grads), abs=0)
+    if applied:
+        assert stats.reason is None and all(torch.isfinite(p).all() for p in params)
+    else:
+        assert stats.reason == "norm_overflow"
+        assert all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
+
+
 # ---------------------------------------------------------------- the update's norm
 
 
