@@ -126,7 +126,8 @@ REASONS: tuple[Reason, ...] = (
         NONFINITE_UPDATE,
         "nonfinite_update",
         False,
-        "the gradients are finite but the inner optimizer's update is nan/inf (update_clip or "
+        "the gradients are finite but the inner optimizer's update is nan/inf, or its float32 norm "
+        "overflowed and no bound brings it below 1.8e19 (update_clip or "
         "update_stats: the parameters were put back, the optimizer state too with "
         "UpdateClip(restore_state=True))",
         "the inner optimizer makes a non-finite update from finite gradients: check its eps "

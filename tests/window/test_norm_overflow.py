@@ -540,17 +540,30 @@ def test_an_update_of_minus_1e20_is_bounded_not_rejected(fused: bool) -> None:
     assert float(moved) <= 1.0 * (1 + 1e-6)
 
 
-def test_update_stats_record_a_finite_norm_for_a_finite_update() -> None:
-    """update_stats=True alone: the update of -1e20 per element (SGD, lr 1e20, gradients of 1) is
-    applied, its norm recorded finite."""
+#: Update options that leave an update of -1e20 per element (norm ~4e20) beyond float32's range of
+#: norms: update_stats alone (no bound), and a bound of 1e30.
+UNBOUNDED_UPDATES: dict[str, dict[str, Any]] = {
+    "update_stats": {"update_stats": True},
+    "bound-1e30": {"update_clip": UpdateClip(max_norm=1e30)},
+}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("options", list(UNBOUNDED_UPDATES))
+def test_an_update_beyond_range_that_no_bound_brings_back_is_put_back(options: str, fused: bool) -> None:
+    """SGD (lr 1e20, gradients of 1): an update of -1e20 per element, its float32 norm overflowed.
+    Unbounded (update_stats alone, or UpdateClip(max_norm=1e30)) it is put back as before #35
+    (reason "nonfinite_update", the parameters as they were), its norm recorded finite (the float64
+    reference's): the gradient norm's rule."""
     params = [torch.nn.Parameter(torch.ones(shape)) for shape in SHAPES]
     grads = [torch.full(shape, 1e20) for shape in SHAPES]
-    opt = ClippedOptimizer(torch.optim.SGD(params, lr=1e20), max_norm=None, update_stats=True)
+    inner = torch.optim.SGD(params, lr=1e20, fused=fused)
+    opt = ClippedOptimizer(inner, max_norm=None, **copy.deepcopy(UNBOUNDED_UPDATES[options]))
     _close(opt, params, [torch.ones(shape) for shape in SHAPES])
     stats = opt.last_stats
-    assert stats is not None and not stats.skipped and stats.reason is None
+    assert stats is not None and stats.skipped and stats.reason == "nonfinite_update"
     assert stats.update_norm == pytest.approx(_reference(grads, 2.0), rel=_bound(grads), abs=0)
-    assert all(torch.equal(p.detach(), torch.full_like(p, 1.0 - 1e20)) for p in params)
+    assert all(torch.equal(p.detach(), torch.ones_like(p)) for p in params)
 
 
 # ---------------------------------------------------------------- 2 gloo ranks
