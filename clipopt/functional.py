@@ -526,7 +526,12 @@ def norm_range(norm_type: float, dtype: torch.dtype = torch.float32) -> float:
     are finite."""
     p = float(norm_type)
     largest = FLOAT32_MAX if dtype == torch.float32 else torch.finfo(dtype).max
-    return math.inf if p == math.inf else float(largest ** (1.0 / p))
+    if p == math.inf:
+        return math.inf
+    try:
+        return float(largest ** (1.0 / p))
+    except OverflowError:  # p < 1 in float64: beyond any float
+        return math.inf
 
 
 def beyond_range(norm: Tensor, norm_type: float, divisor: float = 1.0) -> bool:
