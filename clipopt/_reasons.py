@@ -116,8 +116,9 @@ REASONS: tuple[Reason, ...] = (
         NORM_OVERFLOW,
         "norm_overflow",
         False,
-        "every gradient element is finite but the total norm exceeds float32's range (inf); "
-        "before #35 any float32 norm that overflowed (a smaller one is now taken without overflow)",
+        "every gradient element is finite but the total norm exceeds float32's range (inf), or its "
+        "float32 norm overflowed (taken again without overflow) and no bound clips it back below "
+        "1.8e19 (2-norm); before #35 any float32 norm that overflowed",
         "the gradients are finite but their float32 norm overflows: the training is "
         "exploding; lower the learning rate or check the loss",
     ),
@@ -125,7 +126,8 @@ REASONS: tuple[Reason, ...] = (
         NONFINITE_UPDATE,
         "nonfinite_update",
         False,
-        "the gradients are finite but the inner optimizer's update is nan/inf (update_clip or "
+        "the gradients are finite but the inner optimizer's update is nan/inf, or its float32 norm "
+        "overflowed and no bound brings it below 1.8e19 (update_clip or "
         "update_stats: the parameters were put back, the optimizer state too with "
         "UpdateClip(restore_state=True))",
         "the inner optimizer makes a non-finite update from finite gradients: check its eps "

@@ -51,9 +51,11 @@ __all__ = [
     "get_norms",
     "get_total_norm",
     "nonfinite_grads",
+    "norm_range",
     "group_clip_coefs",
     "group_norms",
     "narrowed",
+    "beyond_range",
     "nonfinite_flag",
     "overflowed",
     "scale_grads_",
@@ -188,7 +190,7 @@ def foreach_total_norm(
     total: Tensor = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(grads), p, dtype=acc)), p)
     # finite_total's check, inlined (every plain window); not read while torch.compile traces (a frame
     # it compiles inside the plain close, after an eager fallback, would break there)
-    if check and cpu and not is_compiling() and _cpu_value(total) == math.inf:
+    if check and cpu and host_reads(total) and _cpu_value(total) == math.inf:
         return finite_total(total, grads, p, overflow=True)
     return total
 
@@ -493,6 +495,17 @@ def nonfinite_flag(total_norm: Tensor) -> Tensor:
 #: float32's largest finite value (3.4e38): a float32 norm above it is ``inf``.
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
+#: Whether the host reads a CPU norm's value to look for an overflow (it waits for no device).
+#: False makes the CPU take an accelerator's path, which reads nothing (the tests set it to run
+#: the accelerators' closes here).
+READ_CPU_NORMS = True
+
+
+def host_reads(norm: Tensor) -> bool:
+    """Whether the host may read ``norm``'s value without a sync: a CPU tensor
+    (:data:`READ_CPU_NORMS`), outside ``torch.compile`` (a read would break the graph)."""
+    return norm.is_cpu and READ_CPU_NORMS and not is_compiling()
+
 
 def overflowed(norm: Tensor) -> bool:
     """Whether ``norm`` (a 0-d norm, or a vector of norms: any of them) is ``+inf``, where the host
@@ -500,9 +513,37 @@ def overflowed(norm: Tensor) -> bool:
     device to wait for; ``tests/hostreads.py`` counts it apart), False on an accelerator (not read,
     and no kernel launched: the norm stays as it is there) and under ``torch.compile`` (a read would
     break the graph: as on an accelerator)."""
-    if not norm.is_cpu or norm.numel() == 0 or is_compiling():
+    if norm.numel() == 0 or not host_reads(norm):
         return False
     return _cpu_value(norm if norm.numel() == 1 else norm.amax()) == math.inf
+
+
+def norm_range(norm_type: float, dtype: torch.dtype = torch.float32) -> float:
+    """The largest ``norm_type``-norm torch's kernels can take in ``dtype`` (a norm's: float32, or
+    float64 for float64 gradients) without overflow: ``finfo(dtype).max ** (1 / p)`` (1.8e19 for
+    p = 2 in float32; ``inf`` for the inf-norm, a largest element).  A gradient whose norm is below
+    it has every element below it too: for p = 2 its squares, which Adam's second moment takes,
+    are finite."""
+    p = float(norm_type)
+    largest = FLOAT32_MAX if dtype == torch.float32 else torch.finfo(dtype).max
+    if p == math.inf:
+        return math.inf
+    try:
+        return float(largest ** (1.0 / p))
+    except OverflowError:  # p < 1 in float64: beyond any float
+        return math.inf
+
+
+def beyond_range(norm: Tensor, norm_type: float, divisor: float = 1.0) -> bool:
+    """Whether the 0-d norm ``norm`` times ``divisor`` (a window's norm of summed gradients, taken
+    divided by its micro-batches) is finite and at least :func:`norm_range` in its dtype: a norm
+    torch's kernels overflow on, which :func:`finite_total` took again.  Known where the host knows
+    it without a sync: read on the CPU (:func:`overflowed`'s read), False on an accelerator and
+    under ``torch.compile``."""
+    if not host_reads(norm):
+        return False
+    value = _cpu_value(norm) * divisor
+    return math.isfinite(value) and value >= norm_range(norm_type, norm.dtype)
 
 
 def finite_norms(grads: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:

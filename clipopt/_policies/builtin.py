@@ -48,6 +48,10 @@ class ClipPolicy:
     unitwise = False
     #: Why a parameter group's own float ``max_norm`` cannot combine with such a policy.
     in_place_rule = "a unit-wise policy clips every unit against its weight norm"
+    #: Whether its statistics take a window whose norm is beyond float32's range of norms
+    #: (``functional.norm_range``, 1.8e19 for p = 2) without overflowing; False: such a window is
+    #: skipped with reason ``"norm_overflow"`` and the statistics stay as they were (#35).
+    takes_beyond_range = True
 
     def threshold(self, total_norm: Tensor) -> Tensor:
         """The norm bound for a window whose pre-clip norm is ``total_norm`` (0-d, on the device).

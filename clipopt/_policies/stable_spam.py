@@ -45,7 +45,9 @@ class StableSPAM(TensorPolicy):
       A tensor whose ``n`` is 0 keeps its gradient (zero) and its ``m_i``, ``v_i``.
 
     ``max|g|`` and the norms are of the whole tensors (over all shards under FSDP2/DTensor).
-    Only healthy windows (finite, replicas agreeing) move the statistics and count in ``t``.
+    Only healthy windows (finite, replicas agreeing) move the statistics and count in ``t``; a
+    window whose float32 norm overflowed on finite gradients is skipped (``"norm_overflow"``):
+    its squared norms would overflow the float32 statistics (#35).
     Stable-SPAM's momentum reset and its cosine schedule of ``gamma1`` are parts of its
     optimizer, not of the gradient: they are not here.  ``StepStats.max_norm`` is None;
     ``clipped`` says whether AdaClip scaled an element or AdaGN lowered a tensor's norm.
@@ -56,6 +58,10 @@ class StableSPAM(TensorPolicy):
         theta: the decay of the EMA of each tensor's largest ``|g|``, in [0, 1).
         eps: added to the root of the squared norm's EMA (> 0).
     """
+
+    #: Its float32 EMA of each tensor's squared norm overflows on a norm beyond float32's range of
+    #: norms (1.8e19): such a window is skipped, reason ``"norm_overflow"``, its statistics as they were.
+    takes_beyond_range = False
 
     def __init__(
         self, gamma1: float = 0.7, gamma2: float = 0.9, theta: float = 0.999, eps: float = 1e-8

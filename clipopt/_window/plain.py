@@ -13,6 +13,8 @@ the general close's bookkeeping for features that are off:
   by the micro-batches with ``reduction="mean"``) and its non-finite flag; the total cannot
   overflow on finite gradients (:func:`clipopt.functional.finite_total`: looked at on the CPU in
   the kernel, on an accelerator by :func:`decide_host` after its read, not on the fused path);
+  such a window is skipped (reason ``"norm_overflow"``) unless its bound clips it below float32's
+  range of norms (:func:`unbounded`, decided on the host from the value already read);
 * clip: on a fused optimizer the kernel's ``grad_scale = max(1, (total + 1e-6) / max_norm)``
   (times the micro-batches with ``"mean"``), computed directly, by the formula every fused path
   takes (:mod:`clipopt._window.coefficient`); the record's coefficient
@@ -43,13 +45,14 @@ from torch.optim import Optimizer
 
 from .. import functional as F
 from .._hooks import inner_step
-from .._reasons import NONFINITE
+from .._reasons import NONFINITE, NORM_OVERFLOW
+from .._tensors import cpu_value as _cpu_value
 from .apply import step_fused
 from .coefficient import Constants, constants, fused_grad_scale
 from .decision import WindowDecision
 from .settings import WindowSettings
 
-__all__ = ["apply_host", "close_plain", "decide_fused", "decide_host"]
+__all__ = ["apply_host", "close_plain", "decide_fused", "decide_host", "unbounded"]
 
 
 def decide_fused(s: WindowSettings, grads: list[Tensor], loss: Tensor | float | None) -> WindowDecision:
@@ -60,7 +63,7 @@ def decide_fused(s: WindowSettings, grads: list[Tensor], loss: Tensor | float | 
     (times the micro-batches with ``"mean"``), computed directly; the record's ``clip_coef``,
     ``min(1, max_norm / (total + 1e-6))``, is left to be computed from the norm when it is read
     (``StepStats.clip_coef``)."""
-    total, c, _ = _measure(s, grads)
+    total, c, _, beyond = _measure(s, grads)
     d = WindowDecision(total, _nonfinite(total, c))
     d.loss = loss
     if s.max_norm is not None:
@@ -68,6 +71,8 @@ def decide_fused(s: WindowSettings, grads: list[Tensor], loss: Tensor | float | 
     d.grad_scale = fused_grad_scale(total, s.max_norm, s.divisor, c)  # the formula of every fused path
     if s.skip_enabled:  # the one signal: its reason is recorded where it skips (read only then)
         d.skip, d.reason = d.nonfinite, NONFINITE
+        if beyond is not None and unbounded(s, beyond, total.dtype):
+            _skip_norm_overflow(d, c)
     return d
 
 
@@ -79,12 +84,14 @@ def decide_host(
     non-finite flag, for :func:`apply_host`.  Also returns whether the gradients are uniform (dense,
     of one dtype and device, measured by one foreach kernel: scaled by one too).  The coefficient is
     torch's, bit for bit: ``clamp(max_norm / (total + 1e-6), max=1)``."""
-    total, c, uniform = _measure(s, grads)
+    total, c, uniform, beyond = _measure(s, grads)
     value = total.item() if s.skip_enabled else 0.0  # the one host read
-    if value == math.inf and not total.is_cpu:  # an accelerator's kernel could not look: now it can
+    if value == math.inf and not F.host_reads(total):  # an accelerator's kernel could not look: now it can
         raw = F.finite_total(total, grads, s.norm_type, overflow=True)
         total = raw.div(c.divisor) if s.divisor != 1.0 else raw
         value = total.item()  # a window whose float32 norm overflowed: read once more
+        if math.isfinite(value) and value * s.divisor >= F.norm_range(s.norm_type, total.dtype):
+            beyond = value
     finite = math.isfinite(value)
     d = WindowDecision(total, c.zero if finite else _nonfinite(total, c))
     d.loss = loss
@@ -94,6 +101,8 @@ def decide_host(
         d.scale = coef.mul(c.inv) if s.divisor != 1.0 else coef
     elif s.divisor != 1.0:
         d.scale = 1.0 / s.divisor
+    if finite and beyond is not None and s.skip_enabled and unbounded(s, beyond, total.dtype):
+        _skip_norm_overflow(d, c)
     if not finite:
         d.skip, d.reason = d.nonfinite, NONFINITE
         if value == math.inf:  # every element may be finite and the norm overflowed: look (no read)
@@ -154,16 +163,41 @@ def close_plain(
         torch._C._set_grad_enabled(grad_mode)
 
 
-def _measure(s: WindowSettings, grads: list[Tensor]) -> tuple[Tensor, Constants, bool]:
+def _measure(s: WindowSettings, grads: list[Tensor]) -> tuple[Tensor, Constants, bool, float | None]:
     """Stage 2's norm of the summed gradients of ``s.divisor`` micro-batches (divided by them with
-    ``reduction="mean"``), the window's :class:`Constants`, and whether the gradients are uniform:
-    dense, on one device, of dtypes a foreach kernel takes (measured by one, and scaled by one)."""
-    raw = F.foreach_total_norm(grads, s.norm_type, s.foreach)
+    ``reduction="mean"``), the window's :class:`Constants`, whether the gradients are uniform:
+    dense, on one device, of dtypes a foreach kernel takes (measured by one, and scaled by one),
+    and the norm's value where the host knows, without a sync, that the summed gradients' norm is
+    beyond float32's range of norms (:func:`clipopt.functional.beyond_range`: taken again without
+    overflow, on the CPU), else None."""
+    p = s.norm_type
+    raw = F.foreach_total_norm(grads, p, s.foreach, check=False)
     uniform = raw is not None
+    beyond = False
     if raw is None:
-        raw = F.get_total_norm(grads, s.norm_type, foreach=s.foreach)
+        raw = F.get_total_norm(grads, p, foreach=s.foreach)  # (taken again inside where it overflowed)
+        beyond = F.beyond_range(raw, p)
+    elif F.host_reads(raw) and _cpu_value(raw) == math.inf:  # foreach_total_norm's check
+        raw = F.finite_total(raw, grads, p, overflow=True)
+        beyond = F.beyond_range(raw, p)
     c = constants(raw, s.max_norm, s.divisor)
-    return (raw.div(c.divisor) if s.divisor != 1.0 else raw), c, uniform
+    total = raw.div(c.divisor) if s.divisor != 1.0 else raw
+    return total, c, uniform, _cpu_value(total) if beyond else None
+
+
+def unbounded(s: WindowSettings, norm: float, dtype: torch.dtype) -> bool:
+    """Whether a window whose norm of summed gradients is beyond float32's range of norms (``norm``:
+    divided by the micro-batches with ``"mean"``; ``dtype``: the norm's) would still be beyond it
+    once clipped by the bound ``s.max_norm`` (``norm * min(1, max_norm / (norm + 1e-6))``; no bound:
+    ``norm``): then it is skipped."""
+    applied = norm if s.max_norm is None else norm * min(1.0, s.max_norm / (norm + F.EPS))
+    return applied >= F.norm_range(s.norm_type, dtype)
+
+
+def _skip_norm_overflow(d: WindowDecision, c: Constants) -> None:
+    """Skip ``d`` with reason ``"norm_overflow"``: its elements are all finite (not counted as non-finite)."""
+    d.skip, d.reason = torch.ones_like(d.nonfinite), NORM_OVERFLOW
+    d.elements, d.host_bad, d.nonfinite_only = torch.zeros_like(c.zero), False, False
 
 
 def _nonfinite(total: Tensor, c: Constants) -> Tensor:

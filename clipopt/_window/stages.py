@@ -34,6 +34,7 @@ from .._distributed.collectives import reduce_norm_over
 from .._distributed.replicas import ReplicaDecision
 from .._policies.kinds import PolicyWindow, policy_window
 from .._reasons import DIVERGENCE, NONFINITE, NORM_OVERFLOW, OVERFLOW, SPIKE
+from .._tensors import cpu_value as _cpu_value
 from .decision import (
     SkipSignal,
     SkipSource,
@@ -145,7 +146,30 @@ def clip_and_decide(
     """
     policy = s.policy if reevaluated is None or s.unitwise else None  # in place: clips every evaluation
     max_norm = s.max_norm if reevaluated is None else reevaluated[0]
+    # finite, but beyond float32's range of norms (taken again without overflow: the CPU only, no sync)
+    beyond = reevaluated is None and s.skip_enabled and F.beyond_range(d.total_norm, s.norm_type, s.divisor)
+    saved = dict(vars(policy)) if beyond and policy is not None else None
     window = _policy_window(s, d, g, reevaluated is None) if policy is not None and policy.unitwise else None
+    _clip(s, d, g, param_groups, window, policy, max_norm)
+    overflow = _unbounded(s, d, g, policy) if beyond else None
+    decide_skip(d, _signals(s, d, policy, sources if reevaluated is None else None, overflow))
+    if window is not None and policy is not None:  # a skipped window: its statistics as they were
+        policy.settle(d.skip)
+    if saved is not None and overflow is not None and _cpu_value(overflow) > 0:
+        vars(policy).clear()  # skipped as "norm_overflow": the policy as if it never saw the window
+        vars(policy).update(saved)
+
+
+def _clip(
+    s: WindowSettings,
+    d: WindowDecision,
+    g: WindowGrads,
+    param_groups: list[dict[str, Any]],
+    window: PolicyWindow | None,
+    policy: Any,
+    max_norm: float | Tensor | None,
+) -> None:
+    """Stage 4 (clip): :func:`clip_groups_` with per-group options, else :func:`clip_`."""
     if s.plan is not None:
         clip_groups_(
             d,
@@ -175,9 +199,26 @@ def clip_and_decide(
             policy=policy,
             max_norm=max_norm,
         )
-    decide_skip(d, _signals(s, d, policy, sources if reevaluated is None else None))
-    if window is not None and policy is not None:  # a skipped window: its statistics as they were
-        policy.settle(d.skip)
+
+
+def _unbounded(s: WindowSettings, d: WindowDecision, g: WindowGrads, policy: Any) -> Tensor:
+    """1.0 (float32) when a window whose norm is beyond float32's range of norms
+    (:func:`clipopt.functional.norm_range`) is still beyond it once clipped: the norm of the
+    gradients the inner step would take (as clipped in place, times what still multiplies them;
+    one more pass over them, for such a window only) -- or when ``policy`` cannot take such a
+    norm into its statistics (``ClipPolicy.takes_beyond_range``).  Then it is skipped, reason
+    ``"norm_overflow"``, as before #35."""
+    p = s.norm_type
+    if d.group_scales is not None:
+        sizes = [len(group) for group in g.by_group]
+        groups = F.group_norms(g.norms(g.grads, p, s.foreach), sizes, p).double()
+        applied = F.finite_norm_of(groups * d.group_scales.double(), p)
+    else:
+        applied = g.total_norm(g.grads, p, s.foreach, s.norm_group).double() * d.scale
+    flag = applied >= F.norm_range(p, d.total_norm.dtype)
+    if policy is not None and not policy.takes_beyond_range:
+        flag = torch.ones_like(flag)
+    return flag.to(torch.float32)
 
 
 def _policy_window(s: WindowSettings, d: WindowDecision, g: WindowGrads, update: bool) -> PolicyWindow:
@@ -196,10 +237,16 @@ def _policy_window(s: WindowSettings, d: WindowDecision, g: WindowGrads, update:
 
 
 def _signals(
-    s: WindowSettings, d: WindowDecision, policy: Any, sources: Sequence[SkipSource] | None
+    s: WindowSettings,
+    d: WindowDecision,
+    policy: Any,
+    sources: Sequence[SkipSource] | None,
+    overflow: Tensor | None = None,
 ) -> list[SkipSignal]:
-    """The skip signals in priority order: divergence, non-finite (or overflow), the policy's spike,
-    the extra sources; only the non-finite one for a closure's re-evaluation (``sources`` None)."""
+    """The skip signals in priority order: divergence, non-finite (or overflow), a norm beyond
+    float32's range that clipping left beyond it (``overflow``, :func:`_unbounded`), the policy's
+    spike, the extra sources; only the non-finite one for a closure's re-evaluation (``sources``
+    None)."""
     bad = _nonfinite_signals(s, d)
     if sources is None:
         return bad
@@ -207,6 +254,7 @@ def _signals(
     return [
         SkipSignal(DIVERGENCE, d.divergence),
         *bad,
+        *([] if overflow is None else [SkipSignal(NORM_OVERFLOW, overflow)]),
         spike,
         *[SkipSignal(x.code, x.flag(d)) for x in sources],
     ]

@@ -14,7 +14,9 @@ before the inner step; :meth:`WindowUpdate.finish`, just after it, takes the upd
    norm of all (over pipeline stages with ``norm_group``): ``StepStats.update_norm``, which
    cannot overflow on a finite update (on the CPU, the gradient norm's rule:
    :func:`clipopt.functional.finite_group_norms`);
-2. rejects a non-finite update from finite gradients, alike on every rank (under DDP an
+2. rejects a non-finite update from finite gradients -- or one whose float32 norm overflowed
+   and that the bound leaves beyond float32's range of norms (1.8e19; known on the CPU only:
+   the gradient norm's rule, #35) --, alike on every rank (under DDP an
    ``all_reduce(MAX)`` of the flag, on the device; FSDP2 and pipeline stages share the
    norm already): the parameters are put back (the inner state too with
    ``restore_state=True``), the window is skipped with reason ``"nonfinite_update"`` and
@@ -233,6 +235,18 @@ class WindowUpdate:
         norms, total, _ = F.finite_group_norms(norms, [len(now)], pieces, 2.0)
         return norms, total
 
+    def _unbounded(self, norms: Tensor, total: Tensor, coef: Tensor) -> Tensor:
+        """True where an update whose norm is beyond float32's range of norms (1.8e19) is still beyond
+        it once bounded (``coef``: one for all, or each tensor's; the stages' norm with
+        ``norm_group``): it is put back, as before #35 (the gradient norm's rule, docs/design.md)."""
+        if coef.dim() == 0:
+            applied = total.double() * coef
+        else:
+            applied = F.finite_norm_of(norms.double() * coef.double(), 2.0)
+            if self._norm_group is not None:  # every stage decides alike (each is beyond: one total)
+                applied = reduce_norm_over(applied, 2.0, self._norm_group)
+        return applied >= F.norm_range(2.0)
+
     def _agreed(self, bad: Tensor) -> Tensor:
         """``bad``, the largest over the DDP replicas (one collective on the device, no host read)."""
         if self._agree is None:
@@ -252,13 +266,16 @@ class WindowUpdate:
         norms, total = self._finite(self._norms(now, before), now, before)
         if self._norm_group is not None:  # pipeline stages: every stage decides alike
             total = reduce_norm_over(total, 2.0, self._norm_group)
-        bad = self._agreed((~torch.isfinite(total) & (d.nonfinite == 0)).to(torch.float32))
         coef = torch.ones((), dtype=torch.float32, device=total.device)
         shrink: Tensor | None = None
         if self._clip is not None:
             coef = self._clip.coefficients(norms, [p.numel() for p in self._params], total)
             # 1 - coef; none for a norm that is nan (gradients applied on request): nothing to scale by
             shrink = torch.nan_to_num(1.0 - coef, nan=0.0)
+        flag = ~torch.isfinite(total) & (d.nonfinite == 0)
+        if F.beyond_range(total, 2.0):  # finite, but its float32 norm overflowed (the CPU: no sync)
+            flag = flag | self._unbounded(norms, total, coef)
+        bad = self._agreed(flag.to(torch.float32))
         rejected: bool | None = None  # known on the host
         if total.device.type in HOST_DECIDED:
             rejected = self._apply_on_host(bad, shrink, now, before)

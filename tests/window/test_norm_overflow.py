@@ -11,6 +11,7 @@ torch's norm is finite it is kept bit for bit.  References are computed here in 
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from clipopt import AGC, AdaGC, AutoClip, ClippedOptimizer, CSVLogger, UpdateClip
+from clipopt import AGC, AdaGC, AutoClip, ClippedOptimizer, CSVLogger, StableSPAM, UpdateClip, ZClip
 from clipopt import functional as F
 
 from ..helpers import spawn_job
@@ -302,21 +303,234 @@ def test_the_overflow_check_adds_no_host_read(path: str, tmp_path: Path) -> None
     opt.close()
 
 
+# ---------------------------------------------------------------- a window that no bound clips
+
+
+#: The closes a window of real AdamW takes: the plain fused and host closes, the general close
+#: (a logger) with the fused and the host step.
+ADAMW_PATHS = {
+    "plain-fused": (True, False),
+    "plain-host": (False, False),
+    "general-fused": (True, True),
+    "general-host": (False, True),
+}
+
+#: Bounds that leave a window of norm ~4e20 beyond float32's range (1.8e19): none, ZClip in its
+#: warm-up (it bounds nothing before its 25th window), a bound larger than the norm, and AutoClip
+#: after one ordinary window (its 10th percentile of [~3, 4e20] is ~4e19).
+UNCLIPPED: dict[str, Callable[[], Any]] = {
+    "none": lambda: None,
+    "zclip-warmup": ZClip,
+    "bound-1e30": lambda: 1e30,
+    "autoclip": AutoClip,
+}
+
+
+def _adamw_window(
+    path: str, max_norm: Any, tmp_path: Path
+) -> tuple[ClippedOptimizer, list[torch.nn.Parameter], dict[str, Any]]:
+    """Real AdamW on the close ``path``, one ordinary window applied, then a window of finite
+    gradients of 1e20 per element (float32 norm: inf); returns the wrapper, the parameters and a
+    copy of the parameters, AdamW's state and the policy's state from before that window."""
+    fused, logged = ADAMW_PATHS[path]
+    gen = torch.Generator().manual_seed(11)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in SHAPES]
+    loggers = [CSVLogger(tmp_path / "log.csv")] if logged else []
+    inner = torch.optim.AdamW(params, lr=1e-3, fused=fused)
+    opt = ClippedOptimizer(inner, max_norm=max_norm, loggers=loggers)
+    _close(opt, params, [torch.randn(shape, generator=gen) for shape in SHAPES])
+    opt.zero_grad()
+    policy = max_norm if isinstance(max_norm, (ZClip, AutoClip)) else None
+    before = {
+        "params": [p.detach().clone() for p in params],
+        "state": copy.deepcopy(opt.optimizer.state_dict()["state"]),
+        "policy": None if policy is None else copy.deepcopy(policy.state_dict()),
+    }
+    _close(opt, params, [torch.full(shape, 1e20) for shape in SHAPES])
+    return opt, params, before
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Identical nested states (tensors element for element, nan equal to nan)."""
+    if isinstance(a, torch.Tensor):
+        same = isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
+        return same and torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("bound", list(UNCLIPPED))
+@pytest.mark.parametrize("path", list(ADAMW_PATHS))
+def test_a_window_beyond_float32s_range_that_no_bound_clips_is_skipped(
+    path: str, bound: str, tmp_path: Path
+) -> None:
+    """Finite gradients of 1e20 per element that no bound clips below float32's range of norms
+    (no ``max_norm``, ZClip in its warm-up, a bound of 1e30, AutoClip's 4e19): applied unclipped,
+    AdamW's second moment would overflow (0.001 * 1e40 > 3.4e38) and the parameter stop for good.
+    Skipped as before #35, reason "norm_overflow" (not counted as non-finite): the parameters,
+    AdamW's state and the policy's statistics bit-identical to before the window."""
+    opt, params, before = _adamw_window(path, UNCLIPPED[bound](), tmp_path)
+    stats = opt.last_stats
+    assert stats is not None and stats.skipped and stats.reason == "norm_overflow"
+    assert stats.total_norm == pytest.approx(_reference([torch.full(s, 1e20) for s in SHAPES], 2.0), rel=1e-6)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before["params"], strict=True))
+    assert _same(opt.optimizer.state_dict()["state"], before["state"])
+    if before["policy"] is not None:  # the very policy object the wrapper holds
+        assert opt.max_norm is not None and _same(opt.max_norm.state_dict(), before["policy"])
+    assert opt.num_skipped == 1
+    opt.close()
+
+
+@pytest.mark.parametrize("path", list(ADAMW_PATHS))
+def test_a_window_beyond_float32s_range_clipped_below_it_leaves_adamw_finite(
+    path: str, tmp_path: Path
+) -> None:
+    """The same window with ``max_norm=1.0``: clipped (coefficient 1 / 4e20) and applied, AdamW's
+    moments finite and the parameters moved by a finite step."""
+    opt, params, before = _adamw_window(path, 1.0, tmp_path)
+    stats = opt.last_stats
+    assert stats is not None and not stats.skipped and stats.clipped
+    assert all(torch.isfinite(v).all() for state in opt.optimizer.state.values() for v in state.values())
+    steps = [p.detach() - b for p, b in zip(params, before["params"], strict=True)]
+    assert all(torch.isfinite(s).all() and s.abs().amax() > 0 for s in steps)
+    opt.close()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_group_left_out_of_norm_clipping_leaves_the_window_beyond_range(fused: bool) -> None:
+    """Per-group clipping, the first group left out of norm clipping (its own ``max_norm: None``),
+    the others clipped by 1.0: the first group's gradients of ~1e20 would be applied unclipped, so
+    the window is skipped ("norm_overflow"), the parameters untouched."""
+    grads = _huge(5)
+    params = _params()
+    groups = [{"params": params[:1], "max_norm": None}, {"params": params[1:]}]
+    opt = ClippedOptimizer(torch.optim.SGD(groups, lr=1.0, fused=fused), max_norm=1.0)
+    _close(opt, params, grads)
+    stats = opt.last_stats
+    assert stats is not None and stats.skipped and stats.reason == "norm_overflow"
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in params)
+
+
+def _run(policy: Any, windows: list[list[torch.Tensor]], fused: bool) -> tuple[list[torch.Tensor], Any, Any]:
+    """Real AdamW under ``max_norm=policy`` stepped on each window of ``windows``: the parameters,
+    AdamW's state and the policy's state after them."""
+    params = [torch.nn.Parameter(torch.ones(shape)) for shape in SHAPES]
+    opt = ClippedOptimizer(torch.optim.AdamW(params, lr=1e-2, fused=fused), max_norm=policy)
+    for grads in windows:
+        _close(opt, params, grads)
+        opt.zero_grad()
+    state = copy.deepcopy(opt.optimizer.state_dict()["state"])
+    return [p.detach().clone() for p in params], state, None if policy is None else policy.state_dict()
+
+
+#: The policies whose statistics would take a window of norm ~4e20 that is skipped: StableSPAM (its
+#: float32 EMA of squared norms overflows at any history), ZClip in its warm-up (no bound yet).
+POLICIES: dict[str, Callable[[], Any]] = {"stablespam": StableSPAM, "zclip": ZClip}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_a_window_beyond_range_is_as_if_it_never_happened_for_a_policy(policy: str, fused: bool) -> None:
+    """Three ordinary windows, one of gradients of 1e20 per element (its float32 norm overflows),
+    three more: the parameters, AdamW's state and the policy's statistics are those of the six
+    ordinary windows alone, bit for bit.  Before: StableSPAM's float32 EMA of the squared norm
+    overflowed to inf and the window was applied with its gradients zeroed (AdamW's moments decayed
+    and its step counted); ZClip's warm-up sums took 4e20 (fixed with the rule above)."""
+    gen = torch.Generator().manual_seed(21)
+    ordinary = [[torch.randn(shape, generator=gen) for shape in SHAPES] for _ in range(6)]
+    huge = [torch.full(shape, 1e20) for shape in SHAPES]
+    with_huge = _run(POLICIES[policy](), [*ordinary[:3], huge, *ordinary[3:]], fused)
+    without = _run(POLICIES[policy](), ordinary, fused)
+    assert _same(list(with_huge), list(without))
+
+
+# ---------------------------------------------------------------- an accelerator's path
+
+
+@pytest.fixture
+def accelerator_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU takes an accelerator's path: no norm is read to look for an overflow
+    (``functional.READ_CPU_NORMS``), as on a device where a read is a sync."""
+    monkeypatch.setattr(F, "READ_CPU_NORMS", False)
+
+
+#: What an accelerator's close records for a window of gradients ~1e20 that it cannot rescue: the
+#: fused plain close decides on the device from the norm alone ("nonfinite"); the general host
+#: step looks at the elements of a skipped window whose norm is +inf ("norm_overflow").
+UNRESCUED = {"plain-fused": "nonfinite", "general-fused": "nonfinite", "general-host": "norm_overflow"}
+
+
+@pytest.mark.usefixtures("accelerator_path")
+@pytest.mark.parametrize("path", list(UNRESCUED))
+def test_an_accelerators_fused_and_general_closes_skip_it_without_a_read(path: str, tmp_path: Path) -> None:
+    """On an accelerator's path the fused and general closes do not read the norm, so a window whose
+    float32 norm overflowed on finite gradients is skipped as before #35 (the parameters untouched);
+    a healthy window and that one make the same host reads as before (none on the fused path, one
+    on the host step), and none through the CPU reader."""
+    params = _params()
+    opt = _wrapper(path, params, tmp_path)
+    counts = []
+    for grads in ([g * 1e-20 for g in _huge(8)], _huge(7)):
+        before = [p.detach().clone() for p in params]
+        with count_host_reads() as reads:
+            _close(opt, params, grads)
+        counts.append((len(reads), len(reads.cpu)))
+        opt.zero_grad()
+    stats = opt.last_stats
+    assert stats is not None and stats.skipped and stats.reason == UNRESCUED[path]
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
+    ours = 0 if "fused" in path else 1
+    assert counts == [(ours, 0), (ours, 0)]
+    opt.close()
+
+
+@pytest.mark.usefixtures("accelerator_path")
+@pytest.mark.parametrize(("max_norm", "applied"), [(1.0, True), (None, False), (1e30, False)])
+def test_an_accelerators_plain_host_step_rescues_after_its_read(
+    max_norm: float | None, applied: bool
+) -> None:
+    """On an accelerator's path the plain host step reads the norm anyway: an inf norm is taken again
+    without overflow and read once more (two host reads in that window, one in a healthy one), then
+    the rule of the CPU: clipped by 1.0 and applied with the reference's norm; no bound, or a bound of
+    1e30, leaves it beyond float32's range: skipped, "norm_overflow", the parameters untouched."""
+    grads = _huge(3)
+    params = _params()
+    opt = ClippedOptimizer(torch.optim.SGD(params, lr=1.0), max_norm=max_norm)
+    with count_host_reads() as healthy:
+        _close(opt, params, [g * 1e-20 for g in grads])
+    opt.zero_grad()
+    before = [p.detach().clone() for p in params]
+    with count_host_reads() as reads:
+        _close(opt, params, grads)
+    stats = opt.last_stats
+    assert (len(healthy), len(healthy.cpu), len(reads), len(reads.cpu)) == (1, 0, 2, 0)
+    assert stats is not None and stats.skipped is not applied
+    assert stats.total_norm == pytest.approx(_reference(grads, 2.0), rel=_bound(grads), abs=0)
+    if applied:
+        assert stats.reason is None and all(torch.isfinite(p).all() for p in params)
+    else:
+        assert stats.reason == "norm_overflow"
+        assert all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
+
+
 # ---------------------------------------------------------------- the update's norm
 
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_an_update_of_minus_1e20_is_bounded_not_rejected(fused: bool) -> None:
-    """SGD (lr 1) on gradients of 1e20 without a gradient bound makes an update of -1e20 per element:
+    """SGD (lr 1e20) on gradients of 1 without a gradient bound makes an update of -1e20 per element:
     its float32 norm overflows, yet it is finite.  UpdateClip(max_norm=1.0) records its norm (the
     float64 reference's) and bounds it (coefficient 1 / norm), not rejected as "nonfinite_update"
     (before: put back and skipped); the parameters end within the bound of where they were."""
     params = [torch.nn.Parameter(torch.ones(shape)) for shape in SHAPES]
     grads = [torch.full(shape, 1e20) for shape in SHAPES]
     opt = ClippedOptimizer(
-        torch.optim.SGD(params, lr=1.0, fused=fused), max_norm=None, update_clip=UpdateClip(max_norm=1.0)
+        torch.optim.SGD(params, lr=1e20, fused=fused), max_norm=None, update_clip=UpdateClip(max_norm=1.0)
     )
-    _close(opt, params, grads)
+    _close(opt, params, [torch.ones(shape) for shape in SHAPES])
     stats = opt.last_stats
     want = _reference(grads, 2.0)
     assert stats is not None and not stats.skipped and stats.reason is None
@@ -326,16 +540,30 @@ def test_an_update_of_minus_1e20_is_bounded_not_rejected(fused: bool) -> None:
     assert float(moved) <= 1.0 * (1 + 1e-6)
 
 
-def test_update_stats_record_a_finite_norm_for_a_finite_update() -> None:
-    """update_stats=True alone: the update of -1e20 per element is applied, its norm recorded finite."""
+#: Update options that leave an update of -1e20 per element (norm ~4e20) beyond float32's range of
+#: norms: update_stats alone (no bound), and a bound of 1e30.
+UNBOUNDED_UPDATES: dict[str, dict[str, Any]] = {
+    "update_stats": {"update_stats": True},
+    "bound-1e30": {"update_clip": UpdateClip(max_norm=1e30)},
+}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("options", list(UNBOUNDED_UPDATES))
+def test_an_update_beyond_range_that_no_bound_brings_back_is_put_back(options: str, fused: bool) -> None:
+    """SGD (lr 1e20, gradients of 1): an update of -1e20 per element, its float32 norm overflowed.
+    Unbounded (update_stats alone, or UpdateClip(max_norm=1e30)) it is put back as before #35
+    (reason "nonfinite_update", the parameters as they were), its norm recorded finite (the float64
+    reference's): the gradient norm's rule."""
     params = [torch.nn.Parameter(torch.ones(shape)) for shape in SHAPES]
     grads = [torch.full(shape, 1e20) for shape in SHAPES]
-    opt = ClippedOptimizer(torch.optim.SGD(params, lr=1.0), max_norm=None, update_stats=True)
-    _close(opt, params, grads)
+    inner = torch.optim.SGD(params, lr=1e20, fused=fused)
+    opt = ClippedOptimizer(inner, max_norm=None, **copy.deepcopy(UNBOUNDED_UPDATES[options]))
+    _close(opt, params, [torch.ones(shape) for shape in SHAPES])
     stats = opt.last_stats
-    assert stats is not None and not stats.skipped and stats.reason is None
+    assert stats is not None and stats.skipped and stats.reason == "nonfinite_update"
     assert stats.update_norm == pytest.approx(_reference(grads, 2.0), rel=_bound(grads), abs=0)
-    assert all(torch.equal(p.detach(), torch.full_like(p, 1.0 - 1e20)) for p in params)
+    assert all(torch.equal(p.detach(), torch.ones_like(p)) for p in params)
 
 
 # ---------------------------------------------------------------- 2 gloo ranks

@@ -323,7 +323,7 @@ def test_get_total_norm_matches_the_plain_norm() -> None:
             norm_group=None,
             plan=None,
         )
-        norm, _, uniform = _measure(s, grads)
+        norm, _, uniform, _ = _measure(s, grads)
         assert uniform and torch.equal(norm, F.get_total_norm(grads, p))
 
 
