@@ -49,6 +49,8 @@ def digest(results: dict[str, Any]) -> dict[str, Any]:
         "reproduced": summary["reproduced"],
         "tolerance": summary["best_loss_tolerance"],
         "fault_start": summary["fault_start"],
+        "fault_lr": s["fault_lr"],
+        "fault_seeds": len(s["fault_seeds"]),
         "fault_length": summary["fault_length"],
         "treatments": treatments,
         "faults": faults,

@@ -46,9 +46,9 @@ class Settings:
         "zclip",
         "adagc",
         "update-z",
-        "spikeguard",
+        "spikeguard-w128",
         "spikeguard+rewind",
-        "spikeguard-w32",
+        "spikeguard",
     )
     faults: tuple[str, ...] = ("clean", "random", "repeat", "shuffled")
     calibration_updates: int = 100

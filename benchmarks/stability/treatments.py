@@ -107,7 +107,7 @@ TREATMENTS: tuple[Treatment, ...] = (
         lambda m, r: {"max_norm": None, "update_clip": clipopt.UpdateClip(z=3.0, window=128)},
     ),
     Treatment(
-        "spikeguard",
+        "spikeguard-w128",
         "spike_guard=SpikeGuard(window=128) (SpikeGuard() before #34)",
         lambda m, r: {"max_norm": None, "spike_guard": clipopt.SpikeGuard(window=128)},
     ),
@@ -126,11 +126,11 @@ TREATMENTS: tuple[Treatment, ...] = (
     ),
     Treatment(
         "qk-clip",
-        "qk_clip=QKClip(model) (threshold 100, alpha 0.5), max_norm=None",
-        lambda m, r: {"max_norm": None, "qk_clip": clipopt.QKClip(m)},
+        "qk_clip=QKClip(model, fused='qkv') (threshold 100, alpha 0.5), max_norm=None",
+        lambda m, r: {"max_norm": None, "qk_clip": clipopt.QKClip(m, fused="qkv")},
     ),
     Treatment(
-        "spikeguard-w32",
+        "spikeguard",
         "spike_guard=SpikeGuard(window=32) (SpikeGuard() since #34)",
         lambda m, r: {"max_norm": None, "spike_guard": clipopt.SpikeGuard(window=32)},
     ),

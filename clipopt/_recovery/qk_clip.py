@@ -7,13 +7,14 @@ sees, over every (query, key) pair of the batch (masked pairs included: an upper
 mask).  Forward hooks find it for ``nn.MultiheadAttention`` (``batch_first`` or not, the packed
 ``in_proj_weight`` or the separate ``q_proj_weight``/``k_proj_weight``, ``add_bias_kv``) and for
 modules with ``q_proj``/``k_proj`` ``nn.Linear`` children (``num_heads``, ``num_key_value_heads``,
-``head_dim`` ... read from the module, grouped-query heads included), and for modules with one fused
-``nn.Linear`` child named in :data:`FUSED_QKV` whose output stacks the queries, the keys and the
-values in that order (``[q; k; v]``: the layout of timm's ``qkv``, nanoGPT's ``c_attn``, MPT's
-``Wqkv``, Phi-3's ``qkv_proj``; a per-head interleaved layout such as GPT-NeoX's
-``query_key_value`` is another name, not found).  The hooks recompute the
-projections (``nn.MultiheadAttention``) and ``QK^T`` for the watched heads: one more attention
-matrix per layer, under ``no_grad``, with no host read.  Only forward passes with gradients
+``head_dim`` ... read from the module, grouped-query heads included), and, when asked
+(``fused="qkv"``), for modules with one fused ``nn.Linear`` child of that name whose output stacks
+the queries, the keys and the values in that order (``[q; k; v]``: the layout of timm's ``qkv``,
+nanoGPT's ``c_attn``, MPT's ``Wqkv``, Phi-3's ``qkv_proj``).  Fused projections are not found by
+name alone: the same names hold per-head interleaved layouts elsewhere (GPTBigCode's ``c_attn``,
+GPT-NeoX's ``query_key_value``), which a cap read as ``[q; k; v]`` would scale wrongly.  The hooks
+recompute the projections (``nn.MultiheadAttention``) and ``QK^T`` for the watched heads: one more
+attention matrix per layer, under ``no_grad``, with no host read.  Only forward passes with gradients
 enabled are measured (an evaluation under ``no_grad`` is not training), and with ``every=k`` only
 every k-th window.  A custom kernel reports its own maxima with :meth:`QKClip.observe`
 (``measure=False`` turns the hooks off).  A module that applies rotary embeddings between its
@@ -39,7 +40,7 @@ the rows of its own shard.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from numbers import Real
@@ -57,11 +58,17 @@ __all__ = ["QKClip"]
 
 #: Where a module's head counts are read, in order (the first one present is taken).
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
-KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "kv_n_heads")
+KV_HEAD_ATTRS = (
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_kv_heads",
+    "n_kv_head",
+    "kv_n_heads",
+    "kv_heads",
+    "num_heads_kv",
+)
 #: A module's own logit scale, in order (else ``1/sqrt(head_dim)``).
-SCALE_ATTRS = ("scaling", "scale")
-#: The names of a fused query-key-value projection (an ``nn.Linear`` child whose output is ``[q; k; v]``).
-FUSED_QKV = ("qkv", "qkv_proj", "c_attn", "Wqkv")
+SCALE_ATTRS = ("scaling", "scale", "softmax_scale")
 
 
 @dataclass(frozen=True)
@@ -104,12 +111,15 @@ class QKClip(Part):
     Args:
         model: the model whose attention modules are watched (``nn.MultiheadAttention``, modules
             with ``q_proj``/``k_proj`` children, and modules with a fused ``[q; k; v]`` projection
-            named in :data:`FUSED_QKV`); its query and key weights must be parameters of
+            named in ``fused``); its query and key weights must be parameters of
             the inner optimizer (build the optimizer over the model's parameters, after ``fully_shard``).
         threshold: the largest logit left alone (> 0).
         alpha: the share of the cap taken by the query rows (in [0, 1]; the key rows take ``1 - alpha``).
         every: measure (and cap) every ``every``-th window only (an int >= 1).
         measure: False: no forward hooks; the maxima come from :meth:`observe` (a custom kernel).
+        fused: the name (or names) of a fused query-key-value ``nn.Linear`` child whose output is
+            ``[q; k; v]`` (e.g. ``"qkv"`` for timm, ``"c_attn"`` for nanoGPT): every module with
+            such a child is watched, its heads read as for ``q_proj``/``k_proj`` modules.
     """
 
     keyword = "qk_clip"
@@ -122,6 +132,7 @@ class QKClip(Part):
         alpha: float = 0.5,
         every: int = 1,
         measure: bool = True,
+        fused: str | Sequence[str] = (),
     ) -> None:
         logit = "the largest attention logit left alone; Kimi K2 and Megatron-LM use 100"
         self.threshold = check_positive_float("threshold", threshold, "100.0", logit)
@@ -135,7 +146,7 @@ class QKClip(Part):
                 f"model must be a torch.nn.Module, got {type(model).__name__}; pass the model whose "
                 "attention logits are capped, e.g. QKClip(model)"
             )
-        self._watched = find_attention(model)
+        self._watched = find_attention(model, _check_fused(fused))
         self._index = {id(a.module): i for i, a in enumerate(self._watched)}
         self._maxima: list[Tensor | None] = [None] * len(self._watched)  # this window's, per module
         self._due = True  # the open window is measured (every=k)
@@ -358,11 +369,12 @@ def _local_rows(p: Tensor) -> tuple[Tensor, int]:
 # ---------------------------------------------------------------------- finding the attention
 
 
-def find_attention(model: nn.Module) -> list[_Attention]:
+def find_attention(model: nn.Module, fused: tuple[str, ...] = ()) -> list[_Attention]:
     """Every ``nn.MultiheadAttention``, every module with ``q_proj``/``k_proj`` ``nn.Linear``
-    children and every module with a fused projection (:data:`FUSED_QKV`) of ``model``, in model
-    order; a ``ValueError`` when there is none."""
+    children and every module with a fused projection child named in ``fused`` of ``model``, in
+    model order; a ``ValueError`` when there is none, or when a name of ``fused`` names none."""
     found = []
+    unused = set(fused)
     for name, module in model.named_modules():
         if isinstance(module, nn.MultiheadAttention):
             found.append(_mha(name or "(model)", module))
@@ -370,20 +382,38 @@ def find_attention(model: nn.Module) -> list[_Attention]:
             getattr(module, "k_proj", None), nn.Linear
         ):
             found.append(_projections(name or "(model)", module))
-        elif (fused := _fused_child(module)) is not None:
-            found.append(_fused(name or "(model)", module, fused))
+        elif (child := _fused_child(module, fused)) is not None:
+            found.append(_fused(name or "(model)", module, child))
+            unused.discard(child)
+    if unused:
+        raise ValueError(
+            f"qk_clip: fused={tuple(sorted(unused))!r} names no nn.Linear child of any module of "
+            f"{type(model).__name__}; pass the attribute name of the fused [q; k; v] projection, "
+            "e.g. fused='qkv'"
+        )
     if not found:
         raise ValueError(
             f"model has no attention QKClip can watch ({type(model).__name__}: no nn.MultiheadAttention, no "
-            f"module with q_proj/k_proj nn.Linear children or a fused {'/'.join(FUSED_QKV)} nn.Linear "
-            "child); pass the model that holds the attention layers"
+            "module with q_proj/k_proj nn.Linear children); pass the model that holds the attention layers, "
+            "and fused='qkv' (the child's name) for a fused [q; k; v] projection"
         )
     return found
 
 
-def _fused_child(module: nn.Module) -> str | None:
-    """The name of ``module``'s fused query-key-value ``nn.Linear`` child, or None."""
-    return next((n for n in FUSED_QKV if isinstance(getattr(module, n, None), nn.Linear)), None)
+def _fused_child(module: nn.Module, fused: tuple[str, ...]) -> str | None:
+    """The name of ``module``'s fused query-key-value ``nn.Linear`` child among ``fused``, or None."""
+    return next((n for n in fused if isinstance(getattr(module, n, None), nn.Linear)), None)
+
+
+def _check_fused(value: Any) -> tuple[str, ...]:
+    """``fused`` as a tuple of attribute names (a str is one)."""
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, Sequence) or not all(isinstance(n, str) and n.isidentifier() for n in names):
+        raise TypeError(
+            f"fused must be an attribute name or a sequence of them, got {value!r}; pass the name of the "
+            "fused [q; k; v] nn.Linear child, e.g. fused='qkv'"
+        )
+    return tuple(dict.fromkeys(names))
 
 
 def _mha(name: str, m: nn.MultiheadAttention) -> _Attention:
@@ -457,10 +487,14 @@ def _fused(name: str, m: nn.Module, child: str) -> _Attention:
     if head_dim is None and out % (heads + 2 * kv) == 0:
         head_dim = out // (heads + 2 * kv)
     if head_dim is None or (heads + 2 * kv) * head_dim != out or heads % kv:
+        size = (
+            f"{head_dim} features make a [q; k; v] of {(heads + 2 * kv) * head_dim}"
+            if head_dim
+            else "features of any size make no [q; k; v] of"
+        )
         raise ValueError(
             f"qk_clip: the heads of {name!r} do not fit its fused projection {child!r}: {heads} query heads "
-            f"and {kv} key-value heads of {head_dim} features make a [q; k; v] of "
-            f"{(heads + 2 * kv) * (head_dim or 0)} outputs, but it has {out}; fix the module's "
+            f"and {kv} key-value heads of {size} outputs, but it has {out}; fix the module's "
             "num_heads/num_key_value_heads/head_dim (QKClip reads a fused projection as [q; k; v])"
         )
     q_rows, k_rows = heads * head_dim, kv * head_dim

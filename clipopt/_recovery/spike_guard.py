@@ -87,7 +87,7 @@ class SpikeGuard:
         eps: float = 1e-8,
     ) -> None:
         self.z_thresh = check_positive_float("z_thresh", z_thresh, "6.0")
-        self.window = check_int_at_least("window", window, 2, 128)
+        self.window = check_int_at_least("window", window, 2, 32)
         named = check_names("signals", signals, SIGNALS, "('grad_norm',)")
         self.signals = tuple(s for s in SIGNALS if s in named)  # in the order they are stored
         self.warmup = _check_warmup(warmup, self.window)
@@ -261,7 +261,7 @@ class GuardPart(Part):
     copy.  (A part of its own: ``SpikeGuard.commit`` keeps its public signature.)"""
 
     keyword = "spike_guard"
-    example = "SpikeGuard(z_thresh=6.0, window=128)"
+    example = "SpikeGuard(z_thresh=6.0, window=32)"
     code = SPIKE
     held = True
 

@@ -13,13 +13,17 @@ that fixed that kind of run there, or that none did, with the numbers and the pa
   (:data:`FIXED_SHARE`); bad batches that cost no more than the tolerance needed no fixing.
 
 Nothing here is computed from a user's log: the sentences say what happened in that benchmark, a
-2-layer GPT trained for a few hundred updates, not what will happen in the user's run.
+2-layer GPT trained for a few hundred updates, not what will happen in the user's run.  Where the
+benchmark's positive controls did not both lower the plain run's sensitivity (``reproduced``), the
+sentence says that its numbers are measurements, not verdicts, as the page does.  A digest that
+does not have the expected shape gives no sentence (the advice is then printed without evidence).
 """
 
 from __future__ import annotations
 
 import json
-from functools import cache
+from collections.abc import Callable
+from functools import cache, wraps
 from importlib import resources
 from typing import Any
 
@@ -46,11 +50,32 @@ def load() -> dict[str, Any] | None:
     return data if isinstance(data, dict) and isinstance(data.get("treatments"), dict) else None
 
 
+def _quoted(sentence: Callable[[dict[str, Any]], str]) -> Callable[[], str]:
+    """The sentence from the digest, ``""`` without one or when the digest lacks what it reads."""
+
+    @wraps(sentence)
+    def quote() -> str:
+        d = load()
+        if d is None:
+            return ""
+        try:
+            return sentence(d)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return ""
+
+    return quote
+
+
 def _where(d: dict[str, Any], what: str = "") -> str:
     lrs = d["lrs"]
     shape = what or f"learning rates {min(lrs):g} to {max(lrs):g}, {d['seeds']} seeds"
     run = f"a {d['layers']}-layer GPT, {d['updates']} updates"
-    return f"in clipopt's stability benchmark ({run}, {shape}; {d['page']})"
+    caveat = (
+        ""
+        if d["reproduced"]
+        else "; its controls did not both show the instability: measurements, not verdicts"
+    )
+    return f"in clipopt's stability benchmark ({run}, {shape}; {d['page']}{caveat})"
 
 
 def _d(x: float | None) -> str:
@@ -70,11 +95,9 @@ def _lowered(e: dict[str, Any], tolerance: float) -> bool:
     return bool(e["lower_on_every_seed"]) and e["vs_none"] is not None and e["vs_none"] < -tolerance
 
 
-def learning_rate() -> str:
+@_quoted
+def learning_rate(d: dict[str, Any]) -> str:
     """What fixed runs at too large a learning rate there (the learning-rate advice), or ``""``."""
-    d = load()
-    if d is None or "none" not in d["treatments"]:
-        return ""
     t = d["treatments"]
     lowered = [n for n, e in t.items() if _lowered(e, d["tolerance"])]
     tools = [n for n in lowered if n not in d["controls"]]
@@ -83,12 +106,12 @@ def learning_rate() -> str:
         f"{_listed(tools, t)} lowered the loss's sensitivity to the learning rate on every seed"
         if tools
         else "no clipopt tool lowered the loss's sensitivity to the learning rate on every seed"
-    )
+    ) + f" (by more than {d['tolerance']:g} nats)"
     if models:
         said += f"; of the model changes, {_listed(models, t)} did"
     ends = {n: e["loss_at_largest_lr"] for n, e in t.items() if e["loss_at_largest_lr"] is not None}
     best = min(ends, key=lambda n: ends[n]) if ends else None
-    if best is not None and "none" in ends:
+    if best is not None:
         said += (
             f"; at lr {max(d['lrs']):g} the plain run ended at {_f(ends['none'])} nats, {best} at "
             f"{_f(ends[best])}"
@@ -96,13 +119,11 @@ def learning_rate() -> str:
     return f"{_where(d)}, {said}"
 
 
-def bad_data() -> str:
+@_quoted
+def bad_data(d: dict[str, Any]) -> str:
     """What fixed a run fed bad batches there (the SpikeGuard advice), or ``""``."""
-    d = load()
-    faults = d["faults"] if d is not None else {}
-    plain = faults.get("none")
-    if d is None or not plain:
-        return ""
+    faults = d["faults"]
+    plain = faults["none"]
     parts = []
     for fault, cost in plain.items():
         others = {n: row[fault] for n, row in faults.items() if n != "none" and row.get(fault) is not None}
@@ -111,25 +132,30 @@ def bad_data() -> str:
         fixed = [n for n, v in others.items() if v <= FIXED_SHARE * cost]
         best = min(others, key=lambda n: others[n])
         by = f"fixed by {', '.join(fixed)}" if fixed else "fixed by no tool"
+        said = f"{_FAULTS.get(fault, fault)} cost the plain run {_d(cost)} nats"
         if cost <= d["tolerance"]:
-            by = f"no more than {d['tolerance']:g}: nothing to fix"
-        parts.append(
-            f"{_FAULTS.get(fault, fault)} cost the plain run {_d(cost)} nats, {by} (best: {best} "
-            f"{_d(others[best])})"
-        )
-    what = f"{d['fault_length']} bad batches at update {d['fault_start']}"
+            parts.append(f"{said}, no more than {d['tolerance']:g}: nothing to fix")
+        else:
+            parts.append(f"{said}, {by} (best: {best} {_d(others[best])})")
+    what = (
+        f"{d['fault_length']} bad batches at update {d['fault_start']}, lr {d['fault_lr']:g}, "
+        f"{d['fault_seeds']} seeds"
+    )
     return f"{_where(d, what)}: " + "; ".join(parts) if parts else ""
 
 
-def clipping() -> str:
+def _moved(diff: float, tolerance: float) -> str:
+    """``lowered``, ``raised``, or ``left within the tolerance`` by ``diff``."""
+    return "lowered" if diff < -tolerance else "raised" if diff > tolerance else "barely changed"
+
+
+@_quoted
+def clipping(d: dict[str, Any]) -> str:
     """What ``max_norm=1.0`` did there (the advice to clip, or to clip otherwise), or ``""``."""
-    d = load()
-    t = d["treatments"] if d is not None else {}
-    if d is None or "clip" not in t or "none" not in t:
-        return ""
+    t = d["treatments"]
     clip, none = t["clip"], t["none"]
-    best = "lowered" if clip["mean_best_loss"] < none["mean_best_loss"] else "did not lower"
-    sens = "raised" if (clip["vs_none"] or 0.0) > 0 else "did not raise"
+    best = _moved(clip["mean_best_loss"] - none["mean_best_loss"], d["tolerance"])
+    sens = _moved(clip["vs_none"], d["tolerance"])
     return (
         f"{_where(d)}, max_norm=1.0 {best} the best-lr loss ({_f(none['mean_best_loss'])} -> "
         f"{_f(clip['mean_best_loss'])} nats) and {sens} the loss's sensitivity to the learning rate "
@@ -138,12 +164,12 @@ def clipping() -> str:
     )
 
 
-def update_clip() -> str:
+@_quoted
+def update_clip(d: dict[str, Any]) -> str:
     """What UpdateClip's modes did there (the UpdateClip suggestion), or ``""``."""
-    d = load()
-    t = d["treatments"] if d is not None else {}
+    t = d["treatments"]
     modes = [n for n in _UPDATE if n in t]
-    if d is None or not modes:
+    if not modes:
         return ""
     said = "; ".join(
         f"UpdateClip({_UPDATE[n]}=...) bounded {t[n]['update_clipped']} of {t[n]['windows']} updates, "
@@ -154,12 +180,10 @@ def update_clip() -> str:
     return f"{_where(d)}: {said}"
 
 
-def attention() -> str:
+@_quoted
+def attention(d: dict[str, Any]) -> str:
     """What capped the attention logits there (the attention note), or ``""``."""
-    d = load()
-    t = d["treatments"] if d is not None else {}
-    if d is None or "none" not in t:
-        return ""
+    t = d["treatments"]
     shown = [n for n in ("qk-clip", "qk-layernorm") if n in t]
     if not shown:
         return ""

@@ -237,12 +237,13 @@ def test_the_readmes_claims_of_benefit_quote_the_results_file() -> None:
         assert numbers_not_in_results(p, results) == [], p
     text = " ".join(" ".join(paragraphs).split())
     faults, rows = results["summary"]["faults"], results["summary"]["treatments"]
-    cost = {n: f"{faults[n]['random']['vs_clean']:+.3f}" for n in ("none", "spikeguard", "spikeguard+rewind")}
+    names = ("none", "spikeguard", "spikeguard+rewind", "spikeguard-w128")
+    cost = {n: f"{faults[n]['random']['vs_clean']:+.3f}" for n in names}
+    shuffled = {n: f"{faults[n]['shuffled']['vs_clean']:+.3f}" for n in names}
     assert f"plain run {cost['none']} nats" in text and f"SpikeGuard {cost['spikeguard']};" in text
-    assert f"Rewind gave {cost['spikeguard+rewind']}" in text
-    shuffled = {n: f"{faults[n]['shuffled']['vs_clean']:+.3f}" for n in ("spikeguard", "spikeguard-w32")}
-    assert f"shard cost {shuffled['spikeguard']} under SpikeGuard's former default history of 128" in text
-    assert f"and {shuffled['spikeguard-w32']} under its default of 32" in text
-    for name, words in (("qk-clip", "on every seed ("), ("qk-layernorm", "qk-layernorm's ")):
+    assert f"a label-shuffled shard {shuffled['none']} and {shuffled['spikeguard']}." in text
+    assert f"missed that shard ({shuffled['spikeguard-w128']})" in text
+    assert f"adding Rewind gave {cost['spikeguard+rewind']} on random tokens" in text
+    for name, words in (("qk-clip", "by more than 0.01 nats ("), ("qk-layernorm", "qk-layernorm's ")):
         v = rows[name]["verdict"]
         assert v["lower_on_every_seed"] and f"{words}{v['mean_difference']:+.3f} ± {v['spread']:.3f}" in text

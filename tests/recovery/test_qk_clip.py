@@ -253,7 +253,7 @@ def test_a_fused_qkv_projection_is_found_and_capped_as_in_megatron(name: str, kv
     ]
     groups = [max(maxima[g * (4 // kv) : (g + 1) * (4 // kv)]) for g in range(kv)]
     threshold = min(maxima) - 1.0 if kv == 1 else sorted(groups)[len(groups) // 2 - 1] + 1e-3
-    qk = QKClip(m, threshold=threshold, alpha=0.3)
+    qk = QKClip(m, threshold=threshold, alpha=0.3, fused=name)
     assert qk.modules == ["(model)"] and dict(qk.settings())["qk_clip.heads"] == 4
     opt = ClippedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), qk_clip=qk)
     before_w = getattr(m, name).weight.detach().clone()
@@ -274,11 +274,28 @@ def test_a_fused_projection_that_does_not_fit_its_heads_is_refused() -> None:
     headless = nn.Module()
     headless.qkv = nn.Linear(8, 24)
     with pytest.raises(ValueError, match=r"cannot tell the heads of '\(model\)'.*fused projection 'qkv'"):
-        QKClip(headless)
+        QKClip(headless, fused="qkv")
     bad = FusedAttention(heads=4)
     bad.num_key_value_heads = 2  # says grouped-query, but the projection has 4 key heads
     with pytest.raises(ValueError, match=r"do not fit its fused projection 'qkv'.*\[q; k; v\] of 32 outputs"):
-        QKClip(bad)
+        QKClip(bad, fused="qkv")
+    with pytest.raises(ValueError, match=r"fused=\('Wqkv',\) names no nn.Linear child.*fused='qkv'"):
+        QKClip(FusedAttention(), fused=("qkv", "Wqkv"))
+    with pytest.raises(TypeError, match=r"fused must be an attribute name.*got 3; .*fused='qkv'"):
+        QKClip(FusedAttention(), fused=3)  # type: ignore[arg-type]
+
+
+def test_a_fused_projection_is_watched_only_when_named() -> None:
+    """Names alone do not tell the layout (GPTBigCode's ``c_attn`` interleaves the heads' q, k and v):
+    without ``fused=``, a module with a ``qkv`` child is not watched, and a model whose attention is
+    elsewhere is watched as before."""
+    model = nn.Module()
+    model.attn = _mha_block()
+    model.mix = nn.Module()
+    model.mix.qkv = nn.Linear(8, 8)  # not attention, no heads
+    assert QKClip(model).modules == ["attn"]
+    with pytest.raises(ValueError, match=r"model has no attention QKClip can watch.*fused='qkv'"):
+        QKClip(FusedAttention())
 
 
 def test_heads_and_scale_are_read_from_the_modules_config_head_dim_and_scaling() -> None:

@@ -247,8 +247,8 @@ def test_load_state_dict_rejects_mismatch_and_keeps_state() -> None:
             TypeError,
             "z_thresh must be a positive float, got '6' (str); pass e.g. z_thresh=6.0",
         ),
-        ({"window": 1}, ValueError, "window must be an int >= 2, got 1; pass e.g. window=128"),
-        ({"window": 2.0}, TypeError, "window must be an int >= 2, got 2.0 (float); pass e.g. window=128"),
+        ({"window": 1}, ValueError, "window must be an int >= 2, got 1; pass e.g. window=32"),
+        ({"window": 2.0}, TypeError, "window must be an int >= 2, got 2.0 (float); pass e.g. window=32"),
         (
             {"signals": ("loss", "lr")},
             ValueError,
