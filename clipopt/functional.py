@@ -555,7 +555,8 @@ def finite_norms(grads: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     number of elements, and the largest element ``m_i`` is exact (a maximum does not round).  ``nan``
     where an element is ``nan`` or ``±inf``.  One more read of each gradient for its maximum and one
     for its norm, through a float64 copy of one gradient at a time: for a window whose float32 norm
-    overflowed only (:func:`finite_total`).  A 1-d float64 tensor on the first gradient's device.
+    overflowed only (:func:`finite_total`).  A 1-d float64 tensor on the first gradient's device;
+    ``grads`` are left as they are (float64 ones too).
     """
     p = float(norm_type)
     if len(grads) == 0:
@@ -572,7 +573,9 @@ def finite_norms(grads: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
             out.append(m)
             continue
         unit = _unit(m)
-        out.append(torch.linalg.vector_norm(t.double().div_(unit), p).mul_(unit))
+        # a float64 copy to divide in place: ``t.double()`` is ``t`` itself for float64 gradients
+        # (and a sparse gradient's values, or a complex one's ``view_as_real``, alias the gradient)
+        out.append(torch.linalg.vector_norm(t.to(torch.float64, copy=True).div_(unit), p).mul_(unit))
     return torch.stack([n.to(device) for n in out])
 
 

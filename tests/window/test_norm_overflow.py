@@ -149,6 +149,37 @@ def test_a_norm_beyond_float32s_range_stays_inf() -> None:
     assert F.get_total_norm(grads) == math.inf == torch.nn.utils.get_total_norm(grads)
 
 
+def _float64_grads(kind: str) -> list[torch.Tensor]:
+    """Gradients of float64 elements ~1e160 whose own float64 2-norm overflows (squares ~1e320):
+    dense, sparse COO (coalesced: its values are the gradient's own) or complex128 (its
+    ``view_as_real`` is the gradient's own)."""
+    gen = torch.Generator().manual_seed(4)
+    dense = [torch.randn(shape, generator=gen, dtype=torch.float64) * 1e160 for shape in SHAPES]
+    if kind == "sparse":
+        return [g.to_sparse().coalesce() for g in dense]
+    if kind == "complex":
+        return [torch.complex(g, g.flip(0)) for g in dense]
+    return dense
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse", "complex"])
+def test_a_float64_norm_taken_again_leaves_the_gradients_as_they_are(kind: str) -> None:
+    """A float64 norm that overflows is taken again from a copy: the gradients (float64, whose
+    ``double()`` is themselves) keep their elements, and the norm is the reference's.  Before: each
+    was divided in place by its largest element (#35 review)."""
+    grads = _float64_grads(kind)
+    before = [g.clone() for g in grads]
+    flat = [torch.view_as_real(g) if g.is_complex() else g for g in grads]
+    flat = [g.coalesce().values() if g.is_sparse else g for g in flat]
+    assert all(torch.linalg.vector_norm(g) == math.inf for g in flat)  # torch's own norm overflows
+    got = F.get_total_norm(grads)
+    F.get_norms(grads)
+    assert float(got) == pytest.approx(_reference(flat, 2.0), rel=_bound(flat), abs=0)
+    for g, b in zip(grads, before, strict=True):
+        same = torch.equal(g.to_dense(), b.to_dense()) if g.is_sparse else torch.equal(g, b)
+        assert same
+
+
 # ---------------------------------------------------------------- the window: clipped and applied
 
 
@@ -209,6 +240,35 @@ def test_a_window_whose_float32_norm_overflows_is_clipped_and_applied(path: str,
             p.detach().reshape(-1).double(), expected, rtol=8 * 2**-24 + _bound(grads), atol=0
         )
     assert opt.num_skipped == 0
+    opt.close()
+
+
+#: The closes that scale the gradients themselves (a fused kernel's ``grad_scale`` is float32: a
+#: float64 norm above 3.4e38 makes it inf, a separate limit).
+HOST_PATHS = ["plain-host", "plain-for-loop", "general-host"]
+
+
+@pytest.mark.parametrize("path", HOST_PATHS)
+def test_a_float64_window_whose_norm_overflows_takes_a_step_of_norm_max_norm(
+    path: str, tmp_path: Path
+) -> None:
+    """Float64 parameters, gradients ~1e160 (float64 norm: inf), ``max_norm=1``: the window is
+    clipped and applied, SGD (lr 1) moves the parameters by ``-g / norm`` (a step of norm 1), and
+    the gradients handed in are the ones the step took.  Before: the norm's second pass divided
+    ``p.grad`` in place by its largest element, so the step had norm ~1e-160 (#35 review)."""
+    grads = _float64_grads("dense")
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64)) for shape in SHAPES]
+    opt = _wrapper(path, params, tmp_path)
+    _close(opt, params, grads)
+    stats = opt.last_stats
+    want = _reference(grads, 2.0)
+    assert stats is not None and not stats.skipped
+    assert stats.total_norm == pytest.approx(want, rel=1e-12, abs=0)
+    step = math.sqrt(math.fsum(float(x) ** 2 for p in params for x in p.detach().reshape(-1).tolist()))
+    assert step == pytest.approx(1.0, rel=1e-12)
+    for p, g in zip(params, grads, strict=True):
+        expected = torch.tensor([-float(x) / want for x in g.reshape(-1).tolist()], dtype=torch.float64)
+        torch.testing.assert_close(p.detach().reshape(-1), expected, rtol=1e-12, atol=0)
     opt.close()
 
 
