@@ -459,6 +459,125 @@ def test_a_window_beyond_float32s_range_clipped_below_it_leaves_adamw_finite(
     opt.close()
 
 
+#: Windows at float32's range of norms (``norm_range(2.0)`` = 1.8447e19), as (shape, gradient
+#: element, whether it is beyond the range): a 0-d gradient of 3e19 (torch's norm of one element is
+#: ``|g|``, finite: nothing overflows), a vector whose float32 norm overflows, a 0-d gradient just
+#: below the range.
+AT_RANGE: dict[str, tuple[tuple[int, ...], float, bool]] = {
+    "0-d-3e19": ((), 3e19, True),
+    "vector-1e20": ((10,), 1e20, True),
+    "0-d-1.8e19": ((), 1.8e19, False),
+}
+
+
+def _unbounded_window(
+    shape: tuple[int, ...], element: float, fused: bool, logged: bool, tmp_path: Path
+) -> Any:
+    """One window of gradients ``element`` on a float32 parameter of ``shape`` (SGD, lr 1e-20, no
+    ``max_norm``), through the plain close or (``logged``) the general one: (skipped, reason, the
+    parameter's elements)."""
+    param = torch.nn.Parameter(torch.zeros(shape))
+    loggers = [CSVLogger(tmp_path / f"log-{fused}.csv")] if logged else []
+    opt = ClippedOptimizer(torch.optim.SGD([param], lr=1e-20, fused=fused), max_norm=None, loggers=loggers)
+    _close(opt, [param], [torch.full(shape, element)])
+    stats = opt.last_stats
+    assert stats is not None
+    outcome = (stats.skipped, stats.reason, param.detach().reshape(-1).tolist())
+    opt.close()
+    return outcome
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("case", list(AT_RANGE))
+def test_the_plain_and_general_closes_decide_alike_at_the_range(
+    case: str, fused: bool, tmp_path: Path
+) -> None:
+    """The plain close (no logger) and the general close (a logger) decide a window at float32's
+    range of norms from one rule (``functional.beyond``): beyond it (a 0-d gradient of 3e19 whose
+    norm torch takes without overflow, or a vector whose float32 norm overflows) both skip,
+    reason "norm_overflow", the parameter untouched; just below it both apply ``-1e-20 * g``.
+    Before: the plain close looked only for torch's ``inf`` and applied the 0-d window of 3e19
+    (a logger changed the outcome; #35 review)."""
+    shape, element, beyond = AT_RANGE[case]
+    plain = _unbounded_window(shape, element, fused, False, tmp_path)
+    general = _unbounded_window(shape, element, fused, True, tmp_path)
+    assert plain == general
+    n = math.prod(shape)
+    if beyond:
+        assert plain == (True, "norm_overflow", [0.0] * n)
+    else:
+        assert plain[:2] == (False, None)
+        assert plain[2] == pytest.approx([-1e-20 * element] * n, rel=4 * 2**-24)
+
+
+def test_a_windows_range_is_its_narrowest_gradients() -> None:
+    """``functional.range_dtype``: float64's range only where every gradient is float64 (or
+    complex128); a float32 or narrower gradient beside them gives float32's."""
+    f32, f64 = torch.zeros(1), torch.zeros(1, dtype=torch.float64)
+    assert F.range_dtype([f64, f64.to(torch.complex128)]) == torch.float64
+    for narrow in (f32, f32.half(), f32.bfloat16(), f32.to(torch.complex64)):
+        assert F.range_dtype([f64, narrow]) == torch.float32
+    # a float64 norm of 1e21 (no overflow in float64) beside a float32 gradient is beyond the range
+    assert F.beyond(1e21, 2.0, [f32, f64]) and not F.beyond(1e21, 2.0, [f64])
+    assert F.beyond_range(torch.tensor(1e21, dtype=torch.float64), 2.0, grads=[f32, f64])
+
+
+#: Parameters of float32 and float64 together (the norm float64), gradients of 1e21 on the float32 one.
+MIXED_SHAPES = [((10,), torch.float32), ((2,), torch.float64)]
+
+
+@pytest.mark.parametrize("path", list(ADAMW_PATHS))
+def test_a_float32_gradient_beside_a_float64_one_is_held_to_float32s_range(path: str, tmp_path: Path) -> None:
+    """AdamW, no ``max_norm``, a float32 parameter with gradients of 1e21 beside a float64 one: the
+    norm (3.2e21) is float64, below float64's range but beyond the float32 parameter's, so the window
+    is skipped ("norm_overflow"), the parameters and AdamW's state untouched and finite, as for the
+    float32 parameter alone.  Before: applied (the range was the norm's dtype's, 1.3e154), the float32
+    ``exp_avg_sq`` became inf (#35 review)."""
+    fused, logged = ADAMW_PATHS[path]
+    params = [torch.nn.Parameter(torch.ones(shape, dtype=dtype)) for shape, dtype in MIXED_SHAPES]
+    loggers = [CSVLogger(tmp_path / "log.csv")] if logged else []
+    opt = ClippedOptimizer(torch.optim.AdamW(params, lr=1e-3, fused=fused), max_norm=None, loggers=loggers)
+    _close(opt, params, [torch.full((10,), 1e21), torch.ones(2, dtype=torch.float64)])
+    stats = opt.last_stats
+    assert stats is not None and stats.skipped and stats.reason == "norm_overflow"
+    assert all(torch.equal(p.detach(), torch.ones_like(p)) for p in params)
+    assert all(torch.isfinite(v).all() for state in opt.optimizer.state.values() for v in state.values())
+    opt.close()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_float32_update_beside_a_float64_one_is_held_to_float32s_range(fused: bool) -> None:
+    """SGD (lr 1e21, gradients of 1) on a float32 and a float64 parameter, ``update_stats``: an update
+    of -1e21 per element, beyond the float32 parameter's range: put back (reason
+    "nonfinite_update"), the gradient norm's rule (``functional.range_dtype``)."""
+    params = [torch.nn.Parameter(torch.ones(shape, dtype=dtype)) for shape, dtype in MIXED_SHAPES]
+    opt = ClippedOptimizer(torch.optim.SGD(params, lr=1e21, fused=fused), max_norm=None, update_stats=True)
+    _close(opt, params, [torch.ones(shape, dtype=dtype) for shape, dtype in MIXED_SHAPES])
+    stats = opt.last_stats
+    assert stats is not None and stats.skipped and stats.reason == "nonfinite_update"
+    assert all(torch.equal(p.detach(), torch.ones_like(p)) for p in params)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_float64_update_within_float64s_range_is_kept_as_its_gradient_would_be(fused: bool) -> None:
+    """Float64 parameters alone, SGD (lr 1e21, gradients of 1), ``update_stats``: an update of -1e21
+    per element (norm 3.2e21, within float64's range) is kept, as a float64 window of gradients of
+    1e21 is applied (one rule: ``functional.range_dtype``).  Before: the update's check compared the
+    update's norm with float32's range always and put it back."""
+    params = [torch.nn.Parameter(torch.ones(shape, dtype=torch.float64)) for shape in SHAPES]
+    opt = ClippedOptimizer(torch.optim.SGD(params, lr=1e21, fused=fused), max_norm=None, update_stats=True)
+    _close(opt, params, [torch.ones(shape, dtype=torch.float64) for shape in SHAPES])
+    stats = opt.last_stats
+    assert stats is not None and not stats.skipped and stats.reason is None
+    assert all(torch.equal(p.detach(), torch.full_like(p, 1.0 - 1e21)) for p in params)
+    # the same as gradients: applied (no max_norm), SGD lr 1
+    grads = [torch.full(shape, 1e21, dtype=torch.float64) for shape in SHAPES]
+    params = [torch.nn.Parameter(torch.ones(shape, dtype=torch.float64)) for shape in SHAPES]
+    opt = ClippedOptimizer(torch.optim.SGD(params, lr=1.0, fused=fused), max_norm=None)
+    _close(opt, params, grads)
+    assert opt.last_stats is not None and not opt.last_stats.skipped
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_group_left_out_of_norm_clipping_leaves_the_window_beyond_range(fused: bool) -> None:
     """Per-group clipping, the first group left out of norm clipping (its own ``max_norm: None``),
