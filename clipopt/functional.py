@@ -525,7 +525,9 @@ def norm_range(norm_type: float, dtype: torch.dtype = torch.float32) -> float:
     ``finfo(dtype).max ** (1 / p)`` (1.8e19 for p = 2 in float32, 1.3e154 in float64; ``inf`` for
     the inf-norm, a largest element).  A window's range is that of :func:`range_dtype`.  A gradient
     whose norm is below it has every element below it too: for p = 2 every element's square is
-    finite in that dtype, so no optimizer's squared-gradient state overflows from one window."""
+    finite in that dtype, so no optimizer's squared-gradient state overflows from one window (a
+    conservative rule: AdamW's ``exp_avg_sq``, ``(1 - beta2) * g**2``, is finite up to ~5.8e20 per
+    float32 element)."""
     p = float(norm_type)
     largest = FLOAT32_MAX if dtype == torch.float32 else torch.finfo(dtype).max
     if p == math.inf:

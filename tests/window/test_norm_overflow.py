@@ -422,16 +422,33 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+@pytest.mark.parametrize("impl", [{"foreach": True}, {"foreach": False}, {"fused": True}])
+def test_the_rule_is_conservative_for_adamw(impl: dict[str, bool]) -> None:
+    """What docs/design.md states: at the range (1.8e19) every element's square is finite in
+    float32, and AdamW's ``exp_avg_sq`` (``(1 - beta2) * g**2``, beta2 0.999) stays finite up to
+    ``sqrt(3.4e38 / 0.001)`` = 5.83e20 per element (foreach, for-loop and fused alike), inf above."""
+    limit = math.sqrt(F.FLOAT32_MAX / 1e-3)
+    assert torch.isfinite(torch.tensor(F.norm_range(2.0) * (1 - 2**-20)) ** 2)
+    for element, finite in ((limit * (1 - 1e-3), True), (limit * (1 + 1e-3), False)):
+        param = torch.nn.Parameter(torch.ones(8))
+        opt = torch.optim.AdamW([param], lr=1e-3, **impl)
+        param.grad = torch.full((8,), element)
+        opt.step()
+        assert bool(torch.isfinite(opt.state[param]["exp_avg_sq"]).all()) == finite
+
+
 @pytest.mark.parametrize("bound", list(UNCLIPPED))
 @pytest.mark.parametrize("path", list(ADAMW_PATHS))
 def test_a_window_beyond_float32s_range_that_no_bound_clips_is_skipped(
     path: str, bound: str, tmp_path: Path
 ) -> None:
     """Finite gradients of 1e20 per element that no bound clips below float32's range of norms
-    (no ``max_norm``, ZClip in its warm-up, a bound of 1e30, AutoClip's 4e19): applied unclipped,
-    AdamW's second moment would overflow (0.001 * 1e40 > 3.4e38) and the parameter stop for good.
-    Skipped as before #35, reason "norm_overflow" (not counted as non-finite): the parameters,
-    AdamW's state and the policy's statistics bit-identical to before the window."""
+    (no ``max_norm``, ZClip in its warm-up, a bound of 1e30, AutoClip's 4e19).  The rule is
+    conservative: below the range every element's square is finite in float32, so no optimizer's
+    squared-gradient state overflows from one window (AdamW's ``exp_avg_sq`` itself stays finite up
+    to ~5.8e20 per element, ``sqrt(3.4e38 / 0.001)``: these 1e20 would not yet break it).  Skipped
+    as before #35, reason "norm_overflow" (not counted as non-finite): the parameters, AdamW's state
+    and the policy's statistics bit-identical to before the window."""
     opt, params, before = _adamw_window(path, UNCLIPPED[bound](), tmp_path)
     stats = opt.last_stats
     assert stats is not None and stats.skipped and stats.reason == "norm_overflow"
