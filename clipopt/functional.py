@@ -52,9 +52,11 @@ __all__ = [
     "get_total_norm",
     "nonfinite_grads",
     "norm_range",
+    "range_dtype",
     "group_clip_coefs",
     "group_norms",
     "narrowed",
+    "beyond",
     "beyond_range",
     "nonfinite_flag",
     "overflowed",
@@ -519,11 +521,13 @@ def overflowed(norm: Tensor) -> bool:
 
 
 def norm_range(norm_type: float, dtype: torch.dtype = torch.float32) -> float:
-    """The largest ``norm_type``-norm torch's kernels can take in ``dtype`` (a norm's: float32, or
-    float64 for float64 gradients) without overflow: ``finfo(dtype).max ** (1 / p)`` (1.8e19 for
-    p = 2 in float32; ``inf`` for the inf-norm, a largest element).  A gradient whose norm is below
-    it has every element below it too: for p = 2 its squares, which Adam's second moment takes,
-    are finite."""
+    """The largest ``norm_type``-norm torch's kernels can take in ``dtype`` without overflow:
+    ``finfo(dtype).max ** (1 / p)`` (1.8e19 for p = 2 in float32, 1.3e154 in float64; ``inf`` for
+    the inf-norm, a largest element).  A window's range is that of :func:`range_dtype`.  A gradient
+    whose norm is below it has every element below it too: for p = 2 every element's square is
+    finite in that dtype, so no optimizer's squared-gradient state overflows from one window (a
+    conservative rule: AdamW's ``exp_avg_sq``, ``(1 - beta2) * g**2``, is finite up to ~5.8e20 per
+    float32 element)."""
     p = float(norm_type)
     largest = FLOAT32_MAX if dtype == torch.float32 else torch.finfo(dtype).max
     if p == math.inf:
@@ -534,16 +538,36 @@ def norm_range(norm_type: float, dtype: torch.dtype = torch.float32) -> float:
         return math.inf
 
 
-def beyond_range(norm: Tensor, norm_type: float, divisor: float = 1.0) -> bool:
-    """Whether the 0-d norm ``norm`` times ``divisor`` (a window's norm of summed gradients, taken
-    divided by its micro-batches) is finite and at least :func:`norm_range` in its dtype: a norm
-    torch's kernels overflow on, which :func:`finite_total` took again.  Known where the host knows
-    it without a sync: read on the CPU (:func:`overflowed`'s read), False on an accelerator and
-    under ``torch.compile``."""
+#: The gradient dtypes whose range of norms is float64's (every other one's is float32's).
+_WIDE = (torch.float64, torch.complex128)
+
+
+def range_dtype(grads: Sequence[Tensor]) -> torch.dtype:
+    """The dtype whose range of norms (:func:`norm_range`) bounds a window of ``grads``: that of the
+    narrowest gradient, float64 only where every gradient is float64 (or complex128), else float32:
+    a float32 gradient, and what an optimizer keeps for it, live in float32's range whatever the
+    norm's dtype (float64 beside a float64 gradient)."""
+    return torch.float64 if grads and all(g.dtype in _WIDE for g in grads) else torch.float32
+
+
+def beyond(value: float, norm_type: float, grads: Sequence[Tensor]) -> bool:
+    """Whether a norm of ``grads`` whose value is ``value`` is finite and at least
+    :func:`norm_range` in :func:`range_dtype` (``grads`` looked at only for a value beyond
+    float32's range, the narrowest): the one rule of every close, read or passed as it was read."""
+    if not math.isfinite(value) or value < norm_range(norm_type):
+        return False
+    return value >= norm_range(norm_type, range_dtype(grads))
+
+
+def beyond_range(norm: Tensor, norm_type: float, divisor: float = 1.0, *, grads: Sequence[Tensor]) -> bool:
+    """Whether the 0-d norm ``norm`` of ``grads`` times ``divisor`` (a window's norm of summed
+    gradients, taken divided by its micro-batches) is :func:`beyond` their range of norms: a norm
+    torch's kernels overflow on, which :func:`finite_total` took again, or one as large.  Known
+    where the host knows it without a sync: read on the CPU (:func:`overflowed`'s read), False on
+    an accelerator and under ``torch.compile``."""
     if not host_reads(norm):
         return False
-    value = _cpu_value(norm) * divisor
-    return math.isfinite(value) and value >= norm_range(norm_type, norm.dtype)
+    return beyond(_cpu_value(norm) * divisor, norm_type, grads)
 
 
 def finite_norms(grads: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
@@ -555,7 +579,8 @@ def finite_norms(grads: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     number of elements, and the largest element ``m_i`` is exact (a maximum does not round).  ``nan``
     where an element is ``nan`` or ``±inf``.  One more read of each gradient for its maximum and one
     for its norm, through a float64 copy of one gradient at a time: for a window whose float32 norm
-    overflowed only (:func:`finite_total`).  A 1-d float64 tensor on the first gradient's device.
+    overflowed only (:func:`finite_total`).  A 1-d float64 tensor on the first gradient's device;
+    ``grads`` are left as they are (float64 ones too).
     """
     p = float(norm_type)
     if len(grads) == 0:
@@ -572,7 +597,9 @@ def finite_norms(grads: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
             out.append(m)
             continue
         unit = _unit(m)
-        out.append(torch.linalg.vector_norm(t.double().div_(unit), p).mul_(unit))
+        # a float64 copy to divide in place: ``t.double()`` is ``t`` itself for float64 gradients
+        # (and a sparse gradient's values, or a complex one's ``view_as_real``, alias the gradient)
+        out.append(torch.linalg.vector_norm(t.to(torch.float64, copy=True).div_(unit), p).mul_(unit))
     return torch.stack([n.to(device) for n in out])
 
 

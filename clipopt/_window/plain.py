@@ -13,8 +13,10 @@ the general close's bookkeeping for features that are off:
   by the micro-batches with ``reduction="mean"``) and its non-finite flag; the total cannot
   overflow on finite gradients (:func:`clipopt.functional.finite_total`: looked at on the CPU in
   the kernel, on an accelerator by :func:`decide_host` after its read, not on the fused path);
-  such a window is skipped (reason ``"norm_overflow"``) unless its bound clips it below float32's
-  range of norms (:func:`unbounded`, decided on the host from the value already read);
+  a window whose norm is beyond its range of norms (:func:`clipopt.functional.beyond`: float32's
+  unless every gradient is float64; the general close's rule) is skipped (reason
+  ``"norm_overflow"``) unless its bound clips it below that range (:func:`unbounded`, decided on
+  the host from the value already read);
 * clip: on a fused optimizer the kernel's ``grad_scale = max(1, (total + 1e-6) / max_norm)``
   (times the micro-batches with ``"mean"``), computed directly, by the formula every fused path
   takes (:mod:`clipopt._window.coefficient`); the record's coefficient
@@ -71,7 +73,7 @@ def decide_fused(s: WindowSettings, grads: list[Tensor], loss: Tensor | float | 
     d.grad_scale = fused_grad_scale(total, s.max_norm, s.divisor, c)  # the formula of every fused path
     if s.skip_enabled:  # the one signal: its reason is recorded where it skips (read only then)
         d.skip, d.reason = d.nonfinite, NONFINITE
-        if beyond is not None and unbounded(s, beyond, total.dtype):
+        if beyond is not None and unbounded(s, beyond, grads):
             _skip_norm_overflow(d, c)
     return d
 
@@ -90,7 +92,7 @@ def decide_host(
         raw = F.finite_total(total, grads, s.norm_type, overflow=True)
         total = raw.div(c.divisor) if s.divisor != 1.0 else raw
         value = total.item()  # a window whose float32 norm overflowed: read once more
-        if math.isfinite(value) and value * s.divisor >= F.norm_range(s.norm_type, total.dtype):
+        if F.beyond(value * s.divisor, s.norm_type, grads):
             beyond = value
     finite = math.isfinite(value)
     d = WindowDecision(total, c.zero if finite else _nonfinite(total, c))
@@ -101,7 +103,7 @@ def decide_host(
         d.scale = coef.mul(c.inv) if s.divisor != 1.0 else coef
     elif s.divisor != 1.0:
         d.scale = 1.0 / s.divisor
-    if finite and beyond is not None and s.skip_enabled and unbounded(s, beyond, total.dtype):
+    if finite and beyond is not None and s.skip_enabled and unbounded(s, beyond, grads):
         _skip_norm_overflow(d, c)
     if not finite:
         d.skip, d.reason = d.nonfinite, NONFINITE
@@ -168,30 +170,35 @@ def _measure(s: WindowSettings, grads: list[Tensor]) -> tuple[Tensor, Constants,
     ``reduction="mean"``), the window's :class:`Constants`, whether the gradients are uniform:
     dense, on one device, of dtypes a foreach kernel takes (measured by one, and scaled by one),
     and the norm's value where the host knows, without a sync, that the summed gradients' norm is
-    beyond float32's range of norms (:func:`clipopt.functional.beyond_range`: taken again without
-    overflow, on the CPU), else None."""
+    beyond its range of norms (:func:`clipopt.functional.beyond`, the general close's rule; taken
+    again without overflow where torch's norm overflowed; on the CPU), else None."""
     p = s.norm_type
     raw = F.foreach_total_norm(grads, p, s.foreach, check=False)
     uniform = raw is not None
     beyond = False
     if raw is None:
         raw = F.get_total_norm(grads, p, foreach=s.foreach)  # (taken again inside where it overflowed)
-        beyond = F.beyond_range(raw, p)
-    elif F.host_reads(raw) and _cpu_value(raw) == math.inf:  # foreach_total_norm's check
-        raw = F.finite_total(raw, grads, p, overflow=True)
-        beyond = F.beyond_range(raw, p)
+        beyond = F.beyond_range(raw, p, grads=grads)
+    elif F.host_reads(raw):
+        value = _cpu_value(raw)  # foreach_total_norm's check: the one read, the general close's rule
+        if value == math.inf:
+            raw = F.finite_total(raw, grads, p, overflow=True)
+            beyond = F.beyond_range(raw, p, grads=grads)
+        else:  # a finite norm at the range's limit (a 0-d gradient of 3e19: |g| is not squared)
+            beyond = F.beyond(value, p, grads)
     c = constants(raw, s.max_norm, s.divisor)
     total = raw.div(c.divisor) if s.divisor != 1.0 else raw
     return total, c, uniform, _cpu_value(total) if beyond else None
 
 
-def unbounded(s: WindowSettings, norm: float, dtype: torch.dtype) -> bool:
-    """Whether a window whose norm of summed gradients is beyond float32's range of norms (``norm``:
-    divided by the micro-batches with ``"mean"``; ``dtype``: the norm's) would still be beyond it
-    once clipped by the bound ``s.max_norm`` (``norm * min(1, max_norm / (norm + 1e-6))``; no bound:
-    ``norm``): then it is skipped."""
+def unbounded(s: WindowSettings, norm: float, grads: list[Tensor]) -> bool:
+    """Whether a window of ``grads`` whose norm of summed gradients is beyond their range of norms
+    (``norm``: divided by the micro-batches with ``"mean"``; the range: that of
+    :func:`clipopt.functional.range_dtype`) would still be beyond it once clipped by the bound
+    ``s.max_norm`` (``norm * min(1, max_norm / (norm + 1e-6))``; no bound: ``norm``): then it is
+    skipped."""
     applied = norm if s.max_norm is None else norm * min(1.0, s.max_norm / (norm + F.EPS))
-    return applied >= F.norm_range(s.norm_type, dtype)
+    return applied >= F.norm_range(s.norm_type, F.range_dtype(grads))
 
 
 def _skip_norm_overflow(d: WindowDecision, c: Constants) -> None:

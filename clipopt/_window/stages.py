@@ -146,8 +146,10 @@ def clip_and_decide(
     """
     policy = s.policy if reevaluated is None or s.unitwise else None  # in place: clips every evaluation
     max_norm = s.max_norm if reevaluated is None else reevaluated[0]
-    # finite, but beyond float32's range of norms (taken again without overflow: the CPU only, no sync)
-    beyond = reevaluated is None and s.skip_enabled and F.beyond_range(d.total_norm, s.norm_type, s.divisor)
+    # finite, but beyond the gradients' range of norms (functional.range_dtype; taken again without
+    # overflow where torch's norm overflowed: the CPU only, no sync)
+    beyond = reevaluated is None and s.skip_enabled
+    beyond = beyond and F.beyond_range(d.total_norm, s.norm_type, s.divisor, grads=g.grads)
     saved = dict(vars(policy)) if beyond and policy is not None else None
     window = _policy_window(s, d, g, reevaluated is None) if policy is not None and policy.unitwise else None
     _clip(s, d, g, param_groups, window, policy, max_norm)
@@ -202,12 +204,12 @@ def _clip(
 
 
 def _unbounded(s: WindowSettings, d: WindowDecision, g: WindowGrads, policy: Any) -> Tensor:
-    """1.0 (float32) when a window whose norm is beyond float32's range of norms
-    (:func:`clipopt.functional.norm_range`) is still beyond it once clipped: the norm of the
-    gradients the inner step would take (as clipped in place, times what still multiplies them;
-    one more pass over them, for such a window only) -- or when ``policy`` cannot take such a
-    norm into its statistics (``ClipPolicy.takes_beyond_range``).  Then it is skipped, reason
-    ``"norm_overflow"``, as before #35."""
+    """1.0 (float32) when a window whose norm is beyond its gradients' range of norms
+    (:func:`clipopt.functional.norm_range` in :func:`~clipopt.functional.range_dtype`) is still
+    beyond it once clipped: the norm of the gradients the inner step would take (as clipped in
+    place, times what still multiplies them; one more pass over them, for such a window only) -- or
+    when ``policy`` cannot take such a norm into its statistics (``ClipPolicy.takes_beyond_range``).
+    Then it is skipped, reason ``"norm_overflow"``, as before #35."""
     p = s.norm_type
     if d.group_scales is not None:
         sizes = [len(group) for group in g.by_group]
@@ -215,7 +217,7 @@ def _unbounded(s: WindowSettings, d: WindowDecision, g: WindowGrads, policy: Any
         applied = F.finite_norm_of(groups * d.group_scales.double(), p)
     else:
         applied = g.total_norm(g.grads, p, s.foreach, s.norm_group).double() * d.scale
-    flag = applied >= F.norm_range(p, d.total_norm.dtype)
+    flag = applied >= F.norm_range(p, F.range_dtype(g.grads))
     if policy is not None and not policy.takes_beyond_range:
         flag = torch.ones_like(flag)
     return flag.to(torch.float32)

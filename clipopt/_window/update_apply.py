@@ -15,8 +15,8 @@ before the inner step; :meth:`WindowUpdate.finish`, just after it, takes the upd
    cannot overflow on a finite update (on the CPU, the gradient norm's rule:
    :func:`clipopt.functional.finite_group_norms`);
 2. rejects a non-finite update from finite gradients -- or one whose float32 norm overflowed
-   and that the bound leaves beyond float32's range of norms (1.8e19; known on the CPU only:
-   the gradient norm's rule, #35) --, alike on every rank (under DDP an
+   and that the bound leaves beyond its range of norms (1.8e19 unless every parameter is
+   float64; known on the CPU only: the gradient norm's rule, #35) --, alike on every rank (under DDP an
    ``all_reduce(MAX)`` of the flag, on the device; FSDP2 and pipeline stages share the
    norm already): the parameters are put back (the inner state too with
    ``restore_state=True``), the window is skipped with reason ``"nonfinite_update"`` and
@@ -236,16 +236,17 @@ class WindowUpdate:
         return norms, total
 
     def _unbounded(self, norms: Tensor, total: Tensor, coef: Tensor) -> Tensor:
-        """True where an update whose norm is beyond float32's range of norms (1.8e19) is still beyond
-        it once bounded (``coef``: one for all, or each tensor's; the stages' norm with
-        ``norm_group``): it is put back, as before #35 (the gradient norm's rule, docs/design.md)."""
+        """True where an update whose norm is beyond its range of norms (float32's, 1.8e19, unless
+        every parameter is float64: ``functional.range_dtype``) is still beyond it once bounded
+        (``coef``: one for all, or each tensor's; the stages' norm with ``norm_group``): it is put
+        back, as before #35 (the gradient norm's rule, docs/design.md)."""
         if coef.dim() == 0:
             applied = total.double() * coef
         else:
             applied = F.finite_norm_of(norms.double() * coef.double(), 2.0)
             if self._norm_group is not None:  # every stage decides alike (each is beyond: one total)
                 applied = reduce_norm_over(applied, 2.0, self._norm_group)
-        return applied >= F.norm_range(2.0)
+        return applied >= F.norm_range(2.0, F.range_dtype(self._params))
 
     def _agreed(self, bad: Tensor) -> Tensor:
         """``bad``, the largest over the DDP replicas (one collective on the device, no host read)."""
@@ -273,7 +274,7 @@ class WindowUpdate:
             # 1 - coef; none for a norm that is nan (gradients applied on request): nothing to scale by
             shrink = torch.nan_to_num(1.0 - coef, nan=0.0)
         flag = ~torch.isfinite(total) & (d.nonfinite == 0)
-        if F.beyond_range(total, 2.0):  # finite, but its float32 norm overflowed (the CPU: no sync)
+        if F.beyond_range(total, 2.0, grads=self._params):  # finite, beyond range (the CPU: no sync)
             flag = flag | self._unbounded(norms, total, coef)
         bad = self._agreed(flag.to(torch.float32))
         rejected: bool | None = None  # known on the host

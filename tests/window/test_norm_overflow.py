@@ -149,6 +149,37 @@ def test_a_norm_beyond_float32s_range_stays_inf() -> None:
     assert F.get_total_norm(grads) == math.inf == torch.nn.utils.get_total_norm(grads)
 
 
+def _float64_grads(kind: str) -> list[torch.Tensor]:
+    """Gradients of float64 elements ~1e160 whose own float64 2-norm overflows (squares ~1e320):
+    dense, sparse COO (coalesced: its values are the gradient's own) or complex128 (its
+    ``view_as_real`` is the gradient's own)."""
+    gen = torch.Generator().manual_seed(4)
+    dense = [torch.randn(shape, generator=gen, dtype=torch.float64) * 1e160 for shape in SHAPES]
+    if kind == "sparse":
+        return [g.to_sparse().coalesce() for g in dense]
+    if kind == "complex":
+        return [torch.complex(g, g.flip(0)) for g in dense]
+    return dense
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse", "complex"])
+def test_a_float64_norm_taken_again_leaves_the_gradients_as_they_are(kind: str) -> None:
+    """A float64 norm that overflows is taken again from a copy: the gradients (float64, whose
+    ``double()`` is themselves) keep their elements, and the norm is the reference's.  Before: each
+    was divided in place by its largest element (#35 review)."""
+    grads = _float64_grads(kind)
+    before = [g.clone() for g in grads]
+    flat = [torch.view_as_real(g) if g.is_complex() else g for g in grads]
+    flat = [g.coalesce().values() if g.is_sparse else g for g in flat]
+    assert all(torch.linalg.vector_norm(g) == math.inf for g in flat)  # torch's own norm overflows
+    got = F.get_total_norm(grads)
+    F.get_norms(grads)
+    assert float(got) == pytest.approx(_reference(flat, 2.0), rel=_bound(flat), abs=0)
+    for g, b in zip(grads, before, strict=True):
+        same = torch.equal(g.to_dense(), b.to_dense()) if g.is_sparse else torch.equal(g, b)
+        assert same
+
+
 # ---------------------------------------------------------------- the window: clipped and applied
 
 
@@ -209,6 +240,35 @@ def test_a_window_whose_float32_norm_overflows_is_clipped_and_applied(path: str,
             p.detach().reshape(-1).double(), expected, rtol=8 * 2**-24 + _bound(grads), atol=0
         )
     assert opt.num_skipped == 0
+    opt.close()
+
+
+#: The closes that scale the gradients themselves (a fused kernel's ``grad_scale`` is float32: a
+#: float64 norm above 3.4e38 makes it inf, a separate limit).
+HOST_PATHS = ["plain-host", "plain-for-loop", "general-host"]
+
+
+@pytest.mark.parametrize("path", HOST_PATHS)
+def test_a_float64_window_whose_norm_overflows_takes_a_step_of_norm_max_norm(
+    path: str, tmp_path: Path
+) -> None:
+    """Float64 parameters, gradients ~1e160 (float64 norm: inf), ``max_norm=1``: the window is
+    clipped and applied, SGD (lr 1) moves the parameters by ``-g / norm`` (a step of norm 1), and
+    the gradients handed in are the ones the step took.  Before: the norm's second pass divided
+    ``p.grad`` in place by its largest element, so the step had norm ~1e-160 (#35 review)."""
+    grads = _float64_grads("dense")
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64)) for shape in SHAPES]
+    opt = _wrapper(path, params, tmp_path)
+    _close(opt, params, grads)
+    stats = opt.last_stats
+    want = _reference(grads, 2.0)
+    assert stats is not None and not stats.skipped
+    assert stats.total_norm == pytest.approx(want, rel=1e-12, abs=0)
+    step = math.sqrt(math.fsum(float(x) ** 2 for p in params for x in p.detach().reshape(-1).tolist()))
+    assert step == pytest.approx(1.0, rel=1e-12)
+    for p, g in zip(params, grads, strict=True):
+        expected = torch.tensor([-float(x) / want for x in g.reshape(-1).tolist()], dtype=torch.float64)
+        torch.testing.assert_close(p.detach().reshape(-1), expected, rtol=1e-12, atol=0)
     opt.close()
 
 
@@ -362,16 +422,33 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+@pytest.mark.parametrize("impl", [{"foreach": True}, {"foreach": False}, {"fused": True}])
+def test_the_rule_is_conservative_for_adamw(impl: dict[str, bool]) -> None:
+    """What docs/design.md states: at the range (1.8e19) every element's square is finite in
+    float32, and AdamW's ``exp_avg_sq`` (``(1 - beta2) * g**2``, beta2 0.999) stays finite up to
+    ``sqrt(3.4e38 / 0.001)`` = 5.83e20 per element (foreach, for-loop and fused alike), inf above."""
+    limit = math.sqrt(F.FLOAT32_MAX / 1e-3)
+    assert torch.isfinite(torch.tensor(F.norm_range(2.0) * (1 - 2**-20)) ** 2)
+    for element, finite in ((limit * (1 - 1e-3), True), (limit * (1 + 1e-3), False)):
+        param = torch.nn.Parameter(torch.ones(8))
+        opt = torch.optim.AdamW([param], lr=1e-3, **impl)
+        param.grad = torch.full((8,), element)
+        opt.step()
+        assert bool(torch.isfinite(opt.state[param]["exp_avg_sq"]).all()) == finite
+
+
 @pytest.mark.parametrize("bound", list(UNCLIPPED))
 @pytest.mark.parametrize("path", list(ADAMW_PATHS))
 def test_a_window_beyond_float32s_range_that_no_bound_clips_is_skipped(
     path: str, bound: str, tmp_path: Path
 ) -> None:
     """Finite gradients of 1e20 per element that no bound clips below float32's range of norms
-    (no ``max_norm``, ZClip in its warm-up, a bound of 1e30, AutoClip's 4e19): applied unclipped,
-    AdamW's second moment would overflow (0.001 * 1e40 > 3.4e38) and the parameter stop for good.
-    Skipped as before #35, reason "norm_overflow" (not counted as non-finite): the parameters,
-    AdamW's state and the policy's statistics bit-identical to before the window."""
+    (no ``max_norm``, ZClip in its warm-up, a bound of 1e30, AutoClip's 4e19).  The rule is
+    conservative: below the range every element's square is finite in float32, so no optimizer's
+    squared-gradient state overflows from one window (AdamW's ``exp_avg_sq`` itself stays finite up
+    to ~5.8e20 per element, ``sqrt(3.4e38 / 0.001)``: these 1e20 would not yet break it).  Skipped
+    as before #35, reason "norm_overflow" (not counted as non-finite): the parameters, AdamW's state
+    and the policy's statistics bit-identical to before the window."""
     opt, params, before = _adamw_window(path, UNCLIPPED[bound](), tmp_path)
     stats = opt.last_stats
     assert stats is not None and stats.skipped and stats.reason == "norm_overflow"
@@ -397,6 +474,125 @@ def test_a_window_beyond_float32s_range_clipped_below_it_leaves_adamw_finite(
     steps = [p.detach() - b for p, b in zip(params, before["params"], strict=True)]
     assert all(torch.isfinite(s).all() and s.abs().amax() > 0 for s in steps)
     opt.close()
+
+
+#: Windows at float32's range of norms (``norm_range(2.0)`` = 1.8447e19), as (shape, gradient
+#: element, whether it is beyond the range): a 0-d gradient of 3e19 (torch's norm of one element is
+#: ``|g|``, finite: nothing overflows), a vector whose float32 norm overflows, a 0-d gradient just
+#: below the range.
+AT_RANGE: dict[str, tuple[tuple[int, ...], float, bool]] = {
+    "0-d-3e19": ((), 3e19, True),
+    "vector-1e20": ((10,), 1e20, True),
+    "0-d-1.8e19": ((), 1.8e19, False),
+}
+
+
+def _unbounded_window(
+    shape: tuple[int, ...], element: float, fused: bool, logged: bool, tmp_path: Path
+) -> Any:
+    """One window of gradients ``element`` on a float32 parameter of ``shape`` (SGD, lr 1e-20, no
+    ``max_norm``), through the plain close or (``logged``) the general one: (skipped, reason, the
+    parameter's elements)."""
+    param = torch.nn.Parameter(torch.zeros(shape))
+    loggers = [CSVLogger(tmp_path / f"log-{fused}.csv")] if logged else []
+    opt = ClippedOptimizer(torch.optim.SGD([param], lr=1e-20, fused=fused), max_norm=None, loggers=loggers)
+    _close(opt, [param], [torch.full(shape, element)])
+    stats = opt.last_stats
+    assert stats is not None
+    outcome = (stats.skipped, stats.reason, param.detach().reshape(-1).tolist())
+    opt.close()
+    return outcome
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("case", list(AT_RANGE))
+def test_the_plain_and_general_closes_decide_alike_at_the_range(
+    case: str, fused: bool, tmp_path: Path
+) -> None:
+    """The plain close (no logger) and the general close (a logger) decide a window at float32's
+    range of norms from one rule (``functional.beyond``): beyond it (a 0-d gradient of 3e19 whose
+    norm torch takes without overflow, or a vector whose float32 norm overflows) both skip,
+    reason "norm_overflow", the parameter untouched; just below it both apply ``-1e-20 * g``.
+    Before: the plain close looked only for torch's ``inf`` and applied the 0-d window of 3e19
+    (a logger changed the outcome; #35 review)."""
+    shape, element, beyond = AT_RANGE[case]
+    plain = _unbounded_window(shape, element, fused, False, tmp_path)
+    general = _unbounded_window(shape, element, fused, True, tmp_path)
+    assert plain == general
+    n = math.prod(shape)
+    if beyond:
+        assert plain == (True, "norm_overflow", [0.0] * n)
+    else:
+        assert plain[:2] == (False, None)
+        assert plain[2] == pytest.approx([-1e-20 * element] * n, rel=4 * 2**-24)
+
+
+def test_a_windows_range_is_its_narrowest_gradients() -> None:
+    """``functional.range_dtype``: float64's range only where every gradient is float64 (or
+    complex128); a float32 or narrower gradient beside them gives float32's."""
+    f32, f64 = torch.zeros(1), torch.zeros(1, dtype=torch.float64)
+    assert F.range_dtype([f64, f64.to(torch.complex128)]) == torch.float64
+    for narrow in (f32, f32.half(), f32.bfloat16(), f32.to(torch.complex64)):
+        assert F.range_dtype([f64, narrow]) == torch.float32
+    # a float64 norm of 1e21 (no overflow in float64) beside a float32 gradient is beyond the range
+    assert F.beyond(1e21, 2.0, [f32, f64]) and not F.beyond(1e21, 2.0, [f64])
+    assert F.beyond_range(torch.tensor(1e21, dtype=torch.float64), 2.0, grads=[f32, f64])
+
+
+#: Parameters of float32 and float64 together (the norm float64), gradients of 1e21 on the float32 one.
+MIXED_SHAPES = [((10,), torch.float32), ((2,), torch.float64)]
+
+
+@pytest.mark.parametrize("path", list(ADAMW_PATHS))
+def test_a_float32_gradient_beside_a_float64_one_is_held_to_float32s_range(path: str, tmp_path: Path) -> None:
+    """AdamW, no ``max_norm``, a float32 parameter with gradients of 1e21 beside a float64 one: the
+    norm (3.2e21) is float64, below float64's range but beyond the float32 parameter's, so the window
+    is skipped ("norm_overflow"), the parameters and AdamW's state untouched and finite, as for the
+    float32 parameter alone.  Before: applied (the range was the norm's dtype's, 1.3e154), the float32
+    ``exp_avg_sq`` became inf (#35 review)."""
+    fused, logged = ADAMW_PATHS[path]
+    params = [torch.nn.Parameter(torch.ones(shape, dtype=dtype)) for shape, dtype in MIXED_SHAPES]
+    loggers = [CSVLogger(tmp_path / "log.csv")] if logged else []
+    opt = ClippedOptimizer(torch.optim.AdamW(params, lr=1e-3, fused=fused), max_norm=None, loggers=loggers)
+    _close(opt, params, [torch.full((10,), 1e21), torch.ones(2, dtype=torch.float64)])
+    stats = opt.last_stats
+    assert stats is not None and stats.skipped and stats.reason == "norm_overflow"
+    assert all(torch.equal(p.detach(), torch.ones_like(p)) for p in params)
+    assert all(torch.isfinite(v).all() for state in opt.optimizer.state.values() for v in state.values())
+    opt.close()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_float32_update_beside_a_float64_one_is_held_to_float32s_range(fused: bool) -> None:
+    """SGD (lr 1e21, gradients of 1) on a float32 and a float64 parameter, ``update_stats``: an update
+    of -1e21 per element, beyond the float32 parameter's range: put back (reason
+    "nonfinite_update"), the gradient norm's rule (``functional.range_dtype``)."""
+    params = [torch.nn.Parameter(torch.ones(shape, dtype=dtype)) for shape, dtype in MIXED_SHAPES]
+    opt = ClippedOptimizer(torch.optim.SGD(params, lr=1e21, fused=fused), max_norm=None, update_stats=True)
+    _close(opt, params, [torch.ones(shape, dtype=dtype) for shape, dtype in MIXED_SHAPES])
+    stats = opt.last_stats
+    assert stats is not None and stats.skipped and stats.reason == "nonfinite_update"
+    assert all(torch.equal(p.detach(), torch.ones_like(p)) for p in params)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_float64_update_within_float64s_range_is_kept_as_its_gradient_would_be(fused: bool) -> None:
+    """Float64 parameters alone, SGD (lr 1e21, gradients of 1), ``update_stats``: an update of -1e21
+    per element (norm 3.2e21, within float64's range) is kept, as a float64 window of gradients of
+    1e21 is applied (one rule: ``functional.range_dtype``).  Before: the update's check compared the
+    update's norm with float32's range always and put it back."""
+    params = [torch.nn.Parameter(torch.ones(shape, dtype=torch.float64)) for shape in SHAPES]
+    opt = ClippedOptimizer(torch.optim.SGD(params, lr=1e21, fused=fused), max_norm=None, update_stats=True)
+    _close(opt, params, [torch.ones(shape, dtype=torch.float64) for shape in SHAPES])
+    stats = opt.last_stats
+    assert stats is not None and not stats.skipped and stats.reason is None
+    assert all(torch.equal(p.detach(), torch.full_like(p, 1.0 - 1e21)) for p in params)
+    # the same as gradients: applied (no max_norm), SGD lr 1
+    grads = [torch.full(shape, 1e21, dtype=torch.float64) for shape in SHAPES]
+    params = [torch.nn.Parameter(torch.ones(shape, dtype=torch.float64)) for shape in SHAPES]
+    opt = ClippedOptimizer(torch.optim.SGD(params, lr=1.0, fused=fused), max_norm=None)
+    _close(opt, params, grads)
+    assert opt.last_stats is not None and not opt.last_stats.skipped
 
 
 @pytest.mark.parametrize("fused", [True, False])
