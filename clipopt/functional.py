@@ -529,11 +529,10 @@ def norm_range(norm_type: float, dtype: torch.dtype = torch.float32) -> float:
     conservative rule: AdamW's ``exp_avg_sq``, ``(1 - beta2) * g**2``, is finite up to ~5.8e20 per
     float32 element)."""
     p = float(norm_type)
-    largest = FLOAT32_MAX if dtype == torch.float32 else torch.finfo(dtype).max
     if p == math.inf:
         return math.inf
     try:
-        return float(largest ** (1.0 / p))
+        return float(torch.finfo(dtype).max ** (1.0 / p))
     except OverflowError:  # p < 1 in float64: beyond any float
         return math.inf
 

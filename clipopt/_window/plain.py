@@ -198,7 +198,7 @@ def unbounded(s: WindowSettings, norm: float, grads: list[Tensor]) -> bool:
     ``s.max_norm`` (``norm * min(1, max_norm / (norm + 1e-6))``; no bound: ``norm``): then it is
     skipped."""
     applied = norm if s.max_norm is None else norm * min(1.0, s.max_norm / (norm + F.EPS))
-    return applied >= F.norm_range(s.norm_type, F.range_dtype(grads))
+    return F.beyond(applied, s.norm_type, grads)
 
 
 def _skip_norm_overflow(d: WindowDecision, c: Constants) -> None:
