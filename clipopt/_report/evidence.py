@@ -27,7 +27,7 @@ from functools import cache, wraps
 from importlib import resources
 from typing import Any
 
-__all__ = ["FIXED_SHARE", "attention", "bad_data", "clipping", "learning_rate", "update_clip"]
+__all__ = ["FIXED_SHARE", "attention", "bad_data", "clipping", "learning_rate", "update_bounds"]
 
 #: A tool fixed a data fault when the loss it cost is at most this share of the plain run's.
 FIXED_SHARE = 0.5
@@ -165,7 +165,7 @@ def clipping(d: dict[str, Any]) -> str:
 
 
 @_quoted
-def update_clip(d: dict[str, Any]) -> str:
+def update_bounds(d: dict[str, Any]) -> str:
     """What UpdateClip's modes did there (the UpdateClip suggestion), or ``""``."""
     t = d["treatments"]
     modes = [n for n in _UPDATE if n in t]

@@ -22,7 +22,7 @@ SENTENCES = (
     evidence.learning_rate,
     evidence.bad_data,
     evidence.clipping,
-    evidence.update_clip,
+    evidence.update_bounds,
     evidence.attention,
 )
 

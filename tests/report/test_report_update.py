@@ -212,7 +212,7 @@ def test_an_update_spike_without_a_gradient_spike_is_a_finding(
     # run's does not (test_a_healthy_run_gets_no_finding_and_an_update_clip_suggestion)
     at = next(i for i, ln in enumerate(lines) if ln.startswith("Suggested update_clip:"))
     said = next(ln for ln in lines[at:] if ln.startswith("  evidence: "))
-    assert said == f"  evidence: {evidence.update_clip()}" and "docs/which-tool.md" in said
+    assert said == f"  evidence: {evidence.update_bounds()}" and "docs/which-tool.md" in said
     _, out_tb, _ = run_cli(capsys, "report", str(folder / "tb"))
     assert out_tb.splitlines()[0] == lines[0]
     assert out_tb.splitlines()[2] == (

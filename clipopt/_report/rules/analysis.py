@@ -110,7 +110,7 @@ def _with_evidence(update: dict[str, Any] | None, verdict: str) -> dict[str, Any
     """The update summary, with what UpdateClip did in the stability benchmark (``evidence``) when the
     run went wrong (a healthy run's suggestion needs no case made for it)."""
     if update is not None and verdict in ("exploding", "spikes", "nonfinite"):
-        update["evidence"] = evidence.update_clip()
+        update["evidence"] = evidence.update_bounds()
     return update
 
 
